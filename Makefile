@@ -1,0 +1,32 @@
+# `make demo` and `make test` are all the set-up a fresh machine needs: both build .venv when it is missing or
+# older than the requirements files.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEMO := demo
+
+.PHONY: demo test lint bench clean-demo
+
+$(STAMP): requirements.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) ORGANIZE_DATA.py --src_dir examples/raw --dst_root $(DEMO)/splits --num_dirs 4
+	$(PY) DATA-HF.py --data_folder $(DEMO)/splits --save_dir $(DEMO)/hf_datasets/corpus --overwrite
+	@echo
+	@echo "demo outputs:"
+	@echo "  splits + manifest:   $(DEMO)/splits/manifest.jsonl"
+	@echo "  Arrow dataset:       $(DEMO)/hf_datasets/corpus (report: prep_report.json inside it)"
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean-demo:
+	rm -rf $(DEMO)

@@ -1,0 +1,7 @@
+"""Stage 1: split raw text files into folders balanced by bytes. See pipeline/organize.py."""
+
+from pipeline.errors import run_cli
+from pipeline.organize import main
+
+if __name__ == "__main__":
+    run_cli(main)

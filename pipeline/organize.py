@@ -1,0 +1,291 @@
+"""ORGANIZE_DATA: spread a tree of raw files over N folders balanced by bytes, with a sha256 manifest.
+
+The source is only ever read. Every file keeps its path relative to the source inside its split, so same-named
+files in different folders never collide. The plan is a pure function of (source contents, num_dirs, seed), so a
+rerun produces the same layout and only writes what is missing or stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import hashlib
+import heapq
+import json
+import os
+import shutil
+import stat
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.errors import UserError
+
+MANIFEST = "manifest.jsonl"
+MODES = ("copy", "hardlink", "symlink")
+
+
+@dataclass
+class OrganizeConfig:
+    src_dir: Path
+    """Tree of raw files to organise. Never modified."""
+    dst_root: Path = Path("splits")
+    """Where split_00 .. split_{N-1} and manifest.jsonl are written."""
+    num_dirs: int = 20
+    """Number of split folders."""
+    mode: str = "copy"
+    """copy, hardlink (falls back to copy across filesystems) or symlink (absolute links to the source)."""
+    seed: int = 0
+    """Breaks ties between files of equal size, deterministically."""
+
+    def __post_init__(self) -> None:
+        self.src_dir = Path(self.src_dir)
+        self.dst_root = Path(self.dst_root)
+        if self.num_dirs < 1:
+            raise UserError(f"--num_dirs must be at least 1, got {self.num_dirs}")
+        if self.mode not in MODES:
+            raise UserError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not self.src_dir.is_dir():
+            raise UserError(f"--src_dir {self.src_dir} does not exist or is not a directory")
+        src, dst = self.src_dir.resolve(), self.dst_root.resolve()
+        if dst == src or src in dst.parents:
+            raise UserError(f"--dst_root {self.dst_root} is inside --src_dir {self.src_dir}; "
+                            "choose a folder outside it")
+
+
+@dataclass
+class SourceFile:
+    rel: str
+    """Path relative to the source root, with forward slashes."""
+    size: int
+
+
+@dataclass
+class Scan:
+    files: list[SourceFile] = field(default_factory=list)
+    skipped: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+
+
+def _classify_link(path: Path, src_real: Path) -> str | None:
+    """Why a symlink is skipped. Links are never followed: a target inside the tree is reached on its own path."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return "link_loop" if exc.errno == errno.ELOOP else "broken_link"
+    target = Path(os.path.realpath(path))
+    if target != src_real and src_real not in target.parents:
+        return "link_outside_source"
+    parent = path.parent.resolve()
+    if target.is_dir() and (target == parent or target in parent.parents):
+        return "link_loop"
+    return "link_inside_source"
+
+
+def scan_source(src_dir: Path) -> Scan:
+    """List regular files under src_dir in sorted order; report links and special or unreadable files."""
+    scan = Scan()
+    src_real = src_dir.resolve()
+    stack = [src_dir]
+    while stack:
+        folder = stack.pop()
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name, reverse=True)
+        except OSError:
+            scan.skipped["unreadable"].append(folder.relative_to(src_dir).as_posix() + "/")
+            continue
+        for entry in entries:
+            path = Path(entry.path)
+            rel = path.relative_to(src_dir).as_posix()
+            if entry.is_symlink():
+                scan.skipped[_classify_link(path, src_real)].append(rel)
+            elif entry.is_dir(follow_symlinks=False):
+                stack.append(path)
+            elif not stat.S_ISREG(entry.stat(follow_symlinks=False).st_mode):
+                scan.skipped["not_a_regular_file"].append(rel)
+            elif not os.access(path, os.R_OK):
+                scan.skipped["unreadable"].append(rel)
+            else:
+                scan.files.append(SourceFile(rel, entry.stat(follow_symlinks=False).st_size))
+    scan.files.sort(key=lambda f: f.rel)
+    return scan
+
+
+def _tie_key(seed: int, rel: str) -> str:
+    return hashlib.sha256(f"{seed}:{rel}".encode()).hexdigest()
+
+
+def plan_splits(files: list[SourceFile], num_dirs: int, seed: int) -> list[int]:
+    """Largest-first greedy: each file goes to the currently lightest split. Returns a split index per file."""
+    order = sorted(range(len(files)), key=lambda i: (-files[i].size, _tie_key(seed, files[i].rel)))
+    heap = [(0, 0, k) for k in range(num_dirs)]  # (bytes, files, split) so ties prefer fewer files, then index
+    assignment = [0] * len(files)
+    for i in order:
+        load, count, k = heapq.heappop(heap)
+        assignment[i] = k
+        heapq.heappush(heap, (load + files[i].size, count + 1, k))
+    return assignment
+
+
+def split_name(k: int, num_dirs: int) -> str:
+    return f"split_{k:0{max(2, len(str(num_dirs - 1)))}d}"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _is_current(src: Path, dst: Path, mode: str, size: int, sha: str) -> bool:
+    """Whether dst already holds what this run would place there (so a rerun writes nothing)."""
+    if mode == "symlink":
+        return dst.is_symlink() and os.readlink(dst) == str(src.resolve())
+    if dst.is_symlink() or not dst.is_file():
+        return False
+    if mode == "hardlink" and os.path.samefile(src, dst):
+        return True
+    return dst.stat().st_size == size and sha256_file(dst) == sha
+
+
+def _place(src: Path, dst: Path, mode: str) -> str:
+    """Write dst atomically (temporary name, then rename) so an interrupted run never leaves a partial file."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    used = mode
+    if mode == "symlink":
+        os.symlink(src.resolve(), tmp)
+    elif mode == "hardlink":
+        try:
+            os.link(src, tmp)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+                raise
+            shutil.copy2(src, tmp)
+            used = "copy"
+    else:
+        shutil.copy2(src, tmp)
+    os.replace(tmp, dst)
+    return used
+
+
+def _read_manifest(dst_root: Path) -> list[dict]:
+    path = dst_root / MANIFEST
+    if not path.exists():
+        return []
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def _check_destination(dst_root: Path) -> None:
+    if dst_root.exists() and not dst_root.is_dir():
+        raise UserError(f"--dst_root {dst_root} exists and is not a directory")
+    if dst_root.is_dir() and any(dst_root.iterdir()) and not (dst_root / MANIFEST).exists():
+        raise UserError(f"--dst_root {dst_root} is not empty and holds no {MANIFEST}; "
+                        "choose an empty or new folder so nothing of yours is mixed in or overwritten")
+
+
+def _remove_stale(dst_root: Path, old: list[dict], keep: set[str]) -> int:
+    """Delete files an earlier run placed that this plan no longer wants (else a file could appear twice)."""
+    removed = 0
+    for row in old:
+        if row["destination"] in keep:
+            continue
+        path = dst_root / row["destination"]
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+            removed += 1
+        parent = path.parent
+        while parent != dst_root and parent.is_dir() and not any(parent.iterdir()):
+            parent.rmdir()
+            parent = parent.parent
+    return removed
+
+
+def _write_manifest(dst_root: Path, rows: list[dict]) -> None:
+    tmp = dst_root / f".{MANIFEST}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, sort_keys=True) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, dst_root / MANIFEST)
+
+
+@dataclass
+class OrganizeResult:
+    rows: list[dict]
+    written: int
+    unchanged: int
+    removed: int
+    copied_instead_of_linked: int
+    skipped: dict[str, list[str]]
+    split_bytes: list[int]
+
+
+def organize(cfg: OrganizeConfig) -> OrganizeResult:
+    """Plan and materialise the splits; returns what was done. Idempotent for unchanged inputs."""
+    _check_destination(cfg.dst_root)
+    scan = scan_source(cfg.src_dir)
+    if not scan.files:
+        raise UserError(f"--src_dir {cfg.src_dir} holds no readable regular files")
+    assignment = plan_splits(scan.files, cfg.num_dirs, cfg.seed)
+    cfg.dst_root.mkdir(parents=True, exist_ok=True)
+    old = _read_manifest(cfg.dst_root)
+    rows, written, unchanged, fallbacks = [], 0, 0, 0
+    split_bytes = [0] * cfg.num_dirs
+    for f, k in zip(scan.files, assignment, strict=True):
+        src = cfg.src_dir / f.rel
+        sha = sha256_file(src)
+        dest_rel = f"{split_name(k, cfg.num_dirs)}/{f.rel}"
+        dst = cfg.dst_root / dest_rel
+        if _is_current(src, dst, cfg.mode, f.size, sha):
+            unchanged += 1
+        else:
+            if dst.is_symlink() or dst.exists():
+                dst.unlink()
+            fallbacks += _place(src, dst, cfg.mode) != cfg.mode
+            written += 1
+        split_bytes[k] += f.size
+        rows.append({"source": f.rel, "destination": dest_rel, "split": k, "bytes": f.size, "sha256": sha})
+    removed = _remove_stale(cfg.dst_root, old, {r["destination"] for r in rows})
+    for k in range(cfg.num_dirs):
+        (cfg.dst_root / split_name(k, cfg.num_dirs)).mkdir(exist_ok=True)
+    rows.sort(key=lambda r: r["destination"])
+    if rows != old:
+        _write_manifest(cfg.dst_root, rows)
+    return OrganizeResult(rows, written, unchanged, removed, fallbacks, dict(scan.skipped), split_bytes)
+
+
+def format_summary(cfg: OrganizeConfig, res: OrganizeResult) -> str:
+    total = sum(res.split_bytes)
+    lines = [
+        f"organized {len(res.rows)} files ({total:,} bytes) from {cfg.src_dir} into {cfg.num_dirs} splits "
+        f"under {cfg.dst_root} ({cfg.mode})",
+        f"  written {res.written}, unchanged {res.unchanged}, stale removed {res.removed}",
+        f"  split bytes: min {min(res.split_bytes):,}, max {max(res.split_bytes):,}",
+        f"  manifest: {cfg.dst_root / MANIFEST}",
+    ]
+    if res.copied_instead_of_linked:
+        lines.append(f"  {res.copied_instead_of_linked} files copied: hard links cannot cross filesystems")
+    for reason, paths in sorted(res.skipped.items()):
+        lines.append(f"  skipped {len(paths)} ({reason}): {', '.join(paths[:10])}{' ...' if len(paths) > 10 else ''}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Split a tree of raw text files into folders balanced by bytes.")
+    p.add_argument("--src_dir", required=True, type=Path, help="raw files (never modified)")
+    p.add_argument("--dst_root", default=Path("splits"), type=Path, help="output root (default: splits)")
+    p.add_argument("--num_dirs", default=20, type=int, help="number of split folders (default: 20)")
+    p.add_argument("--mode", default="copy", choices=MODES, help="how files are placed (default: copy)")
+    p.add_argument("--seed", default=0, type=int, help="tie-break seed (default: 0)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = OrganizeConfig(args.src_dir, args.dst_root, args.num_dirs, args.mode, args.seed)
+    print(format_summary(cfg, organize(cfg)))
+    return 0
