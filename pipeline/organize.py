@@ -107,6 +107,8 @@ def scan_source(src_dir: Path) -> Scan:
             else:
                 scan.files.append(SourceFile(rel, entry.stat(follow_symlinks=False).st_size))
     scan.files.sort(key=lambda f: f.rel)
+    for paths in scan.skipped.values():
+        paths.sort()
     return scan
 
 

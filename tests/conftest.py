@@ -1,0 +1,37 @@
+"""Shared helpers: run a stage script as a user would, in a real subprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(script: str, *args: object, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run a top-level stage script with this interpreter; captures text output."""
+    cmd = [sys.executable, str(ROOT / script), *map(str, args)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Relative path -> sha256 (or link target) of everything under root, to prove a tree was not modified."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            out[rel] = "link:" + str(path.readlink())
+        elif path.is_file():
+            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+        else:
+            out[rel] = "dir"
+    return out
+
+
+@pytest.fixture
+def script():
+    return run_script

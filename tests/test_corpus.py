@@ -1,0 +1,203 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+import yaml
+from conftest import ROOT, run_script
+
+from pipeline.corpus import REPORT, CorpusConfig, build_dataset, split_paragraphs, strings_in
+from pipeline.errors import UserError
+
+
+def write(root: Path, rel: str, content: str | bytes) -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+
+
+def rows_by_source(save_dir: Path) -> dict[str, list[str]]:
+    ds = datasets.load_from_disk(str(save_dir))
+    assert ds.column_names == ["text", "source"]
+    out: dict[str, list[str]] = {}
+    for row in ds:
+        out.setdefault(row["source"], []).append(row["text"])
+    return out
+
+
+def build(data: Path, save: Path, **kw) -> dict:
+    return build_dataset(CorpusConfig(data, save, num_proc=kw.pop("num_proc", 2), **kw))
+
+
+def test_every_format_is_extracted(tmp_path):
+    data = tmp_path / "data"
+    write(data, "a/plain.txt", "first paragraph\n\nsecond paragraph\n")
+    write(data, "a/readme.md", "\ufeff# Title\n\nbody\n")
+    write(data, "b/nested.json", json.dumps({"title": "T", "n": 3, "body": {"x": ["one", {"y": "two"}], "z": "three"}}))
+    write(data, "b/list.json", json.dumps([{"q": "q1", "a": "a1"}, {"q": "q2"}, 7, {"a": ""}]))
+    write(data, "c/chat.jsonl", '{"role": "user", "content": "hi"}\n\n{"content": "there"}\n')
+    write(data, "c/docs.yaml", "title: first\nitems: [a, b]\n---\ntitle: second\n---\n42\n")
+    write(data, "c/one.yml", "only: doc\n")
+    report = build(data, tmp_path / "out")
+    assert rows_by_source(tmp_path / "out") == {
+        "a/plain.txt": ["first paragraph\n\nsecond paragraph\n"],
+        "a/readme.md": ["# Title\n\nbody\n"],
+        "b/list.json": ["q1\na1", "q2"],
+        "b/nested.json": ["T\none\ntwo\nthree"],
+        "c/chat.jsonl": ["user\nhi", "there"],
+        "c/docs.yaml": ["first\na\nb", "second"],
+        "c/one.yml": ["doc"],
+    }
+    assert report["files_by_type"] == {".json": 2, ".jsonl": 1, ".md": 1, ".txt": 1, ".yaml": 1, ".yml": 1}
+    assert report["rows"] == 10
+    assert report["skipped"] == {}
+    assert json.loads((tmp_path / "out" / REPORT).read_text()) == report
+
+
+def test_large_text_is_cut_at_paragraphs():
+    paras = [f"paragraph {i} " + "w" * 300 for i in range(10_000)]
+    text = "\n\n".join(paras)
+    rows = split_paragraphs(text, limit=100_000)
+    assert all(len(r) <= 100_000 for r in rows)
+    assert "\n\n".join(rows) == text
+    assert all(r.startswith("paragraph ") for r in rows)
+
+
+def test_deep_structures_do_not_recurse():
+    deep: object = "bottom"
+    for _ in range(100_000):
+        deep = {"k": [deep]}
+    assert strings_in(deep) == ["bottom"]
+
+
+def test_bad_files_are_reported_and_good_text_kept(tmp_path):
+    data = tmp_path / "data"
+    write(data, "good.txt", "keep me\n")
+    write(data, "mixed.jsonl", '{"t": "line one"}\n{broken\n{"t": "line three"}\n')
+    write(data, "bin.txt", b"\x00\x01\x02binary")
+    write(data, "latin.md", "caf\xe9".encode("latin-1"))
+    write(data, "broken.json", '{"a": [1,')
+    write(data, "broken.yaml", "a: [b\n")
+    write(data, "empty.txt", "")
+    write(data, "blank.md", "  \n\n")
+    write(data, "deep.json", "[" * 100_000 + "]" * 100_000)
+    write(data, "numbers.json", "[1, 2, 3]")
+    write(data, "allbad.jsonl", "{x\n{y\n")
+    write(data, "table.csv", "a,b\n")
+    report = build(data, tmp_path / "out")
+    assert rows_by_source(tmp_path / "out") == {"good.txt": ["keep me\n"], "mixed.jsonl": ["line one", "line three"]}
+    assert {k: v["paths"] for k, v in report["skipped"].items()} == {
+        "binary": ["bin.txt"],
+        "empty": ["blank.md", "empty.txt"],
+        "invalid_json": ["broken.json"],
+        "invalid_jsonl": ["allbad.jsonl"],
+        "invalid_yaml": ["broken.yaml"],
+        "no_text": ["numbers.json"],
+        "too_deeply_nested": ["deep.json"],
+        "undecodable": ["latin.md"],
+        "unsupported_type": ["table.csv"],
+    }
+    assert report["bad_jsonl_lines"] == {"count": 1, "where": ["mixed.jsonl:2"]}
+
+
+def test_yaml_tags_cannot_run_code(tmp_path):
+    marker = tmp_path / "pwned"
+    data = tmp_path / "data"
+    write(data, "ok.txt", "fine\n")
+    write(data, "evil.yaml", f"!!python/object/apply:os.system ['touch {marker}']\n")
+    write(data, "evil2.yaml", f"x: !!python/object/apply:subprocess.check_call [['touch', '{marker}']]\n")
+    report = build(data, tmp_path / "out")
+    assert not marker.exists()
+    assert report["skipped"]["invalid_yaml"]["paths"] == ["evil.yaml", "evil2.yaml"]
+
+
+def test_organize_manifest_is_not_corpus(tmp_path):
+    data = tmp_path / "splits"
+    write(data, "manifest.jsonl", '{"source": "a.txt"}\n')
+    write(data, "split_00/a.txt", "text\n")
+    build(data, tmp_path / "out")
+    assert rows_by_source(tmp_path / "out") == {"split_00/a.txt": ["text\n"]}
+
+
+def test_existing_save_dir_needs_overwrite_and_must_be_a_dataset(tmp_path):
+    data = tmp_path / "data"
+    write(data, "a.txt", "v1\n")
+    build(data, tmp_path / "out")
+    with pytest.raises(UserError, match="already exists; pass --overwrite to replace it"):
+        build(data, tmp_path / "out")
+    write(data, "a.txt", "v2\n")
+    build(data, tmp_path / "out", overwrite=True)
+    assert rows_by_source(tmp_path / "out") == {"a.txt": ["v2\n"]}
+    write(tmp_path, "home/precious.txt", "mine")
+    with pytest.raises(UserError, match="is not a saved dataset; refusing to replace it even with --overwrite"):
+        build(data, tmp_path / "home", overwrite=True)
+    assert (tmp_path / "home" / "precious.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "home", "out"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--data_folder", "{t}/nope", "--save_dir", "{t}/out"],
+         "error: --data_folder {t}/nope does not exist or is not a directory\n"),
+        (["--data_folder", "{t}/data", "--save_dir", "{t}/data/out"],
+         "error: --save_dir {t}/data/out is inside --data_folder {t}/data; a later run would read the dataset "
+         "back as input\n"),
+        (["--data_folder", "{t}/data", "--save_dir", "{t}/out", "--num_proc", "0"],
+         "error: --num_proc must be at least 1, got 0\n"),
+        (["--data_folder", "{t}/empty", "--save_dir", "{t}/out"],
+         "error: --data_folder {t}/empty holds no .txt/.md/.json/.jsonl/.yaml/.yml files\n"),
+        (["--data_folder", "{t}/bad", "--save_dir", "{t}/out"],
+         "error: no text extracted from {t}/bad (binary: 1, empty: 1)\n"),
+    ],
+)
+def test_cli_errors_are_one_line(tmp_path, args, message):
+    write(tmp_path, "data/a.txt", "a")
+    (tmp_path / "empty").mkdir()
+    write(tmp_path, "bad/x.txt", b"\x00")
+    write(tmp_path, "bad/y.txt", b"")
+    proc = run_script("DATA-HF.py", *(a.format(t=tmp_path) for a in args))
+    assert proc.returncode == 2
+    assert proc.stderr.endswith(message.format(t=tmp_path))  # after the progress bar, if work had started
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_killed_midway_leaves_nothing_and_rerun_succeeds(tmp_path):
+    data = tmp_path / "data"
+    for i in range(300):
+        write(data, f"f{i:03d}.yaml", yaml.safe_dump_all([{"k": f"value {i} {j} " * 40} for j in range(200)]))
+    save = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "DATA-HF.py"), "--data_folder", str(data), "--save_dir", str(save),
+           "--num_proc", "2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".out.partial-*/extract*")) and time.monotonic() < deadline:
+        assert proc.poll() is None, "finished before it could be interrupted; make the corpus bigger"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not save.exists()
+    assert list(tmp_path.glob(".out.partial-*")), "the kill should have left a partial work folder"
+    done = run_script("DATA-HF.py", "--data_folder", data, "--save_dir", save, "--num_proc", 2)
+    assert done.returncode == 0, done.stderr
+    assert len(datasets.load_from_disk(str(save))) == 300 * 200
+    assert not list(tmp_path.glob(".out.partial-*")), "stale partial folders are cleaned by the next run"
+
+
+def test_cli_prints_summary(tmp_path):
+    write(tmp_path, "data/a.txt", "hello\n")
+    proc = run_script("DATA-HF.py", "--data_folder", tmp_path / "data", "--save_dir", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"saved 1 rows (6 characters) from 1 files to {tmp_path / 'out'} in ")
+    assert f"report: {tmp_path / 'out' / REPORT}" in proc.stdout

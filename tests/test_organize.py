@@ -1,0 +1,183 @@
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+from conftest import run_script, tree_digest
+
+from pipeline.errors import UserError
+from pipeline.organize import MANIFEST, OrganizeConfig, organize, sha256_file
+
+
+def make_source(root: Path, n: int = 40, seed: int = 1) -> dict[str, int]:
+    rng = random.Random(seed)
+    sizes = {}
+    for i in range(n):
+        rel = f"d{i % 5}/sub{i % 3}/file_{i}.txt"
+        size = rng.randint(10, 20_000)
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(rng.randbytes(size))
+        sizes[rel] = size
+    return sizes
+
+
+def read_manifest(dst: Path) -> list[dict]:
+    return [json.loads(line) for line in (dst / MANIFEST).read_text().splitlines()]
+
+
+def test_balanced_by_bytes_and_manifest_matches_disk(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    sizes = make_source(src)
+    res = organize(OrganizeConfig(src, dst, num_dirs=4))
+    # largest-first greedy: the spread between splits is at most the largest file
+    assert max(res.split_bytes) - min(res.split_bytes) <= max(sizes.values())
+    rows = read_manifest(dst)
+    assert sorted(r["source"] for r in rows) == sorted(sizes)
+    for r in rows:
+        placed = dst / r["destination"]
+        assert r["destination"] == f"split_{r['split']:02d}/{r['source']}"
+        assert placed.stat().st_size == r["bytes"] == sizes[r["source"]]
+        assert sha256_file(placed) == r["sha256"] == sha256_file(src / r["source"])
+    assert sorted(p.name for p in dst.iterdir()) == [MANIFEST, "split_00", "split_01", "split_02", "split_03"]
+
+
+def test_rerun_is_a_noop_and_deterministic(tmp_path):
+    src = tmp_path / "src"
+    make_source(src)
+    first = organize(OrganizeConfig(src, tmp_path / "a", num_dirs=3, seed=5))
+    manifest = (tmp_path / "a" / MANIFEST).read_bytes()
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "a").rglob("*")}
+    again = organize(OrganizeConfig(src, tmp_path / "a", num_dirs=3, seed=5))
+    assert (again.written, again.unchanged, again.removed) == (0, len(first.rows), 0)
+    assert (tmp_path / "a" / MANIFEST).read_bytes() == manifest
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "a").rglob("*")} == before
+    organize(OrganizeConfig(src, tmp_path / "b", num_dirs=3, seed=5))
+    assert (tmp_path / "b" / MANIFEST).read_bytes() == manifest
+
+
+def test_changed_source_leaves_no_duplicates(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_source(src, n=12)
+    organize(OrganizeConfig(src, dst, num_dirs=3))
+    (src / "d0/sub0/file_0.txt").write_bytes(b"x" * 500_000)  # large now: the plan moves files around
+    organize(OrganizeConfig(src, dst, num_dirs=3))
+    placed = sorted(p.relative_to(dst).as_posix().split("/", 1)[1] for p in dst.rglob("*.txt"))
+    assert placed == sorted(r["source"] for r in read_manifest(dst))
+    assert len(placed) == len(set(placed)) == 12
+
+
+def test_same_named_files_keep_their_paths(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    for folder in ("a", "b", "c"):
+        (src / folder).mkdir(parents=True)
+        (src / folder / "notes.txt").write_text(f"notes of {folder}\n")
+    organize(OrganizeConfig(src, dst, num_dirs=2))
+    texts = sorted(p.read_text() for p in dst.rglob("notes.txt"))
+    assert texts == ["notes of a\n", "notes of b\n", "notes of c\n"]
+
+
+def test_links_loops_and_special_files_are_skipped_and_source_untouched(tmp_path):
+    src, dst, outside = tmp_path / "src", tmp_path / "dst", tmp_path / "outside.txt"
+    (src / "inner").mkdir(parents=True)
+    (src / "inner" / "good.txt").write_text("good\n")
+    outside.write_text("secret\n")
+    (src / "leak.txt").symlink_to(outside)
+    (src / "inner" / "loop").symlink_to(src)
+    (src / "x").symlink_to(src / "y")
+    (src / "y").symlink_to(src / "x")
+    (src / "dangling").symlink_to(src / "missing")
+    (src / "alias.txt").symlink_to(src / "inner" / "good.txt")
+    os.mkfifo(src / "pipe")
+    before = tree_digest(src)
+    res = organize(OrganizeConfig(src, dst, num_dirs=2))
+    assert [r["source"] for r in res.rows] == ["inner/good.txt"]
+    assert res.skipped == {
+        "link_outside_source": ["leak.txt"],
+        "link_loop": ["inner/loop", "x", "y"],
+        "broken_link": ["dangling"],
+        "link_inside_source": ["alias.txt"],
+        "not_a_regular_file": ["pipe"],
+    }
+    assert tree_digest(src) == before
+    assert not any("secret" in p.read_text() for p in dst.rglob("*.txt"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_file_is_skipped(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "ok.txt").write_text("ok")
+    (src / "locked.txt").write_text("locked")
+    (src / "locked.txt").chmod(0)
+    res = organize(OrganizeConfig(src, tmp_path / "dst", num_dirs=1))
+    assert res.skipped == {"unreadable": ["locked.txt"]}
+
+
+def test_hardlink_mode_links_and_falls_back_to_copy_across_filesystems(tmp_path):
+    src = tmp_path / "src"
+    make_source(src, n=6)
+    organize(OrganizeConfig(src, tmp_path / "dst", num_dirs=2, mode="hardlink"))
+    row = read_manifest(tmp_path / "dst")[0]
+    assert os.path.samefile(src / row["source"], tmp_path / "dst" / row["destination"])
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("no second filesystem to cross")
+    other = shm / f"organize-test-{os.getpid()}"
+    try:
+        res = organize(OrganizeConfig(src, other, num_dirs=2, mode="hardlink"))
+        assert res.copied_instead_of_linked == 6
+        assert sha256_file(other / row["destination"]) == row["sha256"]
+    finally:
+        import shutil
+
+        shutil.rmtree(other, ignore_errors=True)
+
+
+def test_symlink_mode_points_at_source(tmp_path):
+    src = tmp_path / "src"
+    make_source(src, n=4)
+    organize(OrganizeConfig(src, tmp_path / "dst", num_dirs=2, mode="symlink"))
+    for r in read_manifest(tmp_path / "dst"):
+        assert (tmp_path / "dst" / r["destination"]).resolve() == (src / r["source"]).resolve()
+
+
+def test_refuses_a_foreign_nonempty_destination(tmp_path):
+    src = tmp_path / "src"
+    make_source(src, n=2)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "thesis.txt").write_text("do not lose")
+    with pytest.raises(UserError, match="is not empty and holds no manifest.jsonl"):
+        organize(OrganizeConfig(src, tmp_path / "mine"))
+    assert (tmp_path / "mine" / "thesis.txt").read_text() == "do not lose"
+
+
+@pytest.mark.parametrize(
+    ("setup", "args", "message"),
+    [
+        ("none", ["--src_dir", "{t}/nope"], "error: --src_dir {t}/nope does not exist or is not a directory\n"),
+        ("empty", ["--src_dir", "{t}/src", "--dst_root", "{t}/dst"], "error: --src_dir {t}/src holds no readable "
+         "regular files\n"),
+        ("file", ["--src_dir", "{t}/src", "--dst_root", "{t}/src/splits"], "error: --dst_root {t}/src/splits is "
+         "inside --src_dir {t}/src; choose a folder outside it\n"),
+        ("file", ["--src_dir", "{t}/src", "--num_dirs", "0"], "error: --num_dirs must be at least 1, got 0\n"),
+    ],
+)
+def test_cli_errors_are_one_line(tmp_path, setup, args, message):
+    if setup != "none":
+        (tmp_path / "src").mkdir()
+    if setup == "file":
+        (tmp_path / "src" / "a.txt").write_text("a")
+    proc = run_script("ORGANIZE_DATA.py", *(a.format(t=tmp_path) for a in args))
+    assert proc.returncode == 2
+    assert proc.stderr == message.format(t=tmp_path)
+    assert not (tmp_path / "src" / "splits").exists()
+
+
+def test_cli_summary(tmp_path):
+    src = tmp_path / "src"
+    make_source(src, n=5)
+    proc = run_script("ORGANIZE_DATA.py", "--src_dir", src, "--dst_root", tmp_path / "dst", "--num_dirs", 2)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"organized 5 files (")
+    assert "written 5, unchanged 0, stale removed 0" in proc.stdout
