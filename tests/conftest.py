@@ -12,7 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(script: str, *args: object, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_script(script: str, *args: object, env: dict | None = None,
+               timeout: float = 600) -> subprocess.CompletedProcess:
     """Run a top-level stage script with this interpreter; captures text output."""
     cmd = [sys.executable, str(ROOT / script), *map(str, args)]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)

@@ -182,7 +182,7 @@ def test_killed_midway_leaves_nothing_and_rerun_succeeds(tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + 120
-    while not list(tmp_path.glob(".out.partial-*/extract*")) and time.monotonic() < deadline:
+    while not list(tmp_path.glob(".out.partial-*/chunk-*")) and time.monotonic() < deadline:
         assert proc.poll() is None, "finished before it could be interrupted; make the corpus bigger"
         time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)

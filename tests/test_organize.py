@@ -179,5 +179,5 @@ def test_cli_summary(tmp_path):
     make_source(src, n=5)
     proc = run_script("ORGANIZE_DATA.py", "--src_dir", src, "--dst_root", tmp_path / "dst", "--num_dirs", 2)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith(f"organized 5 files (")
+    assert proc.stdout.startswith("organized 5 files (")
     assert "written 5, unchanged 0, stale removed 0" in proc.stdout
