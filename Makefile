@@ -5,6 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO := demo
+DEMO_MODEL := local/tiny-llama
+export HF_HOME := $(CURDIR)/$(DEMO)/hf_home
 
 .PHONY: demo test lint bench clean-demo
 
@@ -17,10 +19,13 @@ $(STAMP): requirements.txt requirements-dev.txt
 demo: $(STAMP)
 	$(PY) ORGANIZE_DATA.py --src_dir examples/raw --dst_root $(DEMO)/splits --num_dirs 4
 	$(PY) DATA-HF.py --data_folder $(DEMO)/splits --save_dir $(DEMO)/hf_datasets/corpus --overwrite
+	$(PY) -m pipeline.tiny --out $(DEMO)/tiny-llama --corpus examples/raw
+	$(PY) MODEL_DOWNLOAD.py --model-name $(DEMO_MODEL) --source $(DEMO)/tiny-llama
 	@echo
 	@echo "demo outputs:"
 	@echo "  splits + manifest:   $(DEMO)/splits/manifest.jsonl"
 	@echo "  Arrow dataset:       $(DEMO)/hf_datasets/corpus (report: prep_report.json inside it)"
+	@echo "  tiny model (random): $(DEMO)/tiny-llama, imported as $(DEMO_MODEL) into $(HF_HOME)"
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -36,3 +36,23 @@ def tree_digest(root: Path) -> dict[str, str]:
 @pytest.fixture
 def script():
     return run_script
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """The bundled tiny Llama, tied and untied, built once per test session (random weights, trained tokenizer)."""
+    from pipeline.tiny import build_tiny
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: build_tiny(root / kind, tied=kind == "tied") for kind in ("tied", "untied")}
+
+
+def hub_env(hf_home: Path, offline: bool = True) -> dict[str, str]:
+    """Environment of a user whose HF_HOME is hf_home (offline by default)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env["HF_HOME"] = str(hf_home)
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    return env

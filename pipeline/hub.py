@@ -1,0 +1,348 @@
+"""MODEL_DOWNLOAD: put a model into the local Hugging Face cache and verify it without allocating its weights.
+
+Two ways in: `huggingface_hub.snapshot_download` (online, resumable), or `--source DIR`, which imports a copy carried
+from an online machine into the cache's own layout (blobs/, snapshots/, refs/) so that `from_pretrained("org/name")`
+resolves with HF_HUB_OFFLINE=1. Either way only what training needs is taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import UserError
+
+ALLOW_PATTERNS = [
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "tokenizer.model", "*.safetensors", "model.safetensors.index.json",
+]
+IGNORE_PATTERNS = ["*/*", "*.pth", "*.bin", "*.pt", "*.gguf", "*.msgpack", "*.h5"]
+"""Top-level files only: `original/` (Meta's consolidated .pth) and other duplicate formats are never fetched."""
+INDEX = "model.safetensors.index.json"
+GIB = 1024**3
+
+
+def wanted(rel: str) -> bool:
+    """Whether a repository file is one training needs (same rule for download and import)."""
+    return any(fnmatch.fnmatch(rel, p) for p in ALLOW_PATTERNS) and not any(fnmatch.fnmatch(rel, p)
+                                                                          for p in IGNORE_PATTERNS)
+
+
+def default_cache_dir() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def repo_folder(cache_dir: Path, model_name: str) -> Path:
+    return cache_dir / ("models--" + model_name.replace("/", "--"))
+
+
+def check_model_name(model_name: str) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model_name)
+    except HFValidationError:
+        raise UserError(f"--model-name {model_name!r} is not a hub id like org/name") from None
+
+
+# -------------------------------------------------------------------------------------------------- download
+
+
+def _remote_bytes_needed(model_name: str, revision: str, cache_dir: Path) -> int | None:
+    """Bytes still to fetch, from the hub's file sizes; None when the hub cannot tell (offline, no sizes)."""
+    from huggingface_hub import HfApi
+
+    try:
+        info = HfApi().model_info(model_name, revision=revision, files_metadata=True)
+    except Exception:  # offline, unreachable, not found, gated: the download itself reports which, in one line
+        return None
+    folder = repo_folder(cache_dir, model_name) / "blobs"
+    need = 0
+    for sib in info.siblings or []:
+        if not wanted(sib.rfilename) or sib.size is None:
+            continue
+        blob = (sib.lfs.sha256 if sib.lfs else sib.blob_id) or ""
+        if not (folder / blob).exists():
+            need += sib.size
+    return need
+
+
+def check_disk(path: Path, need: int) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(path).free
+    if need > free:
+        raise UserError(f"not enough disk space in {path}: the model needs {need / GIB:.2f} GiB more, "
+                        f"{free / GIB:.2f} GiB free; free some space or pass --cache-dir on a larger disk")
+
+
+def download(model_name: str, revision: str, cache_dir: Path) -> Path:
+    """snapshot_download of the training files only; a rerun completes a partial download. Returns the snapshot."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    need = _remote_bytes_needed(model_name, revision, cache_dir)
+    if need is not None:
+        check_disk(cache_dir, need)
+    fix_offline = (f"on an air-gapped machine import a copy: python MODEL_DOWNLOAD.py --model-name {model_name} "
+                   "--source DIR")
+    try:
+        path = snapshot_download(model_name, revision=revision, cache_dir=str(cache_dir),
+                                 allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS)
+    except GatedRepoError:
+        raise UserError(f"{model_name} is gated: accept its licence on the hub, then set HF_TOKEN or run "
+                        "`hf auth login`") from None
+    except RepositoryNotFoundError:
+        raise UserError(f"{model_name} was not found on the hub (or is private: set HF_TOKEN or run "
+                        "`hf auth login`)") from None
+    except RevisionNotFoundError:
+        raise UserError(f"revision {revision!r} of {model_name} was not found on the hub") from None
+    except LocalEntryNotFoundError:
+        raise UserError(f"{model_name} (revision {revision}) is not in the cache at {cache_dir} and the hub "
+                        f"cannot be reached; {fix_offline}") from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise UserError(f"download of {model_name} failed ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                        f"rerun to resume, or {fix_offline}") from None
+    return Path(path)
+
+
+# ---------------------------------------------------------------------------------------------------- import
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def source_files(source: Path) -> tuple[list[str], list[str]]:
+    """(files to import, files left out) of a local model directory; UserError when it is not a model."""
+    if not source.is_dir():
+        raise UserError(f"--source {source} does not exist or is not a directory")
+    every = sorted(p.relative_to(source).as_posix() for p in source.rglob("*") if p.is_file())
+    take = [f for f in every if wanted(f)]
+    if "config.json" not in take or not any(f.endswith(".safetensors") for f in take):
+        raise UserError(f"--source {source} is not a model directory: it needs config.json and *.safetensors "
+                        "weights (as saved by save_pretrained or downloaded from the hub)")
+    return take, [f for f in every if f not in take]
+
+
+def import_local(source: Path, model_name: str, revision: str, cache_dir: Path) -> Path:
+    """Copy a local model into the hub cache layout; idempotent. Returns the snapshot directory.
+
+    The snapshot id is a hash of the file names and contents, so the same source always maps to the same
+    snapshot and a rerun copies nothing. refs/REVISION is written last, atomically: a crash midway never makes a
+    half-imported snapshot the one that from_pretrained resolves.
+    """
+    take, _ = source_files(source)
+    check_disk(cache_dir, sum((source / f).stat().st_size for f in take))
+    repo = repo_folder(cache_dir, model_name)
+    hashes = {f: _sha256(source / f) for f in take}
+    commit = hashlib.sha1(json.dumps(hashes, sort_keys=True).encode()).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    for rel, digest in hashes.items():
+        blob = repo / "blobs" / digest
+        if not blob.exists():
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            tmp = blob.with_name(f"{digest}.incomplete-{os.getpid()}")
+            shutil.copyfile(source / rel, tmp)
+            os.replace(tmp, blob)
+        link = snapshot / rel
+        if not link.is_symlink():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(os.path.relpath(blob, link.parent))
+    ref = repo / "refs" / revision
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    if not ref.exists() or ref.read_text() != commit:
+        tmp = ref.with_name(f".{ref.name}.tmp-{os.getpid()}")
+        tmp.write_text(commit)
+        os.replace(tmp, ref)
+    return snapshot
+
+
+# ------------------------------------------------------------------------------------------------ verification
+
+
+@dataclass
+class ModelReport:
+    model_class: str
+    num_params: int
+    dtype: str
+    disk_bytes: int
+    config: object
+    unexpected: list[str]
+
+
+_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+              "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
+              "F8_E5M2": "float8_e5m2"}
+
+
+def safetensors_headers(model_dir: Path) -> tuple[dict[str, tuple[list[int], str]], int]:
+    """{tensor: (shape, dtype)} from the headers only, and the weight files' total size. UserError names a bad file."""
+    from safetensors import safe_open
+
+    index = model_dir / INDEX
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (model_dir / f).exists()]
+        if missing:
+            raise UserError(f"shard {missing[0]} is named in {INDEX} but missing from {model_dir}")
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{model_dir} holds no *.safetensors weights")
+    tensors: dict[str, tuple[list[int], str]] = {}
+    size = 0
+    for name in files:
+        path = model_dir / name
+        size += path.stat().st_size
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                for key in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    sl = fh.get_slice(key)
+                    tensors[key] = (list(sl.get_shape()), _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
+        except Exception as exc:  # safetensors raises its own error types for truncated or corrupt files
+            raise UserError(f"weight file {path} is truncated or corrupt ({str(exc).splitlines()[0]}); "
+                            "download or import the model again") from None
+    return tensors, size
+
+
+def verify(model_dir: Path) -> ModelReport:
+    """Build the model on the meta device and check every parameter and persistent buffer against the headers."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{model_dir}/config.json cannot be read as a model config ({exc})") from None
+    tensors, disk = safetensors_headers(model_dir)
+    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, config.dtype or "float32")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # tied weights (lm_head -> embed_tokens with tie_word_embeddings) are stored once, under either name
+    pairs = (getattr(model, "all_tied_weights_keys", None) or {}).items()
+    tied = {**dict(pairs), **{v: k for k, v in pairs}} if getattr(config, "tie_word_embeddings", False) else {}
+    expected = model.state_dict()
+    for name, tensor in expected.items():
+        if name not in tensors:
+            if tied.get(name) in tensors:
+                continue
+            raise UserError(f"tensor {name} is missing from the weights in {model_dir}")
+        shape, st_dtype = tensors[name]
+        if shape != list(tensor.shape):
+            raise UserError(f"tensor {name} has shape {shape} in the weights but the config implies "
+                            f"{list(tensor.shape)}")
+        if st_dtype != str(tensor.dtype).removeprefix("torch."):
+            raise UserError(f"tensor {name} is {st_dtype} in the weights but the config says "
+                            f"{str(tensor.dtype).removeprefix('torch.')}")
+    return ModelReport(type(model).__name__, sum(p.numel() for p in model.parameters()),
+                       str(dtype).removeprefix("torch."), disk, config, sorted(set(tensors) - set(expected)))
+
+
+# ------------------------------------------------------------------------------------------------ memory estimate
+
+
+ACTIVATION_NOTE = "activations: batch 1, seq 2048, activation checkpointing, fp32 logits; plus 1 GiB CUDA context"
+
+
+def activation_bytes(config, seq: int = 2048, dtype_bytes: int = 2) -> int:
+    """Allowance for one sequence: checkpointed layer inputs, one layer recomputed, and fp32 logits with grads."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    inter = getattr(config, "intermediate_size", 4 * hidden)
+    checkpoints = layers * seq * hidden * dtype_bytes
+    one_layer = seq * (10 * hidden + 3 * inter) * dtype_bytes
+    logits = 2 * seq * config.vocab_size * 4
+    return checkpoints + one_layer + logits + GIB
+
+
+def memory_table(num_params: int, dtype_bytes: int, act: int, gpus: tuple[int, ...] = (1, 2, 4, 8)) -> list[dict]:
+    """Per-GPU bytes for full fine-tuning with AdamW under FULL_SHARD: params, grads, 2 optimizer states, sharded."""
+    rows = []
+    for n in gpus:
+        state = 4 * num_params * dtype_bytes // n
+        rows.append({"gpus": n, "params_grads_optim": state, "activations": act, "total": state + act})
+    return rows
+
+
+def human_bytes(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB"):
+        n /= 1024
+        if n < 1024:
+            return f"{n:.2f} {unit}"
+    return f"{n / 1024:.2f} GiB"
+
+
+def format_report(rep: ModelReport, where: Path, skipped: list[str]) -> str:
+    import torch
+
+    dtype_bytes = torch.empty((), dtype=getattr(torch, rep.dtype)).element_size()
+    lines = [
+        f"model:       {rep.model_class} at {where}",
+        f"parameters:  {rep.num_params:,} ({rep.dtype}); {human_bytes(rep.disk_bytes)} on disk",
+        f"tied embeddings: {bool(getattr(rep.config, 'tie_word_embeddings', False))}; "
+        f"max positions: {getattr(rep.config, 'max_position_embeddings', 'n/a')}",
+    ]
+    if skipped:
+        lines.append(f"left out (not needed for training): {', '.join(skipped)}")
+    if rep.unexpected:
+        lines.append(f"ignored tensors not used by {rep.model_class}: {', '.join(rep.unexpected[:5])}")
+    lines.append(f"estimated per-GPU memory, full fine-tuning, AdamW, FSDP FULL_SHARD, {rep.dtype}:")
+    lines.append(f"  {'GPUs':>4}  {'params+grads+2 optim states':>28}  {'activations':>11}  {'total':>9}")
+    act = activation_bytes(rep.config, dtype_bytes=dtype_bytes)
+    for row in memory_table(rep.num_params, dtype_bytes, act):
+        lines.append(f"  {row['gpus']:>4}  {row['params_grads_optim'] / GIB:>24.2f} GiB  "
+                     f"{row['activations'] / GIB:>7.2f} GiB  {row['total'] / GIB:>5.2f} GiB")
+    lines.append(f"  ({ACTIVATION_NOTE})")
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Download (or import) a model into the local Hugging Face cache and "
+                                            "verify it on the meta device.")
+    p.add_argument("--model-name", required=True, help="hub id, e.g. meta-llama/Llama-3.2-1B")
+    p.add_argument("--revision", default="main", help="branch, tag or commit (default: main)")
+    p.add_argument("--source", type=Path, default=None, help="import this local copy instead of downloading")
+    p.add_argument("--cache-dir", type=Path, default=None, help="hub cache (default: $HF_HOME/hub)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    check_model_name(args.model_name)
+    cache_dir = args.cache_dir or default_cache_dir()
+    skipped: list[str] = []
+    if args.source is not None:
+        _, skipped = source_files(args.source)
+        verify(args.source)  # a broken copy never lands in the cache
+        snapshot = import_local(args.source, args.model_name, args.revision, cache_dir)
+        how = f"imported from {args.source}"
+    else:
+        snapshot = download(args.model_name, args.revision, cache_dir)
+        how = "downloaded (or found complete in the cache)"
+    report = verify(snapshot)
+    print(format_report(report, snapshot, skipped))
+    print(f"{args.model_name} {how}; it resolves offline (HF_HUB_OFFLINE=1) from the cache at {cache_dir}")
+    return 0

@@ -1,0 +1,99 @@
+"""The bundled tiny Llama for the demo and the tests: random weights, a byte-level BPE trained on a corpus.
+
+    python -m pipeline.tiny --out DIR [--corpus examples/raw] [--tied|--untied] [--layers 2] [--hidden 64] [--seed 0]
+
+The weights are random: the model exists to exercise every code path (sharded loading, tied embeddings, training,
+checkpoints, export) on a CPU in seconds, not to produce useful text. Deterministic given the arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from pipeline.corpus import SUPPORTED, SkipFile, extract_file
+from pipeline.errors import UserError, run_cli
+
+BOS = "<|begin_of_text|>"
+EOS = "<|end_of_text|>"
+DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / "examples" / "raw"
+
+
+def corpus_texts(corpus: Path) -> list[str]:
+    """Every extractable text of the corpus in path order (bad files are skipped, as DATA-HF would)."""
+    texts = []
+    for path in sorted(p for p in corpus.rglob("*") if p.suffix.lower() in SUPPORTED and p.is_file()):
+        try:
+            texts.extend(extract_file(path)[0])
+        except (SkipFile, OSError):
+            continue
+    if not texts:
+        raise UserError(f"--corpus {corpus} holds no usable text to train a tokenizer on")
+    return texts
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE with Llama 3's special-token names; BOS is prepended on encode, as Llama 3 does."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+                                                       special_tokens=[(BOS, tok.token_to_id(BOS))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, model_max_length=2048)
+
+
+def tiny_config(vocab_size: int, bos_id: int, eos_id: int, *, tied: bool, layers: int, hidden: int) -> LlamaConfig:
+    """Llama 3 shape in miniature: grouped-query attention (2 KV heads for 4 query heads), rope theta 500k."""
+    heads = max(2, hidden // 16)
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 8 * 8 or 8,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=tied,
+        bos_token_id=bos_id, eos_token_id=eos_id, dtype="float32",
+    )
+
+
+def build_tiny(out: Path, corpus: Path = DEFAULT_CORPUS, *, tied: bool = True, layers: int = 2, hidden: int = 64,
+               seed: int = 0, vocab_size: int = 1024) -> Path:
+    """Write a tokenizer and a random-weight LlamaForCausalLM (safetensors) to out; returns out."""
+    if layers < 1 or hidden < 16 or hidden % 16:
+        raise UserError(f"--layers must be >= 1 and --hidden a multiple of 16 (>= 16), got {layers} and {hidden}")
+    tokenizer = train_tokenizer(corpus_texts(corpus), vocab_size)
+    config = tiny_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
+                         tied=tied, layers=layers, hidden=hidden)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Build the tiny random-weight Llama used by the demo and tests.")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="text to train the tokenizer on")
+    tie = p.add_mutually_exclusive_group()
+    tie.add_argument("--tied", dest="tied", action="store_true", default=True, help="tie embeddings (default)")
+    tie.add_argument("--untied", dest="tied", action="store_false", help="separate lm_head")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not args.corpus.is_dir():
+        raise UserError(f"--corpus {args.corpus} does not exist or is not a directory")
+    out = build_tiny(args.out, args.corpus, tied=args.tied, layers=args.layers, hidden=args.hidden, seed=args.seed)
+    print(f"tiny Llama ({'tied' if args.tied else 'untied'}, {args.layers} layers, hidden {args.hidden}, random "
+          f"weights) written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
