@@ -1,0 +1,16 @@
+"""Stage 4: fine-tune with FSDP2. Launch with torchrun (or plain python for one process). See pipeline/trainer.py.
+
+    torchrun --standalone --nproc_per_node 4 fsdp1.py -e NAME -d hf_datasets/corpus -m org/model -b 2 --lr 2e-5
+"""
+
+import os
+
+# No network at training time: set before any Hugging Face library is imported (they read these at import).
+for _switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ[_switch] = "1"
+
+from pipeline.errors import run_cli  # noqa: E402
+from pipeline.trainer import main  # noqa: E402
+
+if __name__ == "__main__":
+    run_cli(main)

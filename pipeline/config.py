@@ -1,0 +1,276 @@
+"""Typed trainer configuration: nested dataclasses, one flat set of keys shared by the CLI and YAML files.
+
+Precedence: command line > `--config FILE.yaml` > the profile that file names (`profile: NAME` ->
+configs/profiles/NAME.yaml) > the defaults below. Every key of a YAML file is a field name below (snake_case);
+every flag is the same name in kebab case. The resolved config is written to the run directory as config.yaml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import math
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.errors import UserError
+
+PROFILES_DIR = Path(__file__).resolve().parents[1] / "configs" / "profiles"
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+SCHEDULES = ("cosine", "linear", "constant")
+SHORT_FLAGS = {"experiment_name": "-e", "dataset_name": "-d", "model_name": "-m", "batch_size": "-b"}
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise UserError(message)
+
+
+@dataclass
+class RunConfig:
+    experiment_name: str = ""
+    """Name of the run: its folder under save_dir. Rerunning with the same name resumes it."""
+    save_dir: str = "outputs"
+    """Root of all runs."""
+    seed: int = 0
+    """Seeds data order, validation split, initialisation of RNGs on every rank."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.experiment_name), "--experiment-name (-e) is required")
+        _check("/" not in self.experiment_name and self.experiment_name not in (".", ".."),
+               f"--experiment-name must be a plain folder name, got {self.experiment_name!r}")
+
+
+@dataclass
+class DataConfig:
+    dataset_name: str = ""
+    """A dataset saved by DATA-HF.py (a path), or a hub dataset id already in the datasets cache."""
+    seq_length: int = 1024
+    """Tokens per training block; at most the model's max_position_embeddings."""
+    val_fraction: float = 0.01
+    """Share of blocks held out for validation (at least one block when there are two or more)."""
+    num_proc: int = 0
+    """Processes for tokenization; 0 means all cores."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.dataset_name), "--dataset-name (-d) is required")
+        _check(self.seq_length >= 8, f"--seq-length must be at least 8, got {self.seq_length}")
+        _check(0 <= self.val_fraction < 0.5, f"--val-fraction must be in [0, 0.5), got {self.val_fraction}")
+        _check(self.num_proc >= 0, f"--num-proc must be >= 0, got {self.num_proc}")
+
+
+@dataclass
+class ModelConfig:
+    model_name: str = ""
+    """Hub id resolved from the local cache (offline), or a local model directory."""
+    precision: str = "auto"
+    """Compute dtype: bf16 where supported (auto on GPU), fp32 on CPU; fp16 is allowed on GPU. Master weights,
+    optimizer states and gradient reduction are fp32."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward: less memory, about a third more compute."""
+    compile: bool = False
+    """torch.compile each decoder layer."""
+    sharding: str = "FULL_SHARD"
+    """FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2: keep parameters gathered between forward and backward),
+    NO_SHARD (replicate, DDP semantics), HYBRID_SHARD (shard within a node, replicate across nodes)."""
+    cpu_offload: bool = False
+    """Keep parameter shards, gradients and optimizer states in host memory; the optimizer step runs on CPU."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.model_name), "--model-name (-m) is required")
+        _check(self.precision in PRECISIONS, f"--precision must be one of {', '.join(PRECISIONS)}, "
+                                             f"got {self.precision!r}")
+        _check(self.sharding in SHARDINGS, f"--sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-5
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay, applied to matrices only (not norms or biases)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps before the schedule."""
+    lr_schedule: str = "cosine"
+    """After warm-up: cosine or linear decay to zero, or constant."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0 and math.isfinite(self.lr), f"--lr must be a positive number, got {self.lr}")
+        _check(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
+        _check(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        _check(self.lr_schedule in SCHEDULES, f"--lr-schedule must be one of {', '.join(SCHEDULES)}, "
+                                              f"got {self.lr_schedule!r}")
+        _check(self.max_grad_norm >= 0, f"--max-grad-norm must be >= 0, got {self.max_grad_norm}")
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 1
+    """Blocks per process per micro-step."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step; the global batch is world size x batch size x grad accum blocks."""
+    num_epochs: int = 1
+    """Passes over the training blocks."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps (overrides num_epochs when > 0)."""
+    log_freq: int = 10
+    """Optimizer steps between log lines and metrics events."""
+    ckpt_freq: int = 0
+    """Optimizer steps between checkpoints (0: only at epoch ends and the end)."""
+    eval_freq: int = 0
+    """Optimizer steps between validations (0: only at the end)."""
+    keep_last: int = 2
+    """Complete checkpoints to keep (at least 2, so the previous good one survives a failed save)."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "grad_accum", "num_epochs", "log_freq"):
+            _check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, "
+                                             f"got {getattr(self, name)}")
+        for name in ("max_steps", "ckpt_freq", "eval_freq"):
+            _check(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        _check(self.keep_last >= 2, f"--keep-last must be at least 2, got {self.keep_last}")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.save_dir) / self.run.experiment_name
+
+    def flat(self) -> dict[str, Any]:
+        """The resolved config as flat snake_case keys (the format of config files)."""
+        return {k: v for section in dataclasses.asdict(self).values() for k, v in section.items()}
+
+
+_SECTION_TYPES = {"run": RunConfig, "data": DataConfig, "model": ModelConfig, "optim": OptimConfig,
+                  "train": TrainConfig}
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass (the string literal under each field), used as --help text."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def _fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """Flat key -> (section, field)."""
+    return {f.name: (section, f) for section, cls in _SECTION_TYPES.items() for f in dataclasses.fields(cls)}
+
+
+def _convert(key: str, kind: str, value: Any) -> Any:
+    """Coerce a YAML or CLI value to the field's type, with one clear line when it cannot be."""
+    flag = "--" + key.replace("_", "-")
+    try:
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).lower()
+            if text in ("on", "true", "yes", "1"):
+                return True
+            if text in ("off", "false", "no", "0"):
+                return False
+            raise ValueError
+        if kind == "int":
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if kind == "float":
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        expected = "on or off" if kind == "bool" else f"a{'n' if kind == 'int' else ''} {kind}"
+        raise UserError(f"{flag} must be {expected}, got {value!r}") from None
+
+
+def _read_yaml(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except OSError:
+        raise UserError(f"{what} {path} cannot be read") from None
+    except yaml.YAMLError as exc:
+        raise UserError(f"{what} {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{what} {path} must be a mapping of keys to values")
+    unknown = sorted(set(data) - set(_fields()) - {"profile"})
+    if unknown:
+        raise UserError(f"{what} {path} has unknown key{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
+    return data
+
+
+def load_profile(name: str) -> dict[str, Any]:
+    path = PROFILES_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))
+        raise UserError(f"unknown profile {name!r}; known profiles: {known}")
+    data = _read_yaml(path, "profile")
+    data.pop("profile", None)
+    return data
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Fine-tune a causal LM with FSDP2. Rerun the same command to resume.",
+                                argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", type=Path, help="YAML file of the same keys (snake_case); may name a profile")
+    p.add_argument("--profile", help="named profile from configs/profiles/")
+    for key, (section, f) in _fields().items():
+        flags = [SHORT_FLAGS[key]] if key in SHORT_FLAGS else []
+        flags.append("--" + key.replace("_", "-"))
+        doc = field_docs(_SECTION_TYPES[section]).get(key, "")
+        default = "" if f.default in ("", dataclasses.MISSING) else f" (default: {_show(f.default)})"
+        choices = {"precision": PRECISIONS, "sharding": SHARDINGS, "lr_schedule": SCHEDULES}.get(key)
+        metavar = "on|off" if f.type == "bool" else None
+        p.add_argument(*flags, dest=key, help=doc + default, choices=choices, metavar=metavar)
+    return p
+
+
+def _show(value: Any) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
+def resolve(argv: list[str] | None = None) -> Config:
+    """Parse the command line and merge it over the config file, its profile and the defaults."""
+    cli = vars(build_parser().parse_args(argv))
+    config_path = cli.pop("config", None)
+    file_values = _read_yaml(config_path, "--config") if config_path is not None else {}
+    profile = cli.pop("profile", None) or file_values.pop("profile", None)
+    file_values.pop("profile", None)
+    merged = {**(load_profile(profile) if profile else {}), **file_values, **cli}
+    return from_flat(merged)
+
+
+def from_flat(values: dict[str, Any]) -> Config:
+    """Build a Config from flat keys (unknown keys refused); the checks of every section run here."""
+    fields = _fields()
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise UserError(f"unknown config key{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
+    per_section: dict[str, dict[str, Any]] = {s: {} for s in _SECTION_TYPES}
+    for key, value in values.items():
+        section, f = fields[key]
+        per_section[section][key] = _convert(key, str(f.type), value)
+    return Config(**{s: _SECTION_TYPES[s](**kw) for s, kw in per_section.items()})
+
+
+def save(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.flat(), sort_keys=False), encoding="utf-8")

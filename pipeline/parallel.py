@@ -1,0 +1,162 @@
+"""Process group, device mesh, FSDP2 wrapping and sharded weight loading.
+
+The model is built on the meta device, wrapped with `fully_shard`, materialised with `to_empty` (each rank
+allocates only its shards) and filled from the safetensors files through DCP's HuggingFaceStorageReader, so each
+rank reads only its own slices and no rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from pipeline.config import ModelConfig
+from pipeline.errors import UserError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """The one process that prints, writes metrics and other run-level files."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """One process per node: builds node-local caches."""
+        return self.local_rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout: timedelta = timedelta(minutes=60)) -> Dist:
+    """Join torchrun's process group (NCCL for CUDA tensors, gloo for CPU ones); plain `python` is a group of one."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "cuda:nccl,cpu:gloo"  # gloo too: small CPU-side collectives (flags, objects) stay off the GPU
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timeout)
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank,
+                int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())), device)
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The forward/backward dtype for --precision on this device; UserError where the device lacks it."""
+    if precision == "auto":
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if cuda_bf16 else torch.float32
+    if device.type == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise UserError(f"--precision bf16 is not supported by {torch.cuda.get_device_name(device)}; "
+                        "use --precision fp16 or fp32")
+    if device.type != "cuda" and precision == "fp16":
+        raise UserError("--precision fp16 needs a CUDA GPU (loss scaling); use fp32 or bf16 on CPU")
+    return DTYPES[precision]
+
+
+def build_mesh(sharding: str, d: Dist) -> DeviceMesh:
+    """1-D mesh for FULL_SHARD/SHARD_GRAD_OP; 2-D (replicate, shard) for NO_SHARD and HYBRID_SHARD."""
+    if sharding == "NO_SHARD":
+        return init_device_mesh(d.device.type, (d.world_size, 1), mesh_dim_names=("replicate", "shard"))
+    if sharding == "HYBRID_SHARD":
+        if d.world_size % d.local_world_size:
+            raise UserError(f"--sharding HYBRID_SHARD needs the same number of processes on every node; "
+                            f"world size {d.world_size} is not a multiple of {d.local_world_size}")
+        return init_device_mesh(d.device.type, (d.world_size // d.local_world_size, d.local_world_size),
+                                mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(d.device.type, (d.world_size,), mesh_dim_names=("shard",))
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (the model's own `_no_split_modules` classes), in order."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise UserError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+    return layers
+
+
+def shard_model(model: nn.Module, cfg: ModelConfig, mesh: DeviceMesh, dtype: torch.dtype) -> None:
+    """Activation checkpointing and compile per decoder layer, then fully_shard each layer and the root."""
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
+    reshard = cfg.sharding in ("FULL_SHARD", "HYBRID_SHARD")
+    for layer in decoder_layers(model):
+        if cfg.compile:
+            layer.compile()
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+    # root: embeddings, final norm and lm_head; tied embedding and lm_head share one parameter in this group
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+
+
+def tied_partners(model: nn.Module) -> dict[str, str]:
+    """Both directions of the model's tied weights (lm_head <-> embed_tokens), when the config ties them."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return {}
+    pairs = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    return {**pairs, **{v: k for k, v in pairs.items()}}
+
+
+def reset_rotary(model: nn.Module, device: torch.device) -> None:
+    """Recompute non-persistent buffers (rotary inv_freq): to_empty leaves them uninitialised memory."""
+    for module in model.modules():
+        if "RotaryEmbedding" in type(module).__name__:
+            with torch.device(device):
+                fresh = type(module)(module.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                module.register_buffer(name, buf, persistent=False)
+
+
+def load_weights(model: nn.Module, model_dir: Path, device: torch.device) -> None:
+    """Fill the sharded model from safetensors with DCP; every rank reads only the slices it owns."""
+    reader = dcp.HuggingFaceStorageReader(str(model_dir))
+    available = set(reader.read_metadata().state_dict_metadata)
+    sd = get_model_state_dict(model)
+    partners = tied_partners(model)
+    wanted = {}
+    for key, value in sd.items():
+        if key in available:
+            wanted[key] = value
+        elif partners.get(key) not in available:
+            raise UserError(f"tensor {key} is missing from the weights in {model_dir}")
+    dcp.load(wanted, storage_reader=reader)
+    # strict=False: a tied lm_head is filled through its embedding (one shared parameter)
+    set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
+    reset_rotary(model, device)
+
+
+def materialize(model: nn.Module, cfg: ModelConfig, device: torch.device) -> None:
+    """Allocate the shards (host memory with CPU offload) before loading into them."""
+    model.to_empty(device="cpu" if cfg.cpu_offload else device)

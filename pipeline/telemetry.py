@@ -1,0 +1,186 @@
+"""Per-phase timers, throughput, MFU, memory, and the run's logs: train.log, metrics.jsonl, TensorBoard, loss.png.
+
+Run-level side effects (stdout lines, metrics.jsonl, TensorBoard, the progress bar, the plot) happen on one rank
+only: everything is behind `Telemetry.enabled`, which is true on rank 0. train.log is written by every rank,
+each line tagged with its rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import resource
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import torch
+
+GIB = 1024**3
+PHASES = ("data", "forward", "backward", "update", "total")
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
+"""Dense bf16 peak by device name (H100/H200 SXM figures)."""
+
+log = logging.getLogger("pipeline")
+
+
+def setup_logging(run_dir: Path, rank: int) -> None:
+    """train.log on every rank (rank-tagged, timestamped); the console for rank 0, warnings only for the others."""
+    log.setLevel(logging.INFO)
+    log.handlers.clear()
+    log.propagate = False
+    fmt = logging.Formatter(f"%(asctime)s [rank={rank}] %(levelname)s %(message)s")
+    file_handler = logging.FileHandler(run_dir / "train.log")
+    file_handler.setFormatter(fmt)
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(logging.Formatter(f"[rank={rank}] %(message)s"))
+    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    log.addHandler(file_handler)
+    log.addHandler(console)
+
+
+class PhaseTimer:
+    """Milliseconds per phase, averaged over the steps of a log window.
+
+    On GPU each phase records a pair of CUDA events and nothing waits for them until the window is read: no host
+    sync per phase. On CPU the work is synchronous, so the wall clock is exact.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.totals: dict[str, float] = defaultdict(float)
+        self.pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.steps = 0
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.pending.append((name, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.totals[name] += (time.perf_counter() - t0) * 1000
+
+    def step_done(self) -> None:
+        self.steps += 1
+
+    def read(self) -> dict[str, float]:
+        """Average ms per step for each phase since the last read (a host sync on GPU), then reset."""
+        if self.pending:
+            self.pending[-1][2].synchronize()
+            for name, start, end in self.pending:
+                self.totals[name] += start.elapsed_time(end)
+        steps = max(self.steps, 1)
+        out = {p: round(self.totals.get(p, 0.0) / steps, 2) for p in PHASES}
+        self.totals.clear()
+        self.pending.clear()
+        self.steps = 0
+        return out
+
+
+def memory_gb(device: torch.device) -> dict[str, float]:
+    """Allocated/reserved, current and peak since the last call (GPU); host RSS and its lifetime peak on CPU."""
+    if device.type == "cuda":
+        out = {"alloc": torch.cuda.memory_allocated(device), "peak_alloc": torch.cuda.max_memory_allocated(device),
+               "reserved": torch.cuda.memory_reserved(device),
+               "peak_reserved": torch.cuda.max_memory_reserved(device)}
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        rss = psutil.Process().memory_info().rss
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB; cannot be reset
+        out = {"alloc": rss, "peak_alloc": peak, "reserved": rss, "peak_reserved": peak}
+    return {k: round(v / GIB, 3) for k, v in out.items()}
+
+
+def flops_per_token(config, num_params: int, num_embedding_params: int, seq_length: int) -> float:
+    """torchtitan's estimate: 6 x non-embedding parameters + 12 x layers x heads x head_dim x seq_length."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
+    return 6 * (num_params - num_embedding_params) + attention
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+class Telemetry:
+    """Writes the run's events; only the enabled (rank 0) instance touches stdout, files and TensorBoard."""
+
+    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, start_step: int):
+        self.run_dir, self.enabled = run_dir, enabled
+        self.metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if enabled else None  # noqa: SIM115
+        self.tb = None
+        self.bar = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+            from tqdm import tqdm
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def event(self, kind: str, step: int, **fields) -> None:
+        if not self.enabled:
+            return
+        record = {"event": kind, "step": step, "time": round(time.time(), 3), **fields}
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        for key, value in fields.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                self.tb.add_scalar(f"{kind}/{key}", value, step)
+
+    def human(self, line: dict) -> None:
+        """The seed-style `[rank=0] {...}` line, on the console (above the bar) and in train.log."""
+        if self.enabled:
+            self.bar.clear()
+            log.info("%s", line)
+            self.bar.refresh()
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.bar.close()
+        self.tb.close()
+        self.metrics.close()
+        plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
+
+
+def plot_losses(metrics: Path, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, tuple[list[int], list[float]]] = {"train": ([], []), "eval": ([], [])}
+    for line in metrics.read_text(encoding="utf-8").splitlines():
+        event = json.loads(line)
+        if event["event"] in series:
+            series[event["event"]][0].append(event["step"])
+            series[event["event"]][1].append(event["loss"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*series["train"], label="train")
+    if series["eval"][0]:
+        ax.plot(*series["eval"], "o-", label="validation")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title(metrics.parent.name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
