@@ -31,6 +31,8 @@ def load_text_dataset(name: str):
     if path.exists():
         try:
             ds = datasets.load_from_disk(str(path))
+        except IndexError:  # datasets saves a dataset of no rows as zero shards, then fails to index them
+            raise UserError(f"--dataset-name {name} is empty") from None
         except (FileNotFoundError, ValueError) as exc:
             raise UserError(f"--dataset-name {name} is not a dataset saved by DATA-HF.py ({exc})") from None
         if isinstance(ds, datasets.DatasetDict):

@@ -56,3 +56,30 @@ def hub_env(hf_home: Path, offline: bool = True) -> dict[str, str]:
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
     return env
+
+
+def torchrun(nproc: int, script: str | Path, *args: object, env: dict | None = None,
+             timeout: float = 600) -> subprocess.CompletedProcess:
+    """Launch a script under torchrun with real gloo processes."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(script), *map(str, args)]
+    full_env = dict(env) if env is not None else dict(__import__("os").environ)
+    full_env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def train_env(tmp_path_factory, tiny_models) -> dict:
+    """A DATA-HF dataset of the demo corpus and an HF_HOME holding the tiny tied model as local/tiny."""
+    import os
+
+    from pipeline.corpus import CorpusConfig, build_dataset
+    from pipeline.hub import import_local
+
+    root = tmp_path_factory.mktemp("train_env")
+    build_dataset(CorpusConfig(ROOT / "examples" / "raw", root / "dataset", num_proc=1))
+    import_local(tiny_models["tied"], "local/tiny", "main", root / "hf" / "hub")
+    import_local(tiny_models["untied"], "local/tiny-untied", "main", root / "hf" / "hub")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env["HF_HOME"] = str(root / "hf")
+    return {"root": root, "dataset": root / "dataset", "env": env}

@@ -1,0 +1,36 @@
+"""Run under torchrun: load a model through the trainer's sharded path and save its logits for fixed inputs."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pipeline.config import ModelConfig
+from pipeline.parallel import build_mesh, init_distributed, load_weights, materialize, shard_model
+
+
+def main() -> None:
+    model_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+    d = init_distributed()
+    cfg = ModelConfig(model_name=str(model_dir), precision="fp32")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    shard_model(model, cfg, build_mesh(cfg.sharding, d), torch.float32)
+    materialize(model, cfg, d.device)
+    load_weights(model, model_dir, d.device)
+    ids = torch.arange(64).reshape(2, 32) % model.config.vocab_size
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    local = model.model.embed_tokens.weight.to_local().numel()
+    if d.is_main:
+        np.save(out, logits.numpy())
+        out.with_suffix(".txt").write_text(f"{tied} {local} {model.model.embed_tokens.weight.numel()}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import PROFILES_DIR, from_flat, load_profile, resolve
+from pipeline.errors import UserError
+
+REQUIRED = ["-e", "x", "-d", "data", "-m", "org/model"]
+
+
+def test_precedence_cli_over_file_over_profile_over_defaults(tmp_path):
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text(yaml.safe_dump({"profile": "cpu_debug", "batch_size": 5, "lr": 1e-3}))
+    cfg = resolve([*REQUIRED, "--config", str(cfg_file), "--lr", "5e-4"])
+    assert cfg.optim.lr == 5e-4  # CLI
+    assert cfg.train.batch_size == 5  # file over profile (2)
+    assert cfg.data.seq_length == 128  # profile over default (1024)
+    assert cfg.optim.warmup_steps == 0  # default
+    assert cfg.run_dir == Path("outputs/x")
+
+
+def test_on_off_flags_and_profile_flag():
+    cfg = resolve([*REQUIRED, "--profile", "multi_node", "--compile", "off", "--cpu-offload", "on"])
+    assert (cfg.model.sharding, cfg.model.compile, cfg.model.cpu_offload) == ("HYBRID_SHARD", False, True)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))
+def test_every_shipped_profile_parses(name):
+    values = load_profile(name)
+    cfg = from_flat({**values, "experiment_name": "x", "dataset_name": "d", "model_name": "m"})
+    assert cfg.flat()["experiment_name"] == "x"
+
+
+def test_shipped_profiles_are_the_four_documented():
+    assert sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")) == ["cpu_debug", "large_scale", "multi_node",
+                                                                   "single_node"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--profile", "huge"], "unknown profile 'huge'; known profiles: cpu_debug, large_scale, multi_node, "
+         "single_node"),
+        (["--keep-last", "1"], "--keep-last must be at least 2, got 1"),
+        (["--lr", "0"], "--lr must be a positive number, got 0.0"),
+        (["--batch-size", "two"], "--batch-size must be an int, got 'two'"),
+        (["--compile", "maybe"], "--compile must be on or off, got 'maybe'"),
+        (["--val-fraction", "0.7"], "--val-fraction must be in [0, 0.5), got 0.7"),
+        (["--experiment-name", "a/b"], "--experiment-name must be a plain folder name, got 'a/b'"),
+    ],
+)
+def test_bad_values_name_the_flag(argv, message):
+    with pytest.raises(UserError) as err:
+        resolve([*REQUIRED, *argv])
+    assert str(err.value) == message
+
+
+def test_config_file_with_unknown_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("batch_sise: 4\n")
+    with pytest.raises(UserError) as err:
+        resolve([*REQUIRED, "--config", str(bad)])
+    assert str(err.value) == f"--config {bad} has unknown key: batch_sise"
+
+
+def test_missing_required():
+    with pytest.raises(UserError) as err:
+        resolve(["-d", "data", "-m", "m"])
+    assert str(err.value) == "--experiment-name (-e) is required"

@@ -1,0 +1,93 @@
+import json
+
+import pytest
+import yaml
+from conftest import ROOT, run_script, torchrun
+
+DEMO = ["--config", str(ROOT / "configs" / "demo.yaml")]
+TRAIN_KEYS = {"event", "step", "time", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "time_ms", "mem_gb"}
+
+
+def events(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_rank_run_trains_and_writes_its_run_directory(tmp_path, train_env):
+    proc = torchrun(2, ROOT / "fsdp1.py", "-e", "demo", "-d", train_env["dataset"], "-m", "local/tiny",
+                    "--save-dir", tmp_path, *DEMO, env=train_env["env"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "demo"
+    evs = events(run)
+    train = [e for e in evs if e["event"] == "train"]
+    evals = [e for e in evs if e["event"] == "eval"]
+    assert [e["step"] for e in train] == list(range(5, 41, 5))
+    assert train[0]["loss"] - train[-1]["loss"] > 1.5, [e["loss"] for e in train]
+    assert [e["step"] for e in evals] == [20, 40] and evals[1]["loss"] < evals[0]["loss"]
+    for e in train:
+        assert set(e) == TRAIN_KEYS
+        assert set(e["time_ms"]) == {"data", "forward", "backward", "update", "total"}
+        assert set(e["mem_gb"]) == {"alloc", "peak_alloc", "reserved", "peak_reserved"}
+        assert e["mfu"] is None and e["tokens_per_s"] > 0 and e["grad_norm"] > 0
+        assert e["time_ms"]["total"] >= e["time_ms"]["forward"] + e["time_ms"]["backward"]
+    assert all(set(e) == {"event", "step", "time", "loss", "ppl"} for e in evals)
+    assert train[-1]["lr"] == 0.0  # cosine to zero at the last step
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert (saved["lr"], saved["seq_length"], saved["max_steps"], saved["experiment_name"]) == (3e-3, 128, 40, "demo")
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    log = (run / "train.log").read_text()
+    assert "[rank=0] INFO" in log and "[rank=1] INFO" in log
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert "[rank=0] {'global_step': 40," in proc.stdout
+
+
+def test_single_process_run_reuses_the_token_cache(tmp_path, train_env):
+    args = ["-d", train_env["dataset"], "-m", "local/tiny-untied", "--save-dir", tmp_path, *DEMO, "--max-steps", "3",
+            "--log-freq", "1"]
+    first = run_script("fsdp1.py", "-e", "a", *args, env=train_env["env"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "building token cache" in first.stdout
+    second = run_script("fsdp1.py", "-e", "b", *args, env=train_env["env"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "token cache hit" in second.stdout and "building token cache" not in second.stdout
+    assert len(list((tmp_path / "token_cache").iterdir())) == 1
+    assert [e["loss"] for e in events(tmp_path / "a")] == [e["loss"] for e in events(tmp_path / "b")]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-d", "{t}/missing", "-m", "local/tiny"], "--dataset-name {t}/missing does not exist"),
+        (["-d", "{data}", "-m", "local/absent"], "model local/absent is not in the offline cache; on this machine "
+         "run: python MODEL_DOWNLOAD.py --model-name local/absent (add --source DIR if offline)"),
+        (["-d", "{data}", "-m", "local/tiny", "--seq-length", "4096"], "--seq-length 4096 is above the model's "
+         "limit (max_position_embeddings 2048)"),
+        (["-d", "{data}", "-m", "local/tiny", "--seq-length", "2048", "-b", "64"], "the dataset gives 50 training "
+         "blocks of 2048 tokens, fewer than one global batch (1 processes x batch 64 x grad accum 1 = 64); use "
+         "more data or a smaller --seq-length, --batch-size or --grad-accum"),
+        (["-d", "{t}/empty", "-m", "local/tiny"], "--dataset-name {t}/empty is empty"),
+        (["-d", "{data}", "-m", "local/tiny", "--precision", "fp16"], "--precision fp16 needs a CUDA GPU (loss "
+         "scaling); use fp32 or bf16 on CPU"),
+        (["-d", "{data}", "-m", "local/tiny", "--profile", "tiny"], "unknown profile 'tiny'; known profiles: "
+         "cpu_debug, large_scale, multi_node, single_node"),
+    ],
+)
+def test_bad_arguments_are_one_line(tmp_path, train_env, args, message):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": []}).save_to_disk(str(tmp_path / "empty"))
+    fmt = {"t": tmp_path, "data": train_env["dataset"]}
+    proc = run_script("fsdp1.py", "-e", "bad", "--save-dir", tmp_path / "out", *(a.format(**fmt) for a in args),
+                      env=train_env["env"])
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == "error: " + message.format(**fmt)
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_argument_under_torchrun_is_one_line_per_rank(tmp_path, train_env):
+    proc = torchrun(2, ROOT / "fsdp1.py", "-e", "bad", "-d", train_env["dataset"], "-m", "local/tiny",
+                    "--seq-length", "4096", "--save-dir", tmp_path, env=train_env["env"])
+    assert proc.returncode != 0
+    line = "error: --seq-length 4096 is above the model's limit (max_position_embeddings 2048)"
+    assert proc.stderr.count(line + "\n") == 2
+    assert 'File "' + str(ROOT / "pipeline") not in proc.stderr  # no worker traceback
+    assert not (tmp_path / "bad").exists()
