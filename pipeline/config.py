@@ -25,6 +25,8 @@ PROFILES_DIR = Path(__file__).resolve().parents[1] / "configs" / "profiles"
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 SCHEDULES = ("cosine", "linear", "constant")
+ASYNC = ("auto", "on", "off")
+EXPORT_DTYPES = ("auto", "bf16", "fp16", "fp32")
 SHORT_FLAGS = {"experiment_name": "-e", "dataset_name": "-d", "model_name": "-m", "batch_size": "-b"}
 
 
@@ -41,9 +43,24 @@ class RunConfig:
     """Root of all runs."""
     seed: int = 0
     """Seeds data order, validation split, initialisation of RNGs on every rank."""
+    resume_from: str = ""
+    """Resume from this checkpoint (step-NNNNNNNN) instead of the newest complete one."""
+    no_resume: bool = False
+    """Start over under a new run name (NAME-2, NAME-3, ...) even if the run has checkpoints; nothing is deleted."""
+    async_ckpt: str = "auto"
+    """Write checkpoints in the background while training goes on (auto: on for GPU, off on CPU)."""
+    export_dtype: str = "auto"
+    """dtype of the exported Hugging Face model (auto: the base model's)."""
+    save_best: bool = False
+    """Also export the model with the best validation loss to RUN/best/."""
 
     def __post_init__(self) -> None:
         _check(bool(self.experiment_name), "--experiment-name (-e) is required")
+        _check(self.async_ckpt in ASYNC, f"--async-ckpt must be one of {', '.join(ASYNC)}, got {self.async_ckpt!r}")
+        _check(self.export_dtype in EXPORT_DTYPES, f"--export-dtype must be one of {', '.join(EXPORT_DTYPES)}, "
+                                                   f"got {self.export_dtype!r}")
+        _check(not self.resume_from or (self.resume_from.startswith("step-") and self.resume_from[5:].isdigit()),
+               f"--resume-from must name a checkpoint like step-00000040, got {self.resume_from!r}")
         _check("/" not in self.experiment_name and self.experiment_name not in (".", ".."),
                f"--experiment-name must be a plain folder name, got {self.experiment_name!r}")
 
@@ -238,9 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
         flags.append("--" + key.replace("_", "-"))
         doc = field_docs(_SECTION_TYPES[section]).get(key, "")
         default = "" if f.default in ("", dataclasses.MISSING) else f" (default: {_show(f.default)})"
-        choices = {"precision": PRECISIONS, "sharding": SHARDINGS, "lr_schedule": SCHEDULES}.get(key)
-        metavar = "on|off" if f.type == "bool" else None
-        p.add_argument(*flags, dest=key, help=doc + default, choices=choices, metavar=metavar)
+        choices = {"precision": PRECISIONS, "sharding": SHARDINGS, "lr_schedule": SCHEDULES, "async_ckpt": ASYNC,
+                   "export_dtype": EXPORT_DTYPES}.get(key)
+        if f.type == "bool":  # `--flag on|off`, or the bare `--flag` for on
+            p.add_argument(*flags, dest=key, help=doc + default, metavar="on|off", nargs="?", const="on")
+        else:
+            p.add_argument(*flags, dest=key, help=doc + default, choices=choices)
     return p
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -69,6 +71,27 @@ def init_distributed(timeout: timedelta = timedelta(minutes=60)) -> Dist:
         dist.init_process_group(backend, timeout=timeout)
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank,
                 int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())), device)
+
+
+def watch_parent(interval_s: float = 1.0) -> None:
+    """Under torchrun, exit when the launcher dies.
+
+    A SIGKILLed torchrun agent cannot forward anything: its workers would sit in a collective until the timeout
+    (an hour). A daemon thread notices the re-parenting and ends the process; collectives release the GIL, so it
+    runs even while the main thread is blocked in one.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != launcher:
+                os.write(2, f"rank {os.environ.get('RANK')}: launcher (pid {launcher}) died; exiting\n".encode())
+                os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:

@@ -7,9 +7,12 @@ cache, the model is built on meta, sharded and loaded, and the loop runs.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import random
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline import config as config_mod
+from pipeline.checkpoint import Checkpointer, check_fingerprint, read_state
 from pipeline.config import Config
 from pipeline.data import (
     Blocks,
@@ -31,6 +35,7 @@ from pipeline.data import (
     tokenizer_fingerprint,
 )
 from pipeline.errors import UserError
+from pipeline.export import export_dtype, export_model
 from pipeline.parallel import (
     Dist,
     build_mesh,
@@ -49,6 +54,21 @@ class Plan:
     model_dir: Path
     hf_config: object
     dataset: object
+    fingerprint: dict
+
+
+def run_fingerprint(cfg: Config, model_dir: Path, hf_config, dataset) -> dict:
+    """What defines the run, for the resume guard (epochs, steps and frequencies may change between reruns)."""
+    conf = {k: v for k, v in hf_config.to_dict().items() if k not in ("transformers_version", "_name_or_path")}
+    return {
+        "model_name": cfg.model.model_name,
+        "model_config": hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode()).hexdigest()[:16],
+        "tokenizer": tokenizer_fingerprint(model_dir)[:16],
+        "dataset": dataset._fingerprint,
+        "seq_length": cfg.data.seq_length,
+        "val_fraction": cfg.data.val_fraction,
+        "seed": cfg.run.seed,
+    }
 
 
 def resolve_model_dir(model_name: str) -> Path:
@@ -79,7 +99,12 @@ def preflight(cfg: Config) -> Plan:
     if limit is not None and cfg.data.seq_length > limit:
         raise UserError(f"--seq-length {cfg.data.seq_length} is above the model's limit "
                         f"(max_position_embeddings {limit})")
-    return Plan(model_dir, hf_config, load_text_dataset(cfg.data.dataset_name))
+    dataset = load_text_dataset(cfg.data.dataset_name)
+    fingerprint = run_fingerprint(cfg, model_dir, hf_config, dataset)
+    state = read_state(cfg.run_dir)
+    if state and not cfg.run.no_resume:
+        check_fingerprint(cfg.run_dir, state["fingerprint"], fingerprint)
+    return Plan(model_dir, hf_config, dataset, fingerprint)
 
 
 def seed_everything(seed: int) -> None:
@@ -151,13 +176,35 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config, total_steps: 
     return get_scheduler(name, optimizer, num_warmup_steps=cfg.optim.warmup_steps, num_training_steps=total_steps)
 
 
+class Interrupted(Exception):
+    """SIGTERM/SIGINT: a checkpoint was saved and the run stopped cleanly."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopRequest:
+    """Set by the signal handler; acted on at the next step boundary, where all ranks agree on it."""
+
+    signum = 0
+
+    @classmethod
+    def install(cls) -> None:
+        def handler(signum, _frame):
+            cls.signum = signum
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, handler)
+
+
 class Trainer:
     """Owns the model, optimizer, schedule, sampler and counters; its state is what a checkpoint holds."""
 
     def __init__(self, cfg: Config, d: Dist, plan: Plan):
         from transformers import AutoTokenizer
 
-        self.cfg, self.dist = cfg, d
+        self.cfg, self.dist, self.plan = cfg, d, plan
         self.run_dir = cfg.run_dir
         self.dtype = compute_dtype(cfg.model.precision, d.device)
         seed_everything(cfg.run.seed)
@@ -171,42 +218,77 @@ class Trainer:
         self.model = build_model(cfg, plan, d, self.dtype)
         self.optimizer = build_optimizer(self.model, cfg, d.device)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
-        self.step = 0
+        self.step, self.samples_seen, self.best_val = 0, 0, math.inf
         self.timer = PhaseTimer(d.device)
         n_params = sum(p.numel() for p in self.model.parameters())
         n_embed = self.model.get_input_embeddings().weight.numel()
         self.flops_per_token = flops_per_token(plan.hf_config, n_params, n_embed, cfg.data.seq_length)
         self.peak = peak_flops(d.device)
-        self.tokens_per_step = self.sampler.global_batch * cfg.data.seq_length
+        async_ckpt = cfg.run.async_ckpt == "on" or (cfg.run.async_ckpt == "auto" and d.device.type == "cuda")
+        self.ckpt = Checkpointer(self.run_dir, d, cfg.train.keep_last, async_ckpt, plan.fingerprint)
+        self.resumed_from = self.resume()
         log.info("model %s: %s parameters, %s compute, %s; %d train / %d val blocks of %d tokens; global batch "
-                 "%d blocks; %d steps", type(self.model).__name__.removeprefix("FSDP"), f"{n_params:,}", self.dtype,
-                 cfg.model.sharding, len(self.blocks.train), len(self.blocks.val), cfg.data.seq_length,
-                 self.sampler.global_batch, self.total_steps)
+                 "%d blocks; step %d of %d", type(self.model).__name__.removeprefix("FSDP"), f"{n_params:,}",
+                 self.dtype, cfg.model.sharding, len(self.blocks.train), len(self.blocks.val), cfg.data.seq_length,
+                 self.sampler.global_batch, self.step, self.total_steps)
 
     # ------------------------------------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        """Counters, sampler and schedule (JSON-able); model and optimizer are saved through DCP beside it."""
-        return {"step": self.step, "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Counters, sampler and schedule (JSON); model and optimizer are saved through DCP beside it."""
+        return {"step": self.step, "samples_seen": self.samples_seen, "best_val": self.best_val,
+                "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
+        self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
+        self.best_val = float(state["best_val"])
         self.sampler.load_state_dict(state["sampler"])
         self.scheduler.load_state_dict(state["scheduler"])
+        old, new = state["sampler"]["global_batch"], self.sampler.global_batch
+        if old != new and self.dist.is_main:
+            log.warning("global batch changed from %d to %d blocks: continuing from the next unseen block "
+                        "(%d consumed in epoch %d)", old, new, self.sampler.consumed, self.sampler.epoch)
+
+    def resume(self) -> dict | None:
+        """Load the newest complete checkpoint (or --resume-from), verified file by file. Collective."""
+        if self.dist.is_main:
+            for name in self.ckpt.incomplete():
+                log.warning("ignoring incomplete checkpoint %s (removed once a newer one is complete)", name)
+        path = self.ckpt.choose(self.cfg.run.resume_from)
+        if path is None:
+            return None
+        self.ckpt.verify(path)
+        self.load_state_dict(self.ckpt.load(path, self.model, self.optimizer))
+        log.info("resumed from %s at step %d (epoch %d)", path, self.step, self.sampler.epoch)
+        return {"from_step": self.step, "path": str(path)}
+
+    def save(self, sync: bool = False) -> None:
+        if self.ckpt.last_step != self.step:
+            self.ckpt.save(self.step, self.model, self.optimizer, self.state_dict(),
+                           {"epoch": self.sampler.epoch, "samples_seen": self.samples_seen}, sync=sync)
 
     # ------------------------------------------------------------------------------------------------- loop
 
     def fit(self) -> None:
+        if self.step >= self.total_steps and (self.run_dir / "hf").exists():
+            log.info("run already complete at step %d: %s", self.step, self.run_dir / "hf")
+            return
         telemetry = Telemetry(self.run_dir, self.dist.is_main, self.total_steps, self.step)
+        if self.resumed_from:
+            telemetry.event("resume", self.step, **self.resumed_from)
         window_loss = torch.zeros((), device=self.dist.device)
         window_start, window_steps = time.perf_counter(), 0
         self.model.train()
         while self.step < self.total_steps:
-            if not self.sampler.has_next():  # epoch boundary
+            if self.boundary():
+                self.stop(telemetry)
+            if not self.sampler.has_next():  # epoch boundary: checkpoint the start of the next epoch
                 self.sampler.start_epoch(self.sampler.epoch + 1)
+                self.save()
                 continue
             loss, grad_norm = self.train_step()
             self.step += 1
+            self.samples_seen += self.sampler.global_batch
             window_loss += loss
             window_steps += 1
             telemetry.advance()
@@ -217,8 +299,30 @@ class Trainer:
                 window_start, window_steps = time.perf_counter(), 0
             if self.cfg.train.eval_freq and self.step % self.cfg.train.eval_freq == 0 and self.step < self.total_steps:
                 self.evaluate(telemetry)
+            if self.cfg.train.ckpt_freq and self.step % self.cfg.train.ckpt_freq == 0:
+                self.save()
         self.evaluate(telemetry)
+        self.save()
+        self.ckpt.wait()
+        export_model(self.model, self.plan.model_dir, self.run_dir / "hf",
+                     export_dtype(self.cfg.run.export_dtype, self.plan.hf_config), self.dist)
         telemetry.close()
+        log.info("exported the model to %s", self.run_dir / "hf")
+
+    def boundary(self) -> bool:
+        """One small all-reduce per step: did any rank get a signal, and has every rank finished its async save?"""
+        flags = torch.tensor([float(StopRequest.signum != 0), float(self.ckpt.in_flight())])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # CPU tensor: gloo, no device sync
+        self.ckpt.finish_if_done(all_done=flags[1].item() == 0)
+        return bool(flags[0].item())
+
+    def stop(self, telemetry: Telemetry) -> None:
+        self.save(sync=True)
+        self.ckpt.wait()
+        telemetry.close()
+        log.warning("stopped by signal at step %d; checkpoint %s saved; rerun the same command to resume",
+                    self.step, self.ckpt.root / f"step-{self.step:08d}")
+        raise Interrupted(StopRequest.signum or signal.SIGTERM)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over grad_accum micro-batches. Returns (mean loss, grad norm) as device tensors."""
@@ -253,16 +357,16 @@ class Trainer:
         dist.all_reduce(loss)
         loss /= self.dist.world_size
         norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        tokens_per_s = self.tokens_per_step * steps / seconds
+        tokens_per_s = self.sampler.global_batch * self.cfg.data.seq_length * steps / seconds
         mfu = (tokens_per_s / self.dist.world_size * self.flops_per_token / self.peak) if self.peak else None
-        fields = {"epoch": self.sampler.epoch, "loss": round(loss.item(), 5),
-                  "lr": self.scheduler.get_last_lr()[0], "grad_norm": round(norm.item(), 5),
-                  "tokens_per_s": round(tokens_per_s, 1), "mfu": None if mfu is None else round(mfu, 4),
-                  "time_ms": self.timer.read(), "mem_gb": memory_gb(self.dist.device)}
+        fields = {"epoch": self.sampler.epoch, "loss": loss.item(), "lr": self.scheduler.get_last_lr()[0],
+                  "grad_norm": norm.item(), "tokens_per_s": round(tokens_per_s, 1),
+                  "mfu": None if mfu is None else round(mfu, 4), "time_ms": self.timer.read(),
+                  "mem_gb": memory_gb(self.dist.device)}
         telemetry.event("train", self.step, **fields)
         t = fields["time_ms"]
-        telemetry.human({"global_step": self.step, "epoch": fields["epoch"], "loss": fields["loss"],
-                         "lr": f"{fields['lr']:.3g}", "grad_norm": fields["grad_norm"],
+        telemetry.human({"global_step": self.step, "epoch": fields["epoch"], "loss": round(fields["loss"], 4),
+                         "lr": f"{fields['lr']:.3g}", "grad_norm": round(fields["grad_norm"], 4),
                          "tok/s": round(tokens_per_s), "mfu": fields["mfu"], **{f"time/{k}": t[k] for k in t},
                          "mem/peak_alloc_gb": fields["mem_gb"]["peak_alloc"]})
 
@@ -292,35 +396,61 @@ class Trainer:
         self.model.train()
         loss = (sums[0] / sums[1]).item()
         ppl = math.exp(loss) if loss < 700 else math.inf
-        telemetry.event("eval", self.step, loss=round(loss, 5), ppl=round(ppl, 4))
+        telemetry.event("eval", self.step, loss=loss, ppl=ppl)
         telemetry.human({"global_step": self.step, "eval_loss": round(loss, 5), "eval_ppl": round(ppl, 3)})
+        if self.cfg.run.save_best and loss < self.best_val:
+            self.best_val = loss
+            export_model(self.model, self.plan.model_dir, self.run_dir / "best",
+                         export_dtype(self.cfg.run.export_dtype, self.plan.hf_config), self.dist)
+            log.info("best validation loss so far (%.5f): exported to %s", loss, self.run_dir / "best")
         return loss
+
+
+def _new_run_name(cfg: Config, d: Dist) -> Config:
+    """--no-resume on an existing run: rank 0 picks NAME-2, NAME-3, ... and tells the others. Collective."""
+    box = [cfg.run.experiment_name]
+    if d.is_main and cfg.run_dir.exists():
+        k = 2
+        while (Path(cfg.run.save_dir) / f"{cfg.run.experiment_name}-{k}").exists():
+            k += 1
+        box[0] = f"{cfg.run.experiment_name}-{k}"
+        log.warning("--no-resume: starting a new run %s; %s is kept as it is", box[0], cfg.run_dir)
+    dist.broadcast_object_list(box, src=0)
+    cfg.run.experiment_name = box[0]
+    cfg.run.no_resume = False
+    return cfg
 
 
 def run(cfg: Config, d: Dist, plan: Plan) -> Trainer:
     """Set up the run directory and logs, then train."""
+    if cfg.run.no_resume:
+        cfg = _new_run_name(cfg, d)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(cfg.run_dir, d.rank)
     if d.is_main:
         config_mod.save(cfg, cfg.run_dir / "config.yaml")
         log.info("run directory %s (world size %d, device %s)", cfg.run_dir, d.world_size, d.device)
+    StopRequest.install()
     trainer = Trainer(cfg, d, plan)
     trainer.fit()
     if d.is_main:
-        log.info("done: metrics %s, plot %s, log %s", cfg.run_dir / "metrics.jsonl", cfg.run_dir / "loss.png",
-                 cfg.run_dir / "train.log")
+        log.info("done: model %s, metrics %s, plot %s, log %s", cfg.run_dir / "hf", cfg.run_dir / "metrics.jsonl",
+                 cfg.run_dir / "loss.png", cfg.run_dir / "train.log")
     return trainer
 
 
 def main(argv: list[str] | None = None) -> int:
     """fsdp1.py: resolve the config, check everything cheap, then join the process group and train."""
-    from pipeline.parallel import init_distributed
+    from pipeline.parallel import init_distributed, watch_parent
 
     cfg = config_mod.resolve(argv)
     plan = preflight(cfg)
     d = init_distributed()
+    watch_parent()
     try:
         run(cfg, d, plan)
+    except Interrupted as stop:
+        return 128 + stop.signum
     finally:
         dist.destroy_process_group()
     return 0

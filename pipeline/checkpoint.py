@@ -1,0 +1,298 @@
+"""Crash-safe sharded checkpoints with DCP, and the resume guard.
+
+Layout of RUN/checkpoints/step-NNNNNNNN/: DCP's files (model and optimizer, every rank its shards, `.metadata`),
+trainer.json (counters, sampler, LR schedule, fingerprint), rng-RANK.json (per-rank RNG states), manifest.json
+(size and xxh3 checksum of every file). Nothing outside DCP is a pickle.
+
+A checkpoint counts only once RUN/state.json names it. state.json is written last, by rank 0, after every rank has
+finished writing and the manifest is on disk (temporary file, fsync, rename, fsync of the directory), so a crash at
+any moment leaves the previous checkpoint as the newest complete one. Old checkpoints are deleted only after a
+newer one is complete.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import xxhash
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from pipeline.errors import UserError
+from pipeline.parallel import Dist
+from pipeline.telemetry import log
+
+CHECKPOINTS = "checkpoints"
+STATE = "state.json"
+MANIFEST = "manifest.json"
+TRAINER = "trainer.json"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def write_json_atomic(path: Path, obj: object) -> None:
+    """Temporary file, fsync, rename, fsync of the folder: readers see the old or the new file, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=2)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_state(run_dir: Path) -> dict | None:
+    path = run_dir / STATE
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise UserError(f"{path} is unreadable; restore it or pass --resume-from step-N") from None
+
+
+def file_digest(path: Path) -> str:
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(8 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- RNG state as JSON
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
+
+
+# ----------------------------------------------------------------------------------------------- resume guard
+
+
+GUARDED = ("model_name", "model_config", "tokenizer", "dataset", "seq_length", "val_fraction", "seed")
+"""What defines a run: a rerun that changes any of these would silently train something else."""
+
+
+def check_fingerprint(run_dir: Path, saved: dict, current: dict) -> None:
+    for key in GUARDED:
+        if saved.get(key) != current.get(key):
+            raise UserError(f"refusing to resume {run_dir}: {key} was {saved.get(key)!r} and is now "
+                            f"{current.get(key)!r}; rerun with the original value, or pass --no-resume to start a "
+                            "new run beside it")
+
+
+# ------------------------------------------------------------------------------------------------ checkpointer
+
+
+@dataclass
+class Pending:
+    future: Future
+    step: int
+    info: dict
+
+
+class Checkpointer:
+    """Saves, finalises (manifest, state.json, pruning) and loads checkpoints of one run."""
+
+    def __init__(self, run_dir: Path, d: Dist, keep_last: int, async_save: bool, fingerprint: dict):
+        self.run_dir, self.dist, self.keep_last = run_dir, d, keep_last
+        self.root = run_dir / CHECKPOINTS
+        self.fingerprint = fingerprint
+        # async writes run collectives from a background thread: give them a group of their own so they never
+        # interleave with the training loop's collectives (a collective every rank must create: new_group)
+        self.pg = dist.new_group(backend="gloo") if async_save else None
+        self.pending: Pending | None = None
+        self.last_step: int | None = None
+
+    # ---- save
+
+    def save(self, step: int, model, optimizer, trainer_state: dict, info: dict, *, sync: bool = False) -> None:
+        """Write a checkpoint of the current state; asynchronous unless sync or async is off."""
+        self.wait()
+        path = self.root / step_name(step)
+        if self.dist.is_main:
+            self._forget(step)
+            path.mkdir(parents=True, exist_ok=True)
+            for stale in (path / ".metadata", path / MANIFEST):
+                stale.unlink(missing_ok=True)  # a leftover of a crash must not look complete
+        dist.barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        (path / f"rng-{self.dist.rank}.json").write_text(json.dumps(rng_state()))
+        if self.dist.is_main:
+            (path / TRAINER).write_text(json.dumps({**trainer_state, "fingerprint": self.fingerprint}, indent=2))
+        state = {"model": model_sd, "optim": optim_sd}
+        try:
+            if self.pg is not None and not sync:
+                future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.pg)
+                self.pending = Pending(future, step, info)
+                return
+            dcp.save(state, checkpoint_id=str(path))
+        except Exception as exc:  # DCP re-raises a failed write of any rank on every rank
+            self._failed(step, exc)
+        self._finalize(step, info)
+
+    def in_flight(self) -> bool:
+        return self.pending is not None and not self.pending.future.done()
+
+    def finish_if_done(self, all_done: bool) -> None:
+        """Finalise the pending async save once every rank agrees it has finished (see Trainer.boundary)."""
+        if self.pending is not None and all_done:
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) has been written, then finalise it."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        try:
+            pending.future.result()
+        except Exception as exc:
+            self._failed(pending.step, exc)
+        self._finalize(pending.step, pending.info)
+
+    def _failed(self, step: int, exc: Exception) -> None:
+        state = read_state(self.run_dir)
+        previous = (f"the previous checkpoint {Path(state['path']).name} is intact: rerun the same command to "
+                    "resume from it") if state else "no earlier checkpoint exists"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"checkpoint {step_name(step)} could not be written ({first}); nothing was marked "
+                        f"complete and {previous}") from exc
+
+    def _finalize(self, step: int, info: dict) -> None:
+        """Manifest of what every rank wrote, then state.json (rank 0, last), then pruning. A collective."""
+        path = self.root / step_name(step)
+        prefixes = (f"__{self.dist.rank}_", f"rng-{self.dist.rank}.")
+        mine = sorted(p for p in path.iterdir() if p.name.startswith(prefixes))
+        if self.dist.is_main:
+            mine += [path / ".metadata", path / TRAINER]
+        local = {p.name: {"bytes": p.stat().st_size, "xxh3": file_digest(p)} for p in mine}
+        gathered: list[dict] = [{} for _ in range(self.dist.world_size)]
+        dist.all_gather_object(gathered, local)
+        if self.dist.is_main:
+            files = {k: v for part in gathered for k, v in part.items()}
+            write_json_atomic(path / MANIFEST, {"step": step, "files": dict(sorted(files.items()))})
+            self._publish(step, info)
+            self._prune(step)
+        dist.barrier()
+        self.last_step = step
+        log.info("checkpoint %s complete", path)
+
+    def _publish(self, step: int, info: dict) -> None:
+        state = read_state(self.run_dir) or {"checkpoints": []}
+        done = sorted(set(state["checkpoints"]) | {step_name(step)})
+        write_json_atomic(self.run_dir / STATE, {
+            "step": step, "epoch": info["epoch"], "samples_seen": info["samples_seen"],
+            "path": str(self.root / step_name(step)), "checkpoints": done, "fingerprint": self.fingerprint})
+
+    def _forget(self, step: int) -> None:
+        """Before rewriting step-N (a rerun from an older checkpoint), stop naming it complete."""
+        state = read_state(self.run_dir)
+        if state and step_name(step) in state["checkpoints"]:
+            state["checkpoints"].remove(step_name(step))
+            if Path(state["path"]).name == step_name(step):
+                if not state["checkpoints"]:
+                    (self.run_dir / STATE).unlink()
+                    return
+                state["path"] = str(self.root / state["checkpoints"][-1])
+            write_json_atomic(self.run_dir / STATE, state)
+
+    def _prune(self, newest: int) -> None:
+        """Keep the newest keep_last complete checkpoints; drop incomplete ones older than the newest."""
+        state = read_state(self.run_dir)
+        complete = state["checkpoints"]
+        for old in complete[:-self.keep_last]:
+            shutil.rmtree(self.root / old, ignore_errors=True)
+        state["checkpoints"] = complete[-self.keep_last:]
+        write_json_atomic(self.run_dir / STATE, state)
+        for entry in self.root.iterdir():
+            if entry.name.startswith("step-") and entry.name not in complete and entry.name < step_name(newest):
+                shutil.rmtree(entry, ignore_errors=True)
+                log.info("removed incomplete checkpoint %s (a newer one is complete)", entry)
+
+    # ---- resume
+
+    def incomplete(self) -> list[str]:
+        state = read_state(self.run_dir)
+        done = set(state["checkpoints"]) if state else set()
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.name.startswith("step-") and p.name not in done)
+
+    def choose(self, resume_from: str) -> Path | None:
+        """The checkpoint to resume from: --resume-from, else the newest complete one, else None."""
+        state = read_state(self.run_dir)
+        if resume_from:
+            path = self.root / resume_from
+            if not (path / MANIFEST).exists() or not (path / ".metadata").exists():
+                raise UserError(f"--resume-from {resume_from}: {path} is not a complete checkpoint")
+            return path
+        return Path(state["path"]) if state else None
+
+    def verify(self, path: Path) -> None:
+        """Sizes and checksums of every file in the manifest; the files are split across ranks. A collective."""
+        manifest = json.loads((path / MANIFEST).read_text())
+        names = sorted(manifest["files"])[self.dist.rank::self.dist.world_size]
+        bad = []
+        for name in names:
+            f, want = path / name, manifest["files"][name]
+            if not f.exists():
+                bad.append(f"{f} is missing")
+            elif f.stat().st_size != want["bytes"]:
+                bad.append(f"{f} is truncated ({f.stat().st_size} of {want['bytes']} bytes)")
+            elif file_digest(f) != want["xxh3"]:
+                bad.append(f"{f} is corrupt (checksum mismatch)")
+        gathered: list[list[str]] = [[] for _ in range(self.dist.world_size)]
+        dist.all_gather_object(gathered, bad)
+        problems = sorted(p for part in gathered for p in part)
+        if problems:
+            older = [c for c in (read_state(self.run_dir) or {}).get("checkpoints", []) if c < path.name]
+            hint = (f"resume from the previous one with --resume-from {older[-1]}" if older else
+                    "no older checkpoint exists; pass --no-resume to start a new run")
+            raise UserError(f"checkpoint {path.name} is damaged: {problems[0]}; {hint}")
+
+    def load(self, path: Path, model, optimizer) -> dict:
+        """Model and optimizer through DCP (resharding to this world size), RNG of this rank; returns trainer.json."""
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        rng = path / f"rng-{self.dist.rank}.json"
+        if rng.exists():  # a rank that did not exist when it was saved keeps its seeded state
+            set_rng_state(json.loads(rng.read_text()))
+        self.last_step = int(path.name.removeprefix("step-"))
+        return json.loads((path / TRAINER).read_text())
