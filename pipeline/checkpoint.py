@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from pipeline.errors import UserError
@@ -162,7 +163,7 @@ class Checkpointer:
                 self.pending = Pending(future, step, info)
                 return
             dcp.save(state, checkpoint_id=str(path))
-        except Exception as exc:  # DCP re-raises a failed write of any rank on every rank
+        except (Exception, CheckpointException) as exc:  # DCP re-raises any rank's failed write on every rank
             self._failed(step, exc)
         self._finalize(step, info)
 
@@ -181,15 +182,16 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         try:
             pending.future.result()
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:
             self._failed(pending.step, exc)
         self._finalize(pending.step, pending.info)
 
-    def _failed(self, step: int, exc: Exception) -> None:
+    def _failed(self, step: int, exc: BaseException) -> None:
         state = read_state(self.run_dir)
         previous = (f"the previous checkpoint {Path(state['path']).name} is intact: rerun the same command to "
                     "resume from it") if state else "no earlier checkpoint exists"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        causes = exc.failures.items() if isinstance(exc, CheckpointException) else [(self.dist.rank, (exc, None))]
+        first = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in causes)
         raise UserError(f"checkpoint {step_name(step)} could not be written ({first}); nothing was marked "
                         f"complete and {previous}") from exc
 
@@ -217,7 +219,7 @@ class Checkpointer:
         done = sorted(set(state["checkpoints"]) | {step_name(step)})
         write_json_atomic(self.run_dir / STATE, {
             "step": step, "epoch": info["epoch"], "samples_seen": info["samples_seen"],
-            "path": str(self.root / step_name(step)), "checkpoints": done, "fingerprint": self.fingerprint})
+            "path": f"{CHECKPOINTS}/{step_name(step)}", "checkpoints": done, "fingerprint": self.fingerprint})
 
     def _forget(self, step: int) -> None:
         """Before rewriting step-N (a rerun from an older checkpoint), stop naming it complete."""
@@ -228,7 +230,7 @@ class Checkpointer:
                 if not state["checkpoints"]:
                     (self.run_dir / STATE).unlink()
                     return
-                state["path"] = str(self.root / state["checkpoints"][-1])
+                state["path"] = f"{CHECKPOINTS}/{state['checkpoints'][-1]}"
             write_json_atomic(self.run_dir / STATE, state)
 
     def _prune(self, newest: int) -> None:
@@ -261,10 +263,13 @@ class Checkpointer:
             if not (path / MANIFEST).exists() or not (path / ".metadata").exists():
                 raise UserError(f"--resume-from {resume_from}: {path} is not a complete checkpoint")
             return path
-        return Path(state["path"]) if state else None
+        return self.run_dir / state["path"] if state else None  # relative: a run folder can be moved
 
     def verify(self, path: Path) -> None:
         """Sizes and checksums of every file in the manifest; the files are split across ranks. A collective."""
+        if not (path / MANIFEST).exists():
+            raise UserError(f"checkpoint {path} has no {MANIFEST}: it was not completed; pass --resume-from with an "
+                            "earlier checkpoint, or --no-resume")
         manifest = json.loads((path / MANIFEST).read_text())
         names = sorted(manifest["files"])[self.dist.rank::self.dist.world_size]
         bad = []

@@ -94,36 +94,43 @@ def replace_dir(new: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[nn.Module, Path]:
+    """The model of a training checkpoint, sharded over this process group (no optimizer). A collective."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pipeline.config import ModelConfig
-    from pipeline.parallel import build_mesh, init_distributed, materialize, reset_rotary, shard_model
+    from pipeline.parallel import build_mesh, materialize, reset_rotary, shard_model
     from pipeline.trainer import resolve_model_dir
+
+    trainer_json = checkpoint / "trainer.json"
+    if not trainer_json.exists() or not (checkpoint / ".metadata").exists():
+        raise UserError(f"--checkpoint {checkpoint} is not a complete checkpoint (no trainer.json or .metadata)")
+    model_name = json.loads(trainer_json.read_text())["fingerprint"]["model_name"]
+    model_dir = resolve_model_dir(model_name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    cfg = ModelConfig(model_name=model_name, precision="fp32")
+    shard_model(model, cfg, build_mesh(cfg.sharding, d), torch.float32)
+    materialize(model, cfg, d.device)
+    sd = get_model_state_dict(model)
+    dcp.load({"model": sd}, checkpoint_id=str(checkpoint))
+    set_model_state_dict(model, sd)
+    reset_rotary(model, d.device)
+    return model, model_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.parallel import init_distributed
 
     p = argparse.ArgumentParser(description="Export a training checkpoint to a Hugging Face model folder.")
     p.add_argument("--checkpoint", required=True, type=Path, help="RUN/checkpoints/step-NNNNNNNN")
     p.add_argument("--out", required=True, type=Path, help="output folder (replaced once the export is complete)")
     p.add_argument("--export-dtype", default="auto", choices=("auto", *DTYPES), help="default: the base model's")
     args = p.parse_args(argv)
-    trainer_json = args.checkpoint / "trainer.json"
-    if not trainer_json.exists() or not (args.checkpoint / ".metadata").exists():
-        raise UserError(f"--checkpoint {args.checkpoint} is not a complete checkpoint (no trainer.json/.metadata)")
-    model_name = json.loads(trainer_json.read_text())["fingerprint"]["model_name"]
-    model_dir = resolve_model_dir(model_name)
-    hf_config = AutoConfig.from_pretrained(model_dir)
     d = init_distributed()
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-        cfg = ModelConfig(model_name=model_name, precision="fp32")
-        shard_model(model, cfg, build_mesh(cfg.sharding, d), torch.float32)
-        materialize(model, cfg, d.device)
-        sd = get_model_state_dict(model)
-        dcp.load({"model": sd}, checkpoint_id=str(args.checkpoint))
-        set_model_state_dict(model, sd)
-        reset_rotary(model, d.device)
-        export_model(model, model_dir, args.out, export_dtype(args.export_dtype, hf_config), d)
+        model, model_dir = load_checkpoint_model(args.checkpoint, d)
+        export_model(model, model_dir, args.out, export_dtype(args.export_dtype, model.config), d)
         if d.is_main:
             print(f"exported {args.checkpoint} to {args.out}")
     finally:

@@ -151,13 +151,15 @@ class Telemetry:
         if self.bar is not None:
             self.bar.update(1)
 
-    def close(self) -> None:
-        if not self.enabled:
+    def close(self, plot: bool = True) -> None:
+        """End the bar and flush the files; plot the losses unless the run is failing."""
+        if not self.enabled or self.metrics.closed:
             return
         self.bar.close()
         self.tb.close()
         self.metrics.close()
-        plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
+        if plot:
+            plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
 
 
 def plot_losses(metrics: Path, out: Path) -> None:

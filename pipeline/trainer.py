@@ -276,6 +276,13 @@ class Trainer:
         telemetry = Telemetry(self.run_dir, self.dist.is_main, self.total_steps, self.step)
         if self.resumed_from:
             telemetry.event("resume", self.step, **self.resumed_from)
+        try:
+            self.loop(telemetry)
+        finally:
+            telemetry.close(plot=False)  # a no-op after a clean end; on an error, ends the bar before the message
+        log.info("exported the model to %s", self.run_dir / "hf")
+
+    def loop(self, telemetry: Telemetry) -> None:
         window_loss = torch.zeros((), device=self.dist.device)
         window_start, window_steps = time.perf_counter(), 0
         self.model.train()
@@ -307,7 +314,6 @@ class Trainer:
         export_model(self.model, self.plan.model_dir, self.run_dir / "hf",
                      export_dtype(self.cfg.run.export_dtype, self.plan.hf_config), self.dist)
         telemetry.close()
-        log.info("exported the model to %s", self.run_dir / "hf")
 
     def boundary(self) -> bool:
         """One small all-reduce per step: did any rank get a signal, and has every rank finished its async save?"""
@@ -319,7 +325,7 @@ class Trainer:
     def stop(self, telemetry: Telemetry) -> None:
         self.save(sync=True)
         self.ckpt.wait()
-        telemetry.close()
+        telemetry.close()  # plots what the run has so far
         log.warning("stopped by signal at step %d; checkpoint %s saved; rerun the same command to resume",
                     self.step, self.ckpt.root / f"step-{self.step:08d}")
         raise Interrupted(StopRequest.signum or signal.SIGTERM)

@@ -1,0 +1,27 @@
+"""Run under torchrun: load a training checkpoint's model (sharded) and save its logits for fixed inputs."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pipeline.export import load_checkpoint_model
+from pipeline.parallel import init_distributed
+
+
+def main() -> None:
+    checkpoint, out = Path(sys.argv[1]), Path(sys.argv[2])
+    d = init_distributed()
+    model, _ = load_checkpoint_model(checkpoint, d)
+    ids = torch.arange(64).reshape(2, 32) % model.config.vocab_size
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    if d.is_main:
+        np.save(out, logits.numpy())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, torchrun
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+
+def logits_of(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.arange(64).reshape(2, 32) % model.config.vocab_size
+    with torch.no_grad():
+        return model, model(input_ids=ids).logits.numpy()
+
+
+@pytest.mark.parametrize("model", ["local/tiny", "local/tiny-untied"])
+def test_exported_model_equals_the_trained_one(train_env, tmp_path, model):
+    run = tmp_path / "r"
+    proc = torchrun(2, ROOT / "fsdp1.py", "-e", "r", "-d", train_env["dataset"], "-m", model, "--save-dir", tmp_path,
+                    "--config", ROOT / "configs" / "demo.yaml", "--max-steps", 6, "--ckpt-freq", 3, "--eval-freq", 3,
+                    "--save-best", "on", env=train_env["env"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trained = tmp_path / "trained.npy"
+    helper = torchrun(2, ROOT / "tests" / "helpers" / "checkpoint_logits.py", run / "checkpoints" / "step-00000006",
+                      trained, env=train_env["env"])
+    assert helper.returncode == 0, helper.stderr[-3000:]
+    exported, logits = logits_of(run / "hf")
+    np.testing.assert_allclose(logits, np.load(trained), rtol=0, atol=1e-5)
+    tied = model == "local/tiny"
+    assert (exported.lm_head.weight is exported.model.embed_tokens.weight) is tied
+    assert exported.config.tie_word_embeddings is tied
+    assert (run / "hf" / "tokenizer.json").read_bytes() == (
+        train_env["root"] / "hf" / "hub" / f"models--local--{model.split('/')[1]}" / "snapshots").glob(
+        "*/tokenizer.json").__next__().read_bytes()
+    evals = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
+    assert (run / "best" / "config.json").exists() and len(evals) == 2
+    # an offline export of an earlier checkpoint, in bf16, under torchrun
+    out = tmp_path / "export3"
+    exp = torchrun(2, "-m", "pipeline.export", "--checkpoint", run / "checkpoints" / "step-00000003", "--out", out,
+                   "--export-dtype", "bf16", env=train_env["env"])
+    assert exp.returncode == 0, exp.stderr[-3000:]
+    (weights,) = out.glob("*.safetensors")
+    with safe_open(str(weights), "pt") as fh:
+        assert {fh.get_slice(k).get_dtype() for k in fh.keys()} == {"BF16"}  # noqa: SIM118
+        assert ("lm_head.weight" in fh.keys()) is not tied  # noqa: SIM118
+    assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16

@@ -1,0 +1,220 @@
+"""Fault tests: real processes are killed, checkpoints damaged, writes made to fail; then the same command reruns."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import ROOT, run_script, torchrun
+
+pytestmark = pytest.mark.slow
+
+
+def args(env: dict, root: Path, *extra: object, name: str = "r") -> list[str]:
+    return ["-e", name, "-d", str(env["dataset"]), "-m", "local/tiny", "--save-dir", str(root), "--config",
+            str(ROOT / "configs" / "demo.yaml"), "--log-freq", "1", "--ckpt-freq", "5", "--eval-freq", "0",
+            "--max-steps", "20", *map(str, extra)]
+
+
+def train(env: dict, root: Path, *extra: object, nproc: int = 2, name: str = "r") -> subprocess.CompletedProcess:
+    a = args(env, root, *extra, name=name)
+    if nproc == 1:
+        return run_script("fsdp1.py", *a, env=env["env"])
+    return torchrun(nproc, ROOT / "fsdp1.py", *a, env=env["env"])
+
+
+def start(env: dict, root: Path, *extra: object) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "fsdp1.py"), *args(env, root, *extra)]
+    return subprocess.Popen(cmd, cwd=ROOT, env={**env["env"], "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Train loss by step; a step logged twice (before a crash and after the resume) keeps its last value."""
+    out = {}
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        event = json.loads(line)
+        if event["event"] == "train":
+            out[event["step"]] = event["loss"]
+    return out
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, "the run ended before the fault could be injected"
+        assert time.monotonic() < deadline, "timed out waiting for the run"
+        time.sleep(0.002)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(train_env, tmp_path_factory) -> dict[int, float]:
+    root = tmp_path_factory.mktemp("reference")
+    proc = train(train_env, root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = losses(root / "r")
+    assert sorted(ref) == list(range(1, 21))
+    return ref
+
+
+def test_sigkill_at_random_points_including_a_checkpoint_write(train_env, tmp_path, reference):
+    run = tmp_path / "r"
+    rng = random.Random(1234)
+    in_write = lambda: any((d / "__0_0.distcp").exists() and not (d / "manifest.json").exists()  # noqa: E731
+                           for d in (run / "checkpoints").glob("step-*"))
+    for point in ("checkpoint-write", rng.randint(3, 9), rng.randint(10, 18)):
+        proc = start(train_env, tmp_path)
+        before = max(losses(run), default=0)
+        if point == "checkpoint-write":
+            wait_for(in_write, proc)
+        else:
+            wait_for(lambda p=point, b=before: max(losses(run), default=0) >= max(p, b + 1), proc)
+        kill_tree(proc)
+    done = train(train_env, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert losses(run) == reference  # bitwise: same world size, CPU
+    resumes = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"resume"' in x]
+    assert resumes, "at least one rerun resumed from a checkpoint"
+    state = json.loads((run / "state.json").read_text())
+    assert state["checkpoints"] == ["step-00000015", "step-00000020"] and state["step"] == 20
+
+
+def test_sigterm_saves_and_the_rerun_continues_from_that_step(train_env, tmp_path, reference):
+    run = tmp_path / "r"
+    proc = start(train_env, tmp_path)
+    wait_for(lambda: max(losses(run), default=0) >= 7, proc)
+    os.kill(proc.pid, signal.SIGTERM)  # the launcher forwards it to the workers
+    proc.wait(timeout=30)
+    state = json.loads((run / "state.json").read_text())
+    stopped = state["step"]
+    assert stopped >= 7 and stopped % 5 != 0 or stopped >= 7
+    assert f"stopped by signal at step {stopped}" in (run / "train.log").read_text()
+    done = train(train_env, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from {run / 'checkpoints' / f'step-{stopped:08d}'} at step {stopped}" in done.stdout
+    assert losses(run) == reference
+
+
+def test_damaged_and_incomplete_checkpoints(train_env, tmp_path):
+    run = tmp_path / "r"
+    assert train(train_env, tmp_path, "--max-steps", 10).returncode == 0
+    shard = run / "checkpoints" / "step-00000010" / "__1_0.distcp"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 2])
+    junk = run / "checkpoints" / "step-00000007"
+    junk.mkdir()
+    (junk / "__0_0.distcp").write_bytes(b"partial")
+    refused = train(train_env, tmp_path, "--max-steps", 15)
+    assert refused.returncode != 0
+    message = (f"error: checkpoint step-00000010 is damaged: {shard} is truncated ({size // 2} of {size} bytes); "
+               "resume from the previous one with --resume-from step-00000005")
+    # torchrun stops the other worker as soon as one fails, so it may not get to print its own copy
+    assert refused.stderr.count(message + "\n") >= 1, refused.stderr[-2000:]
+    resumed = train(train_env, tmp_path, "--max-steps", 15, "--resume-from", "step-00000005")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "ignoring incomplete checkpoint step-00000007" in (run / "train.log").read_text()
+    assert not junk.exists(), "removed once a newer complete checkpoint exists"
+    assert json.loads((run / "state.json").read_text())["checkpoints"] == ["step-00000010", "step-00000015"]
+
+
+def test_write_failure_on_one_rank_keeps_the_previous_checkpoint(train_env, tmp_path):
+    run = tmp_path / "r"
+    assert train(train_env, tmp_path, "--max-steps", 5).returncode == 0
+    blocker = run / "checkpoints" / "step-00000010" / "__1_0.distcp"
+    blocker.mkdir(parents=True)  # rank 1 cannot create its shard file there
+    failed = train(train_env, tmp_path, "--max-steps", 10)
+    assert failed.returncode != 0
+    lines = [x for x in failed.stderr.splitlines() if x.startswith("error: checkpoint step-00000010")]
+    assert lines, failed.stderr[-3000:]
+    assert lines[0].endswith("nothing was marked complete and the previous checkpoint step-00000005 is intact: "
+                             "rerun the same command to resume from it")
+    state = json.loads((run / "state.json").read_text())
+    assert (state["step"], state["checkpoints"]) == (5, ["step-00000005"])
+    blocker.rmdir()
+    again = train(train_env, tmp_path, "--max-steps", 10)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and json.loads((run / "state.json").read_text())["step"] == 10
+
+
+@pytest.mark.parametrize(("first", "second"), [(2, 1), (1, 2)])
+def test_resume_with_another_world_size(train_env, tmp_path, first, second):
+    batch = {1: 4, 2: 2}  # the same global batch of 4 blocks
+    one = train(train_env, tmp_path / "a", "--max-steps", 10, "-b", batch[first], nproc=first)
+    assert one.returncode == 0, one.stderr[-3000:]
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    same = train(train_env, tmp_path / "a", "-b", batch[first], nproc=first)
+    other = train(train_env, tmp_path / "b", "-b", batch[second], nproc=second)
+    for proc in (same, other):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "resumed from" in proc.stdout
+    expected, got = losses(tmp_path / "a" / "r"), losses(tmp_path / "b" / "r")
+    assert sorted(got) == sorted(expected) == list(range(1, 21))
+    for step in range(1, 21):  # resharded model and optimizer: equal up to the reduction order, not bitwise
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+
+
+def test_another_global_batch_continues_from_the_next_unseen_block(train_env, tmp_path):
+    assert train(train_env, tmp_path, "--max-steps", 5).returncode == 0
+    more = train(train_env, tmp_path, "--max-steps", 8, "-b", 1)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert ("global batch changed from 4 to 2 blocks: continuing from the next unseen block (20 consumed in "
+            "epoch 0)") in more.stdout
+    state = json.loads((tmp_path / "r" / "state.json").read_text())
+    assert state["samples_seen"] == 5 * 4 + 3 * 2
+
+
+def test_resume_guard_names_the_changed_field(train_env, tmp_path, tiny_models):
+    assert train(train_env, tmp_path, "--max-steps", 2).returncode == 0
+    run = tmp_path / "r"
+    fp = json.loads((run / "state.json").read_text())["fingerprint"]
+    cases = [
+        (["--seq-length", "64"], "seq_length was 128 and is now 64"),
+        (["--val-fraction", "0.1"], "val_fraction was 0.05 and is now 0.1"),
+        (["--seed", "1"], "seed was 0 and is now 1"),
+    ]
+    for extra, change in cases:
+        proc = run_script("fsdp1.py", *args(train_env, tmp_path, *extra), env=train_env["env"])
+        assert proc.returncode == 2
+        assert proc.stderr.splitlines()[-1] == (f"error: refusing to resume {run}: {change}; rerun with the original "
+                                                "value, or pass --no-resume to start a new run beside it")
+    other = [a if a != "local/tiny" else "local/tiny-untied" for a in args(train_env, tmp_path)]
+    proc = run_script("fsdp1.py", *other, env=train_env["env"])
+    assert "model_name was 'local/tiny' and is now 'local/tiny-untied'" in proc.stderr
+    data2 = tmp_path / "data2"
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["other text " * 200] * 50}).save_to_disk(str(data2))
+    proc = run_script("fsdp1.py", *[str(data2) if a == str(train_env["dataset"]) else a
+                                    for a in args(train_env, tmp_path)], env=train_env["env"])
+    assert f"dataset was '{fp['dataset']}' and is now '" in proc.stderr
+    fresh = run_script("fsdp1.py", *args(train_env, tmp_path, "--seq-length", "64", "--no-resume"),
+                       env=train_env["env"])
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert (tmp_path / "r-2" / "hf" / "config.json").exists() and (run / "state.json").exists()
+
+
+def test_no_worker_outlives_a_killed_launcher(train_env, tmp_path):
+    proc = start(train_env, tmp_path, "--max-steps", 100000, "--ckpt-freq", 0)
+    wait_for(lambda: max(losses(tmp_path / "r"), default=0) >= 1, proc)
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    assert len(workers) >= 2
+    os.kill(proc.pid, signal.SIGKILL)  # the agent only: nothing forwards a signal to the workers
+    proc.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=20)
+    for p in alive:
+        p.kill()
+    assert not alive, f"workers still running 20 s after the launcher died: {[p.pid for p in alive]}"
