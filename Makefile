@@ -21,11 +21,14 @@ demo: $(STAMP)
 	$(PY) DATA-HF.py --data_folder $(DEMO)/splits --save_dir $(DEMO)/hf_datasets/corpus --overwrite
 	$(PY) -m pipeline.tiny --out $(DEMO)/tiny-llama --corpus examples/raw
 	$(PY) MODEL_DOWNLOAD.py --model-name $(DEMO_MODEL) --source $(DEMO)/tiny-llama
+	examples/demo_train.sh $(PY) $(DEMO)/outputs demo -d $(DEMO)/hf_datasets/corpus -m $(DEMO_MODEL) \
+		--config configs/demo.yaml
 	@echo
 	@echo "demo outputs:"
 	@echo "  splits + manifest:   $(DEMO)/splits/manifest.jsonl"
 	@echo "  Arrow dataset:       $(DEMO)/hf_datasets/corpus (report: prep_report.json inside it)"
 	@echo "  tiny model (random): $(DEMO)/tiny-llama, imported as $(DEMO_MODEL) into $(HF_HOME)"
+	@echo "  training run:        $(DEMO)/outputs/demo (metrics.jsonl, loss.png, train.log, checkpoints/, hf/)"
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -17,6 +17,8 @@ import json
 import os
 import random
 import shutil
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +127,10 @@ class Pending:
     future: Future
     step: int
     info: dict
+    started: float
+    """perf_counter() when the save began."""
+    stall: float
+    """Seconds the training loop was blocked by it."""
 
 
 class Checkpointer:
@@ -139,12 +145,15 @@ class Checkpointer:
         self.pg = dist.new_group(backend="gloo") if async_save else None
         self.pending: Pending | None = None
         self.last_step: int | None = None
+        self.listener: Callable[[int, dict], None] | None = None
+        """Told (step, {path, seconds, stall_seconds}) when a checkpoint becomes complete (rank 0 writes it out)."""
 
     # ---- save
 
     def save(self, step: int, model, optimizer, trainer_state: dict, info: dict, *, sync: bool = False) -> None:
         """Write a checkpoint of the current state; asynchronous unless sync or async is off."""
         self.wait()
+        started = time.perf_counter()
         path = self.root / step_name(step)
         if self.dist.is_main:
             self._forget(step)
@@ -160,12 +169,12 @@ class Checkpointer:
         try:
             if self.pg is not None and not sync:
                 future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.pg)
-                self.pending = Pending(future, step, info)
+                self.pending = Pending(future, step, info, started, time.perf_counter() - started)
                 return
             dcp.save(state, checkpoint_id=str(path))
         except (Exception, CheckpointException) as exc:  # DCP re-raises any rank's failed write on every rank
             self._failed(step, exc)
-        self._finalize(step, info)
+        self._finalize(step, info, started, time.perf_counter() - started)
 
     def in_flight(self) -> bool:
         return self.pending is not None and not self.pending.future.done()
@@ -184,7 +193,7 @@ class Checkpointer:
             pending.future.result()
         except (Exception, CheckpointException) as exc:
             self._failed(pending.step, exc)
-        self._finalize(pending.step, pending.info)
+        self._finalize(pending.step, pending.info, pending.started, pending.stall)
 
     def _failed(self, step: int, exc: BaseException) -> None:
         state = read_state(self.run_dir)
@@ -195,7 +204,7 @@ class Checkpointer:
         raise UserError(f"checkpoint {step_name(step)} could not be written ({first}); nothing was marked "
                         f"complete and {previous}") from exc
 
-    def _finalize(self, step: int, info: dict) -> None:
+    def _finalize(self, step: int, info: dict, started: float, stall: float) -> None:
         """Manifest of what every rank wrote, then state.json (rank 0, last), then pruning. A collective."""
         path = self.root / step_name(step)
         prefixes = (f"__{self.dist.rank}_", f"rng-{self.dist.rank}.")
@@ -212,7 +221,10 @@ class Checkpointer:
             self._prune(step)
         dist.barrier()
         self.last_step = step
-        log.info("checkpoint %s complete", path)
+        seconds = time.perf_counter() - started
+        log.info("checkpoint %s complete (%.2f s, training blocked %.2f s)", path, seconds, stall)
+        if self.listener is not None:
+            self.listener(step, {"path": str(path), "seconds": round(seconds, 3), "stall_seconds": round(stall, 3)})
 
     def _publish(self, step: int, info: dict) -> None:
         state = read_state(self.run_dir) or {"checkpoints": []}

@@ -274,6 +274,7 @@ class Trainer:
             log.info("run already complete at step %d: %s", self.step, self.run_dir / "hf")
             return
         telemetry = Telemetry(self.run_dir, self.dist.is_main, self.total_steps, self.step)
+        self.ckpt.listener = lambda step, fields: telemetry.event("checkpoint", step, **fields)
         if self.resumed_from:
             telemetry.event("resume", self.step, **self.resumed_from)
         try:

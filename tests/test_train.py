@@ -4,7 +4,7 @@ import pytest
 import yaml
 from conftest import ROOT, run_script, torchrun
 
-DEMO = ["--config", str(ROOT / "configs" / "demo.yaml")]
+DEMO = ["--config", str(ROOT / "configs" / "demo.yaml"), "--max-steps", "40", "--ckpt-freq", "20", "--eval-freq", "20"]
 TRAIN_KEYS = {"event", "step", "time", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "time_ms", "mem_gb"}
 
 
@@ -30,6 +30,10 @@ def test_two_rank_run_trains_and_writes_its_run_directory(tmp_path, train_env):
         assert e["mfu"] is None and e["tokens_per_s"] > 0 and e["grad_norm"] > 0
         assert e["time_ms"]["total"] >= e["time_ms"]["forward"] + e["time_ms"]["backward"]
     assert all(set(e) == {"event", "step", "time", "loss", "ppl"} for e in evals)
+    ckpts = [e for e in evs if e["event"] == "checkpoint"]
+    assert [e["step"] for e in ckpts] == [20, 40]
+    assert all(set(e) == {"event", "step", "time", "path", "seconds", "stall_seconds"} for e in ckpts)
+    assert ckpts[-1]["path"] == str(run / "checkpoints" / "step-00000040")
     assert train[-1]["lr"] == 0.0  # cosine to zero at the last step
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert (saved["lr"], saved["seq_length"], saved["max_steps"], saved["experiment_name"]) == (3e-3, 128, 40, "demo")
@@ -50,7 +54,8 @@ def test_single_process_run_reuses_the_token_cache(tmp_path, train_env):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "token cache hit" in second.stdout and "building token cache" not in second.stdout
     assert len(list((tmp_path / "token_cache").iterdir())) == 1
-    assert [e["loss"] for e in events(tmp_path / "a")] == [e["loss"] for e in events(tmp_path / "b")]
+    train_losses = [[e["loss"] for e in events(tmp_path / run) if e["event"] == "train"] for run in ("a", "b")]
+    assert train_losses[0] == train_losses[1] and len(train_losses[0]) == 3
 
 
 @pytest.mark.parametrize(
