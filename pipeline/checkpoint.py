@@ -145,6 +145,7 @@ class Checkpointer:
         self.pg = dist.new_group(backend="gloo") if async_save else None
         self.pending: Pending | None = None
         self.last_step: int | None = None
+        """The step of the newest checkpoint saved, being saved, or loaded."""
         self.listener: Callable[[int, dict], None] | None = None
         """Told (step, {path, seconds, stall_seconds}) when a checkpoint becomes complete (rank 0 writes it out)."""
 
@@ -154,6 +155,7 @@ class Checkpointer:
         """Write a checkpoint of the current state; asynchronous unless sync or async is off."""
         self.wait()
         started = time.perf_counter()
+        self.last_step = step  # saved or being saved: the trainer does not ask for the same step twice
         path = self.root / step_name(step)
         if self.dist.is_main:
             self._forget(step)
@@ -220,7 +222,6 @@ class Checkpointer:
             self._publish(step, info)
             self._prune(step)
         dist.barrier()
-        self.last_step = step
         seconds = time.perf_counter() - started
         log.info("checkpoint %s complete (%.2f s, training blocked %.2f s)", path, seconds, stall)
         if self.listener is not None:

@@ -218,3 +218,17 @@ def test_no_worker_outlives_a_killed_launcher(train_env, tmp_path):
     for p in alive:
         p.kill()
     assert not alive, f"workers still running 20 s after the launcher died: {[p.pid for p in alive]}"
+
+
+def test_async_checkpoints_complete_and_resume_exactly(train_env, tmp_path, reference):
+    run = tmp_path / "r"
+    proc = start(train_env, tmp_path, "--async-ckpt", "on")
+    wait_for(lambda: max(losses(run), default=0) >= 12, proc)
+    kill_tree(proc)
+    done = train(train_env, tmp_path, "--async-ckpt", "on")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert losses(run) == reference
+    ckpts = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"checkpoint"' in x]
+    steps = [c["step"] for c in ckpts]
+    assert steps[-2:] == [15, 20] and steps.count(20) == 1, steps
+    assert json.loads((run / "state.json").read_text())["checkpoints"] == ["step-00000015", "step-00000020"]
