@@ -24,6 +24,7 @@ import yaml
 from tqdm import tqdm
 
 from pipeline.errors import UserError
+from pipeline.fsutil import replace_dir
 from pipeline.organize import MANIFEST
 
 TEXT_TYPES = (".txt", ".md")
@@ -353,21 +354,10 @@ def build_dataset(cfg: CorpusConfig) -> dict:
         ds.save_to_disk(str(work / "dataset"))
         report["seconds"] = round(time.perf_counter() - start, 3)
         (work / "dataset" / REPORT).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        _swap_into_place(work / "dataset", cfg.save_dir)
+        replace_dir(work / "dataset", cfg.save_dir)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return report
-
-
-def _swap_into_place(new: Path, target: Path) -> None:
-    """Rename the finished dataset to target; an existing one is moved aside first and deleted only after."""
-    old = None
-    if target.exists():
-        old = target.parent / f".{target.name}.replaced-{os.getpid()}"
-        os.replace(target, old)
-    os.replace(new, target)
-    if old is not None:
-        shutil.rmtree(old)
 
 
 def format_summary(report: dict) -> str:

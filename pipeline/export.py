@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from pipeline.errors import UserError
+from pipeline.fsutil import replace_dir
 from pipeline.parallel import DTYPES, Dist
 
 FILE_BYTES = 5 * 1024**3
@@ -83,15 +84,6 @@ def export_model(model: nn.Module, model_dir: Path, out: Path, dtype: torch.dtyp
                 shutil.copyfile(model_dir / name, work / name)
         replace_dir(work, out)
     dist.barrier()
-
-
-def replace_dir(new: Path, target: Path) -> None:
-    """Rename new to target; an existing target is moved aside first and removed only after."""
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    if target.exists():
-        os.replace(target, old)
-    os.replace(new, target)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[nn.Module, Path]:

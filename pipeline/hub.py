@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.fsutil import sha256_file
 
 ALLOW_PATTERNS = [
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -122,14 +123,6 @@ def download(model_name: str, revision: str, cache_dir: Path) -> Path:
 # ---------------------------------------------------------------------------------------------------- import
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def source_files(source: Path) -> tuple[list[str], list[str]]:
     """(files to import, files left out) of a local model directory; UserError when it is not a model."""
     if not source.is_dir():
@@ -152,7 +145,7 @@ def import_local(source: Path, model_name: str, revision: str, cache_dir: Path) 
     take, _ = source_files(source)
     check_disk(cache_dir, sum((source / f).stat().st_size for f in take))
     repo = repo_folder(cache_dir, model_name)
-    hashes = {f: _sha256(source / f) for f in take}
+    hashes = {f: sha256_file(source / f) for f in take}
     commit = hashlib.sha1(json.dumps(hashes, sort_keys=True).encode()).hexdigest()
     snapshot = repo / "snapshots" / commit
     for rel, digest in hashes.items():

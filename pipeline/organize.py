@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.fsutil import sha256_file
 
 MANIFEST = "manifest.jsonl"
 MODES = ("copy", "hardlink", "symlink")
@@ -130,14 +131,6 @@ def plan_splits(files: list[SourceFile], num_dirs: int, seed: int) -> list[int]:
 
 def split_name(k: int, num_dirs: int) -> str:
     return f"split_{k:0{max(2, len(str(num_dirs - 1)))}d}"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _is_current(src: Path, dst: Path, mode: str, size: int, sha: str) -> bool:

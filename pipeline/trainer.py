@@ -440,6 +440,7 @@ def run(cfg: Config, d: Dist, plan: Plan) -> Trainer:
     StopRequest.install()
     trainer = Trainer(cfg, d, plan)
     trainer.fit()
+    dist.barrier()  # no rank tears the group down while another still has collectives in flight
     if d.is_main:
         log.info("done: model %s, metrics %s, plot %s, log %s", cfg.run_dir / "hf", cfg.run_dir / "metrics.jsonl",
                  cfg.run_dir / "loss.png", cfg.run_dir / "train.log")

@@ -7,7 +7,8 @@ import pytest
 from conftest import run_script, tree_digest
 
 from pipeline.errors import UserError
-from pipeline.organize import MANIFEST, OrganizeConfig, organize, sha256_file
+from pipeline.fsutil import sha256_file
+from pipeline.organize import MANIFEST, OrganizeConfig, organize
 
 
 def make_source(root: Path, n: int = 40, seed: int = 1) -> dict[str, int]:

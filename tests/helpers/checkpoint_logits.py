@@ -20,6 +20,7 @@ def main() -> None:
         logits = model(input_ids=ids).logits
     if d.is_main:
         np.save(out, logits.numpy())
+    dist.barrier()  # no rank tears the group down while another still has collectives in flight
     dist.destroy_process_group()
 
 

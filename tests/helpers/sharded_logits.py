@@ -29,6 +29,7 @@ def main() -> None:
     if d.is_main:
         np.save(out, logits.numpy())
         out.with_suffix(".txt").write_text(f"{tied} {local} {model.model.embed_tokens.weight.numel()}")
+    dist.barrier()  # no rank tears the group down while another still has collectives in flight
     dist.destroy_process_group()
 
 
