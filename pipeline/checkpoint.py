@@ -163,6 +163,7 @@ class Checkpointer:
             for stale in (path / ".metadata", path / MANIFEST):
                 stale.unlink(missing_ok=True)  # a leftover of a crash must not look complete
         dist.barrier()
+        model.reshard()  # save shards, never a gathered root (left gathered by a forward without backward)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         (path / f"rng-{self.dist.rank}.json").write_text(json.dumps(rng_state()))
         if self.dist.is_main:

@@ -55,6 +55,7 @@ def _file_index(sd: dict, dtype: torch.dtype) -> dict[str, int]:
 
 def export_model(model: nn.Module, model_dir: Path, out: Path, dtype: torch.dtype, d: Dist) -> None:
     """Write model (sharded, any world size) to out in Hugging Face format. A collective: every rank calls it."""
+    model.reshard()  # export shards, never a gathered root (left gathered by a forward without backward)
     sd = get_model_state_dict(model)
     if getattr(model.config, "tie_word_embeddings", False):
         for tied in getattr(model, "all_tied_weights_keys", None) or {}:

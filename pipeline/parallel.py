@@ -140,8 +140,9 @@ def shard_model(model: nn.Module, cfg: ModelConfig, mesh: DeviceMesh, dtype: tor
         if cfg.compile:
             layer.compile()
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
-    # root: embeddings, final norm and lm_head; tied embedding and lm_head share one parameter in this group
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+    # root: embeddings, final norm and lm_head (one shared parameter when tied). Not resharded after forward: the
+    # backward needs the lm_head first, right after the forward ends, so resharding would only all-gather it again
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
 
 
 def tied_partners(model: nn.Module) -> dict[str, str]:

@@ -400,6 +400,7 @@ class Trainer:
             sums += torch.stack([loss.double() * tokens, torch.tensor(tokens, dtype=torch.float64,
                                                                         device=self.dist.device)])
         dist.all_reduce(sums)
+        self.model.reshard()  # the root stays gathered after a forward without backward; give the memory back
         self.model.train()
         loss = (sums[0] / sums[1]).item()
         ppl = math.exp(loss) if loss < 700 else math.inf

@@ -24,6 +24,7 @@ def main() -> None:
     ids = torch.arange(64).reshape(2, 32) % model.config.vocab_size
     with torch.no_grad():
         logits = model(input_ids=ids).logits
+    model.reshard()
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     local = model.model.embed_tokens.weight.to_local().numel()
     if d.is_main:
