@@ -147,7 +147,7 @@ class Checkpointer:
         self.last_step: int | None = None
         """The step of the newest checkpoint saved, being saved, or loaded."""
         self.listener: Callable[[int, dict], None] | None = None
-        """Told (step, {path, seconds, stall_seconds}) when a checkpoint becomes complete (rank 0 writes it out)."""
+        """Told (step, {path, seconds, stall_seconds, bytes}) when a checkpoint becomes complete (rank 0 writes it out)."""
 
     # ---- save
 
@@ -224,9 +224,11 @@ class Checkpointer:
             self._prune(step)
         dist.barrier()
         seconds = time.perf_counter() - started
-        log.info("checkpoint %s complete (%.2f s, training blocked %.2f s)", path, seconds, stall)
+        size = sum(entry["bytes"] for part in gathered for entry in part.values())
+        log.info("checkpoint %s complete (%.2f s, %.1f MB, training blocked %.2f s)", path, seconds, size / 1e6, stall)
         if self.listener is not None:
-            self.listener(step, {"path": str(path), "seconds": round(seconds, 3), "stall_seconds": round(stall, 3)})
+            self.listener(step, {"path": str(path), "seconds": round(seconds, 3), "stall_seconds": round(stall, 3),
+                                 "bytes": size})
 
     def _publish(self, step: int, info: dict) -> None:
         state = read_state(self.run_dir) or {"checkpoints": []}

@@ -257,10 +257,12 @@ class Trainer:
         path = self.ckpt.choose(self.cfg.run.resume_from)
         if path is None:
             return None
+        started = time.perf_counter()
         self.ckpt.verify(path)
         self.load_state_dict(self.ckpt.load(path, self.model, self.optimizer))
-        log.info("resumed from %s at step %d (epoch %d)", path, self.step, self.sampler.epoch)
-        return {"from_step": self.step, "path": str(path)}
+        seconds = time.perf_counter() - started
+        log.info("resumed from %s at step %d (epoch %d) in %.2f s", path, self.step, self.sampler.epoch, seconds)
+        return {"from_step": self.step, "path": str(path), "seconds": round(seconds, 3)}
 
     def save(self, sync: bool = False) -> None:
         if self.ckpt.last_step != self.step:

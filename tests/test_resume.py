@@ -89,6 +89,8 @@ def test_sigkill_at_random_points_including_a_checkpoint_write(train_env, tmp_pa
     assert losses(run) == reference  # bitwise: same world size, CPU
     resumes = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"resume"' in x]
     assert resumes, "at least one rerun resumed from a checkpoint"
+    assert all(set(e) == {"event", "step", "time", "from_step", "path", "seconds"} and e["seconds"] > 0
+               for e in resumes)
     state = json.loads((run / "state.json").read_text())
     assert state["checkpoints"] == ["step-00000015", "step-00000020"] and state["step"] == 20
 

@@ -32,8 +32,10 @@ def test_two_rank_run_trains_and_writes_its_run_directory(tmp_path, train_env):
     assert all(set(e) == {"event", "step", "time", "loss", "ppl"} for e in evals)
     ckpts = [e for e in evs if e["event"] == "checkpoint"]
     assert [e["step"] for e in ckpts] == [20, 40]
-    assert all(set(e) == {"event", "step", "time", "path", "seconds", "stall_seconds"} for e in ckpts)
+    assert all(set(e) == {"event", "step", "time", "path", "seconds", "stall_seconds", "bytes"} for e in ckpts)
     assert ckpts[-1]["path"] == str(run / "checkpoints" / "step-00000040")
+    written = [f for f in (run / "checkpoints" / "step-00000040").iterdir() if f.name != "manifest.json"]
+    assert ckpts[-1]["bytes"] == sum(f.stat().st_size for f in written)
     assert train[-1]["lr"] == 0.0  # cosine to zero at the last step
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert (saved["lr"], saved["seq_length"], saved["max_steps"], saved["experiment_name"]) == (3e-3, 128, 40, "demo")
