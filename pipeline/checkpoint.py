@@ -29,10 +29,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from pipeline.errors import UserError
-from pipeline.parallel import Dist
+from pipeline.parallel import Dist, without_tied_aliases
 from pipeline.telemetry import log
 
 CHECKPOINTS = "checkpoints"
@@ -147,7 +147,7 @@ class Checkpointer:
         self.last_step: int | None = None
         """The step of the newest checkpoint saved, being saved, or loaded."""
         self.listener: Callable[[int, dict], None] | None = None
-        """Told (step, {path, seconds, stall_seconds, bytes}) when a checkpoint becomes complete (rank 0 writes it out)."""
+        """Told (step, {path, seconds, stall_seconds, bytes}) when a checkpoint is complete (rank 0 writes it out)."""
 
     # ---- save
 
@@ -165,6 +165,7 @@ class Checkpointer:
         dist.barrier()
         model.reshard()  # save shards, never a gathered root (left gathered by a forward without backward)
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd = without_tied_aliases(model, model_sd)
         (path / f"rng-{self.dist.rank}.json").write_text(json.dumps(rng_state()))
         if self.dist.is_main:
             (path / TRAINER).write_text(json.dumps({**trainer_state, "fingerprint": self.fingerprint}, indent=2))
@@ -309,9 +310,11 @@ class Checkpointer:
     def load(self, path: Path, model, optimizer) -> dict:
         """Model and optimizer through DCP (resharding to this world size), RNG of this rank; returns trainer.json."""
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {"model": without_tied_aliases(model, model_sd), "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        # strict=False: a tied lm_head is filled through its embedding (one shared parameter)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=False))
         rng = path / f"rng-{self.dist.rank}.json"
         if rng.exists():  # a rank that did not exist when it was saved keeps its seeded state
             set_rng_state(json.loads(rng.read_text()))

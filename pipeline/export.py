@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from pipeline.errors import UserError
 from pipeline.fsutil import replace_dir
@@ -92,7 +92,7 @@ def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[nn.Module, Path]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pipeline.config import ModelConfig
-    from pipeline.parallel import build_mesh, materialize, reset_rotary, shard_model
+    from pipeline.parallel import build_mesh, materialize, reset_rotary, shard_model, without_tied_aliases
     from pipeline.trainer import resolve_model_dir
 
     trainer_json = checkpoint / "trainer.json"
@@ -105,9 +105,9 @@ def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[nn.Module, Path]:
     cfg = ModelConfig(model_name=model_name, precision="fp32")
     shard_model(model, cfg, build_mesh(cfg.sharding, d), torch.float32)
     materialize(model, cfg, d.device)
-    sd = get_model_state_dict(model)
+    sd = without_tied_aliases(model, get_model_state_dict(model))
     dcp.load({"model": sd}, checkpoint_id=str(checkpoint))
-    set_model_state_dict(model, sd)
+    set_model_state_dict(model, sd, options=StateDictOptions(strict=False))  # a tied lm_head: via its embedding
     reset_rotary(model, d.device)
     return model, model_dir
 

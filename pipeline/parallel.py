@@ -153,6 +153,15 @@ def tied_partners(model: nn.Module) -> dict[str, str]:
     return {**pairs, **{v: k for k, v in pairs.items()}}
 
 
+def without_tied_aliases(model: nn.Module, model_sd: dict) -> dict:
+    """The model state dict without the second name of a tied weight (lm_head.weight when tied to the embedding):
+    DCP would otherwise write the same tensor twice (1 GB more per checkpoint for Llama 3.2 1B in fp32)."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return model_sd
+    aliases = set(getattr(model, "all_tied_weights_keys", None) or {})
+    return {k: v for k, v in model_sd.items() if k not in aliases}
+
+
 def reset_rotary(model: nn.Module, device: torch.device) -> None:
     """Recompute non-persistent buffers (rotary inv_freq): to_empty leaves them uninitialised memory."""
     for module in model.modules():

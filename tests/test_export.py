@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import ROOT, torchrun
 from safetensors import safe_open
+from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
 
@@ -30,6 +31,9 @@ def test_exported_model_equals_the_trained_one(train_env, tmp_path, model):
     np.testing.assert_allclose(logits, np.load(trained), rtol=0, atol=1e-5)
     tied = model == "local/tiny"
     assert (exported.lm_head.weight is exported.model.embed_tokens.weight) is tied
+    # a tied weight is written once, under the embedding's name
+    saved = FileSystemReader(str(run / "checkpoints" / "step-00000006")).read_metadata().state_dict_metadata
+    assert "model.model.embed_tokens.weight" in saved and ("model.lm_head.weight" in saved) is not tied
     assert exported.config.tie_word_embeddings is tied
     assert (run / "hf" / "tokenizer.json").read_bytes() == (
         train_env["root"] / "hf" / "hub" / f"models--local--{model.split('/')[1]}" / "snapshots").glob(
