@@ -8,6 +8,10 @@ import os
 # No network at training time: set before any Hugging Face library is imported (they read these at import).
 for _switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ[_switch] = "1"
+# Host buffers of 2 MB and more on transparent huge pages (PyTorch's own switch, read at its first allocation):
+# every step allocates and frees hundreds of MB of host memory when training on CPU or with CPU offload, and
+# faulting it in 4 KB pages cost a fifth of a CPU step (BENCHMARKS.md). Freed memory still goes back to the OS.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from pipeline.errors import run_cli  # noqa: E402
 from pipeline.trainer import main  # noqa: E402
