@@ -16,6 +16,12 @@ $(STAMP): requirements.txt requirements-dev.txt
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $(STAMP)
 
+BENCH_STAMP := $(VENV)/.bench-installed
+
+$(BENCH_STAMP): $(STAMP) requirements-bench.txt
+	$(PY) -m pip install -q -r requirements-bench.txt
+	touch $(BENCH_STAMP)
+
 demo: $(STAMP)
 	$(PY) ORGANIZE_DATA.py --src_dir examples/raw --dst_root $(DEMO)/splits --num_dirs 4
 	$(PY) DATA-HF.py --data_folder $(DEMO)/splits --save_dir $(DEMO)/hf_datasets/corpus --overwrite
@@ -32,6 +38,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The CPU benchmarks (about 12 minutes on 2 cores): rewrites the tables of BENCHMARKS.md and bench/charts/*.png
+bench: $(BENCH_STAMP)
+	$(PY) bench/data_prep.py --num_proc 2 --target_mb 100 --repeats 3 --workdir .bench/data --write
+	$(PY) bench/tokenize_pack.py --num_proc 2 --target_mb 10 --repeats 3
+	$(PY) bench/train_speed.py --repeats 3
+	$(PY) bench/checkpoint_io.py --repeats 2
+	$(PY) bench/startup.py --repeats 2
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

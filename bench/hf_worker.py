@@ -1,0 +1,78 @@
+"""The Hugging Face Trainer side of bench/train_speed.py, launched under torchrun: the same model, the same packed
+blocks (our token cache), batch, seq length, AdamW, lr schedule, clipping and precision as our run.
+
+On GPU it asks for FSDP2 with decoder-layer wrapping. On CPU the Trainer cannot shard: without `use_cpu` it
+refuses ("Using fsdp only works in distributed training."), and with it Accelerate sets up MULTI_CPU, which
+ignores the FSDP plugin and wraps the model in DDP; so on CPU this measures the Trainer's DDP, the best it offers.
+Rank 0 writes {"step_end": [epoch seconds per optimizer step], "wrapper", ...} to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+
+class Blocks(torch.utils.data.Dataset):
+    def __init__(self, path: Path):
+        self.blocks = np.load(path, mmap_mode="r")
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i: int) -> dict:
+        ids = torch.from_numpy(self.blocks[i].astype(np.int64))
+        return {"input_ids": ids, "labels": ids}
+
+
+class StepTimes(TrainerCallback):
+    def __init__(self):
+        self.times: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.time())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--blocks", required=True, type=Path, help="train.npy of our token cache")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--max-steps", type=int, required=True)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--compile", action="store_true")
+    args = p.parse_args()
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
+    fsdp = {"fsdp": "full_shard auto_wrap",
+            "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True,
+                            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}} if cuda else {}
+    targs = TrainingArguments(
+        output_dir=str(args.out.parent / "hf_trainer_out"), per_device_train_batch_size=args.batch_size,
+        max_steps=args.max_steps, learning_rate=args.lr, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
+        adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
+        bf16=args.bf16 and dtype == torch.bfloat16, use_cpu=not cuda, ddp_backend=None if cuda else "gloo",
+        torch_compile=args.compile, report_to=[], save_strategy="no", eval_strategy="no", logging_steps=10**9,
+        dataloader_num_workers=0, disable_tqdm=True, seed=0, **fsdp)
+    timer = StepTimes()
+    trainer = Trainer(model=model, args=targs, train_dataset=Blocks(args.blocks), callbacks=[timer])
+    trainer.train()
+    if trainer.args.process_index == 0:
+        peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else None
+        args.out.write_text(json.dumps({"step_end": timer.times, "peak_alloc_gb": peak,
+                                        "wrapper": type(trainer.model_wrapped).__name__,
+                                        "distributed": str(trainer.accelerator.distributed_type)}))
+
+
+if __name__ == "__main__":
+    main()

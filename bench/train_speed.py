@@ -1,0 +1,152 @@
+"""Training throughput: fsdp1.py against the Hugging Face Trainer, and against the bare-PyTorch limit.
+
+Same model (random weights, Llama 3's 128k vocabulary, a small body), the same packed blocks (fsdp1.py's token
+cache, read by the HF worker too), batch, seq length, AdamW (betas 0.9/0.95, no decay), warmup+cosine lr,
+clipping 1.0, precision and number of processes. Runs of the two systems alternate; each is launched fresh with
+torchrun. Steady-state seconds per step are the median of the per-step intervals after --discard warm-up steps
+(fsdp1.py logs every step; the HF worker records every step's end). Start-up is the time from launch to the end of
+the first step. Peak memory is the largest peak RSS of a worker process, sampled every 20 ms from outside.
+
+    .venv/bin/python bench/train_speed.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from common import (
+    ROOT,
+    bar_chart,
+    bench_args,
+    bench_env,
+    build_model,
+    demo_dataset,
+    fsdp1,
+    intervals,
+    launch,
+    machine,
+    spread,
+    table,
+    torchrun_cmd,
+    update_section,
+)
+
+BENCH = Path(__file__).resolve().parent
+
+
+def run_ours(args, work: Path, model: Path, data: Path, name: str) -> dict:
+    out, events = fsdp1(work / "runs", name, model, data, "--seq-length", args.seq, "-b", args.batch, "--max-steps",
+                        args.steps, "--log-freq", 1, "--ckpt-freq", 0, "--async-ckpt", "off", world=args.world)
+    ends = [e["time"] for e in events if e["event"] == "train"]
+    shutil.rmtree(work / "runs" / name, ignore_errors=True)
+    return {"steps": intervals(ends, args.discard), "first_step": ends[0] - out.started,
+            "peak_rss_gb": max(out.peak_rss_gb()[: args.world]), "wall": out.wall}
+
+
+def token_cache(work: Path) -> Path:
+    caches = sorted((work / "runs" / "token_cache").glob("*/train.npy"))
+    if len(caches) != 1:
+        sys.exit(f"expected one token cache under {work / 'runs' / 'token_cache'}, found {len(caches)}")
+    return caches[0]
+
+
+def run_hf(args, work: Path, model: Path, blocks: Path) -> dict:
+    result = work / "hf.json"
+    cmd = torchrun_cmd(args.world, BENCH / "hf_worker.py", "--model", model, "--blocks", blocks, "--out", result,
+                       "--batch-size", args.batch, "--max-steps", args.steps, "--lr", 3e-4, "--warmup-steps", 5)
+    out = launch(cmd, bench_env())
+    r = json.loads(result.read_text())
+    ends = r["step_end"]
+    return {"steps": intervals(ends, args.discard), "first_step": ends[0] - out.started,
+            "peak_rss_gb": max(out.peak_rss_gb()[: args.world]), "wall": out.wall, "wrapper": r["wrapper"],
+            "distributed": r["distributed"]}
+
+
+def run_bare(args, model: Path, blocks: Path, thp: bool) -> dict:
+    env = bench_env(**({"THP_MEM_ALLOC_ENABLE": "1"} if thp else {}))
+    proc = subprocess.run([sys.executable, str(BENCH / "bare_worker.py"), "--model", str(model), "--blocks",
+                           str(blocks), "--batch-size", str(args.batch), "--world", str(args.world)],
+                          env=env, capture_output=True, text=True, check=True, cwd=ROOT)
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"share": statistics.median(r["fwd_bwd_s"]) + statistics.median(r["update_s"]) / args.world,
+            "fwd_bwd": statistics.median(r["fwd_bwd_s"]), "update": statistics.median(r["update_s"])}
+
+
+def main() -> None:
+    p = bench_args(__doc__, repeats=3, layers=2, hidden=256)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--discard", type=int, default=5, help="warm-up steps left out of the steady state")
+    args = p.parse_args()
+    work = args.workdir
+    model = build_model(work / f"llama-128k-{args.layers}x{args.hidden}", layers=args.layers, hidden=args.hidden)
+    data = demo_dataset(work / "dataset")
+    run_ours(args, work, model, data, "warmup")  # builds the token cache the HF worker reads too
+    blocks = token_cache(work)
+    ours, hf, bare, bare_tuned = [], [], [], []
+    for _ in range(args.repeats):
+        ours.append(run_ours(args, work, model, data, "ours"))
+        hf.append(run_hf(args, work, model, blocks))
+        bare.append(run_bare(args, model, blocks, thp=False))
+        bare_tuned.append(run_bare(args, model, blocks, thp=True))
+        print(json.dumps({"ours": ours[-1]["steps"], "hf": hf[-1]["steps"]}), flush=True)
+    report(args, model, ours, hf, bare, bare_tuned)
+
+
+def report(args, model: Path, ours: list[dict], hf: list[dict], bare: list[dict], bare_tuned: list[dict]) -> None:
+    tokens = args.world * args.batch * args.seq
+    step = {name: [statistics.median(r["steps"]) for r in runs] for name, runs in (("ours", ours), ("hf", hf))}
+    med = {k: statistics.median(v) for k, v in step.items()}
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model)
+    n_params = cfg.vocab_size * cfg.hidden_size  # embedding (tied: also the lm_head)
+    rows = []
+    for name, label, runs in (("ours", "fsdp1.py (FSDP2 FULL_SHARD)", ours),
+                              ("hf", f"HF Trainer ({hf[0]['wrapper']}, {hf[0]['distributed']})", hf)):
+        rows.append([label, spread(step[name]), f"{tokens / med[name]:,.0f}",
+                     spread([r["first_step"] for r in runs], 1), spread([r["peak_rss_gb"] for r in runs], 2)])
+    share = [b["share"] for b in bare]
+    share_tuned = [b["share"] for b in bare_tuned]
+    body = "\n".join([
+        f"- Machine: {machine()}.",
+        f"- Command: `.venv/bin/python bench/train_speed.py --repeats {args.repeats}` (part of `make bench`).",
+        f"- Model: Llama, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size:,} "
+        f"(tied; embedding {n_params:,} parameters), random weights. {args.world} gloo processes, batch "
+        f"{args.batch} x seq {args.seq} per rank ({tokens} tokens per step), fp32, AdamW, clipping 1.0, "
+        f"{args.steps} steps per run of which the first {args.discard} are left out.",
+        "",
+        table(["system", "s/step median (min-max of run medians)", "tokens/s", "launch to first step end, s",
+               "peak RSS per rank, GB"], rows),
+        "",
+        f"Ratio of tokens/s, fsdp1.py / HF Trainer: **{med['hf'] / med['ours']:.2f}** (target 1.25).",
+        "",
+        table(["bare-PyTorch limit of one rank's share (1 thread)", "fwd+bwd s", "clip+AdamW s (all params)",
+               "share s", "fsdp1.py step / share"],
+              [["stock allocator", spread([b["fwd_bwd"] for b in bare]), spread([b["update"] for b in bare]),
+                spread(share), f"{statistics.median(share) / med['ours']:.2f}"],
+               ["huge pages (THP_MEM_ALLOC_ENABLE=1, as fsdp1.py)", spread([b["fwd_bwd"] for b in bare_tuned]),
+                spread([b["update"] for b in bare_tuned]), spread(share_tuned),
+                f"{statistics.median(share_tuned) / med['ours']:.2f}"]]),
+        "",
+        "Fraction of the bare limit (share / our step, target 0.9), against the same allocator setting: "
+        f"**{statistics.median(share_tuned) / med['ours']:.2f}**.",
+        "",
+        bar_chart("train_speed_cpu", "CPU training step, 2 gloo ranks (s/step, lower is better)",
+                  ["fsdp1.py", "HF Trainer", "bare limit (stock)", "bare limit (huge pages)"],
+                  [med["ours"], med["hf"], statistics.median(share), statistics.median(share_tuned)], "s/step",
+                  [(min(step["ours"]), max(step["ours"])), (min(step["hf"]), max(step["hf"])),
+                   (min(share), max(share)), (min(share_tuned), max(share_tuned))]),
+    ])
+    update_section("train_speed_cpu", body)
+    print(body)
+
+
+if __name__ == "__main__":
+    main()
