@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import random
 import shutil
 import time
@@ -32,6 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from pipeline.errors import UserError
+from pipeline.fsutil import hash_file, write_text_atomic
 from pipeline.parallel import Dist, without_tied_aliases
 from pipeline.telemetry import log
 
@@ -46,19 +46,7 @@ def step_name(step: int) -> str:
 
 
 def write_json_atomic(path: Path, obj: object) -> None:
-    """Temporary file, fsync, rename, fsync of the folder: readers see the old or the new file, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=2)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
 def read_state(run_dir: Path) -> dict | None:
@@ -72,11 +60,7 @@ def read_state(run_dir: Path) -> dict | None:
 
 
 def file_digest(path: Path) -> str:
-    digest = xxhash.xxh3_64()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(8 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return hash_file(path, xxhash.xxh3_64())
 
 
 # ---------------------------------------------------------------------------------------------- RNG state as JSON

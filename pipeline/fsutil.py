@@ -8,12 +8,32 @@ import shutil
 from pathlib import Path
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
+def hash_file(path: Path, digest) -> str:
+    """Feed the file to a hashlib-style digest in 8 MB blocks (never the whole file in memory); its hex digest."""
     with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
+        for block in iter(lambda: fh.read(8 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    return hash_file(path, hashlib.sha256())
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Temporary file, fsync, rename, fsync of the folder: readers see the old or the new file, never a mix, and
+    a crash never leaves a half-written one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def replace_dir(new: Path, target: Path) -> None:

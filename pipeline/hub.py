@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import UserError
-from pipeline.fsutil import sha256_file
+from pipeline.fsutil import sha256_file, write_text_atomic
 
 ALLOW_PATTERNS = [
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -162,9 +162,7 @@ def import_local(source: Path, model_name: str, revision: str, cache_dir: Path) 
     ref = repo / "refs" / revision
     ref.parent.mkdir(parents=True, exist_ok=True)
     if not ref.exists() or ref.read_text() != commit:
-        tmp = ref.with_name(f".{ref.name}.tmp-{os.getpid()}")
-        tmp.write_text(commit)
-        os.replace(tmp, ref)
+        write_text_atomic(ref, commit)
     return snapshot
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import UserError
-from pipeline.fsutil import sha256_file
+from pipeline.fsutil import sha256_file, write_text_atomic
 
 MANIFEST = "manifest.jsonl"
 MODES = ("copy", "hardlink", "symlink")
@@ -199,13 +199,7 @@ def _remove_stale(dst_root: Path, old: list[dict], keep: set[str]) -> int:
 
 
 def _write_manifest(dst_root: Path, rows: list[dict]) -> None:
-    tmp = dst_root / f".{MANIFEST}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, sort_keys=True) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, dst_root / MANIFEST)
+    write_text_atomic(dst_root / MANIFEST, "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
 
 
 @dataclass
