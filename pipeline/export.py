@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from pipeline.errors import UserError
 from pipeline.fsutil import replace_dir
-from pipeline.parallel import DTYPES, Dist
+from pipeline.parallel import DTYPES, Dist, without_tied_aliases
 
 FILE_BYTES = 5 * 1024**3
 """Target size of one consolidated safetensors file."""
@@ -56,10 +56,8 @@ def _file_index(sd: dict, dtype: torch.dtype) -> dict[str, int]:
 def export_model(model: nn.Module, model_dir: Path, out: Path, dtype: torch.dtype, d: Dist) -> None:
     """Write model (sharded, any world size) to out in Hugging Face format. A collective: every rank calls it."""
     model.reshard()  # export shards, never a gathered root (left gathered by a forward without backward)
-    sd = get_model_state_dict(model)
-    if getattr(model.config, "tie_word_embeddings", False):
-        for tied in getattr(model, "all_tied_weights_keys", None) or {}:
-            sd.pop(tied, None)  # stored once, under the embedding; from_pretrained re-ties
+    # a tied weight is stored once, under the embedding; from_pretrained re-ties
+    sd = without_tied_aliases(model, get_model_state_dict(model))
     sd = {k: v.detach().to(dtype) for k, v in sd.items()}
     work = out.with_name(f".{out.name}.partial")
     if d.is_main:
@@ -92,7 +90,7 @@ def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[nn.Module, Path]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pipeline.config import ModelConfig
-    from pipeline.parallel import build_mesh, materialize, reset_rotary, shard_model, without_tied_aliases
+    from pipeline.parallel import build_mesh, materialize, reset_rotary, shard_model
     from pipeline.trainer import resolve_model_dir
 
     trainer_json = checkpoint / "trainer.json"
