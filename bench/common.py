@@ -24,23 +24,12 @@ CHARTS = ROOT / "bench" / "charts"
 LLAMA3_VOCAB = 128256
 
 
-def build_model(out: Path, *, layers: int, hidden: int, tied: bool = True, vocab: int = LLAMA3_VOCAB) -> Path:
-    """A random-weight Llama with Llama 3's 128k vocabulary and a small body; the tokenizer is the tiny model's
-    (its ids are a subset of the vocabulary). Built once per folder."""
-    import torch
-    from transformers import LlamaForCausalLM
+def build_model(out: Path, *, layers: int, hidden: int) -> Path:
+    """The bundled tiny model's tokenizer with Llama 3's 128k-row embedding and a small body, once per folder."""
+    from pipeline.tiny import build_tiny
 
-    from pipeline.tiny import DEFAULT_CORPUS, corpus_texts, tiny_config, train_tokenizer
-
-    if (out / "config.json").exists():
-        return out
-    tokenizer = train_tokenizer(corpus_texts(DEFAULT_CORPUS), 1024)
-    config = tiny_config(vocab, tokenizer.bos_token_id, tokenizer.eos_token_id, tied=tied, layers=layers,
-                         hidden=hidden)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return out if (out / "config.json").exists() else build_tiny(out, layers=layers, hidden=hidden,
+                                                                 model_vocab=LLAMA3_VOCAB)
 
 
 def bench_args(doc: str, *, repeats: int, layers: int, hidden: int) -> argparse.ArgumentParser:
@@ -77,8 +66,7 @@ def bench_env(**extra: str) -> dict[str, str]:
 
 @dataclass
 class Launch:
-    """A finished command: wall seconds, start time (epoch), RSS samples and output."""
-    wall: float
+    """A finished command: start time (epoch), RSS samples and output."""
     started: float
     samples: list[tuple[float, int, int]]
     """(epoch seconds, pid, RSS bytes) of every process under the command, every 20 ms."""
@@ -111,7 +99,6 @@ def launch(cmd: list[str], env: dict[str, str], timeout: float = 600) -> Launch:
     """Run cmd to the end, sampling the RSS of its process tree every 20 ms."""
     samples: list[tuple[float, int, int]] = []
     started = time.time()
-    t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stop = threading.Event()
 
@@ -127,10 +114,9 @@ def launch(cmd: list[str], env: dict[str, str], timeout: float = 600) -> Launch:
     finally:
         stop.set()
         sampler.join()
-    wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-4000:]}")
-    return Launch(wall, started, samples, output)
+    return Launch(started, samples, output)
 
 
 def intervals(times: list[float], discard: int) -> list[float]:
@@ -139,14 +125,9 @@ def intervals(times: list[float], discard: int) -> list[float]:
     return [b - a for a, b in zip(times[:-1], times[1:], strict=True)][max(discard - 1, 0):]
 
 
-def stats(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
 def spread(values: list[float], digits: int = 3) -> str:
     """'median (min-max)' for a table cell."""
-    s = stats(values)
-    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 def machine() -> str:

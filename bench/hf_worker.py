@@ -52,7 +52,6 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
     fsdp = {"fsdp": "full_shard auto_wrap",
             "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True,
@@ -61,7 +60,7 @@ def main() -> None:
         output_dir=str(args.out.parent / "hf_trainer_out"), per_device_train_batch_size=args.batch_size,
         max_steps=args.max_steps, learning_rate=args.lr, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
         adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
-        bf16=args.bf16 and dtype == torch.bfloat16, use_cpu=not cuda, ddp_backend=None if cuda else "gloo",
+        bf16=args.bf16, use_cpu=not cuda, ddp_backend=None if cuda else "gloo",
         torch_compile=args.compile, report_to=[], save_strategy="no", eval_strategy="no", logging_steps=10**9,
         dataloader_num_workers=0, disable_tqdm=True, seed=0, **fsdp)
     timer = StepTimes()

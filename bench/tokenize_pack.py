@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import ROOT, bar_chart, build_model, machine, spread, table, update_section
+from common import ROOT, bar_chart, machine, spread, table, update_section
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 _STATE: dict = {}
@@ -49,15 +49,11 @@ def ours(ds, tokenizer, num_proc: int, out: Path) -> float:
 
 
 def main() -> None:
-    import sys
-
+    from data_prep import gather
     from datasets import disable_progress_bars, load_from_disk
-    from transformers import AutoTokenizer
 
     from pipeline.corpus import CorpusConfig, build_dataset
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from data_prep import gather
+    from pipeline.tiny import DEFAULT_CORPUS, corpus_texts, train_tokenizer
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "tokenize")
@@ -71,8 +67,7 @@ def main() -> None:
         gather(work / "corpus", int(args.target_mb * 1e6))
         build_dataset(CorpusConfig(work / "corpus", work / "dataset", num_proc=args.num_proc))
     ds = load_from_disk(str(work / "dataset"))
-    tokenizer = AutoTokenizer.from_pretrained(build_model(ROOT / ".bench" / "train" / "llama-128k-2x256",
-                                                          layers=2, hidden=256))
+    tokenizer = train_tokenizer(corpus_texts(DEFAULT_CORPUS), 1024)  # the tiny and bench models' tokenizer
     mb = sum(len(t.encode()) for t in ds["text"]) / 1e6
     limit, mine = [], []
     for _ in range(args.repeats):

@@ -45,14 +45,17 @@ def run_ours(args, work: Path, model: Path, data: Path, name: str) -> dict:
     ends = [e["time"] for e in events if e["event"] == "train"]
     shutil.rmtree(work / "runs" / name, ignore_errors=True)
     return {"steps": intervals(ends, args.discard), "first_step": ends[0] - out.started,
-            "peak_rss_gb": max(out.peak_rss_gb()[: args.world]), "wall": out.wall}
+            "peak_rss_gb": max(out.peak_rss_gb()[: args.world])}
 
 
-def token_cache(work: Path) -> Path:
-    caches = sorted((work / "runs" / "token_cache").glob("*/train.npy"))
-    if len(caches) != 1:
-        sys.exit(f"expected one token cache under {work / 'runs' / 'token_cache'}, found {len(caches)}")
-    return caches[0]
+def token_cache(args, work: Path, model: Path, data: Path) -> Path:
+    """train.npy of the cache fsdp1.py built for these runs (its defaults: val fraction 0.01, seed 0)."""
+    from datasets import load_from_disk
+
+    from pipeline.data import token_cache_dir
+
+    fingerprint = load_from_disk(str(data))._fingerprint
+    return token_cache_dir(work / "runs", fingerprint, model, args.seq, 0.01, 0) / "train.npy"
 
 
 def run_hf(args, work: Path, model: Path, blocks: Path) -> dict:
@@ -63,7 +66,7 @@ def run_hf(args, work: Path, model: Path, blocks: Path) -> dict:
     r = json.loads(result.read_text())
     ends = r["step_end"]
     return {"steps": intervals(ends, args.discard), "first_step": ends[0] - out.started,
-            "peak_rss_gb": max(out.peak_rss_gb()[: args.world]), "wall": out.wall, "wrapper": r["wrapper"],
+            "peak_rss_gb": max(out.peak_rss_gb()[: args.world]), "wrapper": r["wrapper"],
             "distributed": r["distributed"]}
 
 
@@ -88,18 +91,18 @@ def main() -> None:
     model = build_model(work / f"llama-128k-{args.layers}x{args.hidden}", layers=args.layers, hidden=args.hidden)
     data = demo_dataset(work / "dataset")
     run_ours(args, work, model, data, "warmup")  # builds the token cache the HF worker reads too
-    blocks = token_cache(work)
-    ours, hf, bare, bare_tuned = [], [], [], []
+    blocks = token_cache(args, work, model, data)
+    ours, hf, bare, bare_thp = [], [], [], []
     for _ in range(args.repeats):
         ours.append(run_ours(args, work, model, data, "ours"))
         hf.append(run_hf(args, work, model, blocks))
         bare.append(run_bare(args, model, blocks, thp=False))
-        bare_tuned.append(run_bare(args, model, blocks, thp=True))
+        bare_thp.append(run_bare(args, model, blocks, thp=True))
         print(json.dumps({"ours": ours[-1]["steps"], "hf": hf[-1]["steps"]}), flush=True)
-    report(args, model, ours, hf, bare, bare_tuned)
+    report(args, model, ours, hf, bare, bare_thp)
 
 
-def report(args, model: Path, ours: list[dict], hf: list[dict], bare: list[dict], bare_tuned: list[dict]) -> None:
+def report(args, model: Path, ours: list[dict], hf: list[dict], bare: list[dict], bare_thp: list[dict]) -> None:
     tokens = args.world * args.batch * args.seq
     step = {name: [statistics.median(r["steps"]) for r in runs] for name, runs in (("ours", ours), ("hf", hf))}
     med = {k: statistics.median(v) for k, v in step.items()}
@@ -113,7 +116,7 @@ def report(args, model: Path, ours: list[dict], hf: list[dict], bare: list[dict]
         rows.append([label, spread(step[name]), f"{tokens / med[name]:,.0f}",
                      spread([r["first_step"] for r in runs], 1), spread([r["peak_rss_gb"] for r in runs], 2)])
     share = [b["share"] for b in bare]
-    share_tuned = [b["share"] for b in bare_tuned]
+    share_thp = [b["share"] for b in bare_thp]
     body = "\n".join([
         f"- Machine: {machine()}.",
         f"- Command: `.venv/bin/python bench/train_speed.py --repeats {args.repeats}` (part of `make bench`).",
@@ -131,18 +134,18 @@ def report(args, model: Path, ours: list[dict], hf: list[dict], bare: list[dict]
                "share s", "fsdp1.py step / share"],
               [["stock allocator", spread([b["fwd_bwd"] for b in bare]), spread([b["update"] for b in bare]),
                 spread(share), f"{statistics.median(share) / med['ours']:.2f}"],
-               ["huge pages (THP_MEM_ALLOC_ENABLE=1, as fsdp1.py)", spread([b["fwd_bwd"] for b in bare_tuned]),
-                spread([b["update"] for b in bare_tuned]), spread(share_tuned),
-                f"{statistics.median(share_tuned) / med['ours']:.2f}"]]),
+               ["huge pages (THP_MEM_ALLOC_ENABLE=1, as fsdp1.py)", spread([b["fwd_bwd"] for b in bare_thp]),
+                spread([b["update"] for b in bare_thp]), spread(share_thp),
+                f"{statistics.median(share_thp) / med['ours']:.2f}"]]),
         "",
         "Fraction of the bare limit (share / our step, target 0.9), against the same allocator setting: "
-        f"**{statistics.median(share_tuned) / med['ours']:.2f}**.",
+        f"**{statistics.median(share_thp) / med['ours']:.2f}**.",
         "",
         bar_chart("train_speed_cpu", "CPU training step, 2 gloo ranks (s/step, lower is better)",
                   ["fsdp1.py", "HF Trainer", "bare limit (stock)", "bare limit (huge pages)"],
-                  [med["ours"], med["hf"], statistics.median(share), statistics.median(share_tuned)], "s/step",
+                  [med["ours"], med["hf"], statistics.median(share), statistics.median(share_thp)], "s/step",
                   [(min(step["ours"]), max(step["ours"])), (min(step["hf"]), max(step["hf"])),
-                   (min(share), max(share)), (min(share_tuned), max(share_tuned))]),
+                   (min(share), max(share)), (min(share_thp), max(share_thp))]),
     ])
     update_section("train_speed_cpu", body)
     print(body)

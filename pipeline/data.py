@@ -68,6 +68,13 @@ def data_fingerprint(dataset_fp: str, tokenizer_fp: str, seq_length: int, val_fr
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
+def token_cache_dir(save_dir: Path, dataset_fp: str, model_dir: Path, seq_length: int, val_fraction: float,
+                    seed: int) -> Path:
+    """Where the packed blocks of this dataset, tokenizer and cut live: shared by every run under save_dir."""
+    fp = data_fingerprint(dataset_fp, tokenizer_fingerprint(model_dir), seq_length, val_fraction, seed)
+    return Path(save_dir) / "token_cache" / fp[:24]
+
+
 @dataclass
 class Blocks:
     train: np.ndarray

@@ -61,12 +61,15 @@ def tiny_config(vocab_size: int, bos_id: int, eos_id: int, *, tied: bool, layers
 
 
 def build_tiny(out: Path, corpus: Path = DEFAULT_CORPUS, *, tied: bool = True, layers: int = 2, hidden: int = 64,
-               seed: int = 0, vocab_size: int = 1024) -> Path:
-    """Write a tokenizer and a random-weight LlamaForCausalLM (safetensors) to out; returns out."""
+               seed: int = 0, vocab_size: int = 1024, model_vocab: int | None = None) -> Path:
+    """Write a tokenizer and a random-weight LlamaForCausalLM (safetensors) to out; returns out.
+
+    model_vocab: rows of the embedding when larger than the tokenizer (Llama 3's 128,256 for benchmarks: the
+    tokenizer's ids are a subset)."""
     if layers < 1 or hidden < 16 or hidden % 16:
         raise UserError(f"--layers must be >= 1 and --hidden a multiple of 16 (>= 16), got {layers} and {hidden}")
     tokenizer = train_tokenizer(corpus_texts(corpus), vocab_size)
-    config = tiny_config(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
+    config = tiny_config(model_vocab or len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
                          tied=tied, layers=layers, hidden=hidden)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

@@ -29,9 +29,9 @@ from pipeline.data import (
     Blocks,
     BlockSampler,
     build_blocks,
-    data_fingerprint,
     load_text_dataset,
     open_blocks,
+    token_cache_dir,
     tokenizer_fingerprint,
 )
 from pipeline.errors import UserError
@@ -123,9 +123,8 @@ def _broadcast_error(d: Dist, error: str | None) -> None:
 
 def prepare_blocks(cfg: Config, plan: Plan, d: Dist, tokenizer) -> Blocks:
     """Rank 0 of each node builds the token cache while the others wait at a barrier; then all memory-map it."""
-    fp = data_fingerprint(plan.dataset._fingerprint, tokenizer_fingerprint(plan.model_dir), cfg.data.seq_length,
-                          cfg.data.val_fraction, cfg.run.seed)
-    path = Path(cfg.run.save_dir) / "token_cache" / fp[:24]
+    path = token_cache_dir(cfg.run.save_dir, plan.dataset._fingerprint, plan.model_dir, cfg.data.seq_length,
+                           cfg.data.val_fraction, cfg.run.seed)
     error = None
     if d.is_local_main and not (path / "meta.json").exists():
         log.info("building token cache %s", path)
