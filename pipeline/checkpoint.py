@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from pipeline.errors import UserError
 from pipeline.fsutil import hash_file, write_text_atomic
-from pipeline.parallel import Dist, without_tied_aliases
+from pipeline.parallel import Dist, fsdp_root, without_tied_aliases
 from pipeline.telemetry import log
 
 CHECKPOINTS = "checkpoints"
@@ -147,7 +147,7 @@ class Checkpointer:
             for stale in (path / ".metadata", path / MANIFEST):
                 stale.unlink(missing_ok=True)  # a leftover of a crash must not look complete
         dist.barrier()
-        model.reshard()  # save shards, never a gathered root (left gathered by a forward without backward)
+        fsdp_root(model).reshard()  # save shards, never a gathered root (left gathered by a forward without backward)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         model_sd = without_tied_aliases(model, model_sd)
         (path / f"rng-{self.dist.rank}.json").write_text(json.dumps(rng_state()))

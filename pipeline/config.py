@@ -27,6 +27,7 @@ SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 SCHEDULES = ("cosine", "linear", "constant")
 ASYNC = ("auto", "on", "off")
 EXPORT_DTYPES = ("auto", "bf16", "fp16", "fp32")
+VOCAB_PARALLEL = ("auto", "on", "off")
 SHORT_FLAGS = {"experiment_name": "-e", "dataset_name": "-d", "model_name": "-m", "batch_size": "-b"}
 
 
@@ -99,9 +100,19 @@ class ModelConfig:
     NO_SHARD (replicate, DDP semantics), HYBRID_SHARD (shard within a node, replicate across nodes)."""
     cpu_offload: bool = False
     """Keep parameter shards, gradients and optimizer states in host memory; the optimizer step runs on CPU."""
+    vocab_parallel: str = "auto"
+    """Keep the embedding and LM head sharded by vocabulary rows (never gathered) and compute the loss in chunks
+    without full-width logits (auto: on for CPU runs with FULL_SHARD or SHARD_GRAD_OP; off on GPU, where it has
+    not been measured yet)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.model_name), "--model-name (-m) is required")
+        _check(self.vocab_parallel in VOCAB_PARALLEL, f"--vocab-parallel must be one of {', '.join(VOCAB_PARALLEL)}, "
+                                                      f"got {self.vocab_parallel!r}")
+        _check(self.vocab_parallel != "on" or self.sharding in ("FULL_SHARD", "SHARD_GRAD_OP"),
+               f"--vocab-parallel on needs --sharding FULL_SHARD or SHARD_GRAD_OP, got {self.sharding}")
+        _check(self.vocab_parallel != "on" or not self.cpu_offload,
+               "--vocab-parallel on cannot be combined with --cpu-offload (the head would stay on the GPU)")
         _check(self.precision in PRECISIONS, f"--precision must be one of {', '.join(PRECISIONS)}, "
                                              f"got {self.precision!r}")
         _check(self.sharding in SHARDINGS, f"--sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
@@ -256,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
         doc = field_docs(_SECTION_TYPES[section]).get(key, "")
         default = "" if f.default in ("", dataclasses.MISSING) else f" (default: {_show(f.default)})"
         choices = {"precision": PRECISIONS, "sharding": SHARDINGS, "lr_schedule": SCHEDULES, "async_ckpt": ASYNC,
-                   "export_dtype": EXPORT_DTYPES}.get(key)
+                   "export_dtype": EXPORT_DTYPES, "vocab_parallel": VOCAB_PARALLEL}.get(key)
         if f.type == "bool":  # `--flag on|off`, or the bare `--flag` for on
             p.add_argument(*flags, dest=key, help=doc + default, metavar="on|off", nargs="?", const="on")
         else:

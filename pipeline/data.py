@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -86,8 +87,12 @@ class Blocks:
 
 
 def _tokenize(batch: dict, tokenizer, eos_id: int) -> dict:
-    ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-    return {"input_ids": [row + [eos_id] for row in ids]}
+    """A batch of rows -> one row: their ids, each followed by EOS, as one uint32 array. Arrow takes a numpy array
+    in one copy, where a list of Python int lists is converted element by element (a quarter of the whole
+    tokenize+pack time on the bench)."""
+    ids = tokenizer(batch["text"], add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    flat = np.fromiter(chain.from_iterable(row + [eos_id] for row in ids), dtype=np.uint32)
+    return {"input_ids": [flat]}
 
 
 def split_blocks(n_blocks: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from pipeline.errors import UserError
 from pipeline.fsutil import replace_dir
-from pipeline.parallel import DTYPES, Dist, without_tied_aliases
+from pipeline.parallel import DTYPES, Dist, fsdp_root, without_tied_aliases
 
 FILE_BYTES = 5 * 1024**3
 """Target size of one consolidated safetensors file."""
@@ -55,7 +55,7 @@ def _file_index(sd: dict, dtype: torch.dtype) -> dict[str, int]:
 
 def export_model(model: nn.Module, model_dir: Path, out: Path, dtype: torch.dtype, d: Dist) -> None:
     """Write model (sharded, any world size) to out in Hugging Face format. A collective: every rank calls it."""
-    model.reshard()  # export shards, never a gathered root (left gathered by a forward without backward)
+    fsdp_root(model).reshard()  # export shards, never a gathered root (left gathered by a forward without backward)
     # a tied weight is stored once, under the embedding; from_pretrained re-ties
     sd = without_tied_aliases(model, get_model_state_dict(model))
     sd = {k: v.detach().to(dtype) for k, v in sd.items()}

@@ -21,7 +21,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
@@ -129,8 +131,20 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def shard_model(model: nn.Module, cfg: ModelConfig, mesh: DeviceMesh, dtype: torch.dtype) -> None:
-    """Activation checkpointing and compile per decoder layer, then fully_shard each layer and the root."""
+def vocab_parallel_enabled(cfg: ModelConfig, device: torch.device) -> bool:
+    """--vocab-parallel resolved: auto is on for CPU runs, where it was measured to pay (BENCHMARKS.md)."""
+    return cfg.vocab_parallel == "on" or (cfg.vocab_parallel == "auto" and device.type == "cpu"
+                                          and cfg.sharding in ("FULL_SHARD", "SHARD_GRAD_OP") and not cfg.cpu_offload)
+
+
+def shard_model(model: nn.Module, cfg: ModelConfig, mesh: DeviceMesh, dtype: torch.dtype, *,
+                vocab_parallel: bool = False) -> None:
+    """Activation checkpointing and compile per decoder layer, then fully_shard each layer and the root.
+
+    vocab_parallel: the embedding and LM head are sharded by vocabulary rows on the same mesh and left out of
+    FSDP (see pipeline/loss.py); the root FSDP module is then the decoder stack (`model.base_model`), whose
+    gradients are summed over ranks, not averaged, since the loss is already the mean over every rank's tokens.
+    """
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -140,9 +154,30 @@ def shard_model(model: nn.Module, cfg: ModelConfig, mesh: DeviceMesh, dtype: tor
         if cfg.compile:
             layer.compile()
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
-    # root: embeddings, final norm and lm_head (one shared parameter when tied). Not resharded after forward: the
-    # backward needs the lm_head first, right after the forward ends, so resharding would only all-gather it again
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
+    if not vocab_parallel:
+        # root: embeddings, final norm and lm_head (one shared parameter when tied). Not resharded after forward:
+        # the backward needs the lm_head first, right after the forward ends, so resharding would only all-gather
+        # it again
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
+        return
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head.weight is embed.weight
+    # ids arrive split by batch rows (Shard(0)); the embedding gathers them, looks up its vocabulary rows and
+    # reduce-scatters the partial embeddings back to each rank's rows
+    parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Shard(0), output_layouts=Shard(0)))
+    # parallelize_module replaced the embedding's Parameter: a tied head takes the new one
+    head.weight = embed.weight if tied else nn.Parameter(distribute_tensor(head.weight, mesh, [Shard(0)]))
+    fully_shard(model.base_model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload,
+                ignored_params={embed.weight, head.weight})
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+
+def fsdp_root(model: nn.Module) -> FSDPModule:
+    """The outermost FSDP module: the model itself, or its decoder stack when the head is vocabulary-parallel."""
+    return model if isinstance(model, FSDPModule) else model.base_model
 
 
 def tied_partners(model: nn.Module) -> dict[str, str]:

@@ -36,13 +36,16 @@ from pipeline.data import (
 )
 from pipeline.errors import UserError
 from pipeline.export import export_dtype, export_model
+from pipeline.loss import CausalLMLoss
 from pipeline.parallel import (
     Dist,
     build_mesh,
     compute_dtype,
+    fsdp_root,
     load_weights,
     materialize,
     shard_model,
+    vocab_parallel_enabled,
 )
 from pipeline.telemetry import PhaseTimer, Telemetry, flops_per_token, log, memory_gb, peak_flops, setup_logging
 
@@ -146,16 +149,19 @@ def prepare_blocks(cfg: Config, plan: Plan, d: Dist, tokenizer) -> Blocks:
     return blocks
 
 
-def build_model(cfg: Config, plan: Plan, d: Dist, dtype: torch.dtype) -> nn.Module:
-    """Meta-device model, sharded with FSDP2, materialised shard by shard and loaded from safetensors."""
+def build_model(cfg: Config, plan: Plan, d: Dist, dtype: torch.dtype) -> tuple[nn.Module, CausalLMLoss]:
+    """Meta-device model, sharded with FSDP2, materialised shard by shard and loaded from safetensors; and its
+    loss (vocabulary-parallel or through the model's own forward)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(plan.hf_config, dtype=torch.float32, attn_implementation="sdpa")
-    shard_model(model, cfg.model, build_mesh(cfg.model.sharding, d), dtype)
+    mesh = build_mesh(cfg.model.sharding, d)
+    vocab_parallel = vocab_parallel_enabled(cfg.model, d.device)
+    shard_model(model, cfg.model, mesh, dtype, vocab_parallel=vocab_parallel)
     materialize(model, cfg.model, d.device)
     load_weights(model, plan.model_dir, d.device)
-    return model
+    return model, CausalLMLoss(model, vocab_parallel, mesh.get_group() if vocab_parallel else None)
 
 
 def build_optimizer(model: nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
@@ -214,7 +220,7 @@ class Trainer:
         self.sampler = BlockSampler(len(self.blocks.train), cfg.run.seed, d.world_size, d.rank,
                                     cfg.train.batch_size, cfg.train.grad_accum)
         self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.sampler.steps_per_epoch
-        self.model = build_model(cfg, plan, d, self.dtype)
+        self.model, self.loss = build_model(cfg, plan, d, self.dtype)
         self.optimizer = build_optimizer(self.model, cfg, d.device)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.step, self.samples_seen, self.best_val = 0, 0, math.inf
@@ -342,11 +348,11 @@ class Trainer:
                     ids = torch.from_numpy(self.blocks.train[idx].astype(np.int64)).to(self.dist.device,
                                                                                         non_blocking=True)
                 # reduce-scatter gradients only on the last micro-step; earlier ones accumulate locally
-                self.model.set_requires_gradient_sync(i == len(micro) - 1)
+                fsdp_root(self.model).set_requires_gradient_sync(i == len(micro) - 1)
                 with self.timer.phase("forward"):
                     # every block is full, so each micro-batch has the same token count and the mean of the
-                    # micro-batch means (and FSDP's mean over ranks) is the mean over all tokens
-                    loss = self.model(input_ids=ids, labels=ids, use_cache=False).loss / len(micro)
+                    # micro-batch means is the mean over all tokens
+                    loss = self.loss(ids) / len(micro)
                 with self.timer.phase("backward"):
                     loss.backward()
                 total += loss.detach()
@@ -391,17 +397,20 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64, device=self.dist.device)
         for b in range(batches):
             idx = mine[b * bs:(b + 1) * bs]
-            # every rank must run the same number of forwards (FSDP all-gathers inside): a rank out of blocks
-            # runs block 0 with weight 0
-            weight = 1.0 if len(idx) else 0.0
-            idx = idx if len(idx) else np.array([0])
+            # every rank runs the same forwards on the same shapes (collectives inside): a rank short of blocks
+            # pads with block 0, whose rows do not count
+            valid = len(idx)
+            idx = np.concatenate([idx, np.zeros(bs - valid, dtype=idx.dtype)])
             ids = torch.from_numpy(val[idx].astype(np.int64)).to(self.dist.device)
-            loss = self.model(input_ids=ids, labels=ids, use_cache=False).loss
-            tokens = weight * len(idx) * (ids.shape[1] - 1)
-            sums += torch.stack([loss.double() * tokens, torch.tensor(tokens, dtype=torch.float64,
-                                                                        device=self.dist.device)])
+            loss = self.loss(ids, valid_rows=valid)
+            # this rank's tokens times the loss: its sum in the HF path (mean over its tokens), its share of the
+            # global sum in the vocabulary-parallel one (one mean over every rank's tokens)
+            tokens = valid * (ids.shape[1] - 1)
+            if tokens:
+                sums += torch.stack([loss.double() * tokens, torch.tensor(tokens, dtype=torch.float64,
+                                                                            device=self.dist.device)])
         dist.all_reduce(sums)
-        self.model.reshard()  # the root stays gathered after a forward without backward; give the memory back
+        fsdp_root(self.model).reshard()  # the root stays gathered after a forward without backward
         self.model.train()
         loss = (sums[0] / sums[1]).item()
         ppl = math.exp(loss) if loss < 700 else math.inf
