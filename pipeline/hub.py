@@ -179,7 +179,7 @@ class ModelReport:
     unexpected: list[str]
 
 
-_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
               "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
               "F8_E5M2": "float8_e5m2"}
 
@@ -208,7 +208,7 @@ def safetensors_headers(model_dir: Path) -> tuple[dict[str, tuple[list[int], str
             with safe_open(str(path), framework="pt") as fh:
                 for key in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
                     sl = fh.get_slice(key)
-                    tensors[key] = (list(sl.get_shape()), _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
+                    tensors[key] = (list(sl.get_shape()), ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
         except Exception as exc:  # safetensors raises its own error types for truncated or corrupt files
             raise UserError(f"weight file {path} is truncated or corrupt ({str(exc).splitlines()[0]}); "
                             "download or import the model again") from None

@@ -7,8 +7,11 @@ rank reads only its own slices and no rank ever holds the whole model.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -19,14 +22,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+from torch.futures import Future
 
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
+from pipeline.hub import ST_DTYPES, safetensors_headers
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -207,9 +213,83 @@ def reset_rotary(model: nn.Module, device: torch.device) -> None:
                 module.register_buffer(name, buf, persistent=False)
 
 
+SAFETENSORS_DTYPES = {code: getattr(torch, name) for code, name in ST_DTYPES.items()}
+READ_CHUNK_BYTES = 64 * 2**20
+
+
+def safetensors_header(path: str) -> tuple[dict, int]:
+    """The JSON header of a safetensors file (name -> dtype, shape, data_offsets) and where its data begins."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size)), 8 + size
+
+
+class RowSliceReader(dcp.HuggingFaceStorageReader):
+    """DCP's safetensors reader, reading each rank's rows with plain file reads instead of through a memory map.
+
+    safetensors maps the whole file, and every page a rank touches counts in its RSS until the file is closed,
+    after its last tensor: 0.49 GB on top of a 0.35 GB share per rank for the 0.71 GB start-up bench model
+    (measured). The rows [a, b) of a row-major tensor are one byte range, read in chunks of at most
+    READ_CHUNK_BYTES straight into the rank's shard. Slices that are not whole rows (no such sharding here)
+    go through the library's memory-mapped path.
+    """
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for path, items in per_file.items():
+            header, data_start = safetensors_header(path)
+            with open(path, "rb", buffering=0) as f:
+                for req in items:
+                    entry = header[req.storage_index.fqn]
+                    if not self._read_rows(f, path, entry, data_start, req, planner):
+                        self._read_mapped(path, req, planner)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    @staticmethod
+    def _read_mapped(path: str, req: ReadItem, planner: LoadPlanner) -> None:
+        from safetensors import safe_open
+
+        slices = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths, strict=True))
+        with safe_open(path, framework="pt") as mapped:
+            tensor = mapped.get_slice(req.storage_index.fqn)[slices]
+        target = planner.resolve_tensor(req).detach()
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
+    @staticmethod
+    def _read_rows(f, path: str, entry: dict, data_start: int, req: ReadItem, planner: LoadPlanner) -> bool:
+        shape, dtype = entry["shape"], SAFETENSORS_DTYPES.get(entry["dtype"])
+        whole_rows = all(o == 0 and n == d for o, n, d in zip(req.storage_offsets[1:], req.lengths[1:], shape[1:],
+                                                               strict=True))
+        if dtype is None or not whole_rows:
+            return False
+        target = planner.resolve_tensor(req).detach()
+        rows = req.lengths[0] if shape else 1
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        first = data_start + entry["data_offsets"][0] + (req.storage_offsets[0] if shape else 0) * row_bytes
+        view = target.view(rows, -1) if target.is_contiguous() else target.reshape(rows, -1)
+        step = max(1, READ_CHUNK_BYTES // max(row_bytes, 1))
+        for r in range(0, rows, step):
+            n = min(step, rows - r)
+            buf = torch.empty(n * row_bytes, dtype=torch.uint8)
+            f.seek(first + r * row_bytes)
+            if f.readinto(memoryview(buf.numpy())) != n * row_bytes:
+                raise UserError(f"{path} is truncated: tensor {req.storage_index.fqn} ends past the end of the file")
+            view[r:r + n].copy_(buf.view(dtype).view(n, -1))
+        if not target.is_contiguous():
+            target.copy_(view.view(target.shape))
+        planner.commit_tensor(req, target)
+        return True
+
+
 def load_weights(model: nn.Module, model_dir: Path, device: torch.device) -> None:
     """Fill the sharded model from safetensors with DCP; every rank reads only the slices it owns."""
-    reader = dcp.HuggingFaceStorageReader(str(model_dir))
+    safetensors_headers(model_dir)  # a truncated or corrupt file: one line naming it, not a safetensors traceback
+    reader = RowSliceReader(str(model_dir))
     available = set(reader.read_metadata().state_dict_metadata)
     sd = get_model_state_dict(model)
     partners = tied_partners(model)

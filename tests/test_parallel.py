@@ -1,4 +1,6 @@
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -41,3 +43,67 @@ def test_vocab_parallel_head_matches_the_hf_loss_and_gradients(tmp_path, tiny_mo
     assert len(r["grad_max_diff"]) == 2 * 9 + 2 + (kind == "untied")  # every parameter compared
     worst = max(max(pair) for pair in r["grad_max_diff"].values())
     assert worst < 1e-5 * max(1.0, r["grad_scale"]), r["grad_max_diff"]
+
+
+@pytest.fixture
+def group_of_one(monkeypatch):
+    """This pytest process as a gloo group of one (the env it sets is restored afterwards)."""
+    from pipeline.parallel import _free_port, init_distributed
+
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(key, value)
+    d = init_distributed()
+    yield d
+    torch.distributed.destroy_process_group()
+
+
+def load_sharded(model_dir: Path, d) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from transformers import AutoConfig
+
+    from pipeline.config import ModelConfig
+    from pipeline.parallel import build_mesh, load_weights, materialize, shard_model
+
+    cfg = ModelConfig(model_name=str(model_dir), precision="fp32")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    shard_model(model, cfg, build_mesh(cfg.sharding, d), torch.float32)
+    materialize(model, cfg, d.device)
+    load_weights(model, model_dir, d.device)
+    return {k: v.full_tensor() for k, v in get_model_state_dict(model).items()}
+
+
+def bf16_copy(src: Path, dst: Path) -> Path:
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(dst)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / name, dst / name)
+    return dst
+
+
+def test_row_reader_converts_bf16_files_reading_in_small_pieces(tmp_path, tiny_models, group_of_one, monkeypatch):
+    from safetensors.torch import load_file
+
+    from pipeline import parallel
+
+    model_dir = bf16_copy(tiny_models["untied"], tmp_path / "bf16")
+    monkeypatch.setattr(parallel, "READ_CHUNK_BYTES", 1000)  # every matrix takes many reads
+    got = load_sharded(model_dir, group_of_one)
+    expected = load_file(model_dir / "model.safetensors")
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        assert tensor.dtype == torch.bfloat16 and got[name].dtype == torch.float32
+        assert torch.equal(got[name], tensor.float()), name
+
+
+def test_truncated_weights_stop_the_load_with_the_file_named(tmp_path, tiny_models, group_of_one):
+    from pipeline.errors import UserError
+
+    model_dir = bf16_copy(tiny_models["untied"], tmp_path / "bf16")
+    weights = model_dir / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size - 2)
+    with pytest.raises(UserError) as info:
+        load_sharded(model_dir, group_of_one)
+    assert str(info.value).startswith(f"weight file {weights} is truncated or corrupt (")
+    assert str(info.value).endswith("); download or import the model again")
