@@ -13,6 +13,7 @@ newer one is complete.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import random
 import shutil
@@ -28,6 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from pipeline.errors import UserError
@@ -114,7 +116,9 @@ class Pending:
     started: float
     """perf_counter() when the save began."""
     stall: float
-    """Seconds the training loop was blocked by it."""
+    """Seconds the training loop was blocked by it (so far: see Checkpointer.staged)."""
+    staging: Future | None = None
+    """Done once the state has been copied aside; until then nothing may change the model or optimizer."""
 
 
 class Checkpointer:
@@ -156,13 +160,34 @@ class Checkpointer:
         state = {"model": model_sd, "optim": optim_sd}
         try:
             if self.pg is not None and not sync:
-                future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.pg)
-                self.pending = Pending(future, step, info, started, time.perf_counter() - started)
+                # the copy aside runs on a thread too (training goes on until the next optimizer step, see
+                # staged()); a stager per save, closed when the write ends, so its copies are freed, not cached
+                cuda = self.dist.device.type == "cuda"
+                stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                      use_async_staging=True, use_non_blocking_copy=cuda))
+                response = dcp.async_save(state, checkpoint_id=str(path), process_group=self.pg,
+                                          async_stager=stager)
+                response.upload_completion.add_done_callback(lambda _: stager.close())
+                self.pending = Pending(response.upload_completion, step, info, started,
+                                       time.perf_counter() - started, response.staging_completion)
                 return
             dcp.save(state, checkpoint_id=str(path))
         except (Exception, CheckpointException) as exc:  # DCP re-raises any rank's failed write on every rank
             self._failed(step, exc)
         self._finalize(step, info, started, time.perf_counter() - started)
+
+    def staged(self) -> None:
+        """Block until the save in flight has copied the state aside: call before anything changes the model or
+        optimizer (the optimizer step). The wait counts as training stall."""
+        pending = self.pending
+        if pending is None or pending.staging is None:
+            return
+        waited = time.perf_counter()
+        # a failed copy fails the write as well: wait() reports it, with the checkpoint's name
+        with contextlib.suppress(Exception):
+            pending.staging.result()
+        pending.staging = None
+        pending.stall += time.perf_counter() - waited
 
     def in_flight(self) -> bool:
         return self.pending is not None and not self.pending.future.done()

@@ -359,6 +359,7 @@ class Trainer:
             with self.timer.phase("update"):
                 max_norm = self.cfg.optim.max_grad_norm or math.inf
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+                self.ckpt.staged()  # an async checkpoint's copy of the weights and states must be complete
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
