@@ -113,6 +113,53 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_h * grad_out, grad_w * grad_out, None, None, None
 
 
+class _VocabParallelLookup(torch.autograd.Function):
+    """Embeddings of this rank's ids [batch, seq] from vocabulary-sharded rows: every rank looks up every rank's
+    ids in its own rows (zeros elsewhere) and the partial embeddings are summed back to their ranks."""
+
+    @staticmethod
+    def forward(ctx, ids_local, w_local, vocab_start, padding_idx, group):
+        world = dist.get_world_size(group) if group is not None else 1
+        local = _gather_rows(ids_local, group) - vocab_start
+        mine = (local >= 0) & (local < w_local.shape[0])
+        local = torch.where(mine, local, 0)
+        out = torch.nn.functional.embedding(local, w_local) * mine[..., None]
+        if world > 1:
+            summed = out.new_empty((ids_local.shape[0], *out.shape[1:]))
+            _reduce_scatter(summed, out, group=group)
+            out = summed
+        if padding_idx is not None:  # nn.Embedding's padding row gets no gradient
+            mine = mine & (local != padding_idx - vocab_start)
+        ctx.save_for_backward(local, mine)
+        ctx.rows, ctx.group = w_local.shape[0], group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_local):
+        local, mine = ctx.saved_tensors
+        grad = _gather_rows(grad_local.contiguous(), ctx.group)
+        # this rank's rows only, and a plain zeros + index_add: DTensor's sharded embedding backward zero-fills a
+        # gradient of the whole vocabulary first (131 MB per step for the CPU bench model) and then slices it
+        grad_w = grad.new_zeros((ctx.rows, grad.shape[-1]))
+        grad_w.index_add_(0, local[mine], grad[mine])
+        return None, grad_w, None, None, None
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The model's input embedding with its weight sharded by vocabulary rows (Shard(0)) on a 1-D mesh; the
+    parameter keeps its name (`weight`), so state dicts and checkpoints are those of the plain model."""
+
+    def __init__(self, weight: nn.Parameter, padding_idx: int | None, group: dist.ProcessGroup | None):
+        super().__init__()
+        self.weight, self.padding_idx, self.group = weight, padding_idx, group
+        self.vocab_start = vocab_row_offset(weight.shape[0], group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """A collective: every rank calls it with the same shape."""
+        return _VocabParallelLookup.apply(ids, self.weight.to_local(), self.vocab_start, self.padding_idx,
+                                          self.group)
+
+
 class CausalLMLoss:
     """Mean next-token cross-entropy of a batch of full blocks (labels are the inputs, shifted by one).
 

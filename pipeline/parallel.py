@@ -27,12 +27,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
-from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 from torch.futures import Future
 
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
 from pipeline.hub import ST_DTYPES, safetensors_headers
+from pipeline.loss import VocabParallelEmbedding
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -167,14 +167,14 @@ def shard_model(model: nn.Module, cfg: ModelConfig, mesh: DeviceMesh, dtype: tor
         fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
         return
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head.weight is embed.weight
-    # ids arrive split by batch rows (Shard(0)); the embedding gathers them, looks up its vocabulary rows and
-    # reduce-scatters the partial embeddings back to each rank's rows
-    parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Shard(0), output_layouts=Shard(0)))
-    # parallelize_module replaced the embedding's Parameter: a tied head takes the new one
-    head.weight = embed.weight if tied else nn.Parameter(distribute_tensor(head.weight, mesh, [Shard(0)]))
+    weight = nn.Parameter(distribute_tensor(embed.weight, mesh, [Shard(0)]))
+    if head.weight is embed.weight:
+        head.weight = weight
+    else:
+        head.weight = nn.Parameter(distribute_tensor(head.weight, mesh, [Shard(0)]))
+    model.set_input_embeddings(VocabParallelEmbedding(weight, embed.padding_idx, mesh.get_group()))
     fully_shard(model.base_model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload,
-                ignored_params={embed.weight, head.weight})
+                ignored_params={weight, head.weight})
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -48,6 +48,10 @@ def test_shipped_profiles_are_the_four_documented():
         (["--compile", "maybe"], "--compile must be on or off, got 'maybe'"),
         (["--val-fraction", "0.7"], "--val-fraction must be in [0, 0.5), got 0.7"),
         (["--experiment-name", "a/b"], "--experiment-name must be a plain folder name, got 'a/b'"),
+        (["--vocab-parallel", "on", "--sharding", "NO_SHARD"],
+         "--vocab-parallel on needs --sharding FULL_SHARD or SHARD_GRAD_OP, got NO_SHARD"),
+        (["--vocab-parallel", "on", "--cpu-offload"],
+         "--vocab-parallel on cannot be combined with --cpu-offload (the head would stay on the GPU)"),
     ],
 )
 def test_bad_values_name_the_flag(argv, message):

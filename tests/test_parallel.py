@@ -107,3 +107,17 @@ def test_truncated_weights_stop_the_load_with_the_file_named(tmp_path, tiny_mode
         load_sharded(model_dir, group_of_one)
     assert str(info.value).startswith(f"weight file {weights} is truncated or corrupt (")
     assert str(info.value).endswith("); download or import the model again")
+
+
+def test_vocab_parallel_auto_is_on_for_sharded_cpu_runs_only():
+    from pipeline.config import ModelConfig
+    from pipeline.parallel import vocab_parallel_enabled
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert vocab_parallel_enabled(ModelConfig(model_name="m"), cpu)
+    assert vocab_parallel_enabled(ModelConfig(model_name="m", sharding="SHARD_GRAD_OP"), cpu)
+    assert not vocab_parallel_enabled(ModelConfig(model_name="m", sharding="HYBRID_SHARD"), cpu)
+    assert not vocab_parallel_enabled(ModelConfig(model_name="m", cpu_offload=True), cpu)
+    assert not vocab_parallel_enabled(ModelConfig(model_name="m"), cuda)
+    assert vocab_parallel_enabled(ModelConfig(model_name="m", vocab_parallel="on"), cuda)
+    assert not vocab_parallel_enabled(ModelConfig(model_name="m", vocab_parallel="off"), cpu)

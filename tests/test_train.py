@@ -98,3 +98,22 @@ def test_bad_argument_under_torchrun_is_one_line(tmp_path, train_env):
     assert proc.stderr.count(line + "\n") >= 1  # torchrun may stop the second worker before it prints
     assert 'File "' + str(ROOT / "pipeline") not in proc.stderr  # no worker traceback
     assert not (tmp_path / "bad").exists()
+
+
+def test_vocab_parallel_head_trains_like_the_hf_head(tmp_path, train_env):
+    # two micro-steps per step (gradients scaled and accumulated) and evaluation with the last batch padded
+    runs = {}
+    for mode in ("on", "off"):
+        proc = torchrun(2, ROOT / "fsdp1.py", "-e", mode, "-d", train_env["dataset"], "-m", "local/tiny",
+                        "--save-dir", tmp_path, *DEMO, "--max-steps", "6", "--log-freq", "1", "--eval-freq", "3",
+                        "--grad-accum", "2", "--batch-size", "3", "--vocab-parallel", mode, env=train_env["env"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[mode] = [(e["event"], e["step"], e["loss"], e.get("grad_norm", 0.0)) for e in events(tmp_path / mode)
+                      if e["event"] in ("train", "eval")]
+    assert [r[:2] for r in runs["on"]] == [r[:2] for r in runs["off"]]
+    assert [r[:2] for r in runs["on"] if r[0] == "eval"] == [("eval", 3), ("eval", 6)]
+    for on, off in zip(runs["on"], runs["off"], strict=True):
+        assert on[2] == pytest.approx(off[2], abs=1e-4) and on[3] == pytest.approx(off[3], abs=1e-4), (on, off)
+    assert runs["on"][0][2] - runs["on"][-2][2] > 0.1  # it learns: the last train loss is below the first
+    val_blocks = json.loads(next((tmp_path / "token_cache").glob("*/meta.json")).read_text())["val_blocks"]
+    assert val_blocks % (2 * 3) != 0  # so some rank's last evaluation batch is padded
