@@ -59,7 +59,8 @@ def _head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_sta
     world = dist.get_world_size(group) if group is not None else 1
     rows, v_local = h.shape[0], w.shape[0]
     valid = labels != IGNORE
-    count = max(int(valid.sum()), 1)  # the same on every rank: labels are the gathered global batch
+    # the same on every rank (labels are the gathered global batch); a host sync on GPU, once per call
+    count = max(int(valid.sum()), 1)
     target = labels - vocab_start
     mine = valid & (target >= 0) & (target < v_local)
     target = torch.where(mine, target, 0)
@@ -84,7 +85,7 @@ def _head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_sta
         if with_grads:
             # d loss / d logits = (softmax - onehot(target)) / count, written over z in place
             z.mul_((torch.exp(peak - lse) * valid[a:b] / count)[:, None])
-            hit = mine[a:b].nonzero().squeeze(1)
+            hit = mine[a:b].nonzero().squeeze(1)  # a host sync on GPU, once per chunk
             z[hit, target[a:b][hit]] -= 1.0 / count
             d = z.to(h.dtype)
             torch.mm(d, w_c, out=grad_h[a:b])
