@@ -87,10 +87,10 @@ def export_model(model: nn.Module, model_dir: Path, out: Path, dtype: torch.dtyp
 
 def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[nn.Module, Path]:
     """The model of a training checkpoint, sharded over this process group (no optimizer). A collective."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from pipeline.config import ModelConfig
-    from pipeline.parallel import build_mesh, materialize, reset_rotary, shard_model
+    from pipeline.parallel import build_sharded_model, reset_rotary
     from pipeline.trainer import resolve_model_dir
 
     trainer_json = checkpoint / "trainer.json"
@@ -98,11 +98,8 @@ def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[nn.Module, Path]:
         raise UserError(f"--checkpoint {checkpoint} is not a complete checkpoint (no trainer.json or .metadata)")
     model_name = json.loads(trainer_json.read_text())["fingerprint"]["model_name"]
     model_dir = resolve_model_dir(model_name)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
     cfg = ModelConfig(model_name=model_name, precision="fp32")
-    shard_model(model, cfg, build_mesh(cfg.sharding, d), torch.float32)
-    materialize(model, cfg, d.device)
+    model, _ = build_sharded_model(AutoConfig.from_pretrained(model_dir), cfg, d, torch.float32)
     sd = without_tied_aliases(model, get_model_state_dict(model))
     dcp.load({"model": sd}, checkpoint_id=str(checkpoint))
     set_model_state_dict(model, sd, options=StateDictOptions(strict=False))  # a tied lm_head: via its embedding

@@ -308,3 +308,17 @@ def load_weights(model: nn.Module, model_dir: Path, device: torch.device) -> Non
 def materialize(model: nn.Module, cfg: ModelConfig, device: torch.device) -> None:
     """Allocate the shards (host memory with CPU offload) before loading into them."""
     model.to_empty(device="cpu" if cfg.cpu_offload else device)
+
+
+def build_sharded_model(hf_config, cfg: ModelConfig, d: Dist, dtype: torch.dtype, *,
+                        vocab_parallel: bool = False) -> tuple[nn.Module, DeviceMesh]:
+    """The model of hf_config built on the meta device, sharded (shard_model) and materialised shard by shard;
+    its weights are uninitialised memory until loaded (load_weights, or from a checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="sdpa")
+    mesh = build_mesh(cfg.sharding, d)
+    shard_model(model, cfg, mesh, dtype, vocab_parallel=vocab_parallel)
+    materialize(model, cfg, d.device)
+    return model, mesh

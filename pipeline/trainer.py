@@ -39,12 +39,10 @@ from pipeline.export import export_dtype, export_model
 from pipeline.loss import CausalLMLoss
 from pipeline.parallel import (
     Dist,
-    build_mesh,
+    build_sharded_model,
     compute_dtype,
     fsdp_root,
     load_weights,
-    materialize,
-    shard_model,
     vocab_parallel_enabled,
 )
 from pipeline.telemetry import PhaseTimer, Telemetry, flops_per_token, log, memory_gb, peak_flops, setup_logging
@@ -152,14 +150,8 @@ def prepare_blocks(cfg: Config, plan: Plan, d: Dist, tokenizer) -> Blocks:
 def build_model(cfg: Config, plan: Plan, d: Dist, dtype: torch.dtype) -> tuple[nn.Module, CausalLMLoss]:
     """Meta-device model, sharded with FSDP2, materialised shard by shard and loaded from safetensors; and its
     loss (vocabulary-parallel or through the model's own forward)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(plan.hf_config, dtype=torch.float32, attn_implementation="sdpa")
-    mesh = build_mesh(cfg.model.sharding, d)
     vocab_parallel = vocab_parallel_enabled(cfg.model, d.device)
-    shard_model(model, cfg.model, mesh, dtype, vocab_parallel=vocab_parallel)
-    materialize(model, cfg.model, d.device)
+    model, mesh = build_sharded_model(plan.hf_config, cfg.model, d, dtype, vocab_parallel=vocab_parallel)
     load_weights(model, plan.model_dir, d.device)
     return model, CausalLMLoss(model, vocab_parallel, mesh.get_group() if vocab_parallel else None)
 

@@ -63,13 +63,10 @@ def load_sharded(model_dir: Path, d) -> dict[str, torch.Tensor]:
     from transformers import AutoConfig
 
     from pipeline.config import ModelConfig
-    from pipeline.parallel import build_mesh, load_weights, materialize, shard_model
+    from pipeline.parallel import build_sharded_model, load_weights
 
     cfg = ModelConfig(model_name=str(model_dir), precision="fp32")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
-    shard_model(model, cfg, build_mesh(cfg.sharding, d), torch.float32)
-    materialize(model, cfg, d.device)
+    model, _ = build_sharded_model(AutoConfig.from_pretrained(model_dir), cfg, d, torch.float32)
     load_weights(model, model_dir, d.device)
     return {k: v.full_tensor() for k, v in get_model_state_dict(model).items()}
 

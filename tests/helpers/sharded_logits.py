@@ -6,20 +6,17 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from pipeline.config import ModelConfig
-from pipeline.parallel import build_mesh, init_distributed, load_weights, materialize, shard_model
+from pipeline.parallel import build_sharded_model, init_distributed, load_weights
 
 
 def main() -> None:
     model_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
     d = init_distributed()
     cfg = ModelConfig(model_name=str(model_dir), precision="fp32")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
-    shard_model(model, cfg, build_mesh(cfg.sharding, d), torch.float32)
-    materialize(model, cfg, d.device)
+    model, _ = build_sharded_model(AutoConfig.from_pretrained(model_dir), cfg, d, torch.float32)
     load_weights(model, model_dir, d.device)
     ids = torch.arange(64).reshape(2, 32) % model.config.vocab_size
     with torch.no_grad():

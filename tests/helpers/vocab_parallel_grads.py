@@ -11,16 +11,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.config import ModelConfig
 from pipeline.loss import CausalLMLoss
-from pipeline.parallel import build_mesh, init_distributed, load_weights, materialize, shard_model
+from pipeline.parallel import build_sharded_model, init_distributed, load_weights
 
 
 def build(model_dir: Path, d, vocab_parallel: bool) -> tuple[torch.nn.Module, CausalLMLoss]:
     cfg = ModelConfig(model_name=str(model_dir), precision="fp32")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
-    mesh = build_mesh(cfg.sharding, d)
-    shard_model(model, cfg, mesh, torch.float32, vocab_parallel=vocab_parallel)
-    materialize(model, cfg, d.device)
+    model, mesh = build_sharded_model(AutoConfig.from_pretrained(model_dir), cfg, d, torch.float32,
+                                      vocab_parallel=vocab_parallel)
     load_weights(model, model_dir, d.device)
     return model, CausalLMLoss(model, vocab_parallel, mesh.get_group() if vocab_parallel else None)
 
