@@ -40,13 +40,27 @@ def shifted_labels(ids: torch.Tensor, valid_rows: int | None = None) -> torch.Te
     return labels
 
 
+def _world(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
 def _gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Every rank's x stacked along dim 0 (a collective; all ranks pass the same shape)."""
-    world = dist.get_world_size(group) if group is not None else 1
+    world = _world(group)
     if world == 1:
         return x
     out = x.new_empty((world * x.shape[0], *x.shape[1:]))
     _all_gather(out, x.contiguous(), group=group)
+    return out
+
+
+def _sum_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The inverse of _gather_rows: x summed over ranks, each rank keeping its own block of rows (a collective)."""
+    world = _world(group)
+    if world == 1:
+        return x
+    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
+    _reduce_scatter(out, x, group=group)
     return out
 
 
@@ -56,7 +70,7 @@ def _head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_sta
     holding rows [vocab_start, vocab_start + len(w)) of it; with the gradients of h (this rank's vocabulary share
     only: the caller sums them over ranks) and of w. One collective per chunk: every rank must run the same
     number of chunks, so every rank passes the same number of rows."""
-    world = dist.get_world_size(group) if group is not None else 1
+    world = _world(group)
     rows, v_local = h.shape[0], w.shape[0]
     valid = labels != IGNORE
     # the same on every rank (labels are the gathered global batch); a host sync on GPU, once per call
@@ -101,14 +115,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_local, w_local, labels, vocab_start, group):
-        world = dist.get_world_size(group) if group is not None else 1
         loss, grad_h, grad_w = _head_pass(_gather_rows(h_local, group), w_local, labels, vocab_start, group, True)
-        if world > 1:
-            # every rank's tokens got gradient from every rank's vocabulary share: sum, keep this rank's rows
-            mine = grad_h.new_empty(h_local.shape)
-            _reduce_scatter(mine, grad_h, group=group)
-            grad_h = mine
-        ctx.save_for_backward(grad_h, grad_w.to(w_local.dtype))
+        # every rank's tokens got gradient from every rank's vocabulary share: sum, keep this rank's rows
+        ctx.save_for_backward(_sum_rows(grad_h, group), grad_w.to(w_local.dtype))
         return loss
 
     @staticmethod
@@ -123,15 +132,10 @@ class _VocabParallelLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ids_local, w_local, vocab_start, padding_idx, group):
-        world = dist.get_world_size(group) if group is not None else 1
         local = _gather_rows(ids_local, group) - vocab_start
         mine = (local >= 0) & (local < w_local.shape[0])
         local = torch.where(mine, local, 0)
-        out = torch.nn.functional.embedding(local, w_local) * mine[..., None]
-        if world > 1:
-            summed = out.new_empty((ids_local.shape[0], *out.shape[1:]))
-            _reduce_scatter(summed, out, group=group)
-            out = summed
+        out = _sum_rows(torch.nn.functional.embedding(local, w_local) * mine[..., None], group)
         if padding_idx is not None:  # nn.Embedding's padding row gets no gradient
             mine = mine & (local != padding_idx - vocab_start)
         ctx.save_for_backward(local, mine)
