@@ -28,6 +28,8 @@ SCHEDULES = ("cosine", "linear", "constant")
 ASYNC = ("auto", "on", "off")
 EXPORT_DTYPES = ("auto", "bf16", "fp16", "fp32")
 VOCAB_PARALLEL = ("auto", "on", "off")
+VOCAB_PARALLEL_SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP")
+"""The shardings the vocabulary-parallel head works with (a 1-D mesh)."""
 SHORT_FLAGS = {"experiment_name": "-e", "dataset_name": "-d", "model_name": "-m", "batch_size": "-b"}
 
 
@@ -109,7 +111,7 @@ class ModelConfig:
         _check(bool(self.model_name), "--model-name (-m) is required")
         _check(self.vocab_parallel in VOCAB_PARALLEL, f"--vocab-parallel must be one of {', '.join(VOCAB_PARALLEL)}, "
                                                       f"got {self.vocab_parallel!r}")
-        _check(self.vocab_parallel != "on" or self.sharding in ("FULL_SHARD", "SHARD_GRAD_OP"),
+        _check(self.vocab_parallel != "on" or self.sharding in VOCAB_PARALLEL_SHARDINGS,
                f"--vocab-parallel on needs --sharding FULL_SHARD or SHARD_GRAD_OP, got {self.sharding}")
         _check(self.vocab_parallel != "on" or not self.cpu_offload,
                "--vocab-parallel on cannot be combined with --cpu-offload (the head would stay on the GPU)")

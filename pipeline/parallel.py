@@ -29,7 +29,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.futures import Future
 
-from pipeline.config import ModelConfig
+from pipeline.config import VOCAB_PARALLEL_SHARDINGS, ModelConfig
 from pipeline.errors import UserError
 from pipeline.hub import ST_DTYPES, safetensors_headers
 from pipeline.loss import VocabParallelEmbedding
@@ -140,7 +140,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def vocab_parallel_enabled(cfg: ModelConfig, device: torch.device) -> bool:
     """--vocab-parallel resolved: auto is on for CPU runs, where it was measured to pay (BENCHMARKS.md)."""
     return cfg.vocab_parallel == "on" or (cfg.vocab_parallel == "auto" and device.type == "cpu"
-                                          and cfg.sharding in ("FULL_SHARD", "SHARD_GRAD_OP") and not cfg.cpu_offload)
+                                          and cfg.sharding in VOCAB_PARALLEL_SHARDINGS and not cfg.cpu_offload)
 
 
 def shard_model(model: nn.Module, cfg: ModelConfig, mesh: DeviceMesh, dtype: torch.dtype, *,
