@@ -180,8 +180,8 @@ class ModelReport:
 
 
 ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
-              "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
-              "F8_E5M2": "float8_e5m2"}
+             "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
+             "F8_E5M2": "float8_e5m2"}
 
 
 def safetensors_headers(model_dir: Path) -> tuple[dict[str, tuple[list[int], str]], int]:
