@@ -101,11 +101,22 @@ def memory_gb(device: torch.device) -> dict[str, float]:
     return {k: round(v / GIB, 3) for k, v in out.items()}
 
 
-def flops_per_token(config, num_params: int, num_embedding_params: int, seq_length: int) -> float:
-    """torchtitan's estimate: 6 x non-embedding parameters + 12 x layers x heads x head_dim x seq_length."""
+def matmul_params(model: torch.nn.Module) -> int:
+    """Parameters that take part in a matrix product per token: all but an input embedding that is only looked up.
+    A tied embedding is also the LM head (a 2 x vocab x hidden product per token), so it counts."""
+    total = sum(p.numel() for p in model.parameters())  # a tied weight is one parameter, counted once
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is not None and head.weight is embed.weight:
+        return total
+    return total - embed.weight.numel()
+
+
+def flops_per_token(config, num_matmul_params: int, seq_length: int) -> float:
+    """Training FLOPs per token (forward and backward), as torchtitan and PaLM count them: 6 x the parameters of
+    the matrix products (the LM head included) + 12 x layers x heads x head_dim x seq_length for attention."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
-    return 6 * (num_params - num_embedding_params) + attention
+    return 6 * num_matmul_params + attention
 
 
 def peak_flops(device: torch.device) -> float | None:
