@@ -264,12 +264,27 @@ def activation_bytes(config, seq: int = 2048, dtype_bytes: int = 2) -> int:
     return checkpoints + one_layer + logits + GIB
 
 
-def memory_table(num_params: int, dtype_bytes: int, act: int, gpus: tuple[int, ...] = (1, 2, 4, 8)) -> list[dict]:
-    """Per-GPU bytes for full fine-tuning with AdamW under FULL_SHARD: params, grads, 2 optimizer states, sharded."""
+STATE_BYTES_PER_PARAM = 16
+"""fp32 master weight, fp32 gradient and AdamW's two fp32 moments per parameter: what fsdp1.py keeps (sharded),
+whatever the dtype of the model's files."""
+
+
+def gathered_bytes(config, num_params: int, compute_bytes: int = 2) -> int:
+    """Unsharded compute copies (bf16) FSDP holds at once: the root (embedding, and the LM head when untied), which
+    stays gathered through the step, plus the decoder layer in use and the one prefetched."""
+    root = config.vocab_size * config.hidden_size * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    layer = (num_params - root) // config.num_hidden_layers
+    return (root + 2 * layer) * compute_bytes
+
+
+def memory_table(num_params: int, config, act: int, gpus: tuple[int, ...] = (1, 2, 4, 8)) -> list[dict]:
+    """Per-GPU bytes for full fine-tuning with fsdp1.py (FULL_SHARD, bf16 compute, fp32 weights and AdamW)."""
+    gathered = gathered_bytes(config, num_params)
     rows = []
     for n in gpus:
-        state = 4 * num_params * dtype_bytes // n
-        rows.append({"gpus": n, "params_grads_optim": state, "activations": act, "total": state + act})
+        state = STATE_BYTES_PER_PARAM * num_params // n
+        rows.append({"gpus": n, "sharded_state": state, "gathered": gathered, "activations": act,
+                     "total": state + gathered + act})
     return rows
 
 
@@ -284,9 +299,6 @@ def human_bytes(n: float) -> str:
 
 
 def format_report(rep: ModelReport, where: Path, skipped: list[str]) -> str:
-    import torch
-
-    dtype_bytes = torch.empty((), dtype=getattr(torch, rep.dtype)).element_size()
     lines = [
         f"model:       {rep.model_class} at {where}",
         f"parameters:  {rep.num_params:,} ({rep.dtype}); {human_bytes(rep.disk_bytes)} on disk",
@@ -297,12 +309,14 @@ def format_report(rep: ModelReport, where: Path, skipped: list[str]) -> str:
         lines.append(f"left out (not needed for training): {', '.join(skipped)}")
     if rep.unexpected:
         lines.append(f"ignored tensors not used by {rep.model_class}: {', '.join(rep.unexpected[:5])}")
-    lines.append(f"estimated per-GPU memory, full fine-tuning, AdamW, FSDP FULL_SHARD, {rep.dtype}:")
-    lines.append(f"  {'GPUs':>4}  {'params+grads+2 optim states':>28}  {'activations':>11}  {'total':>9}")
-    act = activation_bytes(rep.config, dtype_bytes=dtype_bytes)
-    for row in memory_table(rep.num_params, dtype_bytes, act):
-        lines.append(f"  {row['gpus']:>4}  {row['params_grads_optim'] / GIB:>24.2f} GiB  "
-                     f"{row['activations'] / GIB:>7.2f} GiB  {row['total'] / GIB:>5.2f} GiB")
+    lines.append("estimated per-GPU memory, full fine-tuning with fsdp1.py (FULL_SHARD, bf16 compute, fp32 master "
+                 "weights, gradients and AdamW states):")
+    lines.append(f"  {'GPUs':>4}  {'fp32 weights+grads+AdamW':>24}  {'bf16 gathered':>13}  {'activations':>11}  "
+                 f"{'total':>9}")
+    act = activation_bytes(rep.config)
+    for row in memory_table(rep.num_params, rep.config, act):
+        lines.append(f"  {row['gpus']:>4}  {row['sharded_state'] / GIB:>20.2f} GiB  {row['gathered'] / GIB:>9.2f} GiB"
+                     f"  {row['activations'] / GIB:>7.2f} GiB  {row['total'] / GIB:>5.2f} GiB")
     lines.append(f"  ({ACTIVATION_NOTE})")
     return "\n".join(lines)
 

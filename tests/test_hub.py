@@ -156,8 +156,12 @@ def test_memory_estimate_for_llama_3_2_1b():
     with torch.device("meta"):
         n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
     assert n == 1_235_814_400
-    rows = memory_table(n, 2, act=0)
-    assert [r["params_grads_optim"] for r in rows] == [9_886_515_200, 4_943_257_600, 2_471_628_800, 1_235_814_400]
+    rows = memory_table(n, cfg, act=0)
+    # fp32 weight, gradient and two AdamW moments, sharded: 16 bytes per parameter over the GPUs
+    assert [r["sharded_state"] for r in rows] == [19_773_030_400, 9_886_515_200, 4_943_257_600, 2_471_628_800]
+    # bf16 copies: the tied embedding (128256 x 2048) plus two of the 16 equal decoder layers
+    layer = (n - 128256 * 2048) // 16
+    assert rows[0]["gathered"] == 2 * (128256 * 2048 + 2 * layer) and rows[3]["gathered"] == rows[0]["gathered"]
 
 
 def test_tiny_model_is_deterministic(tmp_path, tiny_models):
