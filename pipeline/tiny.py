@@ -1,9 +1,11 @@
 """The bundled tiny Llama for the demo and the tests: random weights, a byte-level BPE trained on a corpus.
 
     python -m pipeline.tiny --out DIR [--corpus examples/raw] [--tied|--untied] [--layers 2] [--hidden 64] [--seed 0]
+    python -m pipeline.tiny --out DIR --preset llama-3.2-1b      # a real model's shape, for benchmarks
 
 The weights are random: the model exists to exercise every code path (sharded loading, tied embeddings, training,
-checkpoints, export) on a CPU in seconds, not to produce useful text. Deterministic given the arguments.
+checkpoints, export) on a CPU in seconds, not to produce useful text. Deterministic given the arguments (a preset
+is initialised on the GPU when there is one, whose random numbers differ from the CPU's).
 """
 
 from __future__ import annotations
@@ -60,6 +62,35 @@ def tiny_config(vocab_size: int, bos_id: int, eos_id: int, *, tied: bool, layers
     )
 
 
+PRESETS = {
+    "llama-3.2-1b": {
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True, "dtype": "bfloat16",
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    },
+}
+"""Configs of real models (meta-llama/Llama-3.2-1B's config.json), whose shapes the benchmarks train: the tokenizer's
+ids are a subset of the vocabulary."""
+
+
+def build_preset(out: Path, preset: str, corpus: Path = DEFAULT_CORPUS, *, seed: int = 0) -> Path:
+    """A random-weight model with a preset's real config, in its file dtype, and the bundled tokenizer; returns out.
+    Built on the GPU when there is one (a 1B model's random init takes minutes on two CPU cores)."""
+    if preset not in PRESETS:
+        raise UserError(f"unknown --preset {preset!r}; known: {', '.join(PRESETS)}")
+    tokenizer = train_tokenizer(corpus_texts(corpus), 1024)
+    config = LlamaConfig(**PRESETS[preset], bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config).to(config.dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def build_tiny(out: Path, corpus: Path = DEFAULT_CORPUS, *, tied: bool = True, layers: int = 2, hidden: int = 64,
                seed: int = 0, vocab_size: int = 1024, model_vocab: int | None = None) -> Path:
     """Write a tokenizer and a random-weight LlamaForCausalLM (safetensors) to out; returns out.
@@ -89,9 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a real model's config instead of the tiny one (--layers, --hidden and --tied ignored)")
     args = p.parse_args(argv)
     if not args.corpus.is_dir():
         raise UserError(f"--corpus {args.corpus} does not exist or is not a directory")
+    if args.preset:
+        out = build_preset(args.out, args.preset, args.corpus, seed=args.seed)
+        print(f"{args.preset} shape (random weights) written to {out}")
+        return 0
     out = build_tiny(args.out, args.corpus, tied=args.tied, layers=args.layers, hidden=args.hidden, seed=args.seed)
     print(f"tiny Llama ({'tied' if args.tied else 'untied'}, {args.layers} layers, hidden {args.hidden}, random "
           f"weights) written to {out}")
