@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The training part of `make demo`: start the 2-process CPU run, stop it with SIGTERM (as a preemption would) once
-# its first checkpoint is complete, then rerun the very same command, which resumes where it stopped.
+# The training part of `make demo`: start the run (2 CPU processes, or one process per GPU), stop it with SIGTERM (as
+# a preemption would) once its first checkpoint is complete, then rerun the very same command, which resumes where
+# it stopped.
 # Usage: examples/demo_train.sh PYTHON SAVE_DIR EXPERIMENT [fsdp1.py flags...]
 set -euo pipefail
 py=$1 save_dir=$2 name=$3
 shift 3
-cmd=("$py" -m torch.distributed.run --standalone --nproc_per_node 2 fsdp1.py -e "$name" --save-dir "$save_dir" "$@")
+nproc=$("$py" -c 'import torch; print(torch.cuda.device_count() or 2)')
+cmd=("$py" -m torch.distributed.run --standalone --nproc_per_node "$nproc" fsdp1.py -e "$name" --save-dir "$save_dir" "$@")
 run_dir=$save_dir/$name
 rm -rf "$run_dir"  # the demo's own previous run: start clean so the interruption happens every time
 mkdir -p "$save_dir"

@@ -104,8 +104,7 @@ class ModelConfig:
     """Keep parameter shards, gradients and optimizer states in host memory; the optimizer step runs on CPU."""
     vocab_parallel: str = "auto"
     """Keep the embedding and LM head sharded by vocabulary rows (never gathered) and compute the loss in chunks
-    without full-width logits (auto: on for CPU runs with FULL_SHARD or SHARD_GRAD_OP; off on GPU, where it has
-    not been measured yet)."""
+    without full-width logits (auto: on with FULL_SHARD or SHARD_GRAD_OP and no CPU offload, on CPU and GPU)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.model_name), "--model-name (-m) is required")

@@ -24,10 +24,11 @@ IGNORE = -100
 # torch 2.13 renamed the single-tensor collectives (the old names warn on every call); torch 2.11 has only the old
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-CHUNK_ELEMENTS = 16 * 2**20
-"""Logits per chunk (64 MB in fp32). Fewer, larger chunks were faster on CPU (each chunk re-reads and re-writes
-the head's gradient): 0.68 s/step at 16M against 0.75 at 8M and 1.08 at 2M, in a 2-rank training loop of the CPU
-bench model (one run each)."""
+CHUNK_ELEMENTS = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}
+"""Logits per chunk by device type. CPU: 16M (64 MB in fp32); fewer, larger chunks were faster (each chunk re-reads
+and re-writes the head's gradient): 0.68 s/step at 16M against 0.75 at 8M and 1.08 at 2M, in a 2-rank training
+loop of the CPU bench model (one run each). CUDA: 256M (1 GiB in fp32), about 2,000 token rows against a 128k
+vocabulary, so each chunk's three matrix products are large enough to keep the tensor cores busy."""
 
 
 def shifted_labels(ids: torch.Tensor, valid_rows: int | None = None) -> torch.Tensor:
@@ -73,8 +74,8 @@ def _head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_sta
     world = _world(group)
     rows, v_local = h.shape[0], w.shape[0]
     valid = labels != IGNORE
-    # the same on every rank (labels are the gathered global batch); a host sync on GPU, once per call
-    count = max(int(valid.sum()), 1)
+    # the same on every rank (labels are the gathered global batch); kept on the device: no host sync
+    count = valid.sum().clamp_min(1)
     target = labels - vocab_start
     mine = valid & (target >= 0) & (target < v_local)
     target = torch.where(mine, target, 0)
@@ -82,7 +83,7 @@ def _head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_sta
     grad_h = torch.empty_like(h) if with_grads else None
     grad_w = torch.zeros_like(w, dtype=torch.float32) if with_grads else None
     total = torch.zeros((), dtype=torch.float64, device=h.device)
-    step = max(1, CHUNK_ELEMENTS // max(v_local, 1))
+    step = max(1, CHUNK_ELEMENTS.get(h.device.type, CHUNK_ELEMENTS["cpu"]) // max(v_local, 1))
     for a in range(0, rows, step):
         b = min(rows, a + step)
         z = torch.mm(h[a:b], w_c.t()).float()
@@ -99,8 +100,9 @@ def _head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_sta
         if with_grads:
             # d loss / d logits = (softmax - onehot(target)) / count, written over z in place
             z.mul_((torch.exp(peak - lse) * valid[a:b] / count)[:, None])
-            hit = mine[a:b].nonzero().squeeze(1)  # a host sync on GPU, once per chunk
-            z[hit, target[a:b][hit]] -= 1.0 / count
+            # minus 1/count at each row's target column, where this rank holds it (a scatter, not an indexed
+            # assignment through nonzero(), which would wait for the GPU once per chunk)
+            z.scatter_add_(1, target[a:b, None], (mine[a:b] / -count).to(z.dtype)[:, None])
             d = z.to(h.dtype)
             torch.mm(d, w_c, out=grad_h[a:b])
             if d.dtype == grad_w.dtype:
@@ -149,7 +151,9 @@ class _VocabParallelLookup(torch.autograd.Function):
         # this rank's rows only, and a plain zeros + index_add: DTensor's sharded embedding backward zero-fills a
         # gradient of the whole vocabulary first (131 MB per step for the CPU bench model) and then slices it
         grad_w = grad.new_zeros((ctx.rows, grad.shape[-1]))
-        grad_w.index_add_(0, local[mine], grad[mine])
+        # every position adds into its row, ids of other ranks a zero gradient into row 0: boolean indexing would
+        # call nonzero(), which waits for the GPU (105 ms of queued work per step on the 1B GPU bench)
+        grad_w.index_add_(0, local.flatten(), (grad * mine[..., None].to(grad.dtype)).flatten(0, -2))
         return None, grad_w, None, None, None
 
 

@@ -45,7 +45,16 @@ from pipeline.parallel import (
     load_weights,
     vocab_parallel_enabled,
 )
-from pipeline.telemetry import PhaseTimer, Telemetry, flops_per_token, log, memory_gb, peak_flops, setup_logging
+from pipeline.telemetry import (
+    PhaseTimer,
+    Telemetry,
+    flops_per_token,
+    log,
+    matmul_params,
+    memory_gb,
+    peak_flops,
+    setup_logging,
+)
 
 
 @dataclass
@@ -150,7 +159,7 @@ def prepare_blocks(cfg: Config, plan: Plan, d: Dist, tokenizer) -> Blocks:
 def build_model(cfg: Config, plan: Plan, d: Dist, dtype: torch.dtype) -> tuple[nn.Module, CausalLMLoss]:
     """Meta-device model, sharded with FSDP2, materialised shard by shard and loaded from safetensors; and its
     loss (vocabulary-parallel or through the model's own forward)."""
-    vocab_parallel = vocab_parallel_enabled(cfg.model, d.device)
+    vocab_parallel = vocab_parallel_enabled(cfg.model)
     model, mesh = build_sharded_model(plan.hf_config, cfg.model, d, dtype, vocab_parallel=vocab_parallel)
     load_weights(model, plan.model_dir, d.device)
     return model, CausalLMLoss(model, vocab_parallel, mesh.get_group() if vocab_parallel else None)
@@ -218,8 +227,7 @@ class Trainer:
         self.step, self.samples_seen, self.best_val = 0, 0, math.inf
         self.timer = PhaseTimer(d.device)
         n_params = sum(p.numel() for p in self.model.parameters())
-        n_embed = self.model.get_input_embeddings().weight.numel()
-        self.flops_per_token = flops_per_token(plan.hf_config, n_params, n_embed, cfg.data.seq_length)
+        self.flops_per_token = flops_per_token(plan.hf_config, matmul_params(self.model), cfg.data.seq_length)
         self.peak = peak_flops(d.device)
         async_ckpt = cfg.run.async_ckpt == "on" or (cfg.run.async_ckpt == "auto" and d.device.type == "cuda")
         self.ckpt = Checkpointer(self.run_dir, d, cfg.train.keep_last, async_ckpt, plan.fingerprint)
@@ -337,8 +345,7 @@ class Trainer:
         with self.timer.phase("total"):
             for i, idx in enumerate(micro):
                 with self.timer.phase("data"):
-                    ids = torch.from_numpy(self.blocks.train[idx].astype(np.int64)).to(self.dist.device,
-                                                                                        non_blocking=True)
+                    ids = self.to_device(self.blocks.train[idx])
                 # reduce-scatter gradients only on the last micro-step; earlier ones accumulate locally
                 fsdp_root(self.model).set_requires_gradient_sync(i == len(micro) - 1)
                 with self.timer.phase("forward"):
@@ -357,6 +364,14 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
         self.timer.step_done()
         return total, grad_norm
+
+    def to_device(self, blocks: np.ndarray) -> torch.Tensor:
+        """Token ids as int64 on the training device. On GPU through pinned memory: a copy from pageable memory
+        waits for every kernel already queued (a host sync per micro-step), a pinned one is queued behind them."""
+        ids = torch.from_numpy(blocks.astype(np.int64))
+        if self.dist.device.type != "cuda":
+            return ids
+        return ids.pin_memory().to(self.dist.device, non_blocking=True)
 
     def log_window(self, telemetry: Telemetry, loss: torch.Tensor, grad_norm: torch.Tensor, seconds: float,
                    steps: int) -> None:
@@ -451,6 +466,20 @@ def run(cfg: Config, d: Dist, plan: Plan) -> Trainer:
     return trainer
 
 
+def out_of_memory_message(cfg: Config, d: Dist) -> str:
+    """What to change when a step does not fit (NCCL reports the same failure as an 'unhandled cuda error')."""
+    hints = ["a smaller --batch-size (with --grad-accum to keep the global batch)"]
+    if not cfg.model.activation_checkpointing:
+        hints.append("--activation-checkpointing on")
+    if cfg.model.vocab_parallel == "off":
+        hints.append("--vocab-parallel auto (no full-width logits)")
+    if cfg.model.sharding in ("NO_SHARD", "SHARD_GRAD_OP"):
+        hints.append("--sharding FULL_SHARD")
+    return (f"rank {d.rank} ran out of {d.device.type.upper()} memory at batch {cfg.train.batch_size} x seq "
+            f"{cfg.data.seq_length}; try {', '.join(hints)}; the last complete checkpoint (if any) resumes with "
+            "the same command")
+
+
 def main(argv: list[str] | None = None) -> int:
     """fsdp1.py: resolve the config, check everything cheap, then join the process group and train."""
     from pipeline.parallel import init_distributed, watch_parent
@@ -463,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg, d, plan)
     except Interrupted as stop:
         return 128 + stop.signum
+    except (torch.OutOfMemoryError, dist.DistBackendError) as exc:
+        if not isinstance(exc, torch.OutOfMemoryError) and "out of memory" not in str(exc):
+            raise
+        raise UserError(out_of_memory_message(cfg, d)) from None
     finally:
         dist.destroy_process_group()
     return 0

@@ -106,15 +106,13 @@ def test_truncated_weights_stop_the_load_with_the_file_named(tmp_path, tiny_mode
     assert str(info.value).endswith("); download or import the model again")
 
 
-def test_vocab_parallel_auto_is_on_for_sharded_cpu_runs_only():
+def test_vocab_parallel_auto_is_on_where_the_sharding_allows_it():
     from pipeline.config import ModelConfig
     from pipeline.parallel import vocab_parallel_enabled
 
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert vocab_parallel_enabled(ModelConfig(model_name="m"), cpu)
-    assert vocab_parallel_enabled(ModelConfig(model_name="m", sharding="SHARD_GRAD_OP"), cpu)
-    assert not vocab_parallel_enabled(ModelConfig(model_name="m", sharding="HYBRID_SHARD"), cpu)
-    assert not vocab_parallel_enabled(ModelConfig(model_name="m", cpu_offload=True), cpu)
-    assert not vocab_parallel_enabled(ModelConfig(model_name="m"), cuda)
-    assert vocab_parallel_enabled(ModelConfig(model_name="m", vocab_parallel="on"), cuda)
-    assert not vocab_parallel_enabled(ModelConfig(model_name="m", vocab_parallel="off"), cpu)
+    assert vocab_parallel_enabled(ModelConfig(model_name="m"))
+    assert vocab_parallel_enabled(ModelConfig(model_name="m", sharding="SHARD_GRAD_OP"))
+    assert not vocab_parallel_enabled(ModelConfig(model_name="m", sharding="HYBRID_SHARD"))
+    assert not vocab_parallel_enabled(ModelConfig(model_name="m", sharding="NO_SHARD"))
+    assert not vocab_parallel_enabled(ModelConfig(model_name="m", cpu_offload=True))
+    assert not vocab_parallel_enabled(ModelConfig(model_name="m", vocab_parallel="off"))
