@@ -59,7 +59,8 @@ def torchrun_cmd(nproc: int, script: str | Path, *args: object) -> list[str]:
 
 def bench_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(ROOT / ".bench_hf"),
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env.update(PYTHONPATH=path, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(ROOT / ".bench_hf"),
                TOKENIZERS_PARALLELISM="false", **extra)
     return env
 

@@ -1,9 +1,14 @@
 """The Hugging Face Trainer side of bench/train_speed.py, launched under torchrun: the same model, the same packed
 blocks (our token cache), batch, seq length, AdamW, lr schedule, clipping and precision as our run.
 
-On GPU it asks for FSDP2 with decoder-layer wrapping. On CPU the Trainer cannot shard: without `use_cpu` it
-refuses ("Using fsdp only works in distributed training."), and with it Accelerate sets up MULTI_CPU, which
-ignores the FSDP plugin and wraps the model in DDP; so on CPU this measures the Trainer's DDP, the best it offers.
+On GPU it asks for FSDP2 with decoder-layer wrapping, bf16 mixed precision over fp32 weights (--bf16) and the fused
+CUDA AdamW, the settings the Trainer's documentation recommends for speed; --compile and --grad-ckpt add
+`torch_compile` and `gradient_checkpointing`. Step ends are recorded after a device sync every --sync-every steps
+(queued GPU work would otherwise make the host's clock run ahead of the GPU).
+
+On CPU the Trainer cannot shard: without `use_cpu` it refuses ("Using fsdp only works in distributed training."),
+and with it Accelerate sets up MULTI_CPU, which ignores the FSDP plugin and wraps the model in DDP; so on CPU this
+measures the Trainer's DDP, the best it offers.
 Rank 0 writes {"step_end": [epoch seconds per optimizer step], "wrapper", ...} to --out.
 """
 
@@ -32,11 +37,17 @@ class Blocks(torch.utils.data.Dataset):
 
 
 class StepTimes(TrainerCallback):
-    def __init__(self):
-        self.times: list[float] = []
+    """Epoch seconds at the end of every --sync-every-th optimizer step, taken after the GPU has finished it."""
+
+    def __init__(self, every: int):
+        self.every, self.steps, self.times = every, [], []
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.times.append(time.time())
+        if state.global_step % self.every == 0:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.steps.append(state.global_step)
+            self.times.append(time.time())
 
 
 def main() -> None:
@@ -50,6 +61,8 @@ def main() -> None:
     p.add_argument("--warmup-steps", type=int, default=5)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing (activation recomputation)")
+    p.add_argument("--sync-every", type=int, default=1, help="record a step end every N steps")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
@@ -61,14 +74,18 @@ def main() -> None:
         max_steps=args.max_steps, learning_rate=args.lr, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
         adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
         bf16=args.bf16, use_cpu=not cuda, ddp_backend=None if cuda else "gloo",
-        torch_compile=args.compile, report_to=[], save_strategy="no", eval_strategy="no", logging_steps=10**9,
+        torch_compile=args.compile, gradient_checkpointing=args.grad_ckpt,
+        optim="adamw_torch_fused" if cuda else "adamw_torch", report_to=[], save_strategy="no", eval_strategy="no",
+        logging_steps=10**9,
         dataloader_num_workers=0, disable_tqdm=True, seed=0, **fsdp)
-    timer = StepTimes()
+    timer = StepTimes(args.sync_every)
     trainer = Trainer(model=model, args=targs, train_dataset=Blocks(args.blocks), callbacks=[timer])
     trainer.train()
     if trainer.args.process_index == 0:
-        peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else None
-        args.out.write_text(json.dumps({"step_end": timer.times, "peak_alloc_gb": peak,
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+        reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else None
+        args.out.write_text(json.dumps({"step_end": timer.times, "steps": timer.steps, "peak_alloc_gib": peak,
+                                        "peak_reserved_gib": reserved,
                                         "wrapper": type(trainer.model_wrapped).__name__,
                                         "distributed": str(trainer.accelerator.distributed_type)}))
 

@@ -1,0 +1,308 @@
+"""GPU training throughput on a real model's shape: fsdp1.py against the Hugging Face Trainer, one GPU.
+
+Model: Llama-3.2-1B's config (pipeline.tiny --preset llama-3.2-1b: random weights, bf16 file, tied 128k vocabulary),
+seq 2048, bf16 compute over fp32 weights, AdamW, clipping 1.0, warmup+cosine lr, on the same packed blocks (our
+token cache, read by the HF worker too). Each variant is launched fresh with torchrun; steady state is the median
+over windows of 5 steps after the first --discard steps (compilation and allocator warm-up). fsdp1.py logs once per
+window (its only host sync); the HF worker syncs the GPU at the same window ends. A run of ours is stopped once it
+has logged --steps steps (its final checkpoint and export are not part of a step). MFU: 6 x the parameters of the
+matrix products (the tied LM head included) + 12 x layers x heads x head_dim x seq FLOPs per token, over the
+GPU's dense bf16 peak (989 TFLOPS for the H100 and H200). Memory: the largest torch.cuda.max_memory_allocated
+of any window (ours), of the whole run (HF).
+
+Results are appended as JSON lines to --results, and the table is written from every line of that file, so
+variants may be measured in several invocations (e.g. several lease windows) and reported together:
+
+    python bench/train_speed_gpu.py --variants all --results .bench/gpu/results.jsonl --write
+    python bench/train_speed_gpu.py --report-only --results FILE --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from common import ROOT, bench_env, machine, read_events, table, torchrun_cmd, update_section
+
+BENCH = Path(__file__).resolve().parent
+SEQ = 2048
+OURS_FLAGS = ["--precision", "bf16", "--seq-length", SEQ, "--log-freq", 5, "--ckpt-freq", 0, "--eval-freq", 0,
+              "--lr", 3e-4, "--warmup-steps", 5, "--max-steps", 10**6, "--async-ckpt", "off"]
+VARIANTS: dict[str, tuple[str, list]] = {
+    "ours-hfloss": ("ours", ["--vocab-parallel", "off"]),
+    "ours-chunked": ("ours", ["--vocab-parallel", "on"]),
+    "ours-chunked-compile": ("ours", ["--vocab-parallel", "on", "--compile", "on"]),
+    "ours-hfloss-compile": ("ours", ["--vocab-parallel", "off", "--compile", "on"]),
+    "ours-chunked-compile-ac": ("ours", ["--vocab-parallel", "on", "--compile", "on",
+                                         "--activation-checkpointing", "on"]),
+    "ours-estimator": ("ours", ["--vocab-parallel", "off", "--activation-checkpointing", "on"]),
+    "ours-ckpt-async": ("ours", ["--vocab-parallel", "on", "--ckpt-freq", 10, "--async-ckpt", "on"]),
+    "ours-ckpt-sync": ("ours", ["--vocab-parallel", "on", "--ckpt-freq", 10, "--async-ckpt", "off"]),
+    "hf": ("hf", []),
+    "hf-compile": ("hf", ["--compile"]),
+    "hf-ac": ("hf", ["--grad-ckpt"]),
+    "hf-compile-ac": ("hf", ["--compile", "--grad-ckpt"]),
+}
+LABELS = {
+    "ours-hfloss": "fsdp1.py, HF model loss (full logits)",
+    "ours-chunked": "fsdp1.py, chunked fused loss",
+    "ours-chunked-compile": "fsdp1.py, chunked fused loss, compile per layer",
+    "ours-hfloss-compile": "fsdp1.py, HF model loss, compile per layer",
+    "ours-chunked-compile-ac": "fsdp1.py, chunked loss, compile, activation checkpointing",
+    "ours-estimator": "fsdp1.py, HF model loss, activation checkpointing (the estimator's setting)",
+    "ours-ckpt-async": "fsdp1.py, chunked loss, async checkpoint every 10 steps",
+    "ours-ckpt-sync": "fsdp1.py, chunked loss, sync checkpoint every 10 steps",
+    "hf": "HF Trainer (FSDP2, bf16, fused AdamW)",
+    "hf-compile": "HF Trainer + torch_compile",
+    "hf-ac": "HF Trainer + gradient checkpointing",
+    "hf-compile-ac": "HF Trainer + torch_compile + gradient checkpointing",
+}
+
+
+def prepare(work: Path) -> tuple[Path, Path]:
+    """The 1B-shaped model, a dataset of real text (this machine's Python sources, about 16 MB) and its token cache
+    at seq 2048 as fsdp1.py's defaults key it, once each."""
+    from data_prep import gather
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+
+    from pipeline.corpus import CorpusConfig, build_dataset
+    from pipeline.data import build_blocks, token_cache_dir
+    from pipeline.tiny import build_preset
+
+    model = work / "llama-3.2-1b"
+    if not (model / "config.json").exists():
+        build_preset(model, "llama-3.2-1b")
+    data = work / "dataset"
+    if not data.exists():
+        raw = work / "raw"
+        raw.mkdir(parents=True, exist_ok=True)
+        gather(raw, 16 * 2**20)
+        build_dataset(CorpusConfig(raw, data, num_proc=os.cpu_count() or 1))
+    ds = load_from_disk(str(data))
+    cache = token_cache_dir(work / "runs", ds._fingerprint, model, SEQ, 0.01, 0)
+    if not (cache / "meta.json").exists():
+        build_blocks(ds, AutoTokenizer.from_pretrained(model), SEQ, 0.01, 0, os.cpu_count() or 1, cache)
+    return model, data
+
+
+def launch_until(cmd: list[str], env: dict, metrics: Path, done, timeout: float) -> tuple[int | None, str]:
+    """Run cmd in its own process group; kill the group once done(events) is true. Returns (exit code or None if
+    killed by us, output tail)."""
+    log = metrics.parent.with_suffix(".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + timeout
+        code = None
+        while proc.poll() is None and time.time() < deadline:
+            if metrics.exists() and done(read_events(metrics)):
+                break
+            time.sleep(0.5)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        else:
+            code = proc.returncode
+    return code, log.read_text()[-3000:]
+
+
+def windows(events: list[dict], discard: int) -> list[dict]:
+    return [e for e in events if e["event"] == "train" and e["step"] > discard]
+
+
+def run_ours(args, name: str, flags: list, model: Path, data: Path, batch: int) -> dict:
+    runs = args.workdir / "runs"
+    metrics = runs / name / "metrics.jsonl"
+    cmd = torchrun_cmd(1, ROOT / "fsdp1.py", "-e", name, "--save-dir", runs, "-d", data, "-m", model, "-b", batch,
+                       *OURS_FLAGS, *flags)
+    shutil.rmtree(runs / name, ignore_errors=True)
+    started = time.time()
+    saves = 2 if "--ckpt-freq" in flags else 0  # checkpoint variants run until two saves are complete
+
+    def done(evs: list[dict]) -> bool:
+        return (any(e["event"] == "train" and e["step"] >= args.steps for e in evs)
+                and sum(e["event"] == "checkpoint" for e in evs) >= saves)
+
+    code, tail = launch_until(cmd, bench_env(), metrics, done, args.timeout)
+    events = read_events(metrics) if metrics.exists() else []
+    shutil.rmtree(runs / name, ignore_errors=True)  # a 1B model's checkpoint is 15 GB: the next run needs the disk
+    steady = windows(events, args.discard)
+    if not steady:
+        return {"error": error_of(tail, code)}
+    first = next(e for e in events if e["event"] == "train")
+    train = [e for e in events if e["event"] == "train"]
+    return {"tokens_per_s": [e["tokens_per_s"] for e in steady],
+            "peak_alloc_gib": max(e["mem_gb"]["peak_alloc"] for e in train),
+            "peak_reserved_gib": max(e["mem_gb"]["peak_reserved"] for e in train),
+            "time_ms": {k: statistics.median(e["time_ms"][k] for e in steady) for k in steady[0]["time_ms"]},
+            "first_window_end_s": round(first["time"] - started, 1), "loss": train[-1]["loss"],
+            "checkpoints": [{k: e[k] for k in ("step", "seconds", "stall_seconds", "bytes")}
+                            for e in events if e["event"] == "checkpoint"]}
+
+
+def run_hf(args, name: str, flags: list, model: Path, data: Path, batch: int) -> dict:
+    from train_speed import token_cache
+
+    out = args.workdir / f"{name}.json"
+    out.unlink(missing_ok=True)
+    cache = token_cache(argparse.Namespace(seq=SEQ), args.workdir, model, data)
+    cmd = torchrun_cmd(1, BENCH / "hf_worker.py", "--model", model, "--blocks", cache, "--out", out, "--bf16",
+                       "--batch-size", batch, "--max-steps", args.steps, "--lr", 3e-4, "--warmup-steps", 5,
+                       "--sync-every", 5, *flags)
+    proc = subprocess.run(cmd, cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0 or not out.exists():
+        return {"error": error_of(proc.stdout + proc.stderr, proc.returncode)}
+    r = json.loads(out.read_text())
+    ends = [t for s, t in zip(r["steps"], r["step_end"], strict=True) if s >= args.discard]
+    tokens = batch * SEQ * 5
+    return {"tokens_per_s": [tokens / (b - a) for a, b in zip(ends[:-1], ends[1:], strict=True)],
+            "peak_alloc_gib": r["peak_alloc_gib"], "peak_reserved_gib": r["peak_reserved_gib"],
+            "wrapper": r["wrapper"]}
+
+
+def error_of(output: str, code: int | None) -> str:
+    if "OutOfMemoryError" in output or "out of memory" in output.lower():  # NCCL: "Cuda failure 'out of memory'"
+        return "out of memory"
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    return f"exit {code}: {lines[-1][:200] if lines else 'no output'}"
+
+
+def estimate_gib(model: Path) -> float:
+    """MODEL_DOWNLOAD.py's 1-GPU estimate without its 1 GiB CUDA context allowance (max_memory_allocated, which it
+    is compared with, does not include the context)."""
+    from transformers import AutoConfig
+
+    from pipeline.hub import GIB, activation_bytes, memory_table
+
+    config = AutoConfig.from_pretrained(model)
+    return (memory_table(count_params(config), config, activation_bytes(config), gpus=(1,))[0]["total"] - GIB) / GIB
+
+
+def count_params(config) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+def flops_per_token(model: Path) -> float:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pipeline.telemetry import flops_per_token as fpt
+    from pipeline.telemetry import matmul_params
+
+    config = AutoConfig.from_pretrained(model)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    return fpt(config, matmul_params(meta), SEQ)
+
+
+def shown(path: Path) -> str:
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def report(args, results: list[dict]) -> str:
+    peak = 989e12
+    rows = []
+    hf_best: dict[int, float] = {}
+    for r in results:
+        if "tokens_per_s" in r and r["system"] == "hf":
+            hf_best[r["batch"]] = max(hf_best.get(r["batch"], 0), statistics.median(r["tokens_per_s"]))
+    for r in results:
+        label = LABELS.get(r["variant"], r["variant"]) + (f" ({r['note']})" if r.get("note") else "")
+        if "error" in r:
+            rows.append([label, r["batch"], r["error"], "-", "-", "-", "-"])
+            continue
+        tps = r["tokens_per_s"]
+        med = statistics.median(tps)
+        ratio = f"{med / hf_best[r['batch']]:.2f}" if r["system"] == "ours" and hf_best.get(r["batch"]) else "-"
+        reserved = f"{r['peak_reserved_gib']:.1f}" if r.get("peak_reserved_gib") else "-"
+        rows.append([label, r["batch"], f"{med:,.0f} ({min(tps):,.0f}-{max(tps):,.0f})",
+                     f"{r['batch'] * SEQ / med:.3f}", f"{med * r['flops_per_token'] / peak:.1%}",
+                     f"{r['peak_alloc_gib']:.1f} / {reserved}", ratio])
+    first = results[0]
+    lines = [
+        f"- Machine: {first['machine']}.",
+        "- Command: `make bench-gpu` (`python bench/train_speed_gpu.py --variants all --write`); this table: "
+        f"`--report-only --results {shown(args.results)}` ({len({r['session'] for r in results})} invocations).",
+        f"- Model: Llama-3.2-1B's config ({first['flops_per_token'] / 1e9:.2f} GFLOPs per token counted), random "
+        f"weights, bf16 file; seq {SEQ}, bf16 compute, fp32 master weights and AdamW states, 1 GPU; steady state "
+        f"over steps {args.discard + 1}-{args.steps} in windows of 5.",
+        "",
+        table(["system", "batch", "tokens/s median (min-max of windows)", "s/step", "MFU",
+               "peak GiB alloc / reserved", "x best HF Trainer at this batch"], rows),
+    ]
+    for r in results:
+        if r.get("checkpoints"):
+            saves = ", ".join(f"step {c['step']}: {c['bytes'] / 1e9:.1f} GB in {c['seconds']:.1f} s, loop stalled "
+                              f"{c['stall_seconds']:.3f} s" for c in r["checkpoints"])
+            lines += ["", f"Checkpoints of `{r['variant']}`: {saves}."]
+        if r["variant"] == "ours-estimator" and r.get("estimate_gib"):
+            lines += ["", f"Memory estimator (MODEL_DOWNLOAD.py, 1 GPU, without its CUDA context allowance): "
+                          f"{r['estimate_gib']:.2f} GiB against {r['peak_alloc_gib']:.2f} GiB measured."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "gpu")
+    p.add_argument("--variants", default="all", help=f"comma-separated, or all: {', '.join(VARIANTS)}")
+    p.add_argument("--batch", default="8", help="comma-separated batch sizes per GPU, each variant at each")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--discard", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=420)
+    p.add_argument("--results", type=Path, default=None, help="JSON lines file of results (appended)")
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--write", action="store_true", help="rewrite the GPU table of BENCHMARKS.md")
+    args = p.parse_args()
+    args.results = args.results or args.workdir / "results.jsonl"
+    if not args.report_only:
+        measure(args)
+    results = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+    body = report(args, results)
+    if args.write:
+        update_section("train_speed_gpu", body)
+    print(body)
+
+
+def measure(args) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/train_speed_gpu.py needs a CUDA GPU")
+    names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+    model, data = prepare(args.workdir)
+    fpt = flops_per_token(model)
+    session = f"{os.uname().nodename}-{int(time.time())}"
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    for batch in (int(b) for b in args.batch.split(",")):
+        for name in names:
+            system, flags = VARIANTS[name]
+            run = run_ours if system == "ours" else run_hf
+            t0 = time.time()
+            b = 1 if name == "ours-estimator" else batch
+            r = run(args, name, flags, model, data, b)
+            r.update(variant=name, system=system, batch=b, flops_per_token=fpt, machine=machine(),
+                     session=session, wall_s=round(time.time() - t0, 1), estimate_gib=estimate_gib(model))
+            with open(args.results, "a") as f:
+                f.write(json.dumps(r) + "\n")
+            med = statistics.median(r["tokens_per_s"]) if "tokens_per_s" in r else None
+            print(json.dumps({"variant": name, "batch": b, "checkpoints": r.get("checkpoints"),
+                              "tokens_per_s": med, "error": r.get("error"),
+                              "peak_alloc_gib": r.get("peak_alloc_gib"), "time_ms": r.get("time_ms"),
+                              "wall_s": r["wall_s"]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
