@@ -366,8 +366,9 @@ class Trainer:
         return total, grad_norm
 
     def to_device(self, blocks: np.ndarray) -> torch.Tensor:
-        """Token ids as int64 on the training device. On GPU through pinned memory: a copy from pageable memory
-        waits for every kernel already queued (a host sync per micro-step), a pinned one is queued behind them."""
+        """Token ids as int64 on the training device (training and validation batches). On GPU through pinned
+        memory: a copy from pageable memory waits for every kernel already queued (a host sync per micro-step), a
+        pinned one is queued behind them."""
         ids = torch.from_numpy(blocks.astype(np.int64))
         if self.dist.device.type != "cuda":
             return ids
@@ -409,7 +410,7 @@ class Trainer:
             # pads with block 0, whose rows do not count
             valid = len(idx)
             idx = np.concatenate([idx, np.zeros(bs - valid, dtype=idx.dtype)])
-            ids = torch.from_numpy(val[idx].astype(np.int64)).to(self.dist.device)
+            ids = self.to_device(val[idx])
             loss = self.loss(ids, valid_rows=valid)
             # this rank's tokens times the loss: its sum in the HF path (mean over its tokens), its share of the
             # global sum in the vocabulary-parallel one (one mean over every rank's tokens)
