@@ -27,6 +27,7 @@ import signal
 import statistics
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from common import ROOT, bench_env, machine, read_events, table, torchrun_cmd, update_section
@@ -35,38 +36,38 @@ BENCH = Path(__file__).resolve().parent
 SEQ = 2048
 OURS_FLAGS = ["--precision", "bf16", "--seq-length", SEQ, "--log-freq", 5, "--ckpt-freq", 0, "--eval-freq", 0,
               "--lr", 3e-4, "--warmup-steps", 5, "--max-steps", 10**6, "--async-ckpt", "off"]
-VARIANTS: dict[str, tuple[str, list]] = {
-    "ours-hfloss": ("ours", ["--vocab-parallel", "off"]),
-    "ours-chunked": ("ours", ["--vocab-parallel", "on"]),
-    "ours-chunked-compile": ("ours", ["--vocab-parallel", "on", "--compile", "on"]),
-    "ours-hfloss-compile": ("ours", ["--vocab-parallel", "off", "--compile", "on"]),
-    "ours-chunked-compile-ac": ("ours", ["--vocab-parallel", "on", "--compile", "on",
-                                         "--activation-checkpointing", "on"]),
-    "ours-estimator": ("ours", ["--vocab-parallel", "off", "--activation-checkpointing", "on"]),
-    "ours-ckpt-async": ("ours", ["--vocab-parallel", "on", "--ckpt-freq", 10, "--async-ckpt", "on"]),
-    "ours-ckpt-sync": ("ours", ["--vocab-parallel", "on", "--ckpt-freq", 10, "--async-ckpt", "off"]),
-    "hf": ("hf", []),
-    "hf-compile": ("hf", ["--compile"]),
-    "hf-ac": ("hf", ["--grad-ckpt"]),
-    "hf-compile-ac": ("hf", ["--compile", "--grad-ckpt"]),
+VARIANTS: dict[str, tuple[str, list, str]] = {
+    "ours-hfloss": ("ours", ["--vocab-parallel", "off"], "fsdp1.py, HF model loss (full logits)"),
+    "ours-chunked": ("ours", ["--vocab-parallel", "on"], "fsdp1.py, chunked fused loss"),
+    "ours-chunked-compile": ("ours", ["--vocab-parallel", "on", "--compile", "on"],
+                             "fsdp1.py, chunked fused loss, compile per layer"),
+    "ours-hfloss-compile": ("ours", ["--vocab-parallel", "off", "--compile", "on"],
+                            "fsdp1.py, HF model loss, compile per layer"),
+    "ours-chunked-compile-ac": ("ours", ["--vocab-parallel", "on", "--compile", "on", "--activation-checkpointing",
+                                         "on"], "fsdp1.py, chunked loss, compile, activation checkpointing"),
+    "ours-estimator": ("ours", ["--vocab-parallel", "off", "--activation-checkpointing", "on"],
+                       "fsdp1.py, HF model loss, activation checkpointing (the estimator's setting)"),
+    "ours-ckpt-async": ("ours", ["--vocab-parallel", "on", "--ckpt-freq", 10, "--async-ckpt", "on"],
+                        "fsdp1.py, chunked loss, async checkpoint every 10 steps"),
+    "ours-ckpt-sync": ("ours", ["--vocab-parallel", "on", "--ckpt-freq", 10, "--async-ckpt", "off"],
+                       "fsdp1.py, chunked loss, sync checkpoint every 10 steps"),
+    "hf": ("hf", [], "HF Trainer (FSDP2, bf16, fused AdamW)"),
+    "hf-compile": ("hf", ["--compile"], "HF Trainer + torch_compile"),
+    "hf-ac": ("hf", ["--grad-ckpt"], "HF Trainer + gradient checkpointing"),
+    "hf-compile-ac": ("hf", ["--compile", "--grad-ckpt"], "HF Trainer + torch_compile + gradient checkpointing"),
 }
-LABELS = {
-    "ours-hfloss": "fsdp1.py, HF model loss (full logits)",
-    "ours-chunked": "fsdp1.py, chunked fused loss",
-    "ours-chunked-compile": "fsdp1.py, chunked fused loss, compile per layer",
-    "ours-hfloss-compile": "fsdp1.py, HF model loss, compile per layer",
-    "ours-chunked-compile-ac": "fsdp1.py, chunked loss, compile, activation checkpointing",
-    "ours-estimator": "fsdp1.py, HF model loss, activation checkpointing (the estimator's setting)",
-    "ours-ckpt-async": "fsdp1.py, chunked loss, async checkpoint every 10 steps",
-    "ours-ckpt-sync": "fsdp1.py, chunked loss, sync checkpoint every 10 steps",
-    "hf": "HF Trainer (FSDP2, bf16, fused AdamW)",
-    "hf-compile": "HF Trainer + torch_compile",
-    "hf-ac": "HF Trainer + gradient checkpointing",
-    "hf-compile-ac": "HF Trainer + torch_compile + gradient checkpointing",
-}
+"""name -> (system, extra flags, label in the table)."""
 
 
-def prepare(work: Path) -> tuple[Path, Path]:
+@dataclass
+class Inputs:
+    model: Path
+    data: Path
+    blocks: Path
+    """train.npy of the token cache, which the HF worker reads too."""
+
+
+def prepare(work: Path) -> Inputs:
     """The 1B-shaped model, a dataset of real text (this machine's Python sources, about 16 MB) and its token cache
     at seq 2048 as fsdp1.py's defaults key it, once each."""
     from data_prep import gather
@@ -90,7 +91,7 @@ def prepare(work: Path) -> tuple[Path, Path]:
     cache = token_cache_dir(work / "runs", ds._fingerprint, model, SEQ, 0.01, 0)
     if not (cache / "meta.json").exists():
         build_blocks(ds, AutoTokenizer.from_pretrained(model), SEQ, 0.01, 0, os.cpu_count() or 1, cache)
-    return model, data
+    return Inputs(model, data, cache / "train.npy")
 
 
 def launch_until(cmd: list[str], env: dict, metrics: Path, done, timeout: float) -> tuple[int | None, str]:
@@ -118,11 +119,11 @@ def windows(events: list[dict], discard: int) -> list[dict]:
     return [e for e in events if e["event"] == "train" and e["step"] > discard]
 
 
-def run_ours(args, name: str, flags: list, model: Path, data: Path, batch: int) -> dict:
+def run_ours(args, name: str, flags: list, inputs: Inputs, batch: int) -> dict:
     runs = args.workdir / "runs"
     metrics = runs / name / "metrics.jsonl"
-    cmd = torchrun_cmd(1, ROOT / "fsdp1.py", "-e", name, "--save-dir", runs, "-d", data, "-m", model, "-b", batch,
-                       *OURS_FLAGS, *flags)
+    cmd = torchrun_cmd(1, ROOT / "fsdp1.py", "-e", name, "--save-dir", runs, "-d", inputs.data, "-m", inputs.model,
+                       "-b", batch, *OURS_FLAGS, *flags)
     shutil.rmtree(runs / name, ignore_errors=True)
     started = time.time()
     saves = 2 if "--ckpt-freq" in flags else 0  # checkpoint variants run until two saves are complete
@@ -148,14 +149,11 @@ def run_ours(args, name: str, flags: list, model: Path, data: Path, batch: int) 
                             for e in events if e["event"] == "checkpoint"]}
 
 
-def run_hf(args, name: str, flags: list, model: Path, data: Path, batch: int) -> dict:
-    from train_speed import token_cache
-
+def run_hf(args, name: str, flags: list, inputs: Inputs, batch: int) -> dict:
     out = args.workdir / f"{name}.json"
     out.unlink(missing_ok=True)
-    cache = token_cache(argparse.Namespace(seq=SEQ), args.workdir, model, data)
-    cmd = torchrun_cmd(1, BENCH / "hf_worker.py", "--model", model, "--blocks", cache, "--out", out, "--bf16",
-                       "--batch-size", batch, "--max-steps", args.steps, "--lr", 3e-4, "--warmup-steps", 5,
+    cmd = torchrun_cmd(1, BENCH / "hf_worker.py", "--model", inputs.model, "--blocks", inputs.blocks, "--out", out,
+                       "--bf16", "--batch-size", batch, "--max-steps", args.steps, "--lr", 3e-4, "--warmup-steps", 5,
                        "--sync-every", 5, *flags)
     proc = subprocess.run(cmd, cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0 or not out.exists():
@@ -175,36 +173,21 @@ def error_of(output: str, code: int | None) -> str:
     return f"exit {code}: {lines[-1][:200] if lines else 'no output'}"
 
 
-def estimate_gib(model: Path) -> float:
-    """MODEL_DOWNLOAD.py's 1-GPU estimate without its 1 GiB CUDA context allowance (max_memory_allocated, which it
-    is compared with, does not include the context)."""
-    from transformers import AutoConfig
-
-    from pipeline.hub import GIB, activation_bytes, memory_table
-
-    config = AutoConfig.from_pretrained(model)
-    return (memory_table(count_params(config), config, activation_bytes(config), gpus=(1,))[0]["total"] - GIB) / GIB
-
-
-def count_params(config) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-
-
-def flops_per_token(model: Path) -> float:
+def model_figures(model: Path) -> tuple[float, float]:
+    """FLOPs per token as the trainer counts them, and MODEL_DOWNLOAD.py's 1-GPU estimate in GiB without its 1 GiB
+    CUDA context allowance (max_memory_allocated, which it is compared with, does not include the context)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pipeline.telemetry import flops_per_token as fpt
-    from pipeline.telemetry import matmul_params
+    from pipeline.hub import GIB, activation_bytes, memory_table
+    from pipeline.telemetry import flops_per_token, matmul_params
 
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
-    return fpt(config, matmul_params(meta), SEQ)
+    n = sum(p.numel() for p in meta.parameters())
+    estimate = (memory_table(n, config, activation_bytes(config), gpus=(1,))[0]["total"] - GIB) / GIB
+    return flops_per_token(config, matmul_params(meta), SEQ), estimate
 
 
 def shown(path: Path) -> str:
@@ -220,7 +203,8 @@ def report(args, results: list[dict]) -> str:
         if "tokens_per_s" in r and r["system"] == "hf":
             hf_best[r["batch"]] = max(hf_best.get(r["batch"], 0), statistics.median(r["tokens_per_s"]))
     for r in results:
-        label = LABELS.get(r["variant"], r["variant"]) + (f" ({r['note']})" if r.get("note") else "")
+        label = VARIANTS[r["variant"]][2] if r["variant"] in VARIANTS else r["variant"]
+        label += f" ({r['note']})" if r.get("note") else ""
         if "error" in r:
             rows.append([label, r["batch"], r["error"], "-", "-", "-", "-"])
             continue
@@ -282,19 +266,19 @@ def measure(args) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/train_speed_gpu.py needs a CUDA GPU")
     names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
-    model, data = prepare(args.workdir)
-    fpt = flops_per_token(model)
+    inputs = prepare(args.workdir)
+    fpt, estimate = model_figures(inputs.model)
     session = f"{os.uname().nodename}-{int(time.time())}"
     args.results.parent.mkdir(parents=True, exist_ok=True)
     for batch in (int(b) for b in args.batch.split(",")):
         for name in names:
-            system, flags = VARIANTS[name]
+            system, flags, _ = VARIANTS[name]
             run = run_ours if system == "ours" else run_hf
             t0 = time.time()
             b = 1 if name == "ours-estimator" else batch
-            r = run(args, name, flags, model, data, b)
+            r = run(args, name, flags, inputs, b)
             r.update(variant=name, system=system, batch=b, flops_per_token=fpt, machine=machine(),
-                     session=session, wall_s=round(time.time() - t0, 1), estimate_gib=estimate_gib(model))
+                     session=session, wall_s=round(time.time() - t0, 1), estimate_gib=estimate)
             with open(args.results, "a") as f:
                 f.write(json.dumps(r) + "\n")
             med = statistics.median(r["tokens_per_s"]) if "tokens_per_s" in r else None
