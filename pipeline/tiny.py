@@ -82,13 +82,7 @@ def build_preset(out: Path, preset: str, corpus: Path = DEFAULT_CORPUS, *, seed:
         raise UserError(f"unknown --preset {preset!r}; known: {', '.join(PRESETS)}")
     tokenizer = train_tokenizer(corpus_texts(corpus), 1024)
     config = LlamaConfig(**PRESETS[preset], bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(seed)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(config).to(config.dtype)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_random(out, config, tokenizer, seed, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def build_tiny(out: Path, corpus: Path = DEFAULT_CORPUS, *, tied: bool = True, layers: int = 2, hidden: int = 64,
@@ -102,8 +96,16 @@ def build_tiny(out: Path, corpus: Path = DEFAULT_CORPUS, *, tied: bool = True, l
     tokenizer = train_tokenizer(corpus_texts(corpus), vocab_size)
     config = tiny_config(model_vocab or len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
                          tied=tied, layers=layers, hidden=hidden)
+    return save_random(out, config, tokenizer, seed)
+
+
+def save_random(out: Path, config: LlamaConfig, tokenizer: PreTrainedTokenizerFast, seed: int,
+                device: str = "cpu") -> Path:
+    """A LlamaForCausalLM of config with seeded random weights in the config's dtype, and the tokenizer, saved to
+    out (safetensors); returns out."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(config.dtype)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
