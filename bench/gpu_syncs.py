@@ -36,7 +36,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from pipeline import config as config_mod
-    from pipeline.parallel import init_distributed
+    from pipeline.runtime import init_distributed
     from pipeline.telemetry import setup_logging
     from pipeline.trainer import Trainer, preflight
 

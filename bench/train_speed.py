@@ -52,9 +52,9 @@ def token_cache(args, work: Path, model: Path, data: Path) -> Path:
     """train.npy of the cache fsdp1.py built for these runs (its defaults: val fraction 0.01, seed 0)."""
     from datasets import load_from_disk
 
-    from pipeline.data import token_cache_dir
+    from pipeline.data import dataset_fingerprint, token_cache_dir
 
-    fingerprint = load_from_disk(str(data))._fingerprint
+    fingerprint = dataset_fingerprint(load_from_disk(str(data)))
     return token_cache_dir(work / "runs", fingerprint, model, args.seq, 0.01, 0) / "train.npy"
 
 

@@ -30,11 +30,11 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from pipeline.errors import UserError
 from pipeline.fsutil import hash_file, write_text_atomic
-from pipeline.parallel import Dist, fsdp_root, without_tied_aliases
+from pipeline.runtime import Dist
+from pipeline.strategies import Strategy, make_strategy
 from pipeline.telemetry import log
 
 CHECKPOINTS = "checkpoints"
@@ -108,6 +108,17 @@ def check_fingerprint(run_dir: Path, saved: dict, current: dict) -> None:
 # ------------------------------------------------------------------------------------------------ checkpointer
 
 
+def to_prune(complete: list[str], keep: int, skipped_steps: dict[str, int]) -> list[str]:
+    """Which complete checkpoints (oldest first) keep-k pruning deletes: all but the newest keep, except the last
+    one written before skipped (non-finite) steps while a checkpoint written after them is kept. Training may have
+    been going bad since those steps; the checkpoint before them is the one to go back to."""
+    kept = complete[-keep:]
+    first_after_skips = next((c for c in kept if skipped_steps.get(c)), None)
+    before = [c for c in complete if first_after_skips is not None and c < first_after_skips]
+    protected = before[-1:]
+    return [c for c in complete[:-keep] if c not in protected]
+
+
 @dataclass
 class Pending:
     future: Future
@@ -139,7 +150,8 @@ class Checkpointer:
 
     # ---- save
 
-    def save(self, step: int, model, optimizer, trainer_state: dict, info: dict, *, sync: bool = False) -> None:
+    def save(self, step: int, strategy: Strategy, optimizer, trainer_state: dict, info: dict, *,
+             sync: bool = False) -> None:
         """Write a checkpoint of the current state; asynchronous unless sync or async is off."""
         self.wait()
         started = time.perf_counter()
@@ -151,13 +163,10 @@ class Checkpointer:
             for stale in (path / ".metadata", path / MANIFEST):
                 stale.unlink(missing_ok=True)  # a leftover of a crash must not look complete
         dist.barrier()
-        fsdp_root(model).reshard()  # save shards, never a gathered root (left gathered by a forward without backward)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        model_sd = without_tied_aliases(model, model_sd)
+        state = strategy.state_dict(optimizer)
         (path / f"rng-{self.dist.rank}.json").write_text(json.dumps(rng_state()))
         if self.dist.is_main:
             (path / TRAINER).write_text(json.dumps({**trainer_state, "fingerprint": self.fingerprint}, indent=2))
-        state = {"model": model_sd, "optim": optim_sd}
         try:
             if self.pg is not None and not sync:
                 # the copy aside runs on a thread too (training goes on until the next optimizer step, see
@@ -243,9 +252,13 @@ class Checkpointer:
     def _publish(self, step: int, info: dict) -> None:
         state = read_state(self.run_dir) or {"checkpoints": []}
         done = sorted(set(state["checkpoints"]) | {step_name(step)})
+        skipped = {k: v for k, v in state.get("skipped_steps", {}).items() if k in done}
+        if info.get("skipped_steps"):
+            skipped[step_name(step)] = info["skipped_steps"]
         write_json_atomic(self.run_dir / STATE, {
             "step": step, "epoch": info["epoch"], "samples_seen": info["samples_seen"],
-            "path": f"{CHECKPOINTS}/{step_name(step)}", "checkpoints": done, "fingerprint": self.fingerprint})
+            "path": f"{CHECKPOINTS}/{step_name(step)}", "checkpoints": done, "fingerprint": self.fingerprint,
+            "skipped_steps": skipped})
 
     def _forget(self, step: int) -> None:
         """Before rewriting step-N (a rerun from an older checkpoint), stop naming it complete."""
@@ -260,13 +273,16 @@ class Checkpointer:
             write_json_atomic(self.run_dir / STATE, state)
 
     def _prune(self, newest: int) -> None:
-        """Keep the newest keep_last complete checkpoints; drop incomplete ones older than the newest."""
+        """Keep the newest keep_last complete checkpoints (and see to_prune); drop incomplete ones older than the
+        newest."""
         state = read_state(self.run_dir)
         complete = state["checkpoints"]
-        for old in complete[:-self.keep_last]:
+        doomed = to_prune(complete, self.keep_last, state.get("skipped_steps", {}))
+        state["checkpoints"] = [c for c in complete if c not in doomed]
+        state["skipped_steps"] = {k: v for k, v in state.get("skipped_steps", {}).items() if k not in doomed}
+        write_json_atomic(self.run_dir / STATE, state)  # first: a crash mid-deletion never names a deleted one
+        for old in doomed:
             shutil.rmtree(self.root / old, ignore_errors=True)
-        state["checkpoints"] = complete[-self.keep_last:]
-        write_json_atomic(self.run_dir / STATE, state)
         for entry in self.root.iterdir():
             if entry.name.startswith("step-") and entry.name not in complete and entry.name < step_name(newest):
                 shutil.rmtree(entry, ignore_errors=True)
@@ -316,16 +332,34 @@ class Checkpointer:
                     "no older checkpoint exists; pass --no-resume to start a new run")
             raise UserError(f"checkpoint {path.name} is damaged: {problems[0]}; {hint}")
 
-    def load(self, path: Path, model, optimizer) -> dict:
+    def load(self, path: Path, strategy: Strategy, optimizer) -> dict:
         """Model and optimizer through DCP (resharding to this world size), RNG of this rank; returns trainer.json."""
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": without_tied_aliases(model, model_sd), "optim": optim_sd}
+        state = strategy.state_dict(optimizer)
         dcp.load(state, checkpoint_id=str(path))
-        # strict=False: a tied lm_head is filled through its embedding (one shared parameter)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions(strict=False))
+        strategy.load_state_dict(state, optimizer)
         rng = path / f"rng-{self.dist.rank}.json"
         if rng.exists():  # a rank that did not exist when it was saved keeps its seeded state
             set_rng_state(json.loads(rng.read_text()))
         self.last_step = int(path.name.removeprefix("step-"))
         return json.loads((path / TRAINER).read_text())
+
+
+def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[Strategy, Path]:
+    """The model of a training checkpoint, distributed over this process group (no optimizer), and the base model's
+    folder (config and tokenizer; its weights are not read). A collective."""
+    from transformers import AutoConfig
+
+    from pipeline.config import ModelConfig
+    from pipeline.hub import resolve_model_dir
+
+    if not (checkpoint / TRAINER).exists() or not (checkpoint / ".metadata").exists():
+        raise UserError(f"--checkpoint {checkpoint} is not a complete checkpoint (no {TRAINER} or .metadata)")
+    model_name = json.loads((checkpoint / TRAINER).read_text())["fingerprint"]["model_name"]
+    model_dir = resolve_model_dir(model_name)
+    strategy = make_strategy(ModelConfig(model_name=model_name, precision="fp32", vocab_parallel="off"), d,
+                             torch.float32)
+    strategy.build(AutoConfig.from_pretrained(model_dir))
+    state = strategy.state_dict()
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    strategy.load_state_dict(state)
+    return strategy, model_dir

@@ -159,12 +159,15 @@ class TrainConfig:
     """Optimizer steps between validations (0: only at the end)."""
     keep_last: int = 2
     """Complete checkpoints to keep (at least 2, so the previous good one survives a failed save)."""
+    max_bad_steps: int = 3
+    """Stop the run after this many steps in a row with a non-finite loss or gradient norm (each one is skipped:
+    nothing applied, nothing checkpointed); 0 never stops."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "num_epochs", "log_freq"):
             _check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, "
                                              f"got {getattr(self, name)}")
-        for name in ("max_steps", "ckpt_freq", "eval_freq"):
+        for name in ("max_steps", "ckpt_freq", "eval_freq", "max_bad_steps"):
             _check(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         _check(self.keep_last >= 2, f"--keep-last must be at least 2, got {self.keep_last}")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
-import datasets.arrow_writer
+import pyarrow as pa
 import yaml
 from tqdm import tqdm
 
@@ -209,7 +209,14 @@ def extract_chunk(index: int, root: str, rels: list[str], shard: str) -> ChunkRe
     texts: list[str] = []
     sources: list[str] = []
     buffered = 0
-    writer = datasets.arrow_writer.ArrowWriter(features=FEATURES, path=shard)
+    # the Arrow IPC stream datasets itself caches (Dataset.from_file reads it back); the schema carries FEATURES
+    schema = FEATURES.arrow_schema
+    writer = pa.ipc.new_stream(shard, schema)
+
+    def write(texts: list[str], sources: list[str]) -> None:
+        writer.write_batch(pa.record_batch([pa.array(texts, pa.string()), pa.array(sources, pa.string())],
+                                           schema=schema))
+
     try:
         for rel in rels:
             try:
@@ -229,11 +236,10 @@ def extract_chunk(index: int, root: str, rels: list[str], shard: str) -> ChunkRe
             res.good.append(rel)
             res.bad_lines.extend(f"{rel}:{n}" for n in bad)
             if buffered >= WRITE_CHARS:  # a write per file costs more than parsing small files
-                writer.write_batch({"text": texts, "source": sources})
+                write(texts, sources)
                 texts, sources, buffered = [], [], 0
         if texts:
-            writer.write_batch({"text": texts, "source": sources})
-        writer.finalize()
+            write(texts, sources)
     finally:
         writer.close()
     return res

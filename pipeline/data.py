@@ -55,6 +55,23 @@ def load_text_dataset(name: str):
     return ds
 
 
+def dataset_fingerprint(ds) -> str:
+    """Identifies a dataset's contents without reading them: the metadata datasets writes beside its Arrow files
+    (state.json, dataset_info.json: their fingerprint, split and features) and the names and sizes of those files,
+    found through the public `cache_files`."""
+    files = [Path(f["filename"]) for f in ds.cache_files]
+    if not files:
+        raise UserError("the dataset is not backed by files on disk; save it with DATA-HF.py or save_to_disk")
+    digest = hashlib.sha256()
+    for folder in sorted({f.parent for f in files}):
+        for name in ("state.json", "dataset_info.json"):
+            if (folder / name).exists():
+                digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
+    for f in files:
+        digest.update(f"{f.name}:{f.stat().st_size}\n".encode())
+    return digest.hexdigest()[:32]
+
+
 def tokenizer_fingerprint(model_dir: Path) -> str:
     digest = hashlib.sha256()
     for name in TOKENIZER_FILES:

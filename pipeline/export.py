@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from pipeline.errors import UserError
+from pipeline.checkpoint import load_checkpoint_model
 from pipeline.fsutil import replace_dir
-from pipeline.parallel import DTYPES, Dist, fsdp_root, without_tied_aliases
+from pipeline.runtime import DTYPES, Dist, init_distributed
+from pipeline.strategies import Strategy
+from pipeline.weights import INDEX
 
 FILE_BYTES = 5 * 1024**3
 """Target size of one consolidated safetensors file."""
@@ -53,28 +53,30 @@ def _file_index(sd: dict, dtype: torch.dtype) -> dict[str, int]:
     return mapping
 
 
-def export_model(model: nn.Module, model_dir: Path, out: Path, dtype: torch.dtype, d: Dist) -> None:
-    """Write model (sharded, any world size) to out in Hugging Face format. A collective: every rank calls it."""
-    fsdp_root(model).reshard()  # export shards, never a gathered root (left gathered by a forward without backward)
-    # a tied weight is stored once, under the embedding; from_pretrained re-ties
-    sd = without_tied_aliases(model, get_model_state_dict(model))
-    sd = {k: v.detach().to(dtype) for k, v in sd.items()}
+def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dtype, d: Dist) -> None:
+    """Write the model (distributed, any world size) to out in Hugging Face format. A collective: every rank calls
+    it. A tied weight is stored once, under the embedding; from_pretrained re-ties."""
+    sd = {k: v.detach().to(dtype) for k, v in strategy.state_dict()["model"].items()}
     work = out.with_name(f".{out.name}.partial")
+    scratch = work / "dcp"  # DCP's writer: per-rank files, then the consolidated ones; only the latter are kept
     if d.is_main:
         shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
+        scratch.mkdir(parents=True)
     dist.barrier()
     mapping = _file_index(sd, dtype)
-    writer = dcp.HuggingFaceStorageWriter(str(work), fqn_to_index_mapping=mapping, save_distributed=True,
+    writer = dcp.HuggingFaceStorageWriter(str(scratch), fqn_to_index_mapping=mapping, save_distributed=True,
                                           enable_consolidation=True)
     dcp.save(sd, storage_writer=writer)
     if d.is_main:
-        shutil.rmtree(work / "sharded", ignore_errors=True)
+        for f in [*scratch.glob("*.safetensors"), *scratch.glob(INDEX)]:
+            os.replace(f, work / f.name)
+        shutil.rmtree(scratch)
         files = sorted(p.name for p in work.glob("*.safetensors"))
-        if len(files) > 1 and not (work / "model.safetensors.index.json").exists():
+        if len(files) > 1 and not (work / INDEX).exists():
             names = {i: f for i, f in enumerate(files, 1)}
             index = {"metadata": {}, "weight_map": {k: names[i] for k, i in mapping.items()}}
-            (work / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            (work / INDEX).write_text(json.dumps(index, indent=2))
+        model = strategy.model
         config = model.config.__class__.from_dict(model.config.to_dict())
         config.dtype = dtype
         config.save_pretrained(work)
@@ -85,30 +87,7 @@ def export_model(model: nn.Module, model_dir: Path, out: Path, dtype: torch.dtyp
     dist.barrier()
 
 
-def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[nn.Module, Path]:
-    """The model of a training checkpoint, sharded over this process group (no optimizer). A collective."""
-    from transformers import AutoConfig
-
-    from pipeline.config import ModelConfig
-    from pipeline.parallel import build_sharded_model, reset_rotary
-    from pipeline.trainer import resolve_model_dir
-
-    trainer_json = checkpoint / "trainer.json"
-    if not trainer_json.exists() or not (checkpoint / ".metadata").exists():
-        raise UserError(f"--checkpoint {checkpoint} is not a complete checkpoint (no trainer.json or .metadata)")
-    model_name = json.loads(trainer_json.read_text())["fingerprint"]["model_name"]
-    model_dir = resolve_model_dir(model_name)
-    cfg = ModelConfig(model_name=model_name, precision="fp32")
-    model, _ = build_sharded_model(AutoConfig.from_pretrained(model_dir), cfg, d, torch.float32)
-    sd = without_tied_aliases(model, get_model_state_dict(model))
-    dcp.load({"model": sd}, checkpoint_id=str(checkpoint))
-    set_model_state_dict(model, sd, options=StateDictOptions(strict=False))  # a tied lm_head: via its embedding
-    reset_rotary(model, d.device)
-    return model, model_dir
-
-
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.parallel import init_distributed
 
     p = argparse.ArgumentParser(description="Export a training checkpoint to a Hugging Face model folder.")
     p.add_argument("--checkpoint", required=True, type=Path, help="RUN/checkpoints/step-NNNNNNNN")
@@ -117,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     d = init_distributed()
     try:
-        model, model_dir = load_checkpoint_model(args.checkpoint, d)
-        export_model(model, model_dir, args.out, export_dtype(args.export_dtype, model.config), d)
+        strategy, model_dir = load_checkpoint_model(args.checkpoint, d)
+        export_model(strategy, model_dir, args.out, export_dtype(args.export_dtype, strategy.model.config), d)
         if d.is_main:
             print(f"exported {args.checkpoint} to {args.out}")
     finally:

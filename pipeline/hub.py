@@ -25,7 +25,6 @@ ALLOW_PATTERNS = [
 ]
 IGNORE_PATTERNS = ["*/*", "*.pth", "*.bin", "*.pt", "*.gguf", "*.msgpack", "*.h5"]
 """Top-level files only: `original/` (Meta's consolidated .pth) and other duplicate formats are never fetched."""
-INDEX = "model.safetensors.index.json"
 GIB = 1024**3
 
 
@@ -120,6 +119,28 @@ def download(model_name: str, revision: str, cache_dir: Path) -> Path:
     return Path(path)
 
 
+# ------------------------------------------------------------------------------------------------ resolution
+
+
+def resolve_model_dir(model_name: str) -> Path:
+    """A local model directory, or a hub id from the offline cache (never the network): how the trainer and the
+    exporter find the model MODEL_DOWNLOAD put there."""
+    local = Path(model_name)
+    if local.is_dir():
+        if not (local / "config.json").exists():
+            raise UserError(f"--model-name {model_name} is a directory without config.json")
+        return local
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(model_name, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError):
+        raise UserError(f"model {model_name} is not in the offline cache; on this machine run: "
+                        f"python MODEL_DOWNLOAD.py --model-name {model_name} (add --source DIR if "
+                        "offline)") from None
+
+
 # ---------------------------------------------------------------------------------------------------- import
 
 
@@ -179,58 +200,26 @@ class ModelReport:
     unexpected: list[str]
 
 
-ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
-             "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
-             "F8_E5M2": "float8_e5m2"}
-
-
-def safetensors_headers(model_dir: Path) -> tuple[dict[str, tuple[list[int], str]], int]:
-    """{tensor: (shape, dtype)} from the headers only, and the weight files' total size. UserError names a bad file."""
-    from safetensors import safe_open
-
-    index = model_dir / INDEX
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (model_dir / f).exists()]
-        if missing:
-            raise UserError(f"shard {missing[0]} is named in {INDEX} but missing from {model_dir}")
-    else:
-        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
-    if not files:
-        raise UserError(f"{model_dir} holds no *.safetensors weights")
-    tensors: dict[str, tuple[list[int], str]] = {}
-    size = 0
-    for name in files:
-        path = model_dir / name
-        size += path.stat().st_size
-        try:
-            with safe_open(str(path), framework="pt") as fh:
-                for key in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    sl = fh.get_slice(key)
-                    tensors[key] = (list(sl.get_shape()), ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
-        except Exception as exc:  # safetensors raises its own error types for truncated or corrupt files
-            raise UserError(f"weight file {path} is truncated or corrupt ({str(exc).splitlines()[0]}); "
-                            "download or import the model again") from None
-    return tensors, size
-
-
 def verify(model_dir: Path) -> ModelReport:
     """Build the model on the meta device and check every parameter and persistent buffer against the headers."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from pipeline.modeling import meta_model, tied_keys
+    from pipeline.weights import read_index
 
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:
         raise UserError(f"{model_dir}/config.json cannot be read as a model config ({exc})") from None
-    tensors, disk = safetensors_headers(model_dir)
+    index = read_index(model_dir)
+    tensors = {name: (e.shape, str(e.torch_dtype or e.dtype).removeprefix("torch.")) for name, e in index.items()}
+    disk = sum(path.stat().st_size for path in {e.path for e in index.values()})
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, config.dtype or "float32")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = meta_model(config, dtype)
     # tied weights (lm_head -> embed_tokens with tie_word_embeddings) are stored once, under either name
-    pairs = (getattr(model, "all_tied_weights_keys", None) or {}).items()
-    tied = {**dict(pairs), **{v: k for k, v in pairs}} if getattr(config, "tie_word_embeddings", False) else {}
+    tied = tied_keys(model)
+    tied.update({v: k for k, v in tied.items()})
     expected = model.state_dict()
     for name, tensor in expected.items():
         if name not in tensors:

@@ -14,7 +14,7 @@ import os
 import random
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,12 +23,13 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline import config as config_mod
-from pipeline.checkpoint import Checkpointer, check_fingerprint, read_state
+from pipeline.checkpoint import Checkpointer, check_fingerprint, read_state, step_name
 from pipeline.config import Config
 from pipeline.data import (
     Blocks,
     BlockSampler,
     build_blocks,
+    dataset_fingerprint,
     load_text_dataset,
     open_blocks,
     token_cache_dir,
@@ -36,15 +37,9 @@ from pipeline.data import (
 )
 from pipeline.errors import UserError
 from pipeline.export import export_dtype, export_model
-from pipeline.loss import CausalLMLoss
-from pipeline.parallel import (
-    Dist,
-    build_sharded_model,
-    compute_dtype,
-    fsdp_root,
-    load_weights,
-    vocab_parallel_enabled,
-)
+from pipeline.hub import resolve_model_dir
+from pipeline.runtime import Dist, compute_dtype, init_distributed, watch_parent
+from pipeline.strategies import make_strategy
 from pipeline.telemetry import (
     PhaseTimer,
     Telemetry,
@@ -74,29 +69,11 @@ def run_fingerprint(cfg: Config, model_dir: Path, hf_config, dataset) -> dict:
         "model_name": cfg.model.model_name,
         "model_config": hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode()).hexdigest()[:16],
         "tokenizer": tokenizer_fingerprint(model_dir)[:16],
-        "dataset": dataset._fingerprint,
+        "dataset": dataset_fingerprint(dataset),
         "seq_length": cfg.data.seq_length,
         "val_fraction": cfg.data.val_fraction,
         "seed": cfg.run.seed,
     }
-
-
-def resolve_model_dir(model_name: str) -> Path:
-    """A local model directory, or a hub id from the offline cache (never the network)."""
-    local = Path(model_name)
-    if local.is_dir():
-        if not (local / "config.json").exists():
-            raise UserError(f"--model-name {model_name} is a directory without config.json")
-        return local
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(model_name, local_files_only=True))
-    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError):
-        raise UserError(f"model {model_name} is not in the offline cache; on this machine run: "
-                        f"python MODEL_DOWNLOAD.py --model-name {model_name} (add --source DIR if "
-                        "offline)") from None
 
 
 def preflight(cfg: Config) -> Plan:
@@ -133,7 +110,7 @@ def _broadcast_error(d: Dist, error: str | None) -> None:
 
 def prepare_blocks(cfg: Config, plan: Plan, d: Dist, tokenizer) -> Blocks:
     """Rank 0 of each node builds the token cache while the others wait at a barrier; then all memory-map it."""
-    path = token_cache_dir(cfg.run.save_dir, plan.dataset._fingerprint, plan.model_dir, cfg.data.seq_length,
+    path = token_cache_dir(cfg.run.save_dir, plan.fingerprint["dataset"], plan.model_dir, cfg.data.seq_length,
                            cfg.data.val_fraction, cfg.run.seed)
     error = None
     if d.is_local_main and not (path / "meta.json").exists():
@@ -156,15 +133,6 @@ def prepare_blocks(cfg: Config, plan: Plan, d: Dist, tokenizer) -> Blocks:
     return blocks
 
 
-def build_model(cfg: Config, plan: Plan, d: Dist, dtype: torch.dtype) -> tuple[nn.Module, CausalLMLoss]:
-    """Meta-device model, sharded with FSDP2, materialised shard by shard and loaded from safetensors; and its
-    loss (vocabulary-parallel or through the model's own forward)."""
-    vocab_parallel = vocab_parallel_enabled(cfg.model)
-    model, mesh = build_sharded_model(plan.hf_config, cfg.model, d, dtype, vocab_parallel=vocab_parallel)
-    load_weights(model, plan.model_dir, d.device)
-    return model, CausalLMLoss(model, vocab_parallel, mesh.get_group() if vocab_parallel else None)
-
-
 def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     """AdamW with decay on matrices only; fused kernels (CUDA, and CPU: 3x faster there than the default loop)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
@@ -180,6 +148,42 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config, total_steps: 
 
     name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.optim.lr_schedule]
     return get_scheduler(name, optimizer, num_warmup_steps=cfg.optim.warmup_steps, num_training_steps=total_steps)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Mean over every rank's tokens."""
+    grad_norm: float
+    """Global norm before clipping."""
+    applied: bool
+    """False when the loss or gradient norm was not finite on some rank: the update was skipped."""
+
+
+@dataclass
+class Window:
+    """What the steps since the last log line add up to."""
+
+    steps: int = 0
+    applied: int = 0
+    loss: float = 0.0
+    """Sum of the applied steps' losses."""
+    grad_norm: float = math.nan
+    """The last applied step's."""
+    started: float = field(default_factory=time.perf_counter)
+
+    def add(self, result: StepResult) -> None:
+        self.applied += 1
+        self.loss += result.loss
+        self.grad_norm = result.grad_norm
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+
+def finite_or_text(x: float) -> float | str:
+    """x, or "nan"/"inf" as text: JSON has no non-finite numbers."""
+    return x if math.isfinite(x) else str(x)
 
 
 class Interrupted(Exception):
@@ -221,10 +225,13 @@ class Trainer:
         self.sampler = BlockSampler(len(self.blocks.train), cfg.run.seed, d.world_size, d.rank,
                                     cfg.train.batch_size, cfg.train.grad_accum)
         self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.sampler.steps_per_epoch
-        self.model, self.loss = build_model(cfg, plan, d, self.dtype)
+        self.strategy = make_strategy(cfg.model, d, self.dtype)
+        self.model = self.strategy.build(plan.hf_config)
+        self.loss = self.strategy.loss()
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.step, self.samples_seen, self.best_val = 0, 0, math.inf
+        self.bad_steps, self.skipped_since_save = 0, 0
         self.timer = PhaseTimer(d.device)
         n_params = sum(p.numel() for p in self.model.parameters())
         self.flops_per_token = flops_per_token(plan.hf_config, matmul_params(self.model), cfg.data.seq_length)
@@ -249,30 +256,57 @@ class Trainer:
         self.best_val = float(state["best_val"])
         self.sampler.load_state_dict(state["sampler"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.rescale_lr(float(state["scheduler"]["base_lrs"][0]))
         old, new = state["sampler"]["global_batch"], self.sampler.global_batch
         if old != new and self.dist.is_main:
             log.warning("global batch changed from %d to %d blocks: continuing from the next unseen block "
                         "(%d consumed in epoch %d)", old, new, self.sampler.consumed, self.sampler.epoch)
 
+    def rescale_lr(self, saved: float) -> None:
+        """--lr changed since the checkpoint (say, lowered after a divergence): the schedule goes on from this step
+        with the new peak. Every schedule here is the peak times a factor of the step, so scaling is exact."""
+        factor = self.cfg.optim.lr / saved
+        if math.isclose(factor, 1.0, rel_tol=1e-9):
+            return
+        self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+        for group in self.optimizer.param_groups:
+            group["lr"] *= factor
+            group["initial_lr"] *= factor
+        if self.dist.is_main:
+            log.warning("--lr changed from %g to %g: the schedule continues at step %d with the new peak", saved,
+                        self.cfg.optim.lr, self.step)
+
     def resume(self) -> dict | None:
-        """Load the newest complete checkpoint (or --resume-from), verified file by file. Collective."""
+        """Fill the model: from the newest complete checkpoint (or --resume-from), verified file by file, without
+        opening the base model's weights; else from the base model. Collective."""
         if self.dist.is_main:
             for name in self.ckpt.incomplete():
                 log.warning("ignoring incomplete checkpoint %s (removed once a newer one is complete)", name)
         path = self.ckpt.choose(self.cfg.run.resume_from)
-        if path is None:
-            return None
         started = time.perf_counter()
+        if path is None:
+            self.strategy.load_weights(self.plan.model_dir)
+            log.info("loaded the base weights from %s in %.2f s", self.plan.model_dir, time.perf_counter() - started)
+            return None
         self.ckpt.verify(path)
-        self.load_state_dict(self.ckpt.load(path, self.model, self.optimizer))
+        self.load_state_dict(self.ckpt.load(path, self.strategy, self.optimizer))
         seconds = time.perf_counter() - started
         log.info("resumed from %s at step %d (epoch %d) in %.2f s", path, self.step, self.sampler.epoch, seconds)
         return {"from_step": self.step, "path": str(path), "seconds": round(seconds, 3)}
 
-    def save(self, sync: bool = False) -> None:
+    def save(self, sync: bool = False) -> bool:
+        """Checkpoint this step, unless it is saved already or its update was skipped (non-finite): a checkpoint is
+        only ever written from a step that was applied. Returns whether this step is (being) saved."""
+        if self.bad_steps:
+            log.warning("no checkpoint at step %d: its update was skipped (non-finite loss or gradient norm)",
+                        self.step)
+            return False
         if self.ckpt.last_step != self.step:
-            self.ckpt.save(self.step, self.model, self.optimizer, self.state_dict(),
-                           {"epoch": self.sampler.epoch, "samples_seen": self.samples_seen}, sync=sync)
+            self.ckpt.save(self.step, self.strategy, self.optimizer, self.state_dict(),
+                           {"epoch": self.sampler.epoch, "samples_seen": self.samples_seen,
+                            "skipped_steps": self.skipped_since_save}, sync=sync)
+            self.skipped_since_save = 0
+        return True
 
     # ------------------------------------------------------------------------------------------------- loop
 
@@ -291,8 +325,7 @@ class Trainer:
         log.info("exported the model to %s", self.run_dir / "hf")
 
     def loop(self, telemetry: Telemetry) -> None:
-        window_loss = torch.zeros((), device=self.dist.device)
-        window_start, window_steps = time.perf_counter(), 0
+        window = Window()
         self.model.train()
         while self.step < self.total_steps:
             if self.boundary():
@@ -301,17 +334,19 @@ class Trainer:
                 self.sampler.start_epoch(self.sampler.epoch + 1)
                 self.save()
                 continue
-            loss, grad_norm = self.train_step()
+            result = self.train_step()
             self.step += 1
             self.samples_seen += self.sampler.global_batch
-            window_loss += loss
-            window_steps += 1
             telemetry.advance()
+            if result.applied:
+                self.bad_steps = 0
+                window.add(result)
+            else:
+                self.skipped(telemetry, result)
+            window.steps += 1
             if self.step % self.cfg.train.log_freq == 0 or self.step == self.total_steps:
-                self.log_window(telemetry, window_loss / window_steps, grad_norm,
-                                time.perf_counter() - window_start, window_steps)
-                window_loss.zero_()
-                window_start, window_steps = time.perf_counter(), 0
+                self.log_window(telemetry, window)
+                window = Window()
             if self.cfg.train.eval_freq and self.step % self.cfg.train.eval_freq == 0 and self.step < self.total_steps:
                 self.evaluate(telemetry)
             if self.cfg.train.ckpt_freq and self.step % self.cfg.train.ckpt_freq == 0:
@@ -319,7 +354,7 @@ class Trainer:
         self.evaluate(telemetry)
         self.save()
         self.ckpt.wait()
-        export_model(self.model, self.plan.model_dir, self.run_dir / "hf",
+        export_model(self.strategy, self.plan.model_dir, self.run_dir / "hf",
                      export_dtype(self.cfg.run.export_dtype, self.plan.hf_config), self.dist)
         telemetry.close()
 
@@ -331,23 +366,49 @@ class Trainer:
         return bool(flags[0].item())
 
     def stop(self, telemetry: Telemetry) -> None:
-        self.save(sync=True)
+        saved = self.save(sync=True)
         self.ckpt.wait()
         telemetry.close()  # plots what the run has so far
-        log.warning("stopped by signal at step %d; checkpoint %s saved; rerun the same command to resume",
-                    self.step, self.ckpt.root / f"step-{self.step:08d}")
+        where = f"checkpoint {self.ckpt.root / step_name(self.step)} saved" if saved else \
+            f"the last good checkpoint is {self.last_checkpoint()}"
+        log.warning("stopped by signal at step %d; %s; rerun the same command to resume", self.step, where)
         raise Interrupted(StopRequest.signum or signal.SIGTERM)
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over grad_accum micro-batches. Returns (mean loss, grad norm) as device tensors."""
+    def last_checkpoint(self) -> str:
+        state = read_state(self.run_dir)
+        return str(self.run_dir / state["path"]) if state else "none (a rerun starts from the base model)"
+
+    def skipped(self, telemetry: Telemetry, result: StepResult) -> None:
+        """A step whose loss or gradient norm was not finite on some rank: nothing was applied. Logged; after
+        --max-bad-steps in a row the run stops (it has diverged, and going on would only burn GPU hours)."""
+        self.bad_steps += 1
+        self.skipped_since_save += 1
+        figures = {"loss": finite_or_text(result.loss), "grad_norm": finite_or_text(result.grad_norm)}
+        telemetry.event("skipped", self.step, in_a_row=self.bad_steps, **figures)
+        log.warning("step %d skipped: loss %s, grad norm %s; weights, optimizer state and LR schedule unchanged "
+                    "(%d in a row)", self.step, figures["loss"], figures["grad_norm"], self.bad_steps)
+        limit = self.cfg.train.max_bad_steps
+        if limit and self.bad_steps >= limit:
+            self.ckpt.wait()
+            telemetry.close()
+            raise UserError(
+                f"training diverged: steps {self.step - self.bad_steps + 1}-{self.step} had a non-finite loss or "
+                f"gradient norm (last: loss {figures['loss']}, grad norm {figures['grad_norm']}) and were skipped; "
+                f"the last good checkpoint is {self.last_checkpoint()}; try a lower --lr (now {self.cfg.optim.lr:g}),"
+                f" --precision fp32 or a smaller --max-grad-norm (now {self.cfg.optim.max_grad_norm:g}), then rerun "
+                "to resume from it")
+
+    def train_step(self) -> StepResult:
+        """One optimizer step over grad_accum micro-batches, applied only when the loss and gradient norm are finite
+        on every rank."""
         micro = self.sampler.next_step()
         total = torch.zeros((), device=self.dist.device)
         with self.timer.phase("total"):
             for i, idx in enumerate(micro):
                 with self.timer.phase("data"):
                     ids = self.to_device(self.blocks.train[idx])
-                # reduce-scatter gradients only on the last micro-step; earlier ones accumulate locally
-                fsdp_root(self.model).set_requires_gradient_sync(i == len(micro) - 1)
+                # reduce gradients only on the last micro-step; earlier ones accumulate locally
+                self.strategy.gradient_sync(i == len(micro) - 1)
                 with self.timer.phase("forward"):
                     # every block is full, so each micro-batch has the same token count and the mean of the
                     # micro-batch means is the mean over all tokens
@@ -356,14 +417,26 @@ class Trainer:
                     loss.backward()
                 total += loss.detach()
             with self.timer.phase("update"):
-                max_norm = self.cfg.optim.max_grad_norm or math.inf
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-                self.ckpt.staged()  # an async checkpoint's copy of the weights and states must be complete
-                self.optimizer.step()
-                self.scheduler.step()
+                norm = self.strategy.clip_grad_norm(self.cfg.optim.max_grad_norm or math.inf)
+                result = self.agree(total, norm)
+                if result.applied:
+                    self.ckpt.staged()  # an async checkpoint's copy of the weights and states must be complete
+                    self.optimizer.step()
+                    self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
         self.timer.step_done()
-        return total, grad_norm
+        return result
+
+    def agree(self, loss: torch.Tensor, norm: torch.Tensor) -> StepResult:
+        """The step's global mean loss and gradient norm, and whether to apply it: one all-reduce (every rank must
+        reach it) and one host sync per step, since every rank must take the same decision before stepping. A
+        non-finite value on any rank makes the sum non-finite everywhere."""
+        figures = torch.stack([loss.float(), norm.float().to(loss.device)])
+        summed = figures.clone()
+        dist.all_reduce(summed)  # SUM: gloo has no AVG
+        mean_loss, total_norm, local_norm = torch.cat([summed, figures[1:]]).tolist()
+        applied = math.isfinite(mean_loss) and math.isfinite(total_norm)
+        return StepResult(mean_loss / self.dist.world_size, local_norm if applied else total_norm, applied)
 
     def to_device(self, blocks: np.ndarray) -> torch.Tensor:
         """Token ids as int64 on the training device (training and validation batches). On GPU through pinned
@@ -374,18 +447,15 @@ class Trainer:
             return ids
         return ids.pin_memory().to(self.dist.device, non_blocking=True)
 
-    def log_window(self, telemetry: Telemetry, loss: torch.Tensor, grad_norm: torch.Tensor, seconds: float,
-                   steps: int) -> None:
-        # collective + host sync, once per log window: every rank must reach it (SUM: gloo has no AVG)
-        dist.all_reduce(loss)
-        loss /= self.dist.world_size
-        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        tokens_per_s = self.sampler.global_batch * self.cfg.data.seq_length * steps / seconds
+    def log_window(self, telemetry: Telemetry, window: Window) -> None:
+        if not window.applied:  # every step of the window was skipped: logged one by one already
+            return
+        tokens_per_s = self.sampler.global_batch * self.cfg.data.seq_length * window.steps / window.seconds()
         mfu = (tokens_per_s / self.dist.world_size * self.flops_per_token / self.peak) if self.peak else None
-        fields = {"epoch": self.sampler.epoch, "loss": loss.item(), "lr": self.scheduler.get_last_lr()[0],
-                  "grad_norm": norm.item(), "tokens_per_s": round(tokens_per_s, 1),
-                  "mfu": None if mfu is None else round(mfu, 4), "time_ms": self.timer.read(),
-                  "mem_gb": memory_gb(self.dist.device)}
+        fields = {"epoch": self.sampler.epoch, "loss": window.loss / window.applied,
+                  "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": window.grad_norm,
+                  "tokens_per_s": round(tokens_per_s, 1), "mfu": None if mfu is None else round(mfu, 4),
+                  "time_ms": self.timer.read(), "mem_gb": memory_gb(self.dist.device)}
         telemetry.event("train", self.step, **fields)
         t = fields["time_ms"]
         telemetry.human({"global_step": self.step, "epoch": fields["epoch"], "loss": round(fields["loss"], 4),
@@ -419,7 +489,7 @@ class Trainer:
                 sums += torch.stack([loss.double() * tokens, torch.tensor(tokens, dtype=torch.float64,
                                                                             device=self.dist.device)])
         dist.all_reduce(sums)
-        fsdp_root(self.model).reshard()  # the root stays gathered after a forward without backward
+        self.strategy.release()  # the root stays gathered after a forward without backward
         self.model.train()
         loss = (sums[0] / sums[1]).item()
         ppl = math.exp(loss) if loss < 700 else math.inf
@@ -427,7 +497,7 @@ class Trainer:
         telemetry.human({"global_step": self.step, "eval_loss": round(loss, 5), "eval_ppl": round(ppl, 3)})
         if self.cfg.run.save_best and loss < self.best_val:
             self.best_val = loss
-            export_model(self.model, self.plan.model_dir, self.run_dir / "best",
+            export_model(self.strategy, self.plan.model_dir, self.run_dir / "best",
                          export_dtype(self.cfg.run.export_dtype, self.plan.hf_config), self.dist)
             log.info("best validation loss so far (%.5f): exported to %s", loss, self.run_dir / "best")
         return loss
@@ -483,8 +553,6 @@ def out_of_memory_message(cfg: Config, d: Dist) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """fsdp1.py: resolve the config, check everything cheap, then join the process group and train."""
-    from pipeline.parallel import init_distributed, watch_parent
-
     cfg = config_mod.resolve(argv)
     plan = preflight(cfg)
     d = init_distributed()

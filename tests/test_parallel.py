@@ -48,10 +48,10 @@ def test_vocab_parallel_head_matches_the_hf_loss_and_gradients(tmp_path, tiny_mo
 @pytest.fixture
 def group_of_one(monkeypatch):
     """This pytest process as a gloo group of one (the env it sets is restored afterwards)."""
-    from pipeline.parallel import _free_port, init_distributed
+    from pipeline.runtime import free_port, init_distributed
 
     for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(_free_port())).items():
+                           MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(key, value)
     d = init_distributed()
     yield d
@@ -63,11 +63,12 @@ def load_sharded(model_dir: Path, d) -> dict[str, torch.Tensor]:
     from transformers import AutoConfig
 
     from pipeline.config import ModelConfig
-    from pipeline.parallel import build_sharded_model, load_weights
+    from pipeline.strategies import make_strategy
 
-    cfg = ModelConfig(model_name=str(model_dir), precision="fp32")
-    model, _ = build_sharded_model(AutoConfig.from_pretrained(model_dir), cfg, d, torch.float32)
-    load_weights(model, model_dir, d.device)
+    strategy = make_strategy(ModelConfig(model_name=str(model_dir), precision="fp32", vocab_parallel="off"), d,
+                             torch.float32)
+    model = strategy.build(AutoConfig.from_pretrained(model_dir))
+    strategy.load_weights(model_dir)
     return {k: v.full_tensor() for k, v in get_model_state_dict(model).items()}
 
 
@@ -81,10 +82,10 @@ def bf16_copy(src: Path, dst: Path) -> Path:
 def test_row_reader_converts_bf16_files_reading_in_small_pieces(tmp_path, tiny_models, group_of_one, monkeypatch):
     from safetensors.torch import load_file
 
-    from pipeline import parallel
+    from pipeline import weights
 
     model_dir = bf16_copy(tiny_models["untied"], tmp_path / "bf16")
-    monkeypatch.setattr(parallel, "READ_CHUNK_BYTES", 1000)  # every matrix takes many reads
+    monkeypatch.setattr(weights, "READ_CHUNK_BYTES", 1000)  # every matrix takes many reads
     got = load_sharded(model_dir, group_of_one)
     expected = load_file(model_dir / "model.safetensors")
     assert set(got) == set(expected)
@@ -108,7 +109,7 @@ def test_truncated_weights_stop_the_load_with_the_file_named(tmp_path, tiny_mode
 
 def test_vocab_parallel_auto_is_on_where_the_sharding_allows_it():
     from pipeline.config import ModelConfig
-    from pipeline.parallel import vocab_parallel_enabled
+    from pipeline.strategies.fsdp2 import vocab_parallel_enabled
 
     assert vocab_parallel_enabled(ModelConfig(model_name="m"))
     assert vocab_parallel_enabled(ModelConfig(model_name="m", sharding="SHARD_GRAD_OP"))

@@ -7,14 +7,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.export import load_checkpoint_model
-from pipeline.parallel import init_distributed
+from pipeline.checkpoint import load_checkpoint_model
+from pipeline.runtime import init_distributed
 
 
 def main() -> None:
     checkpoint, out = Path(sys.argv[1]), Path(sys.argv[2])
     d = init_distributed()
-    model, _ = load_checkpoint_model(checkpoint, d)
+    model = load_checkpoint_model(checkpoint, d)[0].model
     ids = torch.arange(64).reshape(2, 32) % model.config.vocab_size
     with torch.no_grad():
         logits = model(input_ids=ids).logits

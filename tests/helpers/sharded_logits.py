@@ -9,15 +9,17 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from pipeline.config import ModelConfig
-from pipeline.parallel import build_sharded_model, init_distributed, load_weights
+from pipeline.runtime import init_distributed
+from pipeline.strategies import make_strategy
 
 
 def main() -> None:
     model_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
     d = init_distributed()
-    cfg = ModelConfig(model_name=str(model_dir), precision="fp32")
-    model, _ = build_sharded_model(AutoConfig.from_pretrained(model_dir), cfg, d, torch.float32)
-    load_weights(model, model_dir, d.device)
+    cfg = ModelConfig(model_name=str(model_dir), precision="fp32", vocab_parallel="off")
+    strategy = make_strategy(cfg, d, torch.float32)
+    model = strategy.build(AutoConfig.from_pretrained(model_dir))
+    strategy.load_weights(model_dir)
     ids = torch.arange(64).reshape(2, 32) % model.config.vocab_size
     with torch.no_grad():
         logits = model(input_ids=ids).logits

@@ -11,15 +11,16 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.config import ModelConfig
 from pipeline.loss import CausalLMLoss
-from pipeline.parallel import build_sharded_model, init_distributed, load_weights
+from pipeline.runtime import init_distributed
+from pipeline.strategies import make_strategy
 
 
 def build(model_dir: Path, d, vocab_parallel: bool) -> tuple[torch.nn.Module, CausalLMLoss]:
-    cfg = ModelConfig(model_name=str(model_dir), precision="fp32")
-    model, mesh = build_sharded_model(AutoConfig.from_pretrained(model_dir), cfg, d, torch.float32,
-                                      vocab_parallel=vocab_parallel)
-    load_weights(model, model_dir, d.device)
-    return model, CausalLMLoss(model, vocab_parallel, mesh.get_group() if vocab_parallel else None)
+    cfg = ModelConfig(model_name=str(model_dir), precision="fp32", vocab_parallel="on" if vocab_parallel else "off")
+    strategy = make_strategy(cfg, d, torch.float32)
+    model = strategy.build(AutoConfig.from_pretrained(model_dir))
+    strategy.load_weights(model_dir)
+    return model, strategy.loss()
 
 
 def global_mean(x: torch.Tensor, world: int) -> float:

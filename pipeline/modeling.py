@@ -1,0 +1,67 @@
+"""What the pipeline needs to know about a Hugging Face causal LM's structure, through its public API only.
+
+Building on the meta device, finding the decoder layers, which weights are tied, and recomputing the buffers a
+checkpoint does not hold. Every strategy, the weight loader, the checkpointer and MODEL_DOWNLOAD's check use these,
+so a model whose structure they cannot read fails here, with its class named, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipeline.errors import UserError
+
+
+def meta_model(hf_config, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of hf_config on the meta device: its structure, no memory."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks, in order: the one ModuleList of the base model that holds config.num_hidden_layers
+    modules (`model.layers` in Llama, Qwen, Mistral, Gemma)."""
+    n = model.config.num_hidden_layers
+    found = [m for m in model.base_model.children() if isinstance(m, nn.ModuleList) and len(m) == n]
+    if len(found) != 1:
+        raise UserError(f"cannot find the {n} decoder layers of {type(model).__name__} to shard (found "
+                        f"{len(found)} lists of {n} modules in its base model)")
+    return found[0]
+
+
+def tied_keys(model: nn.Module) -> dict[str, str]:
+    """{output embedding key: input embedding key} when the model ties them (one tensor under two names), else {}.
+
+    Read from the config and checked on the modules themselves: a config that ties the embeddings while the model
+    holds two tensors is an error, never a silently untied (or silently tied) checkpoint.
+    """
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return {}
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or head.weight is not embed.weight:
+        raise UserError(f"{type(model).__name__}: the config ties the word embeddings but the output embedding is "
+                        "a separate tensor")
+    names = {id(m): name for name, m in model.named_modules()}
+    return {f"{names[id(head)]}.weight": f"{names[id(embed)]}.weight"}
+
+
+def without_tied_aliases(model: nn.Module, state_dict: dict) -> dict:
+    """The state dict without the second name of a tied weight (lm_head.weight when tied to the embedding), as
+    Hugging Face files store it: DCP would otherwise write the same tensor twice (1 GB more per checkpoint for
+    Llama 3.2 1B in fp32)."""
+    aliases = tied_keys(model)
+    return {k: v for k, v in state_dict.items() if k not in aliases}
+
+
+def reset_rotary(model: nn.Module, device: torch.device) -> None:
+    """Recompute non-persistent buffers (rotary inv_freq): materialising with to_empty leaves them uninitialised
+    memory, and no weight file or checkpoint holds them."""
+    for module in model.modules():
+        if "RotaryEmbedding" in type(module).__name__:
+            with torch.device(device):
+                fresh = type(module)(module.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                module.register_buffer(name, buf, persistent=False)

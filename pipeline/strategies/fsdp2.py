@@ -1,0 +1,99 @@
+"""FSDP2 (`fully_shard`): each decoder layer and the root sharded over a device mesh, optionally with the
+vocabulary-parallel embedding and head.
+
+The model is built on the meta device, wrapped, then materialised with `to_empty`, so each rank allocates only its
+shards; the weights come from load_weights() or a checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from pipeline.config import VOCAB_PARALLEL_SHARDINGS, ModelConfig
+from pipeline.loss import CausalLMLoss
+from pipeline.modeling import decoder_layers, meta_model, reset_rotary
+from pipeline.runtime import build_mesh
+from pipeline.strategies.base import Strategy
+from pipeline.vocab_parallel import VocabParallelEmbedding
+
+
+def vocab_parallel_enabled(cfg: ModelConfig) -> bool:
+    """--vocab-parallel resolved: auto is on wherever the sharding allows it. Measured (BENCHMARKS.md): on CPU it
+    halved the step; on one H100 with Llama-3.2-1B at batch 8 x 2048 it runs as fast as the HF Trainer on 30% less
+    memory, where the model's own loss ran out of memory."""
+    return cfg.vocab_parallel == "on" or (cfg.vocab_parallel == "auto" and cfg.sharding in VOCAB_PARALLEL_SHARDINGS
+                                          and not cfg.cpu_offload)
+
+
+class FSDP2(Strategy):
+    """`fully_shard` per decoder layer and at the root; --sharding picks the mesh and resharding."""
+
+    mesh: DeviceMesh
+    vocab_parallel: bool
+
+    def build(self, hf_config) -> nn.Module:
+        model = meta_model(hf_config)
+        self.mesh = build_mesh(self.cfg.sharding, self.dist)
+        self.vocab_parallel = vocab_parallel_enabled(self.cfg)
+        self._shard(model)
+        # the shards' memory (host memory with CPU offload), uninitialised until loaded
+        model.to_empty(device="cpu" if self.cfg.cpu_offload else self.dist.device)
+        reset_rotary(model, self.dist.device)
+        self._model = model
+        return model
+
+    def _shard(self, model: nn.Module) -> None:
+        """Activation checkpointing and compile per decoder layer, then fully_shard each layer and the root.
+
+        vocab_parallel: the embedding and LM head are sharded by vocabulary rows on the same mesh and left out of
+        FSDP (see pipeline/vocab_parallel.py); the root FSDP module is then the decoder stack (`model.base_model`),
+        whose gradients are summed over ranks, not averaged, since the loss is already the mean over every rank's
+        tokens.
+        """
+        cfg, mesh = self.cfg, self.mesh
+        if cfg.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+        offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
+        reshard = cfg.sharding in ("FULL_SHARD", "HYBRID_SHARD")
+        for layer in decoder_layers(model):
+            if cfg.compile:
+                layer.compile()
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+        if not self.vocab_parallel:
+            # root: embeddings, final norm and lm_head (one shared parameter when tied). Not resharded after
+            # forward: the backward needs the lm_head first, right after the forward ends, so resharding would only
+            # all-gather it again
+            fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
+            return
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        weight = nn.Parameter(distribute_tensor(embed.weight, mesh, [Shard(0)]))
+        if head.weight is embed.weight:
+            head.weight = weight
+        else:
+            head.weight = nn.Parameter(distribute_tensor(head.weight, mesh, [Shard(0)]))
+        model.set_input_embeddings(VocabParallelEmbedding(weight, embed.padding_idx, mesh.get_group()))
+        fully_shard(model.base_model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload,
+                    ignored_params={weight, head.weight})
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+    @property
+    def root(self) -> FSDPModule:
+        """The outermost FSDP module: the model itself, or its decoder stack when the head is vocabulary-parallel."""
+        return self.model if isinstance(self.model, FSDPModule) else self.model.base_model
+
+    def loss(self) -> CausalLMLoss:
+        return CausalLMLoss(self.model, self.vocab_parallel, self.mesh.get_group() if self.vocab_parallel else None)
+
+    def gradient_sync(self, enabled: bool) -> None:
+        self.root.set_requires_gradient_sync(enabled)
+
+    def release(self) -> None:
+        self.root.reshard()

@@ -1,0 +1,178 @@
+"""The vocabulary-parallel embedding and LM head, and the fused chunked cross-entropy of the head.
+
+The embedding and the LM head (one tensor when tied) stay sharded by vocabulary rows on the FSDP mesh and are never
+gathered. The embedding looks every rank's ids up in its own rows and the partial embeddings are summed back to
+their ranks (reduce-scatter). At the other end, each rank projects the hidden states of every rank's tokens onto its
+own vocabulary rows, a few rows of tokens at a time, and the ranks combine per-token softmax statistics (a few
+floats per token). Forward and backward of the head run in one pass over each chunk: the gradients are computed
+while the chunk's logits are at hand, so no full-width logits (and no separate gradient of them) ever exist.
+
+What moves between ranks per micro-step is the hidden states and token ids (all-gathered, kilobytes to a few MB)
+and the hidden-state gradients (reduce-scattered); FSDP instead all-gathers and reduce-scatters the whole
+embedding, 0.5 GB per direction for Llama 3's 128k x 1024 in fp32, which on CPU (where gloo's collectives do
+not overlap compute) was a third of the step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+IGNORE = -100
+# torch 2.13 renamed the single-tensor collectives (the old names warn on every call); torch 2.11 has only the old
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+CHUNK_ELEMENTS = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}
+"""Logits per chunk by device type. CPU: 16M (64 MB in fp32); fewer, larger chunks were faster (each chunk re-reads
+and re-writes the head's gradient): 0.68 s/step at 16M against 0.75 at 8M and 1.08 at 2M, in a 2-rank training
+loop of the CPU bench model (one run each). CUDA: 256M (1 GiB in fp32), about 2,000 token rows against a 128k
+vocabulary, so each chunk's three matrix products are large enough to keep the tensor cores busy."""
+
+
+def shifted_labels(ids: torch.Tensor, valid_rows: int | None = None) -> torch.Tensor:
+    """Next-token targets of a [batch, seq] block of ids: the last position of a row and rows from valid_rows on
+    are IGNORE."""
+    labels = torch.full_like(ids, IGNORE)
+    labels[:, :-1] = ids[:, 1:]
+    if valid_rows is not None:
+        labels[valid_rows:] = IGNORE
+    return labels
+
+
+def _world(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's x stacked along dim 0 (a collective; all ranks pass the same shape)."""
+    world = _world(group)
+    if world == 1:
+        return x
+    out = x.new_empty((world * x.shape[0], *x.shape[1:]))
+    _all_gather(out, x.contiguous(), group=group)
+    return out
+
+
+def _sum_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The inverse of _gather_rows: x summed over ranks, each rank keeping its own block of rows (a collective)."""
+    world = _world(group)
+    if world == 1:
+        return x
+    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
+    _reduce_scatter(out, x, group=group)
+    return out
+
+
+def head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_start: int,
+               group: dist.ProcessGroup | None, with_grads: bool):
+    """Mean cross-entropy of all rows of h against labels over the vocabulary split across the group, this rank
+    holding rows [vocab_start, vocab_start + len(w)) of it; with the gradients of h (this rank's vocabulary share
+    only: the caller sums them over ranks) and of w. One collective per chunk: every rank must run the same
+    number of chunks, so every rank passes the same number of rows."""
+    world = _world(group)
+    rows, v_local = h.shape[0], w.shape[0]
+    valid = labels != IGNORE
+    # the same on every rank (labels are the gathered global batch); kept on the device: no host sync
+    count = valid.sum().clamp_min(1)
+    target = labels - vocab_start
+    mine = valid & (target >= 0) & (target < v_local)
+    target = torch.where(mine, target, 0)
+    w_c = w.to(h.dtype)
+    grad_h = torch.empty_like(h) if with_grads else None
+    grad_w = torch.zeros_like(w, dtype=torch.float32) if with_grads else None
+    total = torch.zeros((), dtype=torch.float64, device=h.device)
+    step = max(1, CHUNK_ELEMENTS.get(h.device.type, CHUNK_ELEMENTS["cpu"]) // max(v_local, 1))
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        z = torch.mm(h[a:b], w_c.t()).float()
+        peak = z.amax(1)
+        picked = z.gather(1, target[a:b, None]).squeeze(1) * mine[a:b]
+        z.sub_(peak[:, None]).exp_()
+        stats = torch.stack([peak + z.sum(1).log(), picked], 1)  # local log-sum-exp, target logit (or 0)
+        if world > 1:
+            every = gather_rows(stats, group).view(world, b - a, 2)
+            lse, picked = torch.logsumexp(every[..., 0], 0), every[..., 1].sum(0)
+        else:
+            lse, picked = stats[:, 0], stats[:, 1]
+        total += ((lse - picked) * valid[a:b]).sum(dtype=torch.float64)
+        if with_grads:
+            # d loss / d logits = (softmax - onehot(target)) / count, written over z in place
+            z.mul_((torch.exp(peak - lse) * valid[a:b] / count)[:, None])
+            # minus 1/count at each row's target column, where this rank holds it (a scatter, not an indexed
+            # assignment through nonzero(), which would wait for the GPU once per chunk)
+            z.scatter_add_(1, target[a:b, None], (mine[a:b] / -count).to(z.dtype)[:, None])
+            d = z.to(h.dtype)
+            torch.mm(d, w_c, out=grad_h[a:b])
+            if d.dtype == grad_w.dtype:
+                grad_w.addmm_(d.t(), h[a:b])
+            else:
+                grad_w += (d.t() @ h[a:b]).float()
+    return (total / count).float(), grad_h, grad_w
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Loss of this rank's hidden states h_local against the global batch's labels; gradients computed in forward."""
+
+    @staticmethod
+    def forward(ctx, h_local, w_local, labels, vocab_start, group):
+        loss, grad_h, grad_w = head_pass(gather_rows(h_local, group), w_local, labels, vocab_start, group, True)
+        # every rank's tokens got gradient from every rank's vocabulary share: sum, keep this rank's rows
+        ctx.save_for_backward(_sum_rows(grad_h, group), grad_w.to(w_local.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_out, grad_w * grad_out, None, None, None
+
+
+class _VocabParallelLookup(torch.autograd.Function):
+    """Embeddings of this rank's ids [batch, seq] from vocabulary-sharded rows: every rank looks up every rank's
+    ids in its own rows (zeros elsewhere) and the partial embeddings are summed back to their ranks."""
+
+    @staticmethod
+    def forward(ctx, ids_local, w_local, vocab_start, padding_idx, group):
+        local = gather_rows(ids_local, group) - vocab_start
+        mine = (local >= 0) & (local < w_local.shape[0])
+        local = torch.where(mine, local, 0)
+        out = _sum_rows(torch.nn.functional.embedding(local, w_local) * mine[..., None], group)
+        if padding_idx is not None:  # nn.Embedding's padding row gets no gradient
+            mine = mine & (local != padding_idx - vocab_start)
+        ctx.save_for_backward(local, mine)
+        ctx.rows, ctx.group = w_local.shape[0], group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_local):
+        local, mine = ctx.saved_tensors
+        grad = gather_rows(grad_local.contiguous(), ctx.group)
+        # this rank's rows only, and a plain zeros + index_add: DTensor's sharded embedding backward zero-fills a
+        # gradient of the whole vocabulary first (131 MB per step for the CPU bench model) and then slices it
+        grad_w = grad.new_zeros((ctx.rows, grad.shape[-1]))
+        # every position adds into its row, ids of other ranks a zero gradient into row 0: boolean indexing would
+        # call nonzero(), which waits for the GPU (105 ms of queued work per step on the 1B GPU bench)
+        grad_w.index_add_(0, local.flatten(), (grad * mine[..., None].to(grad.dtype)).flatten(0, -2))
+        return None, grad_w, None, None, None
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The model's input embedding with its weight sharded by vocabulary rows (Shard(0)) on a 1-D mesh; the
+    parameter keeps its name (`weight`), so state dicts and checkpoints are those of the plain model."""
+
+    def __init__(self, weight: nn.Parameter, padding_idx: int | None, group: dist.ProcessGroup | None):
+        super().__init__()
+        self.weight, self.padding_idx, self.group = weight, padding_idx, group
+        self.vocab_start = vocab_row_offset(weight.shape[0], group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """A collective: every rank calls it with the same shape."""
+        return _VocabParallelLookup.apply(ids, self.weight.to_local(), self.vocab_start, self.padding_idx,
+                                          self.group)
+
+
+def vocab_row_offset(vocab: int, group: dist.ProcessGroup | None) -> int:
+    """First vocabulary row this rank holds: DTensor's Shard(0) splits like torch.chunk (ceil-sized pieces)."""
+    if group is None:
+        return 0
+    return min(vocab, -(-vocab // dist.get_world_size(group)) * dist.get_rank(group))

@@ -1,0 +1,72 @@
+"""The architecture as the code states it: no import circles in pipeline/, and the public surface of dependencies."""
+
+import ast
+from pathlib import Path
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "pipeline"
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """pipeline modules imported anywhere in the file (module level or inside functions: a lazy import is still a
+    dependency)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pipeline"):
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("pipeline"))
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: {m for m in imports_of(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt] if nxt in path else [*path, nxt]
+            if nxt not in state and (cycle := visit(nxt, [*path, nxt])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for start in sorted(edges):
+        if start not in state and (cycle := visit(start, [start])):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_circles_in_pipeline():
+    edges = graph()
+    assert {"pipeline.trainer", "pipeline.strategies.fsdp2", "pipeline.weights"} <= set(edges)
+    assert "pipeline.hub" in edges["pipeline.trainer"]  # lazy and module-level imports both count
+    assert find_cycle(edges) is None, find_cycle(edges)
+
+
+def test_the_trainer_reaches_the_model_only_through_the_strategy():
+    trainer = imports_of(PACKAGE / "trainer.py")
+    assert "pipeline.strategies.fsdp2" not in trainer
+    assert not any(m.startswith(("pipeline.weights", "pipeline.vocab_parallel")) for m in trainer)
+    source = (PACKAGE / "trainer.py").read_text()
+    for private in ("fully_shard", "FSDPModule", "get_state_dict", "set_requires_gradient_sync"):
+        assert private not in source, private
