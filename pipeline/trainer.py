@@ -50,6 +50,7 @@ from pipeline.telemetry import (
     peak_flops,
     setup_logging,
 )
+from pipeline.weights import read_index
 
 
 @dataclass
@@ -91,6 +92,8 @@ def preflight(cfg: Config) -> Plan:
     state = read_state(cfg.run_dir)
     if state and not cfg.run.no_resume:
         check_fingerprint(cfg.run_dir, state["fingerprint"], fingerprint)
+    else:  # a fresh start loads the base weights: their headers now, before any process waits on another
+        read_index(model_dir)
     return Plan(model_dir, hf_config, dataset, fingerprint)
 
 
@@ -298,8 +301,9 @@ class Trainer:
         """Checkpoint this step, unless it is saved already or its update was skipped (non-finite): a checkpoint is
         only ever written from a step that was applied. Returns whether this step is (being) saved."""
         if self.bad_steps:
-            log.warning("no checkpoint at step %d: its update was skipped (non-finite loss or gradient norm)",
-                        self.step)
+            if self.dist.is_main:
+                log.warning("no checkpoint at step %d: its update was skipped (non-finite loss or gradient norm)",
+                            self.step)
             return False
         if self.ckpt.last_step != self.step:
             self.ckpt.save(self.step, self.strategy, self.optimizer, self.state_dict(),
@@ -385,8 +389,9 @@ class Trainer:
         self.skipped_since_save += 1
         figures = {"loss": finite_or_text(result.loss), "grad_norm": finite_or_text(result.grad_norm)}
         telemetry.event("skipped", self.step, in_a_row=self.bad_steps, **figures)
-        log.warning("step %d skipped: loss %s, grad norm %s; weights, optimizer state and LR schedule unchanged "
-                    "(%d in a row)", self.step, figures["loss"], figures["grad_norm"], self.bad_steps)
+        if self.dist.is_main:  # the figures are global: the same on every rank
+            log.warning("step %d skipped: loss %s, grad norm %s; weights, optimizer state and LR schedule "
+                        "unchanged (%d in a row)", self.step, figures["loss"], figures["grad_norm"], self.bad_steps)
         limit = self.cfg.train.max_bad_steps
         if limit and self.bad_steps >= limit:
             self.ckpt.wait()

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from conftest import ROOT, run_script, torchrun
+from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.slow
 
@@ -103,7 +105,7 @@ def test_sigterm_saves_and_the_rerun_continues_from_that_step(train_env, tmp_pat
     proc.wait(timeout=30)
     state = json.loads((run / "state.json").read_text())
     stopped = state["step"]
-    assert stopped >= 7 and stopped % 5 != 0 or stopped >= 7
+    assert stopped >= 7
     assert f"stopped by signal at step {stopped}" in (run / "train.log").read_text()
     done = train(train_env, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -169,14 +171,70 @@ def test_resume_with_another_world_size(train_env, tmp_path, first, second):
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
 
 
-def test_another_global_batch_continues_from_the_next_unseen_block(train_env, tmp_path):
+def test_another_global_batch_and_lr_continue_from_the_next_unseen_block(train_env, tmp_path):
     assert train(train_env, tmp_path, "--max-steps", 5).returncode == 0
-    more = train(train_env, tmp_path, "--max-steps", 8, "-b", 1)
+    more = train(train_env, tmp_path, "--max-steps", 8, "-b", 1, "--lr", "1e-3")
     assert more.returncode == 0, more.stderr[-3000:]
     assert ("global batch changed from 4 to 2 blocks: continuing from the next unseen block (20 consumed in "
             "epoch 0)") in more.stdout
     state = json.loads((tmp_path / "r" / "state.json").read_text())
     assert state["samples_seen"] == 5 * 4 + 3 * 2
+    # demo.yaml: peak 3e-3, 5 warm-up steps, cosine to step 8; the new peak takes over from step 5
+    assert "--lr changed from 0.003 to 0.001: the schedule continues at step 5 with the new peak" in more.stdout
+    lrs = {e["step"]: e["lr"] for e in map(json.loads, (tmp_path / "r" / "metrics.jsonl").read_text().splitlines())
+           if e["event"] == "train"}
+    assert lrs[5] == pytest.approx(3e-3) and lrs[6] == pytest.approx(1e-3 * 0.75) and lrs[7] == pytest.approx(
+        1e-3 * 0.25)
+
+
+def test_resume_reads_the_checkpoint_only_never_the_base_weights(train_env, tmp_path, reference):
+    hf_home = tmp_path / "hf"
+    shutil.copytree(train_env["env"]["HF_HOME"], hf_home, symlinks=True)
+    env = {**train_env, "env": {**train_env["env"], "HF_HOME": str(hf_home)}}
+    proc = start(env, tmp_path)
+    wait_for(lambda: max(losses(tmp_path / "r"), default=0) >= 12, proc)
+    kill_tree(proc)
+    repo = hf_home / "hub" / "models--local--tiny"
+    weights = sorted(repo.rglob("*.safetensors")) + sorted(repo.rglob("*.index.json"))
+    assert weights
+    for path in weights:  # the snapshot's links and the blobs behind them
+        (path.resolve() if path.is_symlink() else path).unlink()
+        path.unlink(missing_ok=True)
+    done = train(env, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stdout and "loaded the base weights" not in done.stdout
+    assert losses(tmp_path / "r") == reference
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "r" / "hf")
+    assert exported.num_parameters() > 0
+    fresh = train(env, tmp_path, name="fresh")  # a new run needs them, and says which are missing
+    assert fresh.returncode != 0 and "holds no *.safetensors weights" in fresh.stderr
+
+
+def test_a_diverging_run_skips_bad_steps_stops_in_one_line_and_keeps_only_finite_checkpoints(train_env, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    run = tmp_path / "r"
+    proc = train(train_env, tmp_path, "--lr", "1e30", "--warmup-steps", "0", "--ckpt-freq", "1")
+    assert proc.returncode != 0
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    skipped = [e["step"] for e in events if e["event"] == "skipped"]
+    first = skipped[0]
+    assert skipped == [first, first + 1, first + 2], skipped  # --max-bad-steps 3 by default
+    assert [e["in_a_row"] for e in events if e["event"] == "skipped"] == [1, 2, 3]
+    assert not [e for e in events if e["event"] == "checkpoint" and e["step"] >= first]
+    state = json.loads((run / "state.json").read_text())
+    assert state["step"] == first - 1
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("error: "))
+    assert line.startswith(f"error: training diverged: steps {first}-{first + 2} had a non-finite loss or gradient "
+                           "norm (last: loss ")
+    assert line.endswith(f"and were skipped; the last good checkpoint is {run / state['path']}; try a lower --lr "
+                         "(now 1e+30), --precision fp32 or a smaller --max-grad-norm (now 1), then rerun to resume "
+                         "from it")
+    assert 'File "' + str(ROOT / "pipeline") not in proc.stderr  # no worker traceback
+    for name in state["checkpoints"]:
+        dcp_to_torch_save(run / "checkpoints" / name, tmp_path / f"{name}.pt")
+        model = torch.load(tmp_path / f"{name}.pt", weights_only=False)["model"]
+        assert model and all(torch.isfinite(t).all() for t in model.values()), name
 
 
 def test_resume_guard_names_the_changed_field(train_env, tmp_path, tiny_models):
