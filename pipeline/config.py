@@ -15,19 +15,18 @@ import math
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
-from pipeline.errors import UserError
+from pipeline.errors import ArgumentParser, UserError
 
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "configs" / "profiles"
-PRECISIONS = ("auto", "bf16", "fp16", "fp32")
-SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
-SCHEDULES = ("cosine", "linear", "constant")
-ASYNC = ("auto", "on", "off")
-EXPORT_DTYPES = ("auto", "bf16", "fp16", "fp32")
-VOCAB_PARALLEL = ("auto", "on", "off")
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+Schedule = Literal["cosine", "linear", "constant"]
+AutoOnOff = Literal["auto", "on", "off"]
+ExportDtype = Literal["auto", "bf16", "fp16", "fp32"]
 VOCAB_PARALLEL_SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP")
 """The shardings the vocabulary-parallel head works with (a 1-D mesh)."""
 SHORT_FLAGS = {"experiment_name": "-e", "dataset_name": "-d", "model_name": "-m", "batch_size": "-b"}
@@ -38,8 +37,32 @@ def _check(ok: bool, message: str) -> None:
         raise UserError(message)
 
 
+def flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+@cache
+def choices(cls: type) -> dict[str, tuple[str, ...]]:
+    """The allowed values of each Literal-typed field of a config section, from its type hints."""
+    hints = get_type_hints(cls)
+    return {f.name: get_args(hints[f.name]) for f in dataclasses.fields(cls) if get_origin(hints[f.name]) is Literal}
+
+
+class Section:
+    """A config section: the choices of every Literal field checked in one place, then the section's own checks."""
+
+    def __post_init__(self) -> None:
+        for key, allowed in choices(type(self)).items():
+            value = getattr(self, key)
+            _check(value in allowed, f"{flag(key)} must be one of {', '.join(allowed)}, got {value!r}")
+        self.check()
+
+    def check(self) -> None:
+        """Checks across fields, or of ranges: UserError naming the flag."""
+
+
 @dataclass
-class RunConfig:
+class RunConfig(Section):
     experiment_name: str = ""
     """Name of the run: its folder under save_dir. Rerunning with the same name resumes it."""
     save_dir: str = "outputs"
@@ -50,18 +73,15 @@ class RunConfig:
     """Resume from this checkpoint (step-NNNNNNNN) instead of the newest complete one."""
     no_resume: bool = False
     """Start over under a new run name (NAME-2, NAME-3, ...) even if the run has checkpoints; nothing is deleted."""
-    async_ckpt: str = "auto"
+    async_ckpt: AutoOnOff = "auto"
     """Write checkpoints in the background while training goes on (auto: on for GPU, off on CPU)."""
-    export_dtype: str = "auto"
+    export_dtype: ExportDtype = "auto"
     """dtype of the exported Hugging Face model (auto: the base model's)."""
     save_best: bool = False
     """Also export the model with the best validation loss to RUN/best/."""
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         _check(bool(self.experiment_name), "--experiment-name (-e) is required")
-        _check(self.async_ckpt in ASYNC, f"--async-ckpt must be one of {', '.join(ASYNC)}, got {self.async_ckpt!r}")
-        _check(self.export_dtype in EXPORT_DTYPES, f"--export-dtype must be one of {', '.join(EXPORT_DTYPES)}, "
-                                                   f"got {self.export_dtype!r}")
         _check(not self.resume_from or (self.resume_from.startswith("step-") and self.resume_from[5:].isdigit()),
                f"--resume-from must name a checkpoint like step-00000040, got {self.resume_from!r}")
         _check("/" not in self.experiment_name and self.experiment_name not in (".", ".."),
@@ -69,7 +89,7 @@ class RunConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     dataset_name: str = ""
     """A dataset saved by DATA-HF.py (a path), or a hub dataset id already in the datasets cache."""
     seq_length: int = 1024
@@ -79,7 +99,7 @@ class DataConfig:
     num_proc: int = 0
     """Processes for tokenization; 0 means all cores."""
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         _check(bool(self.dataset_name), "--dataset-name (-d) is required")
         _check(self.seq_length >= 8, f"--seq-length must be at least 8, got {self.seq_length}")
         _check(0 <= self.val_fraction < 0.5, f"--val-fraction must be in [0, 0.5), got {self.val_fraction}")
@@ -87,62 +107,55 @@ class DataConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     model_name: str = ""
     """Hub id resolved from the local cache (offline), or a local model directory."""
-    precision: str = "auto"
+    precision: Precision = "auto"
     """Compute dtype: bf16 where supported (auto on GPU), fp32 on CPU; fp16 is allowed on GPU. Master weights,
     optimizer states and gradient reduction are fp32."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: less memory, about a third more compute."""
     compile: bool = False
     """torch.compile each decoder layer."""
-    sharding: str = "FULL_SHARD"
+    sharding: Sharding = "FULL_SHARD"
     """FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2: keep parameters gathered between forward and backward),
     NO_SHARD (replicate, DDP semantics), HYBRID_SHARD (shard within a node, replicate across nodes)."""
     cpu_offload: bool = False
     """Keep parameter shards, gradients and optimizer states in host memory; the optimizer step runs on CPU."""
-    vocab_parallel: str = "auto"
+    vocab_parallel: AutoOnOff = "auto"
     """Keep the embedding and LM head sharded by vocabulary rows (never gathered) and compute the loss in chunks
     without full-width logits (auto: on with FULL_SHARD or SHARD_GRAD_OP and no CPU offload, on CPU and GPU)."""
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         _check(bool(self.model_name), "--model-name (-m) is required")
-        _check(self.vocab_parallel in VOCAB_PARALLEL, f"--vocab-parallel must be one of {', '.join(VOCAB_PARALLEL)}, "
-                                                      f"got {self.vocab_parallel!r}")
         _check(self.vocab_parallel != "on" or self.sharding in VOCAB_PARALLEL_SHARDINGS,
                f"--vocab-parallel on needs --sharding FULL_SHARD or SHARD_GRAD_OP, got {self.sharding}")
         _check(self.vocab_parallel != "on" or not self.cpu_offload,
                "--vocab-parallel on cannot be combined with --cpu-offload (the head would stay on the GPU)")
-        _check(self.precision in PRECISIONS, f"--precision must be one of {', '.join(PRECISIONS)}, "
-                                             f"got {self.precision!r}")
-        _check(self.sharding in SHARDINGS, f"--sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
     lr: float = 2e-5
     """Peak learning rate of AdamW."""
     weight_decay: float = 0.0
     """Decoupled weight decay, applied to matrices only (not norms or biases)."""
     warmup_steps: int = 0
     """Linear warm-up steps before the schedule."""
-    lr_schedule: str = "cosine"
+    lr_schedule: Schedule = "cosine"
     """After warm-up: cosine or linear decay to zero, or constant."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         _check(self.lr > 0 and math.isfinite(self.lr), f"--lr must be a positive number, got {self.lr}")
         _check(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
         _check(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        _check(self.lr_schedule in SCHEDULES, f"--lr-schedule must be one of {', '.join(SCHEDULES)}, "
-                                              f"got {self.lr_schedule!r}")
         _check(self.max_grad_norm >= 0, f"--max-grad-norm must be >= 0, got {self.max_grad_norm}")
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
     batch_size: int = 1
     """Blocks per process per micro-step."""
     grad_accum: int = 1
@@ -163,7 +176,7 @@ class TrainConfig:
     """Stop the run after this many steps in a row with a non-finite loss or gradient norm (each one is skipped:
     nothing applied, nothing checkpointed); 0 never stops."""
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         for name in ("batch_size", "grad_accum", "num_epochs", "log_freq"):
             _check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, "
                                              f"got {getattr(self, name)}")
@@ -261,7 +274,7 @@ def load_profile(name: str) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Fine-tune a causal LM with FSDP2. Rerun the same command to resume.",
+    p = ArgumentParser(description="Fine-tune a causal LM with FSDP2. Rerun the same command to resume.",
                                 argument_default=argparse.SUPPRESS)
     p.add_argument("--config", type=Path, help="YAML file of the same keys (snake_case); may name a profile")
     p.add_argument("--profile", help="named profile from configs/profiles/")
@@ -270,12 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
         flags.append("--" + key.replace("_", "-"))
         doc = field_docs(_SECTION_TYPES[section]).get(key, "")
         default = "" if f.default in ("", dataclasses.MISSING) else f" (default: {_show(f.default)})"
-        choices = {"precision": PRECISIONS, "sharding": SHARDINGS, "lr_schedule": SCHEDULES, "async_ckpt": ASYNC,
-                   "export_dtype": EXPORT_DTYPES, "vocab_parallel": VOCAB_PARALLEL}.get(key)
+        allowed = choices(_SECTION_TYPES[section]).get(key)
         if f.type == "bool":  # `--flag on|off`, or the bare `--flag` for on
             p.add_argument(*flags, dest=key, help=doc + default, metavar="on|off", nargs="?", const="on")
         else:
-            p.add_argument(*flags, dest=key, help=doc + default, choices=choices)
+            p.add_argument(*flags, dest=key, help=doc + default, choices=allowed)
     return p
 
 

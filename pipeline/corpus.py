@@ -23,7 +23,7 @@ import pyarrow as pa
 import yaml
 from tqdm import tqdm
 
-from pipeline.errors import UserError
+from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import replace_dir
 from pipeline.organize import MANIFEST
 
@@ -382,7 +382,7 @@ def format_summary(report: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Convert a folder of text files into a Hugging Face Arrow dataset.")
+    p = ArgumentParser(description="Convert a folder of text files into a Hugging Face Arrow dataset.")
     p.add_argument("--data_folder", required=True, type=Path, help="folder to read (e.g. ORGANIZE_DATA output)")
     p.add_argument("--save_dir", required=True, type=Path, help="where the dataset is saved")
     p.add_argument("--num_proc", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")

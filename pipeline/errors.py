@@ -1,7 +1,8 @@
-"""One clear line instead of a traceback for every mistake a user can make."""
+"""One clear line instead of a traceback for every mistake a user can make; flags in either spelling."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 
@@ -21,3 +22,34 @@ def run_cli(main: Callable[[], int | None]) -> None:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
     sys.exit(code or 0)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that takes every long flag in kebab-case and in snake_case (`--src-dir` and `--src_dir`), whichever
+    spelling the flag was declared with: the seed documents snake_case, the trainer's YAML keys are snake_case and
+    its flags kebab-case, so users type both."""
+
+    def __init__(self, *args, **kwargs):
+        self.spellings: dict[str, str] = {}
+        """Flag with `_` read as `-` -> the flag as declared (set first: argparse's __init__ adds --help)."""
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *names, **kwargs) -> argparse.Action:
+        action = super().add_argument(*names, **kwargs)
+        self.spellings.update({_spelling(o): o for o in action.option_strings if o.startswith("--")})
+        return action
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else [str(a) for a in args]
+        end = args.index("--") if "--" in args else len(args)  # after a bare --, everything is a value
+        return super().parse_known_args([self._declared(a) for a in args[:end]] + args[end:], namespace)
+
+    def _declared(self, token: str) -> str:
+        if not token.startswith("--"):
+            return token
+        name, eq, value = token.partition("=")
+        return self.spellings.get(_spelling(name), name) + eq + value
+
+
+def _spelling(flag: str) -> str:
+    return "--" + flag[2:].replace("_", "-")

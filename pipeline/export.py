@@ -11,7 +11,6 @@ destination and renamed into place.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -22,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from pipeline.checkpoint import load_checkpoint_model
+from pipeline.errors import ArgumentParser
 from pipeline.fsutil import replace_dir
 from pipeline.runtime import DTYPES, Dist, init_distributed
 from pipeline.strategies import Strategy
@@ -87,13 +87,16 @@ def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dt
     dist.barrier()
 
 
-def main(argv: list[str] | None = None) -> int:
-
-    p = argparse.ArgumentParser(description="Export a training checkpoint to a Hugging Face model folder.")
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(description="Export a training checkpoint to a Hugging Face model folder.")
     p.add_argument("--checkpoint", required=True, type=Path, help="RUN/checkpoints/step-NNNNNNNN")
     p.add_argument("--out", required=True, type=Path, help="output folder (replaced once the export is complete)")
     p.add_argument("--export-dtype", default="auto", choices=("auto", *DTYPES), help="default: the base model's")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     d = init_distributed()
     try:
         strategy, model_dir = load_checkpoint_model(args.checkpoint, d)

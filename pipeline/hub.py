@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import UserError
+from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import sha256_file, write_text_atomic
 
 ALLOW_PATTERNS = [
@@ -314,7 +314,7 @@ def format_report(rep: ModelReport, where: Path, skipped: list[str]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Download (or import) a model into the local Hugging Face cache and "
+    p = ArgumentParser(description="Download (or import) a model into the local Hugging Face cache and "
                                             "verify it on the meta device.")
     p.add_argument("--model-name", required=True, help="hub id, e.g. meta-llama/Llama-3.2-1B")
     p.add_argument("--revision", default="main", help="branch, tag or commit (default: main)")

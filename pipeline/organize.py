@@ -103,7 +103,7 @@ def scan_source(src_dir: Path) -> Scan:
                 stack.append(path)
             elif not stat.S_ISREG(entry.stat(follow_symlinks=False).st_mode):
                 scan.skipped["not_a_regular_file"].append(rel)
-            elif not os.access(path, os.R_OK):
+            elif not os.access(path, os.R_OK, effective_ids=os.access in os.supports_effective_ids):
                 scan.skipped["unreadable"].append(rel)
             else:
                 scan.files.append(SourceFile(rel, entry.stat(follow_symlinks=False).st_size))

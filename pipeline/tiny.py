@@ -10,7 +10,6 @@ is initialised on the GPU when there is one, whose random numbers differ from th
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -18,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from pipeline.corpus import SUPPORTED, SkipFile, extract_file
-from pipeline.errors import UserError, run_cli
+from pipeline.errors import ArgumentParser, UserError, run_cli
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -113,7 +112,7 @@ def save_random(out: Path, config: LlamaConfig, tokenizer: PreTrainedTokenizerFa
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Build the tiny random-weight Llama used by the demo and tests.")
+    p = ArgumentParser(description="Build the tiny random-weight Llama used by the demo and tests.")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="text to train the tokenizer on")
     tie = p.add_mutually_exclusive_group()

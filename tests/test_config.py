@@ -72,3 +72,46 @@ def test_missing_required():
     with pytest.raises(UserError) as err:
         resolve(["-d", "data", "-m", "m"])
     assert str(err.value) == "--experiment-name (-e) is required"
+
+
+def test_no_two_sections_define_the_same_key():
+    import dataclasses
+
+    from pipeline.config import _SECTION_TYPES
+
+    keys = [f.name for cls in _SECTION_TYPES.values() for f in dataclasses.fields(cls)]
+    assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
+    assert "profile" not in keys and "config" not in keys  # the two file-level keys
+
+
+def test_choices_come_from_the_type_hints_and_are_checked_once():
+    from pipeline.config import ModelConfig, RunConfig, choices
+
+    assert choices(ModelConfig) == {"precision": ("auto", "bf16", "fp16", "fp32"),
+                                    "sharding": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"),
+                                    "vocab_parallel": ("auto", "on", "off")}
+    assert choices(RunConfig) == {"async_ckpt": ("auto", "on", "off"), "export_dtype": ("auto", "bf16", "fp16",
+                                                                                         "fp32")}
+    with pytest.raises(UserError, match=r"^--sharding must be one of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "
+                                        r"HYBRID_SHARD, got 'ZERO3'$"):
+        ModelConfig(model_name="m", sharding="ZERO3")  # a YAML value, not only a flag, is checked
+
+
+def parsers():
+    from pipeline import config, corpus, export, hub, organize
+
+    return {"fsdp1.py": (config.build_parser(), ["--save-dir", "out", "--max-bad-steps", "5"]),
+            "ORGANIZE_DATA.py": (organize.build_parser(), ["--src-dir", "raw", "--dst-root", "s", "--num-dirs", "3"]),
+            "DATA-HF.py": (corpus.build_parser(), ["--data-folder", "splits", "--save-dir", "data", "--num-proc", "2"]),
+            "MODEL_DOWNLOAD.py": (hub.build_parser(), ["--model-name", "org/m", "--cache-dir", "cache"]),
+            "export": (export.build_parser(), ["--checkpoint", "c", "--out", "o", "--export-dtype", "bf16"])}
+
+
+@pytest.mark.parametrize("script", ["fsdp1.py", "ORGANIZE_DATA.py", "DATA-HF.py", "MODEL_DOWNLOAD.py", "export"])
+def test_every_flag_takes_kebab_and_snake_case(script):
+    parser, kebab = parsers()[script]
+    snake = ["--" + a[2:].replace("-", "_") if a.startswith("--") else a for a in kebab]
+    mixed = [f"{a}={b}" for a, b in zip(snake[::2], kebab[1::2], strict=True)]  # --flag=value too
+    expected = vars(parser.parse_args(kebab))
+    assert vars(parser.parse_args(snake)) == expected == vars(parser.parse_args(mixed))
+    assert any(v not in (None, False) for v in expected.values())

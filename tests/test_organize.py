@@ -1,6 +1,9 @@
+import contextlib
 import json
 import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -104,15 +107,36 @@ def test_links_loops_and_special_files_are_skipped_and_source_untouched(tmp_path
     assert not any("secret" in p.read_text() for p in dst.rglob("*.txt"))
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
-def test_unreadable_file_is_skipped(tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "ok.txt").write_text("ok")
-    (src / "locked.txt").write_text("locked")
-    (src / "locked.txt").chmod(0)
-    res = organize(OrganizeConfig(src, tmp_path / "dst", num_dirs=1))
-    assert res.skipped == {"unreadable": ["locked.txt"]}
+@contextlib.contextmanager
+def unprivileged():
+    """As root, run the block as user 65534 (root reads every file whatever its mode); otherwise as is."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.setegid(65534)
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+def test_unreadable_file_is_skipped():
+    work = Path(tempfile.mkdtemp(prefix="organize-unreadable-"))  # pytest's tmp root is private to its owner
+    try:
+        work.chmod(0o777)
+        src = work / "src"
+        src.mkdir()
+        (src / "ok.txt").write_text("ok")
+        (src / "locked.txt").write_text("locked")
+        (src / "locked.txt").chmod(0)
+        with unprivileged():
+            res = organize(OrganizeConfig(src, work / "dst", num_dirs=1))
+        assert res.skipped == {"unreadable": ["locked.txt"]}
+        assert [r["source"] for r in res.rows] == ["ok.txt"]
+    finally:
+        shutil.rmtree(work)
 
 
 def test_hardlink_mode_links_and_falls_back_to_copy_across_filesystems(tmp_path):
@@ -130,8 +154,6 @@ def test_hardlink_mode_links_and_falls_back_to_copy_across_filesystems(tmp_path)
         assert res.copied_instead_of_linked == 6
         assert sha256_file(other / row["destination"]) == row["sha256"]
     finally:
-        import shutil
-
         shutil.rmtree(other, ignore_errors=True)
 
 
