@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.errors import UserError
+from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import sha256_file, write_text_atomic
 
 MANIFEST = "manifest.jsonl"
@@ -264,7 +264,7 @@ def format_summary(cfg: OrganizeConfig, res: OrganizeResult) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Split a tree of raw text files into folders balanced by bytes.")
+    p = ArgumentParser(description="Split a tree of raw text files into folders balanced by bytes.")
     p.add_argument("--src_dir", required=True, type=Path, help="raw files (never modified)")
     p.add_argument("--dst_root", default=Path("splits"), type=Path, help="output root (default: splits)")
     p.add_argument("--num_dirs", default=20, type=int, help="number of split folders (default: 20)")
