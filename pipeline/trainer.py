@@ -24,7 +24,7 @@ from torch import nn
 
 from pipeline import config as config_mod
 from pipeline.checkpoint import Checkpointer, check_fingerprint, read_state, step_name
-from pipeline.config import Config
+from pipeline.config import VOCAB_PARALLEL_SHARDINGS, Config
 from pipeline.data import (
     Blocks,
     BlockSampler,
@@ -547,7 +547,8 @@ def out_of_memory_message(cfg: Config, d: Dist) -> str:
     hints = ["a smaller --batch-size (with --grad-accum to keep the global batch)"]
     if not cfg.model.activation_checkpointing:
         hints.append("--activation-checkpointing on")
-    if cfg.model.vocab_parallel == "off":
+    if cfg.model.vocab_parallel == "off" and cfg.model.sharding in VOCAB_PARALLEL_SHARDINGS and \
+            not cfg.model.cpu_offload:
         hints.append("--vocab-parallel auto (no full-width logits)")
     if cfg.model.sharding in ("NO_SHARD", "SHARD_GRAD_OP"):
         hints.append("--sharding FULL_SHARD")

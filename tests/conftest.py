@@ -83,3 +83,37 @@ def train_env(tmp_path_factory, tiny_models) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env["HF_HOME"] = str(root / "hf")
     return {"root": root, "dataset": root / "dataset", "env": env}
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    """The run's metrics.jsonl events of one kind (none before the file exists)."""
+    import json
+
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Train loss by step; a step logged twice (before a crash and after the resume) keeps its last value."""
+    return {e["step"]: e["loss"] for e in events(run_dir, "train")}
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Poll until condition() holds, failing if the process ends first (the fault could not be injected)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, "the run ended before the fault could be injected"
+        assert time.monotonic() < deadline, "timed out waiting for the run"
+        time.sleep(0.002)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group of a run started with start_new_session=True, and reap it."""
+    import os
+    import signal
+
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

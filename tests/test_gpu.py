@@ -2,17 +2,13 @@
 default, asynchronous checkpoints (the GPU default), MFU and CUDA memory in the metrics, export; exact resume after
 SIGKILL; the chunked fused loss against the model's own loss on the GPU."""
 
-import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_script
+from conftest import ROOT, events, kill_tree, losses, run_script, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -21,16 +17,6 @@ def args(env: dict, root: Path, *extra: object) -> list[str]:
     return ["-e", "r", "-d", str(env["dataset"]), "-m", "local/tiny", "--save-dir", str(root), "--config",
             str(ROOT / "configs" / "demo.yaml"), "--log-freq", "1", "--ckpt-freq", "5", "--eval-freq", "0",
             "--max-steps", "20", *map(str, extra)]
-
-
-def events(run: Path, kind: str) -> list[dict]:
-    return [e for e in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if e["event"] == kind]
-
-
-def losses(run: Path) -> dict[int, float]:
-    """Train loss by step; a step logged before a crash and again after the resume keeps its last value."""
-    path = run / "metrics.jsonl"
-    return {e["step"]: e["loss"] for e in events(run, "train")} if path.exists() else {}
 
 
 def test_gpu_run_uses_bf16_async_checkpoints_and_exports(train_env, tmp_path):
@@ -60,12 +46,8 @@ def test_gpu_resume_after_sigkill_matches_an_uninterrupted_run(train_env, tmp_pa
     proc = subprocess.Popen([sys.executable, str(ROOT / "fsdp1.py"), *args(train_env, tmp_path / "cut", *fp32)],
                             cwd=ROOT, env=train_env["env"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    deadline = time.monotonic() + 300
-    while max(losses(run), default=0) < 12:
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
-        time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    wait_for(lambda: max(losses(run), default=0) >= 12, proc, timeout=300)
+    kill_tree(proc)
     done = run_script("fsdp1.py", *args(train_env, tmp_path / "cut", *fp32), env=train_env["env"])
     assert done.returncode == 0, done.stderr[-3000:]
     resumed = losses(run)

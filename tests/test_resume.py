@@ -7,13 +7,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from conftest import ROOT, run_script, torchrun
+from conftest import ROOT, kill_tree, losses, run_script, torchrun, wait_for
 from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.slow
@@ -37,30 +36,6 @@ def start(env: dict, root: Path, *extra: object) -> subprocess.Popen:
            str(ROOT / "fsdp1.py"), *args(env, root, *extra)]
     return subprocess.Popen(cmd, cwd=ROOT, env={**env["env"], "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    """Train loss by step; a step logged twice (before a crash and after the resume) keeps its last value."""
-    out = {}
-    path = run_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.exists() else []:
-        event = json.loads(line)
-        if event["event"] == "train":
-            out[event["step"]] = event["loss"]
-    return out
-
-
-def wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert proc.poll() is None, "the run ended before the fault could be injected"
-        assert time.monotonic() < deadline, "timed out waiting for the run"
-        time.sleep(0.002)
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 @pytest.fixture(scope="module")

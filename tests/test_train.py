@@ -117,3 +117,22 @@ def test_vocab_parallel_head_trains_like_the_hf_head(tmp_path, train_env):
     assert runs["on"][0][2] - runs["on"][-2][2] > 0.1  # it learns: the last train loss is below the first
     val_blocks = json.loads(next((tmp_path / "token_cache").glob("*/meta.json")).read_text())["val_blocks"]
     assert val_blocks % (2 * 3) != 0  # so some rank's last evaluation batch is padded
+
+
+def test_out_of_memory_hints_name_only_what_applies():
+    import torch
+
+    from pipeline.config import from_flat
+    from pipeline.runtime import Dist
+    from pipeline.trainer import out_of_memory_message
+
+    d = Dist(rank=1, world_size=2, local_rank=1, local_world_size=2, device=torch.device("cuda", 1))
+    base = {"experiment_name": "x", "dataset_name": "d", "model_name": "m", "batch_size": 8, "seq_length": 2048,
+            "vocab_parallel": "off"}
+    assert out_of_memory_message(from_flat(base), d) == (
+        "rank 1 ran out of CUDA memory at batch 8 x seq 2048; try a smaller --batch-size (with --grad-accum to keep "
+        "the global batch), --activation-checkpointing on, --vocab-parallel auto (no full-width logits); the last "
+        "complete checkpoint (if any) resumes with the same command")
+    hybrid = out_of_memory_message(from_flat({**base, "sharding": "HYBRID_SHARD", "activation_checkpointing": True}),
+                                   d)
+    assert "try a smaller --batch-size (with --grad-accum to keep the global batch); the last" in hybrid
