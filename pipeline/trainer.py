@@ -1,14 +1,12 @@
-"""The trainer: preflight checks, then one Trainer whose loop reads on one screen.
+"""The trainer: one Trainer whose loop reads on one screen, and fsdp1.py's main.
 
-Order matters: every check that can fail on a user mistake runs first, on every rank, before the process group
-does anything heavy (so every rank prints the same one line and exits). Then rank 0 of each node builds the token
-cache, the model is built on meta, sharded and loaded, and the loop runs.
+Order matters: preflight (pipeline/preflight.py) runs first, on every rank, before the process group does anything
+heavy. Then rank 0 of each node builds the token cache, the strategy builds and distributes the model, a
+checkpoint (or, on a fresh start, the base weights) fills it, and the loop runs.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 import random
@@ -23,21 +21,18 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline import config as config_mod
-from pipeline.checkpoint import Checkpointer, check_fingerprint, read_state, step_name
+from pipeline.checkpoint import Checkpointer, read_state, step_name
 from pipeline.config import VOCAB_PARALLEL_SHARDINGS, Config
 from pipeline.data import (
     Blocks,
     BlockSampler,
     build_blocks,
-    dataset_fingerprint,
-    load_text_dataset,
     open_blocks,
     token_cache_dir,
-    tokenizer_fingerprint,
 )
 from pipeline.errors import UserError
 from pipeline.export import export_dtype, export_model
-from pipeline.hub import resolve_model_dir
+from pipeline.preflight import Plan, preflight
 from pipeline.runtime import Dist, compute_dtype, init_distributed, watch_parent
 from pipeline.strategies import make_strategy
 from pipeline.telemetry import (
@@ -50,51 +45,6 @@ from pipeline.telemetry import (
     peak_flops,
     setup_logging,
 )
-from pipeline.weights import read_index
-
-
-@dataclass
-class Plan:
-    """What preflight resolved: everything later stages need, found without heavy work."""
-
-    model_dir: Path
-    hf_config: object
-    dataset: object
-    fingerprint: dict
-
-
-def run_fingerprint(cfg: Config, model_dir: Path, hf_config, dataset) -> dict:
-    """What defines the run, for the resume guard (epochs, steps and frequencies may change between reruns)."""
-    conf = {k: v for k, v in hf_config.to_dict().items() if k not in ("transformers_version", "_name_or_path")}
-    return {
-        "model_name": cfg.model.model_name,
-        "model_config": hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode()).hexdigest()[:16],
-        "tokenizer": tokenizer_fingerprint(model_dir)[:16],
-        "dataset": dataset_fingerprint(dataset),
-        "seq_length": cfg.data.seq_length,
-        "val_fraction": cfg.data.val_fraction,
-        "seed": cfg.run.seed,
-    }
-
-
-def preflight(cfg: Config) -> Plan:
-    """Every user mistake we can detect cheaply; identical on every rank."""
-    from transformers import AutoConfig
-
-    model_dir = resolve_model_dir(cfg.model.model_name)
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    limit = getattr(hf_config, "max_position_embeddings", None)
-    if limit is not None and cfg.data.seq_length > limit:
-        raise UserError(f"--seq-length {cfg.data.seq_length} is above the model's limit "
-                        f"(max_position_embeddings {limit})")
-    dataset = load_text_dataset(cfg.data.dataset_name)
-    fingerprint = run_fingerprint(cfg, model_dir, hf_config, dataset)
-    state = read_state(cfg.run_dir)
-    if state and not cfg.run.no_resume:
-        check_fingerprint(cfg.run_dir, state["fingerprint"], fingerprint)
-    else:  # a fresh start loads the base weights: their headers now, before any process waits on another
-        read_index(model_dir)
-    return Plan(model_dir, hf_config, dataset, fingerprint)
 
 
 def seed_everything(seed: int) -> None:
