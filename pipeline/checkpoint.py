@@ -297,15 +297,19 @@ class Checkpointer:
             return []
         return sorted(p.name for p in self.root.iterdir() if p.name.startswith("step-") and p.name not in done)
 
+    def newest(self) -> Path | None:
+        """The newest complete checkpoint, as state.json names it (relative: a run folder can be moved)."""
+        state = read_state(self.run_dir)
+        return self.run_dir / state["path"] if state else None
+
     def choose(self, resume_from: str) -> Path | None:
         """The checkpoint to resume from: --resume-from, else the newest complete one, else None."""
-        state = read_state(self.run_dir)
         if resume_from:
             path = self.root / resume_from
             if not (path / MANIFEST).exists() or not (path / ".metadata").exists():
                 raise UserError(f"--resume-from {resume_from}: {path} is not a complete checkpoint")
             return path
-        return self.run_dir / state["path"] if state else None  # relative: a run folder can be moved
+        return self.newest()
 
     def verify(self, path: Path) -> None:
         """Sizes and checksums of every file in the manifest; the files are split across ranks. A collective."""

@@ -178,10 +178,10 @@ class TrainConfig(Section):
 
     def check(self) -> None:
         for name in ("batch_size", "grad_accum", "num_epochs", "log_freq"):
-            _check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, "
+            _check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1, "
                                              f"got {getattr(self, name)}")
         for name in ("max_steps", "ckpt_freq", "eval_freq", "max_bad_steps"):
-            _check(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+            _check(getattr(self, name) >= 0, f"{flag(name)} must be >= 0, got {getattr(self, name)}")
         _check(self.keep_last >= 2, f"--keep-last must be at least 2, got {self.keep_last}")
 
 
@@ -225,7 +225,6 @@ def _fields() -> dict[str, tuple[str, dataclasses.Field]]:
 
 def _convert(key: str, kind: str, value: Any) -> Any:
     """Coerce a YAML or CLI value to the field's type, with one clear line when it cannot be."""
-    flag = "--" + key.replace("_", "-")
     try:
         if kind == "bool":
             if isinstance(value, bool):
@@ -245,7 +244,7 @@ def _convert(key: str, kind: str, value: Any) -> Any:
         return str(value)
     except (TypeError, ValueError):
         expected = "on or off" if kind == "bool" else f"a{'n' if kind == 'int' else ''} {kind}"
-        raise UserError(f"{flag} must be {expected}, got {value!r}") from None
+        raise UserError(f"{flag(key)} must be {expected}, got {value!r}") from None
 
 
 def _read_yaml(path: Path, what: str) -> dict[str, Any]:
@@ -280,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", help="named profile from configs/profiles/")
     for key, (section, f) in _fields().items():
         flags = [SHORT_FLAGS[key]] if key in SHORT_FLAGS else []
-        flags.append("--" + key.replace("_", "-"))
+        flags.append(flag(key))
         doc = field_docs(_SECTION_TYPES[section]).get(key, "")
         default = "" if f.default in ("", dataclasses.MISSING) else f" (default: {_show(f.default)})"
         allowed = choices(_SECTION_TYPES[section]).get(key)

@@ -64,9 +64,7 @@ def dataset_fingerprint(ds) -> str:
         raise UserError("the dataset is not backed by files on disk; save it with DATA-HF.py or save_to_disk")
     digest = hashlib.sha256()
     for folder in sorted({f.parent for f in files}):
-        for name in ("state.json", "dataset_info.json"):
-            if (folder / name).exists():
-                digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
+        _hash_named_files(digest, folder, ("state.json", "dataset_info.json"))
     for f in files:
         digest.update(f"{f.name}:{f.stat().st_size}\n".encode())
     return digest.hexdigest()[:32]
@@ -74,10 +72,15 @@ def dataset_fingerprint(ds) -> str:
 
 def tokenizer_fingerprint(model_dir: Path) -> str:
     digest = hashlib.sha256()
-    for name in TOKENIZER_FILES:
-        if (model_dir / name).exists():
-            digest.update(name.encode() + b"\0" + (model_dir / name).read_bytes())
+    _hash_named_files(digest, model_dir, TOKENIZER_FILES)
     return digest.hexdigest()
+
+
+def _hash_named_files(digest, folder: Path, names: tuple[str, ...]) -> None:
+    """Feed the name and bytes of each of these files that exists in folder (small metadata files) to digest."""
+    for name in names:
+        if (folder / name).exists():
+            digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
 
 
 def data_fingerprint(dataset_fp: str, tokenizer_fp: str, seq_length: int, val_fraction: float, seed: int) -> str:

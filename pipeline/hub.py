@@ -205,7 +205,7 @@ def verify(model_dir: Path) -> ModelReport:
     import torch
     from transformers import AutoConfig
 
-    from pipeline.modeling import meta_model, tied_keys
+    from pipeline.modeling import meta_model, tied_partners
     from pipeline.weights import read_index
 
     try:
@@ -218,8 +218,7 @@ def verify(model_dir: Path) -> ModelReport:
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, config.dtype or "float32")
     model = meta_model(config, dtype)
     # tied weights (lm_head -> embed_tokens with tie_word_embeddings) are stored once, under either name
-    tied = tied_keys(model)
-    tied.update({v: k for k, v in tied.items()})
+    tied = tied_partners(model)
     expected = model.state_dict()
     for name, tensor in expected.items():
         if name not in tensors:

@@ -48,6 +48,12 @@ def tied_keys(model: nn.Module) -> dict[str, str]:
     return {f"{names[id(head)]}.weight": f"{names[id(embed)]}.weight"}
 
 
+def tied_partners(model: nn.Module) -> dict[str, str]:
+    """Both directions of tied_keys: a tied weight is stored in a file under either of its names."""
+    pairs = tied_keys(model)
+    return {**pairs, **{v: k for k, v in pairs.items()}}
+
+
 def without_tied_aliases(model: nn.Module, state_dict: dict) -> dict:
     """The state dict without the second name of a tied weight (lm_head.weight when tied to the embedding), as
     Hugging Face files store it: DCP would otherwise write the same tensor twice (1 GB more per checkpoint for

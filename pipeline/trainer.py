@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline import config as config_mod
-from pipeline.checkpoint import Checkpointer, read_state, step_name
+from pipeline.checkpoint import Checkpointer, step_name
 from pipeline.config import VOCAB_PARALLEL_SHARDINGS, Config
 from pipeline.data import (
     Blocks,
@@ -126,9 +126,11 @@ class Window:
     started: float = field(default_factory=time.perf_counter)
 
     def add(self, result: StepResult) -> None:
-        self.applied += 1
-        self.loss += result.loss
-        self.grad_norm = result.grad_norm
+        self.steps += 1
+        if result.applied:
+            self.applied += 1
+            self.loss += result.loss
+            self.grad_norm = result.grad_norm
 
     def seconds(self) -> float:
         return time.perf_counter() - self.started
@@ -292,12 +294,11 @@ class Trainer:
             self.step += 1
             self.samples_seen += self.sampler.global_batch
             telemetry.advance()
+            window.add(result)
             if result.applied:
                 self.bad_steps = 0
-                window.add(result)
             else:
                 self.skipped(telemetry, result)
-            window.steps += 1
             if self.step % self.cfg.train.log_freq == 0 or self.step == self.total_steps:
                 self.log_window(telemetry, window)
                 window = Window()
@@ -329,8 +330,8 @@ class Trainer:
         raise Interrupted(StopRequest.signum or signal.SIGTERM)
 
     def last_checkpoint(self) -> str:
-        state = read_state(self.run_dir)
-        return str(self.run_dir / state["path"]) if state else "none (a rerun starts from the base model)"
+        newest = self.ckpt.newest()
+        return str(newest) if newest else "none (a rerun starts from the base model)"
 
     def skipped(self, telemetry: Telemetry, result: StepResult) -> None:
         """A step whose loss or gradient norm was not finite on some rank: nothing was applied. Logged; after

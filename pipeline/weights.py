@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.futures import Future
 
 from pipeline.errors import UserError
-from pipeline.modeling import tied_keys
+from pipeline.modeling import tied_partners
 
 INDEX = "model.safetensors.index.json"
 ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -160,8 +160,7 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     every rank reads only the slices it owns."""
     index = read_index(model_dir)  # a truncated or corrupt file: one line naming it, not a safetensors traceback
     sd = get_model_state_dict(model)
-    partners = tied_keys(model)
-    partners.update({v: k for k, v in partners.items()})
+    partners = tied_partners(model)
     wanted = {}
     for key, value in sd.items():
         if key in index:
