@@ -44,11 +44,16 @@ def bench_args(doc: str, *, repeats: int, layers: int, hidden: int) -> argparse.
 
 
 def demo_dataset(out: Path) -> Path:
-    """The bundled corpus through DATA-HF, once per folder."""
+    """The bundled corpus's text (its conversations left out: the benchmarks train plain text blocks, as the HF
+    Trainer and bare workers read them) through DATA-HF, once per folder."""
     from pipeline.corpus import CorpusConfig, build_dataset
 
     if not out.exists():
-        build_dataset(CorpusConfig(ROOT / "examples" / "raw", out, num_proc=1))
+        raw = out.with_name(out.name + "-raw")
+        shutil.rmtree(raw, ignore_errors=True)
+        shutil.copytree(ROOT / "examples" / "raw", raw, ignore=shutil.ignore_patterns("chats"))
+        build_dataset(CorpusConfig(raw, out, num_proc=1))
+        shutil.rmtree(raw)
     return out
 
 

@@ -40,11 +40,11 @@ def encode_limit(ds, tokenizer, num_proc: int) -> float:
 
 
 def ours(ds, tokenizer, num_proc: int, out: Path) -> float:
-    from pipeline.data import build_blocks
+    from pipeline.data import BlockSpec, build_blocks
 
     shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
-    build_blocks(ds, tokenizer, 1024, 0.01, 0, num_proc, out)
+    build_blocks(ds, tokenizer, BlockSpec(1024, 0.01, 0), num_proc, out)
     return time.perf_counter() - start
 
 

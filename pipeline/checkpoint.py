@@ -93,7 +93,8 @@ def set_rng_state(state: dict) -> None:
 # ----------------------------------------------------------------------------------------------- resume guard
 
 
-GUARDED = ("model_name", "model_config", "tokenizer", "dataset", "seq_length", "val_fraction", "seed")
+GUARDED = ("model_name", "model_config", "tokenizer", "dataset", "seq_length", "val_fraction", "seed", "train_on",
+           "chat_date", "chat_template", "document_mask")
 """What defines a run: a rerun that changes any of these would silently train something else."""
 
 

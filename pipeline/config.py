@@ -27,6 +27,7 @@ Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 Schedule = Literal["cosine", "linear", "constant"]
 AutoOnOff = Literal["auto", "on", "off"]
 ExportDtype = Literal["auto", "bf16", "fp16", "fp32"]
+TrainOn = Literal["assistant", "last", "all"]
 VOCAB_PARALLEL_SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP")
 """The shardings the vocabulary-parallel head works with (a 1-D mesh)."""
 SHORT_FLAGS = {"experiment_name": "-e", "dataset_name": "-d", "model_name": "-m", "batch_size": "-b"}
@@ -98,9 +99,24 @@ class DataConfig(Section):
     """Share of blocks held out for validation (at least one block when there are two or more)."""
     num_proc: int = 0
     """Processes for tokenization; 0 means all cores."""
+    train_on: TrainOn = "assistant"
+    """Conversations (rows with messages): the tokens in the loss. assistant: every assistant turn (its content and
+    end-of-turn token); last: the last assistant turn only; all: every token of the rendered conversation."""
+    chat_date: str = "26 Jul 2024"
+    """The date Llama 3.1/3.2 chat templates print as "Today Date" (they take today's otherwise): pinned, so the
+    token cache and an exact resume do not change with the day."""
+    chat_template: str = ""
+    """A Jinja chat template file used instead of the model's own (or for a model without one); the export carries
+    it as chat_template.jinja."""
+    document_mask: bool = False
+    """Text rows: restart positions after each EOS and keep attention within each document (conversations always
+    are)."""
 
     def check(self) -> None:
         _check(bool(self.dataset_name), "--dataset-name (-d) is required")
+        _check(bool(self.chat_date.strip()), "--chat-date must not be empty")
+        _check(not self.chat_template or Path(self.chat_template).is_file(),
+               f"--chat-template {self.chat_template} does not exist or is not a file")
         _check(self.seq_length >= 8, f"--seq-length must be at least 8, got {self.seq_length}")
         _check(0 <= self.val_fraction < 0.5, f"--val-fraction must be in [0, 0.5), got {self.val_fraction}")
         _check(self.num_proc >= 0, f"--num-proc must be >= 0, got {self.num_proc}")

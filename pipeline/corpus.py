@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
@@ -23,6 +23,7 @@ import pyarrow as pa
 import yaml
 from tqdm import tqdm
 
+from pipeline import conversations
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import replace_dir
 from pipeline.organize import MANIFEST
@@ -141,53 +142,90 @@ def _parse(loader, text: str, reason: str):
         raise SkipFile(reason) from None
 
 
-def _json_rows(text: str) -> list[str]:
+Row = str | list[dict]
+"""One dataset row: text, or a conversation's messages (pipeline/conversations.py)."""
+
+
+@dataclass
+class Extracted:
+    """What one file gives: its rows in order, unparsable .jsonl line numbers, skipped conversations by reason
+    (where: "line N" or "item N"), and how many conversations came in each format."""
+
+    rows: list[Row] = field(default_factory=list)
+    bad_lines: list[int] = field(default_factory=list)
+    bad_chats: list[tuple[str, str]] = field(default_factory=list)
+    formats: Counter = field(default_factory=Counter)
+
+    def add(self, record: object, where: str) -> None:
+        """A parsed JSON value: a conversation (kept, or counted as skipped) or text."""
+        fmt = conversations.detect(record)
+        if fmt is None:
+            row = "\n".join(strings_in(record))
+            if row:
+                self.rows.append(row)
+            return
+        try:
+            self.rows.append(conversations.to_messages(record, fmt))
+        except conversations.BadConversation as exc:
+            self.bad_chats.append((str(exc), where))
+        else:
+            self.formats[fmt] += 1
+
+
+def _json_rows(text: str) -> Extracted:
     doc = _parse(json.loads, text, "invalid_json")
-    parts = doc if isinstance(doc, list) else [doc]
-    return [row for row in ("\n".join(strings_in(p)) for p in parts) if row]
+    out = Extracted()
+    for i, part in enumerate(doc if isinstance(doc, list) else [doc], 1):
+        out.add(part, f"item {i}")
+    return out
 
 
-def _yaml_rows(text: str) -> list[str]:
+def _yaml_rows(text: str) -> Extracted:
     docs = _parse(lambda t: list(yaml.load_all(t, Loader=_YAML_LOADER)), text, "invalid_yaml")
-    return [row for row in ("\n".join(strings_in(d)) for d in docs) if row]
+    return Extracted(rows=[row for row in ("\n".join(strings_in(d)) for d in docs) if row])
 
 
-def _jsonl_rows(text: str) -> tuple[list[str], list[int]]:
-    rows, bad = [], []
+def _jsonl_rows(text: str) -> Extracted:
+    out = Extracted()
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            row = "\n".join(strings_in(json.loads(line)))
+            record = json.loads(line)
         except (ValueError, RecursionError):
-            bad.append(lineno)
+            out.bad_lines.append(lineno)
             continue
-        if row:
-            rows.append(row)
-    if bad and not rows:
+        out.add(record, f"line {lineno}")
+    if out.bad_lines and not out.rows and not out.bad_chats:
         raise SkipFile("invalid_jsonl")
-    return rows, bad
+    return out
 
 
-def extract_file(path: Path) -> tuple[list[str], list[int]]:
-    """Rows of text from one file and the numbers of unparsable .jsonl lines; SkipFile when nothing is usable."""
+def extract_file(path: Path) -> Extracted:
+    """Rows (text or conversations) of one file, with what was skipped inside it; SkipFile when nothing in it is
+    usable text or a conversation (a file of only malformed conversations returns no rows and their reasons)."""
     text = decode(path.read_bytes())
     ext = path.suffix.lower()
-    bad: list[int] = []
     if ext in TEXT_TYPES:
-        rows = split_paragraphs(text)
+        out = Extracted(rows=split_paragraphs(text))
     elif ext == ".json":
-        rows = _json_rows(text)
+        out = _json_rows(text)
     elif ext == ".jsonl":
-        rows, bad = _jsonl_rows(text)
+        out = _jsonl_rows(text)
     else:
-        rows = _yaml_rows(text)
-    if not rows:
+        out = _yaml_rows(text)
+    if not out.rows and not out.bad_chats:
         raise SkipFile("no_text")
-    return rows, bad
+    return out
 
 
-FEATURES = datasets.Features({"text": datasets.Value("string"), "source": datasets.Value("string")})
+FEATURES = datasets.Features({
+    "text": datasets.Value("string"),
+    "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+    "source": datasets.Value("string"),
+})
+"""A text row has messages []; a conversation row has text "" (one dataset holds both, so a corpus of documents and
+chats trains in one run, each row in its own way)."""
 
 
 @dataclass
@@ -201,45 +239,73 @@ class ChunkResult:
     good: list[str]
     skipped: list[tuple[str, str]]
     bad_lines: list[str]
+    conversations: Counter = field(default_factory=Counter)
+    """Conversations kept, by input format."""
+    bad_chats: list[tuple[str, str]] = field(default_factory=list)
+    """(reason, "file:line N") of each conversation skipped."""
+
+
+def _chars(row: Row) -> int:
+    return len(row) if isinstance(row, str) else sum(len(m["content"]) for m in row)
+
+
+class ShardWriter:
+    """Rows to one Arrow IPC stream (the format datasets caches in; Dataset.from_file reads it back), written in
+    batches of about WRITE_CHARS characters: a write per file costs more than parsing small files."""
+
+    def __init__(self, path: str):
+        self.schema = FEATURES.arrow_schema  # carries FEATURES, so datasets reads the columns' types back
+        self.writer = pa.ipc.new_stream(path, self.schema)
+        self.rows: list[Row] = []
+        self.sources: list[str] = []
+        self.buffered = 0
+
+    def add(self, rows: list[Row], source: str) -> None:
+        self.rows.extend(rows)
+        self.sources.extend([source] * len(rows))
+        self.buffered += sum(map(_chars, rows))
+        if self.buffered >= WRITE_CHARS:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        texts = [r if isinstance(r, str) else "" for r in self.rows]
+        chats = [[] if isinstance(r, str) else r for r in self.rows]
+        columns = [pa.array(texts, pa.string()), pa.array(chats, self.schema.field("messages").type),
+                   pa.array(self.sources, pa.string())]
+        self.writer.write_batch(pa.record_batch(columns, schema=self.schema))
+        self.rows, self.sources, self.buffered = [], [], 0
+
+    def close(self) -> None:
+        self.flush()
+        self.writer.close()
 
 
 def extract_chunk(index: int, root: str, rels: list[str], shard: str) -> ChunkResult:
     """Worker: extract every file of the chunk and write its rows, in file order, to one Arrow shard."""
     res = ChunkResult(index, shard, 0, 0, [], [], [])
-    texts: list[str] = []
-    sources: list[str] = []
-    buffered = 0
-    # the Arrow IPC stream datasets itself caches (Dataset.from_file reads it back); the schema carries FEATURES
-    schema = FEATURES.arrow_schema
-    writer = pa.ipc.new_stream(shard, schema)
-
-    def write(texts: list[str], sources: list[str]) -> None:
-        writer.write_batch(pa.record_batch([pa.array(texts, pa.string()), pa.array(sources, pa.string())],
-                                           schema=schema))
-
+    writer = ShardWriter(shard)
     try:
         for rel in rels:
             try:
-                rows, bad = extract_file(Path(root) / rel)
+                got = extract_file(Path(root) / rel)
             except SkipFile as exc:
                 res.skipped.append((str(exc), rel))
                 continue
             except OSError:
                 res.skipped.append(("unreadable", rel))
                 continue
-            texts.extend(rows)
-            sources.extend([rel] * len(rows))
-            chars = sum(map(len, rows))
-            buffered += chars
-            res.chars += chars
-            res.rows += len(rows)
+            res.bad_lines.extend(f"{rel}:{n}" for n in got.bad_lines)
+            res.bad_chats.extend((reason, f"{rel}:{where}") for reason, where in got.bad_chats)
+            if not got.rows:
+                res.skipped.append(("no_valid_conversation", rel))
+                continue
+            writer.add(got.rows, rel)
+            res.chars += sum(map(_chars, got.rows))
+            res.rows += len(got.rows)
+            res.conversations.update(got.formats)
             res.good.append(rel)
-            res.bad_lines.extend(f"{rel}:{n}" for n in bad)
-            if buffered >= WRITE_CHARS:  # a write per file costs more than parsing small files
-                write(texts, sources)
-                texts, sources, buffered = [], [], 0
-        if texts:
-            write(texts, sources)
     finally:
         writer.close()
     return res
@@ -334,9 +400,22 @@ def _report(cfg: CorpusConfig, results: list[ChunkResult], pre_skipped: dict) ->
         "characters": sum(r.chars for r in results),
         "skipped": {r: {"count": len(p), "paths": sorted(p)} for r, p in sorted(skipped.items())},
         "bad_jsonl_lines": {"count": len(bad_lines), "where": bad_lines[:1000]},
+        "conversations": _conversation_report(results),
         "num_proc": cfg.num_proc,
         "seconds": 0.0,
     }
+
+
+def _conversation_report(results: list[ChunkResult]) -> dict:
+    """Conversations kept (by input format) and skipped (by reason, with the first 1000 places of each)."""
+    kept: Counter = Counter()
+    skipped: dict[str, list[str]] = defaultdict(list)
+    for res in results:
+        kept.update(res.conversations)
+        for reason, where in res.bad_chats:
+            skipped[reason].append(where)
+    return {"rows": sum(kept.values()), "by_format": dict(sorted(kept.items())),
+            "skipped": {r: {"count": len(w), "where": w[:1000]} for r, w in sorted(skipped.items())}}
 
 
 def build_dataset(cfg: CorpusConfig) -> dict:
@@ -377,6 +456,14 @@ def format_summary(report: dict) -> str:
         lines.append(f"  skipped {info['count']} ({reason}): {', '.join(paths[:5])}{' ...' if len(paths) > 5 else ''}")
     if report["bad_jsonl_lines"]["count"]:
         lines.append(f"  unparsable .jsonl lines skipped: {report['bad_jsonl_lines']['count']}")
+    chats = report["conversations"]
+    if chats["rows"] or chats["skipped"]:
+        formats = ", ".join(f"{k} {v}" for k, v in chats["by_format"].items()) or "none kept"
+        lines.append(f"  conversations: {chats['rows']:,} ({formats})")
+        for reason, info in chats["skipped"].items():
+            where = info["where"]
+            lines.append(f"  skipped {info['count']} conversations ({reason}): {', '.join(where[:3])}"
+                         f"{' ...' if len(where) > 3 else ''}")
     lines.append(f"  report: {Path(report['save_dir']) / REPORT}")
     return "\n".join(lines)
 

@@ -23,14 +23,13 @@ import torch.distributed.checkpoint as dcp
 from pipeline.checkpoint import load_checkpoint_model
 from pipeline.errors import ArgumentParser
 from pipeline.fsutil import replace_dir
+from pipeline.hub import TOKENIZER_FILES
 from pipeline.runtime import DTYPES, Dist, init_distributed
 from pipeline.strategies import Strategy
 from pipeline.weights import INDEX
 
 FILE_BYTES = 5 * 1024**3
 """Target size of one consolidated safetensors file."""
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "generation_config.json")
 
 
 def export_dtype(name: str, hf_config) -> torch.dtype:
@@ -53,9 +52,15 @@ def _file_index(sd: dict, dtype: torch.dtype) -> dict[str, int]:
     return mapping
 
 
-def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dtype, d: Dist) -> None:
-    """Write the model (distributed, any world size) to out in Hugging Face format. A collective: every rank calls
-    it. A tied weight is stored once, under the embedding; from_pretrained re-ties."""
+RUN_TEMPLATE = "chat_template.jinja"
+"""A run trained with --chat-template keeps the template in its folder under this name, for every later export."""
+
+
+def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dtype, d: Dist,
+                 chat_template: str = "") -> None:
+    """Write the model (distributed, any world size) to out in Hugging Face format, with the base model's tokenizer
+    files and, when given, chat_template (instead of the base model's). A collective: every rank calls it. A tied
+    weight is stored once, under the embedding; from_pretrained re-ties."""
     sd = {k: v.detach().to(dtype) for k, v in strategy.state_dict()["model"].items()}
     work = out.with_name(f".{out.name}.partial")
     scratch = work / "dcp"  # DCP's writer: per-rank files, then the consolidated ones; only the latter are kept
@@ -80,9 +85,12 @@ def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dt
         config = model.config.__class__.from_dict(model.config.to_dict())
         config.dtype = dtype
         config.save_pretrained(work)
-        for name in TOKENIZER_FILES:
+        for name in (*TOKENIZER_FILES, "generation_config.json"):
             if (model_dir / name).exists():
                 shutil.copyfile(model_dir / name, work / name)
+        if chat_template:
+            (work / "chat_template.json").unlink(missing_ok=True)
+            (work / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
         replace_dir(work, out)
     dist.barrier()
 
@@ -100,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     d = init_distributed()
     try:
         strategy, model_dir = load_checkpoint_model(args.checkpoint, d)
-        export_model(strategy, model_dir, args.out, export_dtype(args.export_dtype, strategy.model.config), d)
+        run_template = args.checkpoint.resolve().parents[1] / RUN_TEMPLATE
+        template = run_template.read_text(encoding="utf-8") if run_template.exists() else ""
+        export_model(strategy, model_dir, args.out, export_dtype(args.export_dtype, strategy.model.config), d,
+                     template)
         if d.is_main:
             print(f"exported {args.checkpoint} to {args.out}")
     finally:

@@ -19,9 +19,14 @@ from pathlib import Path
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import sha256_file, write_text_atomic
 
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+"""Every file a tokenizer may load (slow and fast, added tokens, the chat template in either of its files): kept by
+download and import, part of the tokenizer's fingerprint, copied into every export."""
 ALLOW_PATTERNS = [
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "tokenizer.model", "*.safetensors", "model.safetensors.index.json",
+    "config.json", "generation_config.json", *TOKENIZER_FILES, "*.safetensors", "model.safetensors.index.json",
 ]
 IGNORE_PATTERNS = ["*/*", "*.pth", "*.bin", "*.pt", "*.gguf", "*.msgpack", "*.h5"]
 """Top-level files only: `original/` (Meta's consolidated .pth) and other duplicate formats are never fetched."""
@@ -286,6 +291,13 @@ def human_bytes(n: float) -> str:
     return f"{n / 1024:.2f} GiB"
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
 def format_report(rep: ModelReport, where: Path, skipped: list[str]) -> str:
     lines = [
         f"model:       {rep.model_class} at {where}",
@@ -293,6 +305,11 @@ def format_report(rep: ModelReport, where: Path, skipped: list[str]) -> str:
         f"tied embeddings: {bool(getattr(rep.config, 'tie_word_embeddings', False))}; "
         f"max positions: {getattr(rep.config, 'max_position_embeddings', 'n/a')}",
     ]
+    templates = [f for f in ("chat_template.jinja", "chat_template.json") if (where / f).exists()]
+    if not templates and "chat_template" in _read_json(where / "tokenizer_config.json"):
+        templates = ["tokenizer_config.json"]
+    lines.append(f"chat template: {', '.join(templates)}" if templates else
+                 "chat template: none (conversations need fsdp1.py --chat-template FILE.jinja)")
     if skipped:
         lines.append(f"left out (not needed for training): {', '.join(skipped)}")
     if rep.unexpected:

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.batches import Batch
 from pipeline.vocab_parallel import (
-    IGNORE,
     VocabParallelCrossEntropy,
     gather_rows,
     head_pass,
@@ -18,29 +18,34 @@ from pipeline.vocab_parallel import (
 
 
 class CausalLMLoss:
-    """Mean next-token cross-entropy of a batch of full blocks (labels are the inputs, shifted by one).
+    """Next-token cross-entropy of a batch, as a sum over its targets divided by num_items, the number of targets in
+    the whole step (every rank, every micro-step): so micro-steps and ranks with more targets weigh more, and a
+    step's loss is the token-weighted mean whatever the packing.
 
-    HF path: the model's own forward and loss; the mean over this rank's tokens (FSDP averages gradients over
-    ranks). Vocabulary-parallel path (pipeline/vocab_parallel.py): the mean over all ranks' tokens, identical on
-    every rank, whose gradients FSDP sums. Either way the gradient is that of the global mean.
+    HF path: the model's own forward and loss over this rank's tokens, times the world size, since FSDP averages
+    gradients over ranks. Vocabulary-parallel path (pipeline/vocab_parallel.py): the sum over every rank's tokens,
+    identical on every rank, whose gradients FSDP sums. Either way the mean of the returned values over ranks is the
+    step's share of the global loss, and the gradient is that of the global loss.
     """
 
-    def __init__(self, model: nn.Module, vocab_parallel: bool, group: dist.ProcessGroup | None = None):
-        self.model, self.vocab_parallel, self.group = model, vocab_parallel, group
+    def __init__(self, model: nn.Module, vocab_parallel: bool, world_size: int,
+                 group: dist.ProcessGroup | None = None):
+        self.model, self.vocab_parallel, self.world_size, self.group = model, vocab_parallel, world_size, group
 
-    def __call__(self, ids: torch.Tensor, valid_rows: int | None = None) -> torch.Tensor:
-        """Loss of ids [batch, seq]; rows from valid_rows on are padding and do not count. A collective in the
-        vocabulary-parallel path: every rank calls it with the same shape."""
+    def __call__(self, batch: Batch, num_items: float) -> torch.Tensor:
+        """Loss of the batch over num_items targets. A collective in the vocabulary-parallel path: every rank calls it
+        with the same shapes."""
         if not self.vocab_parallel:
-            labels = ids if valid_rows is None else torch.where(
-                torch.arange(len(ids), device=ids.device)[:, None] < valid_rows, ids, IGNORE)
-            return self.model(input_ids=ids, labels=labels, use_cache=False).loss
-        h = self.model.base_model(input_ids=ids, use_cache=False).last_hidden_state
-        labels = gather_rows(shifted_labels(ids, valid_rows), self.group).flatten()
+            out = self.model(input_ids=batch.input_ids, labels=batch.labels, position_ids=batch.position_ids,
+                             use_cache=False, num_items_in_batch=num_items)
+            return out.loss * self.world_size
+        h = self.model.base_model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                                  use_cache=False).last_hidden_state
+        labels = gather_rows(shifted_labels(batch.labels), self.group).flatten()
         head = self.model.get_output_embeddings().weight
         w = head.to_local()
         start = vocab_row_offset(head.shape[0], self.group)
         h = h.flatten(0, 1)
         if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
-            return VocabParallelCrossEntropy.apply(h, w, labels, start, self.group)
-        return head_pass(gather_rows(h, self.group), w, labels, start, self.group, False)[0]
+            return VocabParallelCrossEntropy.apply(h, w, labels, start, self.group, num_items)
+        return head_pass(gather_rows(h, self.group), w, labels, start, self.group, False, num_items)[0]

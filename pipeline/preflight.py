@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipeline.checkpoint import check_fingerprint, read_state
 from pipeline.config import Config
-from pipeline.data import dataset_fingerprint, load_text_dataset, tokenizer_fingerprint
+from pipeline.data import BlockSpec, conversation_rows, dataset_fingerprint, load_text_dataset, tokenizer_fingerprint
 from pipeline.errors import UserError
 from pipeline.hub import resolve_model_dir
 from pipeline.weights import read_index
@@ -26,10 +26,13 @@ class Plan:
     model_dir: Path
     hf_config: object
     dataset: object
+    tokenizer: object
+    """The model's tokenizer, its chat template replaced by --chat-template when given."""
+    spec: BlockSpec
     fingerprint: dict
 
 
-def run_fingerprint(cfg: Config, model_dir: Path, hf_config, dataset) -> dict:
+def run_fingerprint(cfg: Config, model_dir: Path, hf_config, dataset, spec: BlockSpec) -> dict:
     """What defines the run, for the resume guard (epochs, steps and frequencies may change between reruns)."""
     conf = {k: v for k, v in hf_config.to_dict().items() if k not in ("transformers_version", "_name_or_path")}
     return {
@@ -37,10 +40,28 @@ def run_fingerprint(cfg: Config, model_dir: Path, hf_config, dataset) -> dict:
         "model_config": hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode()).hexdigest()[:16],
         "tokenizer": tokenizer_fingerprint(model_dir)[:16],
         "dataset": dataset_fingerprint(dataset),
-        "seq_length": cfg.data.seq_length,
-        "val_fraction": cfg.data.val_fraction,
-        "seed": cfg.run.seed,
+        **spec.key(),
     }
+
+
+def load_tokenizer(cfg: Config, model_dir: Path, chats: bool):
+    """The model's tokenizer; with conversations to train on, one with a chat template (the model's own, or
+    --chat-template's), else the one-line fix."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.eos_token_id is None:
+        raise UserError(f"the tokenizer of {cfg.model.model_name} has no EOS token to separate documents")
+    if cfg.data.chat_template:
+        tokenizer.chat_template = Path(cfg.data.chat_template).read_text(encoding="utf-8")
+    if chats and not tokenizer.chat_template:
+        raise UserError(f"{cfg.data.dataset_name} holds conversations but {cfg.model.model_name} has no chat template "
+                        "to render them; use its Instruct version, or pass --chat-template FILE.jinja (the "
+                        "template is exported with the model)")
+    if chats and not tokenizer.is_fast:
+        raise UserError(f"the tokenizer of {cfg.model.model_name} is not a fast tokenizer (no tokenizer.json): "
+                        "conversations need its character offsets to find the assistant turns")
+    return tokenizer
 
 
 def preflight(cfg: Config) -> Plan:
@@ -54,10 +75,14 @@ def preflight(cfg: Config) -> Plan:
         raise UserError(f"--seq-length {cfg.data.seq_length} is above the model's limit "
                         f"(max_position_embeddings {limit})")
     dataset = load_text_dataset(cfg.data.dataset_name)
-    fingerprint = run_fingerprint(cfg, model_dir, hf_config, dataset)
+    chats = bool(conversation_rows(dataset).any())
+    tokenizer = load_tokenizer(cfg, model_dir, chats)
+    spec = BlockSpec(cfg.data.seq_length, cfg.data.val_fraction, cfg.run.seed, chats, cfg.data.train_on,
+                     cfg.data.chat_date, cfg.data.chat_template and tokenizer.chat_template, cfg.data.document_mask)
+    fingerprint = run_fingerprint(cfg, model_dir, hf_config, dataset, spec)
     state = read_state(cfg.run_dir)
     if state and not cfg.run.no_resume:
         check_fingerprint(cfg.run_dir, state["fingerprint"], fingerprint)
     else:  # a fresh start loads the base weights: their headers now, before any process waits on another
         read_index(model_dir)
-    return Plan(model_dir, hf_config, dataset, fingerprint)
+    return Plan(model_dir, hf_config, dataset, tokenizer, spec, fingerprint)

@@ -21,6 +21,26 @@ from pipeline.errors import ArgumentParser, UserError, run_cli
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
+EOT = "<|eot_id|>"
+HEADER = ("<|start_header_id|>", "<|end_header_id|>")
+CHAT_TEMPLATE = (
+    "{{- bos_token }}\n"
+    "{%- if date_string is not defined %}{%- if strftime_now is defined %}"
+    "{%- set date_string = strftime_now('%d %b %Y') %}{%- else %}{%- set date_string = '26 Jul 2024' %}"
+    "{%- endif %}{%- endif %}\n"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] | trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}\n"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{{- 'Cutting Knowledge Date: December 2023\\nToday Date: ' + date_string + '\\n\\n' }}"
+    "{{- system_message + '<|eot_id|>' }}\n"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}\n"
+)
+"""Llama 3.1/3.2 Instruct's chat format: a system header with today's date (pinned by passing date_string), each turn
+between header tokens and closed by <|eot_id|>."""
 DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / "examples" / "raw"
 
 
@@ -29,25 +49,28 @@ def corpus_texts(corpus: Path) -> list[str]:
     texts = []
     for path in sorted(p for p in corpus.rglob("*") if p.suffix.lower() in SUPPORTED and p.is_file()):
         try:
-            texts.extend(extract_file(path)[0])
+            rows = extract_file(path).rows
         except (SkipFile, OSError):
             continue
+        texts.extend(r if isinstance(r, str) else "\n".join(m["content"] for m in r) for r in rows)
     if not texts:
         raise UserError(f"--corpus {corpus} holds no usable text to train a tokenizer on")
     return texts
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE with Llama 3's special-token names; BOS is prepended on encode, as Llama 3 does."""
+    """Byte-level BPE with Llama 3's special-token names and chat template; BOS is prepended on encode, as Llama 3
+    does."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS, EOT, *HEADER], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
                                                        special_tokens=[(BOS, tok.token_to_id(BOS))])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, model_max_length=2048)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, model_max_length=2048,
+                                   chat_template=CHAT_TEMPLATE)
 
 
 def tiny_config(vocab_size: int, bos_id: int, eos_id: int, *, tied: bool, layers: int, hidden: int) -> LlamaConfig:
@@ -105,6 +128,8 @@ def save_random(out: Path, config: LlamaConfig, tokenizer: PreTrainedTokenizerFa
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(config.dtype)
+    # an Instruct model ends its turns with <|eot_id|>: generation stops there as well as at EOS
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(EOT)]
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -7,6 +7,7 @@ checkpoint (or, on a fresh start, the base weights) fills it, and the loop runs.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -21,17 +22,13 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline import config as config_mod
+from pipeline.batches import Batch, count_targets, make_batch
 from pipeline.checkpoint import Checkpointer, step_name
 from pipeline.config import VOCAB_PARALLEL_SHARDINGS, Config
-from pipeline.data import (
-    Blocks,
-    BlockSampler,
-    build_blocks,
-    open_blocks,
-    token_cache_dir,
-)
+from pipeline.data import Blocks, BlockSampler, build_blocks, open_blocks, token_cache_dir
 from pipeline.errors import UserError
-from pipeline.export import export_dtype, export_model
+from pipeline.export import RUN_TEMPLATE, export_dtype, export_model
+from pipeline.fsutil import write_text_atomic
 from pipeline.preflight import Plan, preflight
 from pipeline.runtime import Dist, compute_dtype, init_distributed, watch_parent
 from pipeline.strategies import make_strategy
@@ -61,21 +58,21 @@ def _broadcast_error(d: Dist, error: str | None) -> None:
         raise UserError(box[0])
 
 
-def prepare_blocks(cfg: Config, plan: Plan, d: Dist, tokenizer) -> Blocks:
+def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks:
     """Rank 0 of each node builds the token cache while the others wait at a barrier; then all memory-map it."""
-    path = token_cache_dir(cfg.run.save_dir, plan.fingerprint["dataset"], plan.model_dir, cfg.data.seq_length,
-                           cfg.data.val_fraction, cfg.run.seed)
+    path = token_cache_dir(cfg.run.save_dir, plan.fingerprint["dataset"], plan.model_dir, plan.spec)
     error = None
     if d.is_local_main and not (path / "meta.json").exists():
         log.info("building token cache %s", path)
         try:
-            build_blocks(plan.dataset, tokenizer, cfg.data.seq_length, cfg.data.val_fraction, cfg.run.seed,
-                         cfg.data.num_proc or os.cpu_count() or 1, path)
+            build_blocks(plan.dataset, plan.tokenizer, plan.spec, cfg.data.num_proc or os.cpu_count() or 1, path)
         except UserError as exc:
             error = str(exc)
     elif d.is_main:
         log.info("token cache hit: %s", path)
     _broadcast_error(d, error)
+    if d.is_main:
+        log_cache_meta(path)
     blocks = open_blocks(path)
     global_batch = d.world_size * cfg.train.batch_size * cfg.train.grad_accum
     if len(blocks.train) < global_batch:
@@ -84,6 +81,18 @@ def prepare_blocks(cfg: Config, plan: Plan, d: Dist, tokenizer) -> Blocks:
                         f"grad accum {cfg.train.grad_accum} = {global_batch}); use more data or a smaller "
                         "--seq-length, --batch-size or --grad-accum")
     return blocks
+
+
+def log_cache_meta(path: Path) -> None:
+    """What the cache holds: conversations kept, truncated and dropped, and the share of tokens trained."""
+    meta = json.loads((path / "meta.json").read_text())
+    if "conversations" in meta:
+        counts = ", ".join(f"{k} {v}" for k, v in meta["conversations"].items() if v)
+        log.info("conversations: %s; %d blocks of them, %d of text", counts, meta["chat_blocks"], meta["text_blocks"])
+    if meta.get("flags"):
+        total = meta["blocks"] * (meta["seq_length"] - 1)
+        log.info("%d of %d tokens (%.1f%%) are targets of the loss", meta["targets"], total,
+                 100 * meta["targets"] / max(total, 1))
 
 
 def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -111,6 +120,8 @@ class StepResult:
     """Global norm before clipping."""
     applied: bool
     """False when the loss or gradient norm was not finite on some rank: the update was skipped."""
+    targets: int
+    """Tokens in the loss this step, over every rank."""
 
 
 @dataclass
@@ -123,10 +134,13 @@ class Window:
     """Sum of the applied steps' losses."""
     grad_norm: float = math.nan
     """The last applied step's."""
+    targets: int = 0
+    """Tokens in the loss, over every rank."""
     started: float = field(default_factory=time.perf_counter)
 
     def add(self, result: StepResult) -> None:
         self.steps += 1
+        self.targets += result.targets
         if result.applied:
             self.applied += 1
             self.loss += result.loss
@@ -167,16 +181,11 @@ class Trainer:
     """Owns the model, optimizer, schedule, sampler and counters; its state is what a checkpoint holds."""
 
     def __init__(self, cfg: Config, d: Dist, plan: Plan):
-        from transformers import AutoTokenizer
-
         self.cfg, self.dist, self.plan = cfg, d, plan
         self.run_dir = cfg.run_dir
         self.dtype = compute_dtype(cfg.model.precision, d.device)
         seed_everything(cfg.run.seed)
-        tokenizer = AutoTokenizer.from_pretrained(plan.model_dir)
-        if tokenizer.eos_token_id is None:
-            raise UserError(f"the tokenizer of {cfg.model.model_name} has no EOS token to separate documents")
-        self.blocks = prepare_blocks(cfg, plan, d, tokenizer)
+        self.blocks = prepare_blocks(cfg, plan, d)
         self.sampler = BlockSampler(len(self.blocks.train), cfg.run.seed, d.world_size, d.rank,
                                     cfg.train.batch_size, cfg.train.grad_accum)
         self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.sampler.steps_per_epoch
@@ -310,7 +319,8 @@ class Trainer:
         self.save()
         self.ckpt.wait()
         export_model(self.strategy, self.plan.model_dir, self.run_dir / "hf",
-                     export_dtype(self.cfg.run.export_dtype, self.plan.hf_config), self.dist)
+                     export_dtype(self.cfg.run.export_dtype, self.plan.hf_config), self.dist,
+                     self.plan.spec.chat_template)
         telemetry.close()
 
     def boundary(self) -> bool:
@@ -357,24 +367,25 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step over grad_accum micro-batches, applied only when the loss and gradient norm are finite
         on every rank."""
+        # the step's targets over every rank and micro-step, from the global permutation: no communication
+        targets = self.count_targets(self.sampler.upcoming())
         micro = self.sampler.next_step()
         total = torch.zeros((), device=self.dist.device)
         with self.timer.phase("total"):
             for i, idx in enumerate(micro):
                 with self.timer.phase("data"):
-                    ids = self.to_device(self.blocks.train[idx])
+                    batch = self.batch(self.blocks.train, self.blocks.train_flags, idx)
                 # reduce gradients only on the last micro-step; earlier ones accumulate locally
                 self.strategy.gradient_sync(i == len(micro) - 1)
                 with self.timer.phase("forward"):
-                    # every block is full, so each micro-batch has the same token count and the mean of the
-                    # micro-batch means is the mean over all tokens
-                    loss = self.loss(ids) / len(micro)
+                    # each micro-batch's summed loss over the whole step's targets: their sum is the token mean
+                    loss = self.loss(batch, targets)
                 with self.timer.phase("backward"):
                     loss.backward()
                 total += loss.detach()
             with self.timer.phase("update"):
                 norm = self.strategy.clip_grad_norm(self.cfg.optim.max_grad_norm or math.inf)
-                result = self.agree(total, norm)
+                result = self.agree(total, norm, targets)
                 if result.applied:
                     self.ckpt.staged()  # an async checkpoint's copy of the weights and states must be complete
                     self.optimizer.step()
@@ -383,7 +394,7 @@ class Trainer:
         self.timer.step_done()
         return result
 
-    def agree(self, loss: torch.Tensor, norm: torch.Tensor) -> StepResult:
+    def agree(self, loss: torch.Tensor, norm: torch.Tensor, targets: int) -> StepResult:
         """The step's global mean loss and gradient norm, and whether to apply it: one all-reduce (every rank must
         reach it) and one host sync per step, since every rank must take the same decision before stepping. A
         non-finite value on any rank makes the sum non-finite everywhere."""
@@ -392,37 +403,39 @@ class Trainer:
         dist.all_reduce(summed)  # SUM: gloo has no AVG
         mean_loss, total_norm, local_norm = torch.cat([summed, figures[1:]]).tolist()
         applied = math.isfinite(mean_loss) and math.isfinite(total_norm)
-        return StepResult(mean_loss / self.dist.world_size, local_norm if applied else total_norm, applied)
+        return StepResult(mean_loss / self.dist.world_size, local_norm if applied else total_norm, applied, targets)
 
-    def to_device(self, blocks: np.ndarray) -> torch.Tensor:
-        """Token ids as int64 on the training device (training and validation batches). On GPU through pinned
-        memory: a copy from pageable memory waits for every kernel already queued (a host sync per micro-step), a
-        pinned one is queued behind them."""
-        ids = torch.from_numpy(blocks.astype(np.int64))
-        if self.dist.device.type != "cuda":
-            return ids
-        return ids.pin_memory().to(self.dist.device, non_blocking=True)
+    def count_targets(self, idx: np.ndarray) -> int:
+        flags = self.blocks.train_flags
+        return count_targets(self.blocks.train[idx], None if flags is None else flags[idx])
+
+    def batch(self, blocks: np.ndarray, flags: np.ndarray | None, idx: np.ndarray,
+              valid_rows: int | None = None) -> Batch:
+        return make_batch(blocks[idx], None if flags is None else flags[idx], self.dist.device, valid_rows)
 
     def log_window(self, telemetry: Telemetry, window: Window) -> None:
         if not window.applied:  # every step of the window was skipped: logged one by one already
             return
-        tokens_per_s = self.sampler.global_batch * self.cfg.data.seq_length * window.steps / window.seconds()
+        seconds = window.seconds()
+        tokens_per_s = self.sampler.global_batch * self.cfg.data.seq_length * window.steps / seconds
         mfu = (tokens_per_s / self.dist.world_size * self.flops_per_token / self.peak) if self.peak else None
         fields = {"epoch": self.sampler.epoch, "loss": window.loss / window.applied,
                   "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": window.grad_norm,
-                  "tokens_per_s": round(tokens_per_s, 1), "mfu": None if mfu is None else round(mfu, 4),
+                  "tokens_per_s": round(tokens_per_s, 1), "trained_tokens_per_s": round(window.targets / seconds, 1),
+                  "mfu": None if mfu is None else round(mfu, 4),
                   "time_ms": self.timer.read(), "mem_gb": memory_gb(self.dist.device)}
         telemetry.event("train", self.step, **fields)
         t = fields["time_ms"]
         telemetry.human({"global_step": self.step, "epoch": fields["epoch"], "loss": round(fields["loss"], 4),
                          "lr": f"{fields['lr']:.3g}", "grad_norm": round(fields["grad_norm"], 4),
-                         "tok/s": round(tokens_per_s), "mfu": fields["mfu"], **{f"time/{k}": t[k] for k in t},
+                         "tok/s": round(tokens_per_s), "trained_tok/s": round(fields["trained_tokens_per_s"]),
+                         "mfu": fields["mfu"], **{f"time/{k}": t[k] for k in t},
                          "mem/peak_alloc_gb": fields["mem_gb"]["peak_alloc"]})
 
     @torch.no_grad()
     def evaluate(self, telemetry: Telemetry) -> float | None:
         """Loss and perplexity over the whole validation split, its blocks dealt round-robin to the ranks."""
-        val = self.blocks.val
+        val, val_flags = self.blocks.val, self.blocks.val_flags
         if len(val) == 0:
             return None
         self.model.eval()
@@ -436,25 +449,22 @@ class Trainer:
             # pads with block 0, whose rows do not count
             valid = len(idx)
             idx = np.concatenate([idx, np.zeros(bs - valid, dtype=idx.dtype)])
-            ids = self.to_device(val[idx])
-            loss = self.loss(ids, valid_rows=valid)
-            # this rank's tokens times the loss: its sum in the HF path (mean over its tokens), its share of the
-            # global sum in the vocabulary-parallel one (one mean over every rank's tokens)
-            tokens = valid * (ids.shape[1] - 1)
-            if tokens:
-                sums += torch.stack([loss.double() * tokens, torch.tensor(tokens, dtype=torch.float64,
-                                                                            device=self.dist.device)])
+            # over num_items = world size, the losses summed over ranks are the global sum (pipeline/loss.py)
+            loss = self.loss(self.batch(val, val_flags, idx, valid), self.dist.world_size)
+            tokens = count_targets(val[idx], None if val_flags is None else val_flags[idx], valid)
+            sums += torch.stack([loss.double(), torch.tensor(tokens, dtype=torch.float64, device=self.dist.device)])
         dist.all_reduce(sums)
         self.strategy.release()  # the root stays gathered after a forward without backward
         self.model.train()
-        loss = (sums[0] / sums[1]).item()
+        loss = (sums[0] / sums[1].clamp_min(1)).item()
         ppl = math.exp(loss) if loss < 700 else math.inf
         telemetry.event("eval", self.step, loss=loss, ppl=ppl)
         telemetry.human({"global_step": self.step, "eval_loss": round(loss, 5), "eval_ppl": round(ppl, 3)})
         if self.cfg.run.save_best and loss < self.best_val:
             self.best_val = loss
             export_model(self.strategy, self.plan.model_dir, self.run_dir / "best",
-                         export_dtype(self.cfg.run.export_dtype, self.plan.hf_config), self.dist)
+                         export_dtype(self.cfg.run.export_dtype, self.plan.hf_config), self.dist,
+                         self.plan.spec.chat_template)
             log.info("best validation loss so far (%.5f): exported to %s", loss, self.run_dir / "best")
         return loss
 
@@ -482,6 +492,8 @@ def run(cfg: Config, d: Dist, plan: Plan) -> Trainer:
     setup_logging(cfg.run_dir, d.rank)
     if d.is_main:
         config_mod.save(cfg, cfg.run_dir / "config.yaml")
+        if plan.spec.chat_template:  # pipeline.export of any of the run's checkpoints carries it too
+            write_text_atomic(cfg.run_dir / RUN_TEMPLATE, plan.spec.chat_template)
         log.info("run directory %s (world size %d, device %s)", cfg.run_dir, d.world_size, d.device)
     StopRequest.install()
     trainer = Trainer(cfg, d, plan)

@@ -30,14 +30,12 @@ loop of the CPU bench model (one run each). CUDA: 256M (1 GiB in fp32), about 2,
 vocabulary, so each chunk's three matrix products are large enough to keep the tensor cores busy."""
 
 
-def shifted_labels(ids: torch.Tensor, valid_rows: int | None = None) -> torch.Tensor:
-    """Next-token targets of a [batch, seq] block of ids: the last position of a row and rows from valid_rows on
-    are IGNORE."""
-    labels = torch.full_like(ids, IGNORE)
-    labels[:, :-1] = ids[:, 1:]
-    if valid_rows is not None:
-        labels[valid_rows:] = IGNORE
-    return labels
+def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token targets of [batch, seq] labels (the model-input convention: a token's own id or IGNORE): each
+    position's target is the next label; the last position of a row has none."""
+    out = torch.full_like(labels, IGNORE)
+    out[:, :-1] = labels[:, 1:]
+    return out
 
 
 def _world(group: dist.ProcessGroup | None) -> int:
@@ -65,16 +63,15 @@ def _sum_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
 
 
 def head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-               group: dist.ProcessGroup | None, with_grads: bool):
-    """Mean cross-entropy of all rows of h against labels over the vocabulary split across the group, this rank
-    holding rows [vocab_start, vocab_start + len(w)) of it; with the gradients of h (this rank's vocabulary share
-    only: the caller sums them over ranks) and of w. One collective per chunk: every rank must run the same
-    number of chunks, so every rank passes the same number of rows."""
+              group: dist.ProcessGroup | None, with_grads: bool, num_items: float):
+    """Summed cross-entropy of all rows of h against labels, over num_items, with the vocabulary split across the
+    group, this rank holding rows [vocab_start, vocab_start + len(w)) of it; with the gradients of h (this rank's
+    vocabulary share only: the caller sums them over ranks) and of w. One collective per chunk: every rank must run
+    the same number of chunks, so every rank passes the same number of rows."""
     world = _world(group)
     rows, v_local = h.shape[0], w.shape[0]
     valid = labels != IGNORE
-    # the same on every rank (labels are the gathered global batch); kept on the device: no host sync
-    count = valid.sum().clamp_min(1)
+    count = max(float(num_items), 1.0)
     target = labels - vocab_start
     mine = valid & (target >= 0) & (target < v_local)
     target = torch.where(mine, target, 0)
@@ -115,8 +112,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     """Loss of this rank's hidden states h_local against the global batch's labels; gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, h_local, w_local, labels, vocab_start, group):
-        loss, grad_h, grad_w = head_pass(gather_rows(h_local, group), w_local, labels, vocab_start, group, True)
+    def forward(ctx, h_local, w_local, labels, vocab_start, group, num_items):
+        loss, grad_h, grad_w = head_pass(gather_rows(h_local, group), w_local, labels, vocab_start, group, True,
+                                         num_items)
         # every rank's tokens got gradient from every rank's vocabulary share: sum, keep this rank's rows
         ctx.save_for_backward(_sum_rows(grad_h, group), grad_w.to(w_local.dtype))
         return loss
@@ -124,7 +122,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out, grad_w * grad_out, None, None, None
+        return grad_h * grad_out, grad_w * grad_out, None, None, None, None
 
 
 class _VocabParallelLookup(torch.autograd.Function):

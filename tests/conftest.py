@@ -70,19 +70,23 @@ def torchrun(nproc: int, script: str | Path, *args: object, env: dict | None = N
 
 @pytest.fixture(scope="session")
 def train_env(tmp_path_factory, tiny_models) -> dict:
-    """A DATA-HF dataset of the demo corpus and an HF_HOME holding the tiny tied model as local/tiny."""
+    """DATA-HF datasets of the demo corpus (dataset: its text; chats: its conversations) and an HF_HOME holding the
+    tiny tied model as local/tiny (with its chat template) and the untied one as local/tiny-untied."""
     import os
+    import shutil
 
     from pipeline.corpus import CorpusConfig, build_dataset
     from pipeline.hub import import_local
 
     root = tmp_path_factory.mktemp("train_env")
-    build_dataset(CorpusConfig(ROOT / "examples" / "raw", root / "dataset", num_proc=1))
+    shutil.copytree(ROOT / "examples" / "raw", root / "text", ignore=shutil.ignore_patterns("chats"))
+    build_dataset(CorpusConfig(root / "text", root / "dataset", num_proc=1))
+    build_dataset(CorpusConfig(ROOT / "examples" / "raw" / "chats", root / "chats", num_proc=1))
     import_local(tiny_models["tied"], "local/tiny", "main", root / "hf" / "hub")
     import_local(tiny_models["untied"], "local/tiny-untied", "main", root / "hf" / "hub")
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env["HF_HOME"] = str(root / "hf")
-    return {"root": root, "dataset": root / "dataset", "env": env}
+    return {"root": root, "dataset": root / "dataset", "chats": root / "chats", "env": env}
 
 
 def events(run_dir: Path, kind: str) -> list[dict]:

@@ -24,13 +24,74 @@ def write(root: Path, rel: str, content: str | bytes) -> None:
         path.write_text(content, encoding="utf-8")
 
 
-def rows_by_source(save_dir: Path) -> dict[str, list[str]]:
+def rows_by_source(save_dir: Path) -> dict[str, list]:
+    """Each source's rows in order: its text, or its messages for a conversation (whose text is empty)."""
     ds = datasets.load_from_disk(str(save_dir))
-    assert ds.column_names == ["text", "source"]
-    out: dict[str, list[str]] = {}
+    assert ds.column_names == ["text", "messages", "source"]
+    out: dict[str, list] = {}
     for row in ds:
-        out.setdefault(row["source"], []).append(row["text"])
+        assert (row["text"] == "") != (row["messages"] == [])
+        out.setdefault(row["source"], []).append(row["text"] or row["messages"])
     return out
+
+
+def chat(*turns: str, system: str | None = None) -> list[dict]:
+    """Messages alternating user/assistant from the first turn."""
+    head = [{"role": "system", "content": system}] if system else []
+    return head + [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)]
+
+
+def test_conversations_in_every_format_and_malformed_ones_counted(tmp_path):
+    data = tmp_path / "data"
+    openai = {"messages": chat("Hi", "Hello!", "Bye", "Goodbye.", system="Be kind.")}
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Two "}, {"type": "text",
+                                                                                          "text": "parts"}]},
+                          {"role": "assistant", "content": "ok"}]}
+    share = {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"},
+                               {"from": "gpt", "value": "A"}]}
+    alpaca = {"instruction": "Add them.", "input": "2 and 3", "output": "5"}
+    alpaca_no_input = {"instruction": "Name a colour.", "output": "Blue."}
+    pc = {"prompt": "Say hi.", "completion": "Hi!"}
+    pc_lists = {"prompt": [{"role": "user", "content": "Q?"}], "completion": [{"role": "assistant", "content": "A."}]}
+    bad = [
+        {"messages": chat("Hi", "Hello") + [{"role": "robot", "content": "beep"}]},  # unknown_role
+        {"messages": []},  # empty
+        {"messages": chat("Hi", "   ")},  # empty (a blank turn)
+        {"messages": chat("Only a question")},  # no_assistant_turn
+        {"messages": [{"role": "assistant", "content": "A"}, {"role": "user", "content": "Q"}]},  # not_alternating
+        {"messages": chat("Q", "A") + [{"role": "user", "content": "Q2"}, {"role": "user", "content": "Q3"},
+                                       {"role": "assistant", "content": "A"}]},  # not_alternating
+        {"messages": [{"role": "user"}]},  # malformed_message (no content)
+        {"conversations": "not a list"},  # malformed_message
+        {"instruction": 3, "output": "x"},  # malformed_message
+    ]
+    lines = [openai, {"note": "plain text record"}, *bad, parts, alpaca]
+    write(data, "chats.jsonl", "\n".join(map(json.dumps, lines[:5])) + "\n{broken\n" +
+          "\n".join(map(json.dumps, lines[5:])) + "\n")
+    write(data, "share.json", json.dumps([share, pc, {"text": "just text"}]))
+    write(data, "single.json", json.dumps(alpaca_no_input))
+    write(data, "lists.jsonl", json.dumps(pc_lists) + "\n")
+    write(data, "allbad.jsonl", json.dumps({"messages": chat("no answer")}) + "\n")
+    report = build(data, tmp_path / "out")
+    assert rows_by_source(tmp_path / "out") == {
+        "chats.jsonl": [openai["messages"], "plain text record", chat("Two parts", "ok"),
+                        chat("Add them.\n\n2 and 3", "5")],
+        "lists.jsonl": [chat("Q?", "A.")],
+        "share.json": [chat("Q", "A", system="S"), chat("Say hi.", "Hi!"), "just text"],
+        "single.json": [chat("Name a colour.", "Blue.")],
+    }
+    chats = report["conversations"]
+    assert chats["rows"] == 7
+    assert chats["by_format"] == {"alpaca": 2, "messages": 2, "prompt_completion": 2, "sharegpt": 1}
+    assert {r: v["where"] for r, v in chats["skipped"].items()} == {
+        "empty": ["chats.jsonl:line 4", "chats.jsonl:line 5"],
+        "malformed_message": ["chats.jsonl:line 10", "chats.jsonl:line 11", "chats.jsonl:line 12"],
+        "no_assistant_turn": ["allbad.jsonl:line 1", "chats.jsonl:line 7"],
+        "not_alternating": ["chats.jsonl:line 8", "chats.jsonl:line 9"],
+        "unknown_role": ["chats.jsonl:line 3"],
+    }
+    assert report["bad_jsonl_lines"] == {"count": 1, "where": ["chats.jsonl:6"]}
+    assert report["skipped"] == {"no_valid_conversation": {"count": 1, "paths": ["allbad.jsonl"]}}
 
 
 def build(data: Path, save: Path, **kw) -> dict:
@@ -43,7 +104,7 @@ def test_every_format_is_extracted(tmp_path):
     write(data, "a/readme.md", "\ufeff# Title\n\nbody\n")
     write(data, "b/nested.json", json.dumps({"title": "T", "n": 3, "body": {"x": ["one", {"y": "two"}], "z": "three"}}))
     write(data, "b/list.json", json.dumps([{"q": "q1", "a": "a1"}, {"q": "q2"}, 7, {"a": ""}]))
-    write(data, "c/chat.jsonl", '{"role": "user", "content": "hi"}\n\n{"content": "there"}\n')
+    write(data, "c/chat.jsonl", '{"role": "user", "content": "hi"}\n\n{"content": "there"}\n')  # not a conversation
     write(data, "c/docs.yaml", "title: first\nitems: [a, b]\n---\ntitle: second\n---\n42\n")
     write(data, "c/one.yml", "only: doc\n")
     report = build(data, tmp_path / "out")

@@ -56,14 +56,21 @@ def test_reimport_is_idempotent_and_skips_duplicate_formats(tmp_path, tiny_model
     (src / "original").mkdir()
     (src / "original" / "consolidated.00.pth").write_bytes(b"pth")
     (src / "pytorch_model.bin").write_bytes(b"bin")
+    # what other tokenizers load besides tokenizer.json: all kept, as a tokenizer may need any of them
+    for name in ("vocab.json", "merges.txt", "added_tokens.json", "special_tokens_map.json", "chat_template.json",
+                 "tokenizer.model"):
+        (src / name).write_text("{}")
     first = import_model(src, "local/tiny", tmp_path / "hf")
     assert first.returncode == 0, first.stderr
     assert "left out (not needed for training): original/consolidated.00.pth, pytorch_model.bin" in first.stdout
+    assert "chat template: chat_template.jinja, chat_template.json" in first.stdout
     repo = tmp_path / "hf" / "hub" / "models--local--tiny"
     before = {p.relative_to(repo).as_posix(): p.lstat().st_mtime_ns for p in repo.rglob("*")}
     (snapshot,) = (repo / "snapshots").iterdir()
     assert sorted(p.name for p in snapshot.iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        "added_tokens.json", "chat_template.jinja", "chat_template.json", "config.json", "generation_config.json",
+        "merges.txt", "model.safetensors", "special_tokens_map.json", "tokenizer.json", "tokenizer.model",
+        "tokenizer_config.json", "vocab.json"]
     again = import_model(src, "local/tiny", tmp_path / "hf")
     assert again.returncode == 0, again.stderr
     assert {p.relative_to(repo).as_posix(): p.lstat().st_mtime_ns for p in repo.rglob("*")} == before
@@ -126,7 +133,7 @@ def test_snapshot_download_offline_uses_the_cache_and_explains_a_miss(tmp_path, 
     assert import_model(tiny_models["tied"], "local/tiny", tmp_path / "hf").returncode == 0
     hit = run_script("MODEL_DOWNLOAD.py", "--model-name", "local/tiny", env=hub_env(tmp_path / "hf"))
     assert hit.returncode == 0, hit.stderr
-    assert "parameters:  132,992 (float32)" in hit.stdout
+    assert "parameters:  154,944 (float32)" in hit.stdout
     miss = run_script("MODEL_DOWNLOAD.py", "--model-name", "local/absent", env=hub_env(tmp_path / "hf"))
     assert (miss.returncode, miss.stderr) == (2, (
         f"error: local/absent (revision main) is not in the cache at {tmp_path / 'hf' / 'hub'} and the hub cannot "

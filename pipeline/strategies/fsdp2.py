@@ -90,7 +90,8 @@ class FSDP2(Strategy):
         return self.model if isinstance(self.model, FSDPModule) else self.model.base_model
 
     def loss(self) -> CausalLMLoss:
-        return CausalLMLoss(self.model, self.vocab_parallel, self.mesh.get_group() if self.vocab_parallel else None)
+        return CausalLMLoss(self.model, self.vocab_parallel, self.dist.world_size,
+                            self.mesh.get_group() if self.vocab_parallel else None)
 
     def gradient_sync(self, enabled: bool) -> None:
         self.root.set_requires_gradient_sync(enabled)

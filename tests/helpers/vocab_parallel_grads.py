@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from pipeline.batches import count_targets, make_batch
 from pipeline.config import ModelConfig
 from pipeline.loss import CausalLMLoss
 from pipeline.runtime import init_distributed
@@ -36,14 +37,15 @@ def main() -> None:
     for vocab_parallel in (False, True):
         model, loss_fn = build(model_dir, d, vocab_parallel)
         ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(d.rank))
-        loss = loss_fn(ids)
+        loss = loss_fn(make_batch(ids.numpy(), None, d.device), d.world_size * count_targets(ids.numpy(), None))
         loss.backward()
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
         with torch.no_grad():  # rank 0 pads its second row: only the others' rows and its first count
             valid = 1 if d.rank == 0 else 2
-            tokens = valid * (ids.shape[1] - 1)
-            padded = global_mean(loss_fn(ids, valid_rows=valid) * tokens, 1) / global_mean(torch.tensor(
-                float(tokens)), 1)
+            tokens = torch.tensor(float(count_targets(ids.numpy(), None, valid)))
+            # over num_items = world size, the values summed over ranks are the global sum (pipeline/loss.py)
+            summed = loss_fn(make_batch(ids.numpy(), None, d.device, valid), d.world_size)
+            padded = global_mean(summed, 1) / global_mean(tokens, 1)
         results[vocab_parallel] = {"loss": global_mean(loss, d.world_size), "grads": grads, "eval": padded,
                                    "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight}
     everyone = [torch.empty_like(ids) for _ in range(d.world_size)]

@@ -1,0 +1,49 @@
+"""Blocks from the token cache as model inputs: ids, labels and position ids on the training device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline import packing
+from pipeline.vocab_parallel import IGNORE
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    """[batch, seq] int64."""
+    labels: torch.Tensor
+    """[batch, seq]: the ids, IGNORE where a token is not a target (the model shifts them by one)."""
+    position_ids: torch.Tensor | None
+    """[batch, seq], restarting at each packed sequence; None for plain text blocks (0..seq-1). With them, the
+    model's mask keeps attention within each sequence (transformers derives it from the restarts)."""
+
+
+def _to(x: np.ndarray, device: torch.device) -> torch.Tensor:
+    """int64 on the device. On GPU through pinned memory: a copy from pageable memory waits for every kernel
+    already queued (a host sync per micro-step), a pinned one is queued behind them."""
+    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
+    return t if device.type != "cuda" else t.pin_memory().to(device, non_blocking=True)
+
+
+def make_batch(ids: np.ndarray, flags: np.ndarray | None, device: torch.device,
+               valid_rows: int | None = None) -> Batch:
+    """The batch of these blocks; rows from valid_rows on are padding and have no targets."""
+    labels = ids.astype(np.int64)
+    if flags is not None:
+        labels = np.where(flags & packing.TRAIN, labels, IGNORE)
+    if valid_rows is not None:
+        labels[valid_rows:] = IGNORE
+    input_ids = _to(ids, device)
+    return Batch(input_ids, _to(labels, device), None if flags is None else _to(packing.positions(flags), device))
+
+
+def count_targets(ids: np.ndarray, flags: np.ndarray | None, valid_rows: int | None = None) -> int:
+    """Tokens of these blocks that are targets of the loss (the first of each block never is)."""
+    rows = len(ids) if valid_rows is None else valid_rows
+    if flags is None:
+        return rows * (ids.shape[1] - 1)
+    return int(packing.targets(flags[:rows]).sum())
