@@ -30,11 +30,19 @@ demo: $(STAMP)
 	examples/demo_train.sh $(PY) $(DEMO)/outputs demo -d $(DEMO)/hf_datasets/corpus -m $(DEMO_MODEL) \
 		--config configs/demo.yaml
 	@echo
+	@echo "== chat: conversations only, loss on the assistant turns"
+	$(PY) DATA-HF.py --data_folder examples/raw/chats --save_dir $(DEMO)/hf_datasets/chats --overwrite
+	rm -rf $(DEMO)/outputs/chat
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 fsdp1.py -e chat --save-dir $(DEMO)/outputs \
+		-d $(DEMO)/hf_datasets/chats -m $(DEMO_MODEL) --config configs/demo_chat.yaml
+	$(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf --prompt "What is 12 plus 30?" --max-new-tokens 24
+	@echo
 	@echo "demo outputs:"
 	@echo "  splits + manifest:   $(DEMO)/splits/manifest.jsonl"
 	@echo "  Arrow dataset:       $(DEMO)/hf_datasets/corpus (report: prep_report.json inside it)"
 	@echo "  tiny model (random): $(DEMO)/tiny-llama, imported as $(DEMO_MODEL) into $(HF_HOME)"
 	@echo "  training run:        $(DEMO)/outputs/demo (metrics.jsonl, loss.png, train.log, checkpoints/, hf/)"
+	@echo "  chat run:            $(DEMO)/outputs/chat (try it: $(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf)"
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -5,7 +5,8 @@ import yaml
 from conftest import ROOT, run_script, torchrun
 
 DEMO = ["--config", str(ROOT / "configs" / "demo.yaml"), "--max-steps", "40", "--ckpt-freq", "20", "--eval-freq", "20"]
-TRAIN_KEYS = {"event", "step", "time", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "time_ms", "mem_gb"}
+TRAIN_KEYS = {"event", "step", "time", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "trained_tokens_per_s",
+              "mfu", "time_ms", "mem_gb"}
 
 
 def events(run_dir):
@@ -68,7 +69,7 @@ def test_single_process_run_reuses_the_token_cache(tmp_path, train_env):
          "run: python MODEL_DOWNLOAD.py --model-name local/absent (add --source DIR if offline)"),
         (["-d", "{data}", "-m", "local/tiny", "--seq-length", "4096"], "--seq-length 4096 is above the model's "
          "limit (max_position_embeddings 2048)"),
-        (["-d", "{data}", "-m", "local/tiny", "--seq-length", "2048", "-b", "64"], "the dataset gives 50 training "
+        (["-d", "{data}", "-m", "local/tiny", "--seq-length", "2048", "-b", "64"], "the dataset gives 41 training "
          "blocks of 2048 tokens, fewer than one global batch (1 processes x batch 64 x grad accum 1 = 64); use "
          "more data or a smaller --seq-length, --batch-size or --grad-accum"),
         (["-d", "{t}/empty", "-m", "local/tiny"], "--dataset-name {t}/empty is empty"),

@@ -1,0 +1,238 @@
+"""Conversations: masks through two chat templates, packing, the packed loss, and chat runs end to end."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, kill_tree, losses, run_script, torchrun, wait_for
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pipeline import packing
+from pipeline.batches import Batch, count_targets, make_batch
+from pipeline.chat_tokens import Rendered, TemplateMismatch, fit, tokenize_conversation
+from pipeline.data import load_text_dataset
+from pipeline.errors import UserError
+from pipeline.loss import CausalLMLoss
+from pipeline.tiny import CHAT_TEMPLATE
+
+CHATML = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+CHATML_MARKED = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' }}{%- if m['role'] == 'assistant' %}"
+                 "{% generation %}{{- m['content'] + '<|im_end|>' }}{% endgeneration %}{%- else %}"
+                 "{{- m['content'] + '<|im_end|>' }}{%- endif %}{{- '\\n' }}{%- endfor %}"
+                 "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 plus 2?"},
+            {"role": "assistant", "content": "2 plus 2 is 4."}, {"role": "user", "content": "And times 3?"},
+            {"role": "assistant", "content": "4 times 3 is 12."}]
+
+
+@pytest.fixture(scope="module")
+def llama3(tiny_models):
+    return AutoTokenizer.from_pretrained(tiny_models["tied"])
+
+
+@pytest.fixture(scope="module")
+def chatml(tiny_models):
+    tok = AutoTokenizer.from_pretrained(tiny_models["tied"])
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    return tok
+
+
+def trained_text(tok, r: Rendered) -> list[str]:
+    """The decoded runs of trained tokens."""
+    runs, current = [], []
+    for token, trained in zip(r.ids.tolist(), r.trained.tolist(), strict=True):
+        if trained:
+            current.append(token)
+        elif current:
+            runs.append(tok.decode(current))
+            current = []
+    return runs + ([tok.decode(current)] if current else [])
+
+
+def test_llama3_template_masks_each_answer_and_its_end_of_turn(llama3):
+    r = tokenize_conversation(llama3, MESSAGES, "01 Jan 2025", "assistant")
+    assert trained_text(llama3, r) == ["2 plus 2 is 4.<|eot_id|>", "4 times 3 is 12.<|eot_id|>"]
+    assert llama3.decode(r.ids).startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+                                           "Cutting Knowledge Date: December 2023\nToday Date: 01 Jan 2025\n\n")
+    assert r.ids.tolist() == llama3.apply_chat_template(MESSAGES, date_string="01 Jan 2025")["input_ids"]
+    assert r.cuts[-1] == len(r.ids)
+    last = tokenize_conversation(llama3, MESSAGES, "01 Jan 2025", "last")
+    assert trained_text(llama3, last) == ["4 times 3 is 12.<|eot_id|>"]
+    every = tokenize_conversation(llama3, MESSAGES, "01 Jan 2025", "all")
+    assert every.trained.all() and every.cuts == r.cuts
+    # the date is pinned: the same conversation on another day is other tokens
+    assert tokenize_conversation(llama3, MESSAGES, "02 Jan 2025", "assistant").ids.tolist() != r.ids.tolist()
+
+
+def test_chatml_template_masks_answers_without_the_newline(chatml):
+    r = tokenize_conversation(chatml, MESSAGES, "x", "assistant")
+    assert trained_text(chatml, r) == ["2 plus 2 is 4.<|im_end|>", "4 times 3 is 12.<|im_end|>"]
+
+
+def test_prefix_rendering_equals_the_generation_markers_of_transformers(chatml):
+    """On a template with {% generation %} markers, transformers' own assistant mask is the reference."""
+    chatml.chat_template = CHATML_MARKED
+    try:
+        ref = chatml.apply_chat_template(MESSAGES, return_assistant_tokens_mask=True, return_dict=True)
+        ours = tokenize_conversation(chatml, MESSAGES, "x", "assistant")
+    finally:
+        chatml.chat_template = CHATML
+    assert ours.ids.tolist() == ref["input_ids"]
+    assert ours.trained.astype(int).tolist() == ref["assistant_masks"]
+
+
+def test_a_template_that_rewrites_earlier_turns_is_a_mismatch(llama3):
+    tok = AutoTokenizer.from_pretrained(llama3.name_or_path)
+    tok.chat_template = ("{%- for m in messages %}{%- if loop.last %}{{ m['content'] }}"
+                         "{%- else %}{{ m['content'][:1] }}{%- endif %}{%- endfor %}")
+    with pytest.raises(TemplateMismatch):
+        tokenize_conversation(tok, MESSAGES, "x", "assistant")
+
+
+def test_long_conversations_are_cut_at_the_end_of_a_turn_or_dropped(llama3):
+    r = tokenize_conversation(llama3, MESSAGES, "x", "assistant")
+    first_end = r.cuts[0]
+    cut, status = fit(r, first_end + 3)
+    assert status == "truncated" and len(cut.ids) == first_end and cut.cuts == [first_end]
+    assert trained_text(llama3, cut) == ["2 plus 2 is 4.<|eot_id|>"]
+    assert fit(r, first_end - 1) == (None, "dropped_too_long")
+    assert fit(r, len(r.ids)) == (r, "kept")
+    assert fit(tokenize_conversation(llama3, MESSAGES, "x", "last"), len(r.ids) - 1) == (None, "dropped_too_long")
+
+
+def test_best_fit_decreasing_fills_blocks_and_never_splits():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 101, 500)
+    bins = packing.best_fit_decreasing(lengths, 100)
+    assert sorted(i for b in bins for i in b) == list(range(500))
+    assert all(lengths[b].sum() <= 100 for b in bins)
+    assert len(bins) <= np.ceil(lengths.sum() / 100) * 1.1  # within 10% of the lower bound
+    assert packing.best_fit_decreasing(lengths, 100) == bins  # deterministic
+    # best fit, not first fit: 6 goes to the bin with 4 free (after 96), not the one with 7 free (after 93)
+    assert packing.best_fit_decreasing(np.array([93, 96, 4, 3]), 100) == [[1, 2], [0, 3]]
+
+
+def test_packed_blocks_carry_starts_targets_and_positions():
+    ids = [np.arange(1, 6, dtype=np.uint32), np.arange(10, 13, dtype=np.uint32)]
+    trained = [np.array([0, 0, 1, 1, 1], bool), np.array([0, 1, 1], bool)]
+    blocks, flags = packing.pack(ids, trained, 10, pad_id=0)
+    assert blocks.tolist() == [[1, 2, 3, 4, 5, 10, 11, 12, 0, 0]]
+    assert flags.tolist() == [[2, 0, 1, 1, 1, 2, 1, 1, 2, 0]]
+    assert packing.positions(flags).tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1]]
+    assert packing.targets(flags).tolist() == [5]
+    text = np.array([[5, 6, 9, 7, 9, 8]], dtype=np.uint32)  # 9 = EOS
+    assert packing.text_flags(text, 9, False).tolist() == [[2, 1, 1, 1, 1, 1]]
+    masked = packing.text_flags(text, 9, True)
+    assert masked.tolist() == [[2, 1, 1, 2, 1, 2]] and packing.positions(masked).tolist() == [[0, 1, 2, 0, 1, 0]]
+
+
+def test_packed_loss_equals_the_token_weighted_mean_of_each_conversation(tiny_models, llama3):
+    """Block-diagonal attention and restarted positions: packing changes nothing a conversation sees."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["tied"], dtype=torch.float32)
+    convs = [MESSAGES, MESSAGES[1:3], MESSAGES[:3],
+             [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello there, friend."}]]
+    rendered = [tokenize_conversation(llama3, m, "x", "assistant") for m in convs]
+    blocks, flags = packing.pack([r.ids for r in rendered], [r.trained for r in rendered], 512, llama3.eos_token_id)
+    assert len(blocks) == 1  # all four share one block, so attention would cross them without the mask
+    n = count_targets(blocks, flags)
+    batch = make_batch(blocks, flags, torch.device("cpu"))
+    packed = CausalLMLoss(model, False, 1)(batch, n).item()
+    total = 0.0
+    for r in rendered:
+        labels = torch.where(torch.from_numpy(r.trained), torch.from_numpy(r.ids.astype(np.int64)), -100)
+        out = model(input_ids=torch.from_numpy(r.ids.astype(np.int64))[None], labels=labels[None],
+                    num_items_in_batch=1)
+        total += out.loss.item()
+    assert n == sum(int(r.trained[1:].sum()) for r in rendered)
+    assert packed == pytest.approx(total / n, abs=1e-5)
+    unmasked = CausalLMLoss(model, False, 1)(Batch(batch.input_ids, batch.labels, None), n).item()
+    assert abs(unmasked - total / n) > 1e-3  # without the restarts, later conversations see earlier ones
+
+
+def test_a_dataset_with_neither_text_nor_messages_is_refused(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"question": ["q"]}).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(UserError, match=r"has neither a 'text' nor a 'messages' column \(columns: question\)"):
+        load_text_dataset(str(tmp_path / "ds"))
+
+
+# ------------------------------------------------------------------------------------------------- end to end
+
+
+def chat_args(env: dict, root, *extra, name: str = "c") -> list:
+    return ["-e", name, "-d", env["chats"], "-m", "local/tiny", "--save-dir", root, "--config",
+            ROOT / "configs" / "demo.yaml", "--seq-length", "256", "--log-freq", "1", "--ckpt-freq", "4",
+            "--eval-freq", "0", "--max-steps", "12", "--chat-date", "01 Jan 2025", *extra]
+
+
+@pytest.fixture(scope="module")
+def chat_reference(train_env, tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat_ref")
+    proc = torchrun(2, ROOT / "fsdp1.py", *chat_args(train_env, root), env=train_env["env"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
+def test_chat_run_trains_on_answers_and_exports_the_template(train_env, chat_reference, tiny_models):
+    run = chat_reference / "c"
+    ref = losses(run)
+    assert sorted(ref) == list(range(1, 13))
+    meta = json.loads(next((chat_reference / "token_cache").glob("*/meta.json")).read_text())
+    assert meta["conversations"]["kept"] == 302 and meta["text_blocks"] == 0 and meta["flags"]
+    log = (run / "train.log").read_text()
+    assert "conversations: kept 302;" in log and "are targets of the loss" in log
+    train = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    assert all(0 < e["trained_tokens_per_s"] < 0.5 * e["tokens_per_s"] for e in train)
+    exported = AutoTokenizer.from_pretrained(run / "hf")
+    assert exported.chat_template == AutoTokenizer.from_pretrained(tiny_models["tied"]).chat_template == CHAT_TEMPLATE
+    reply = subprocess.run([sys.executable, "-m", "pipeline.chat", run / "hf", "--prompt", "What is 2 plus 3?",
+                            "--max-new-tokens", "4"], cwd=ROOT, env=train_env["env"], capture_output=True, text=True)
+    assert reply.returncode == 0, reply.stderr[-2000:]
+
+
+def test_chat_run_head_paths_agree_and_a_killed_run_resumes_exactly(train_env, chat_reference, tmp_path):
+    ref = losses(chat_reference / "c")
+    hf_head = torchrun(2, ROOT / "fsdp1.py", *chat_args(train_env, tmp_path, "--vocab-parallel", "off", name="hf"),
+                       env=train_env["env"])
+    assert hf_head.returncode == 0, hf_head.stderr[-3000:]
+    assert losses(tmp_path / "hf") == pytest.approx(ref, abs=1e-5)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "fsdp1.py"), *map(str, chat_args(train_env, tmp_path))]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**train_env["env"], "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    wait_for(lambda: max(losses(tmp_path / "c"), default=0) >= 6, proc)
+    kill_tree(proc)
+    again = torchrun(2, ROOT / "fsdp1.py", *chat_args(train_env, tmp_path), env=train_env["env"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout
+    assert losses(tmp_path / "c") == ref  # bitwise: same world size, CPU
+    changed = torchrun(2, ROOT / "fsdp1.py", *chat_args(train_env, tmp_path, "--train-on", "last"),
+                       env=train_env["env"])
+    assert changed.returncode != 0  # torchrun's own status when its workers exit with 2
+    assert "refusing to resume" in changed.stderr and "train_on was 'assistant' and is now 'last'" in changed.stderr
+
+
+def test_a_model_without_a_chat_template_gets_one_line_and_chat_template_fixes_it(train_env, tiny_models, tmp_path):
+    env = dict(train_env["env"])
+    src = tmp_path / "plain"
+    shutil.copytree(tiny_models["tied"], src)
+    (src / "chat_template.jinja").unlink()
+    args = ["-e", "n", "-d", train_env["chats"], "-m", src, "--save-dir", tmp_path / "out", "--seq-length", "256",
+            "--max-steps", "1", "--val-fraction", "0"]
+    refused = run_script("fsdp1.py", *args, env=env)
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines()[-1] == (
+        f"error: {train_env['chats']} holds conversations but {src} has no chat template to render them; use its "
+        "Instruct version, or pass --chat-template FILE.jinja (the template is exported with the model)")
+    template = tmp_path / "my.jinja"
+    template.write_text(CHATML)
+    fixed = run_script("fsdp1.py", *args, "--chat-template", template, env=env)
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    assert AutoTokenizer.from_pretrained(tmp_path / "out" / "n" / "hf").chat_template == CHATML
