@@ -35,7 +35,8 @@ demo: $(STAMP)
 	rm -rf $(DEMO)/outputs/chat
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 fsdp1.py -e chat --save-dir $(DEMO)/outputs \
 		-d $(DEMO)/hf_datasets/chats -m $(DEMO_MODEL) --config configs/demo_chat.yaml
-	$(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf --prompt "What is 12 plus 30?" --max-new-tokens 24
+	$(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf --prompt "How do I make soup?" --max-new-tokens 32
+	$(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf --prompt "What is 12 plus 30?" --max-new-tokens 32
 	@echo
 	@echo "demo outputs:"
 	@echo "  splits + manifest:   $(DEMO)/splits/manifest.jsonl"
