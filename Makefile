@@ -8,7 +8,7 @@ DEMO := demo
 DEMO_MODEL := local/tiny-llama
 export HF_HOME := $(CURDIR)/$(DEMO)/hf_home
 
-.PHONY: demo test lint bench bench-gpu clean-demo
+.PHONY: demo test lint bench bench-chat bench-gpu clean-demo
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/train_speed.py --repeats 3
 	$(PY) bench/checkpoint_io.py --repeats 2
 	$(PY) bench/startup.py --repeats 2
+
+# Chat fine-tuning against TRL's SFTTrainer (about 20 minutes on 2 cores: TRL's steps take about a minute there);
+# rewrites the chat_speed_cpu table of BENCHMARKS.md
+bench-chat: $(BENCH_STAMP)
+	$(PY) bench/chat_speed.py --repeats 2
 
 # The GPU table (one CUDA GPU, about 15 minutes; the model's checkpoints need 30 GB of disk): Llama-3.2-1B's shape,
 # fsdp1.py variants against the HF Trainer; rewrites the train_speed_gpu table of BENCHMARKS.md

@@ -17,7 +17,6 @@ import statistics
 from pathlib import Path
 
 from common import (
-    BENCH,
     ROOT,
     bar_chart,
     bench_args,
@@ -32,6 +31,8 @@ from common import (
     torchrun_cmd,
     update_section,
 )
+
+BENCH = Path(__file__).resolve().parent
 
 
 def conversations(work: Path, copies: int) -> Path:
@@ -73,7 +74,7 @@ def run_trl(args, work: Path, model: Path, data: Path) -> dict:
     result = work / "trl.json"
     cmd = torchrun_cmd(args.world, BENCH / "trl_worker.py", "--model", model, "--dataset", data, "--out", result,
                        "--batch-size", args.batch, "--seq", args.seq, "--max-steps", args.steps)
-    out = launch(cmd, bench_env(PYTHONPATH=str(ROOT)))
+    out = launch(cmd, bench_env(), timeout=1800)  # about a minute per step on 2 CPU cores (see BENCHMARKS.md)
     r = json.loads(result.read_text())
     return {**r, "steps": intervals(r["step_end"], args.discard),
             "targets_per_step": r["targets_per_row"] * args.world * args.batch,
@@ -85,9 +86,9 @@ def main() -> None:
     p = bench_args(__doc__, repeats=3, layers=2, hidden=256)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--copies", type=int, default=8)
-    p.add_argument("--discard", type=int, default=5, help="warm-up steps left out of the steady state")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--copies", type=int, default=4)
+    p.add_argument("--discard", type=int, default=3, help="warm-up steps left out of the steady state")
     args = p.parse_args()
     work = args.workdir
     model = build_model(work / f"llama-128k-{args.layers}x{args.hidden}", layers=args.layers, hidden=args.hidden)

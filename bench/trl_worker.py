@@ -51,13 +51,14 @@ class StepTimes(TrainerCallback):
         self.times.append(time.time())
 
 
-def check_masks(tokenizer, conversations: list, template: str, date: str) -> int:
-    """Conversations whose ids or assistant mask differ between ours and transformers' (TRL's) marked template."""
+def check_masks(ours_tok, trl_tok, conversations: list, date: str) -> int:
+    """Conversations whose ids or assistant mask differ between ours (the model's template, no markers) and
+    transformers' (TRL's, through the marked template)."""
     bad = 0
     for messages in conversations:
-        ours = tokenize_conversation(tokenizer, messages, date, "assistant")
-        ref = tokenizer.apply_chat_template(messages, chat_template=template, return_assistant_tokens_mask=True,
-                                            return_dict=True, date_string=date)
+        ours = tokenize_conversation(ours_tok, messages, date, "assistant")
+        ref = trl_tok.apply_chat_template(messages, return_assistant_tokens_mask=True, return_dict=True,
+                                          date_string=date)
         bad += ours.ids.tolist() != ref["input_ids"] or ours.trained.astype(int).tolist() != ref["assistant_masks"]
     return bad
 
@@ -88,36 +89,36 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, required=True)
     p.add_argument("--chat-date", default="26 Jul 2024")
     args = p.parse_args()
+    ours_tok = AutoTokenizer.from_pretrained(args.model)  # the model's own template, as fsdp1.py renders it
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    template = marked(tokenizer.chat_template)
+    tokenizer.chat_template = marked(tokenizer.chat_template)
     ds = load_from_disk(args.dataset).select_columns(["messages"])
     ds = ds.filter(lambda row: len(row["messages"]) > 0)
+    # TRL passes a row's chat_template_kwargs to apply_chat_template: the date pinned as fsdp1.py's --chat-date does
+    ds = ds.map(lambda _: {"chat_template_kwargs": {"date_string": args.chat_date}})
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
-    tokenizer.chat_template = template
     config = SFTConfig(
         output_dir=str(args.out.parent / "trl_out"), per_device_train_batch_size=args.batch_size,
         max_length=args.seq, packing=True, assistant_only_loss=True, max_steps=args.max_steps, learning_rate=3e-4,
         warmup_steps=5, lr_scheduler_type="cosine", adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8,
         weight_decay=0.0, max_grad_norm=1.0, use_cpu=True, ddp_backend="gloo", optim="adamw_torch", report_to=[],
         save_strategy="no", eval_strategy="no", logging_steps=10**9, disable_tqdm=True, seed=0,
-        dataset_num_proc=1, dataloader_num_workers=0, chat_template_kwargs={"date_string": args.chat_date})
+        dataset_num_proc=1, dataloader_num_workers=0)
     timer = StepTimes()
     trainer = SFTTrainer(model=model, args=config, train_dataset=ds, processing_class=tokenizer, callbacks=[timer])
-    result = {}
+    conversations = ds["messages"]
+    by_ids = {}
+    for messages in conversations:
+        r = tokenize_conversation(ours_tok, messages, args.chat_date, "assistant")
+        by_ids[tuple(r.ids.tolist())] = r
+    # on every rank: TRL's compute_loss gathers its metrics over the ranks (a collective)
+    result = {"first_loss": first_losses(trainer, tokenizer, by_ids, args.seq * args.batch_size)}
     if trainer.args.process_index == 0:
-        conversations = ds["messages"]
-        result["mask_mismatches"] = check_masks(tokenizer, conversations, template, args.chat_date)
+        result["mask_mismatches"] = check_masks(ours_tok, tokenizer, conversations, args.chat_date)
         result["conversations"] = len(conversations)
-        by_ids = {}
-        for messages in conversations:
-            r = tokenize_conversation(tokenizer, messages, args.chat_date, "assistant")
-            by_ids[tuple(r.ids.tolist())] = r
-        result["first_loss"] = first_losses(trainer, tokenizer, by_ids, args.seq * args.batch_size)
-        rows = trainer.train_dataset
-        mask = "assistant_masks" if "assistant_masks" in rows.column_names else "completion_mask"
-        lengths = [len(x) for x in rows["input_ids"]]
-        result["targets_per_row"] = float(np.mean([sum(m) for m in rows[mask]]))
-        result["tokens_per_row"] = float(np.mean(lengths))
+        rows = trainer.train_dataset  # packed rows; labels are -100 where a token is not in the loss
+        result["targets_per_row"] = float(np.mean([sum(t != -100 for t in labels) for labels in rows["labels"]]))
+        result["tokens_per_row"] = float(np.mean([len(x) for x in rows["input_ids"]]))
     trainer.train()
     if trainer.args.process_index == 0:
         result["step_end"] = timer.times

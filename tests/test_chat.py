@@ -236,3 +236,19 @@ def test_a_model_without_a_chat_template_gets_one_line_and_chat_template_fixes_i
     fixed = run_script("fsdp1.py", *args, "--chat-template", template, env=env)
     assert fixed.returncode == 0, fixed.stderr[-3000:]
     assert AutoTokenizer.from_pretrained(tmp_path / "out" / "n" / "hf").chat_template == CHATML
+
+
+def test_document_mask_on_text_starts_a_sequence_after_each_eos(train_env, tiny_models, tmp_path):
+    args = ["-e", "dm", "-d", train_env["dataset"], "-m", "local/tiny", "--save-dir", tmp_path, "--config",
+            ROOT / "configs" / "demo.yaml", "--max-steps", "2", "--eval-freq", "0", "--document-mask", "on"]
+    proc = run_script("fsdp1.py", *args, env=train_env["env"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (cache,) = (tmp_path / "token_cache").iterdir()
+    ids, flags = np.load(cache / "train.npy"), np.load(cache / "train_flags.npy")
+    eos = AutoTokenizer.from_pretrained(tiny_models["tied"]).eos_token_id
+    after_eos = np.zeros(ids.shape, dtype=bool)
+    after_eos[:, 1:] = ids[:, :-1] == eos
+    assert after_eos.any()
+    assert ((flags & packing.START) > 0).tolist() == (after_eos | (np.arange(ids.shape[1]) == 0)).tolist()
+    assert ((flags & packing.TRAIN) > 0).tolist() == (~after_eos & (np.arange(ids.shape[1]) > 0)).tolist()
+    assert json.loads((tmp_path / "dm" / "state.json").read_text())["fingerprint"]["document_mask"] is True
