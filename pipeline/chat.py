@@ -41,6 +41,18 @@ def reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperatu
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
+def _lines():
+    """The user's messages: typed at a prompt, or piped in one per line."""
+    if not sys.stdin.isatty():
+        yield from sys.stdin
+        return
+    while True:
+        try:
+            yield input("> ")
+        except EOFError:
+            return
+
+
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description="Chat with a trained model through its chat template.")
     p.add_argument("model_dir", type=Path, help="a model folder: RUN/hf, RUN/best, or any Hugging Face folder")
@@ -58,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         history.append({"role": "user", "content": args.prompt})
         print(reply(model, tokenizer, history, args.max_new_tokens, args.temperature, args.chat_date))
         return 0
-    print(f"chatting with {args.model_dir} (an empty line ends)", file=sys.stderr)
-    for line in sys.stdin if not sys.stdin.isatty() else iter(lambda: input("> "), None):
+    print(f"chatting with {args.model_dir} (an empty line or end of input ends)", file=sys.stderr)
+    for line in _lines():
         if not line.strip():
             break
         history.append({"role": "user", "content": line.strip()})

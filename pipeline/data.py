@@ -237,7 +237,8 @@ def build_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, out: Path) -> No
     tmp.mkdir(parents=True)
     try:
         chats = conversation_rows(ds)
-        text_rows = ds.select(np.flatnonzero(~chats)) if chats.any() else ds
+        # a hub dataset may have messages and no text column: its rows without a conversation have nothing to train
+        text_rows = ds.select(np.flatnonzero(~chats) if "text" in ds.column_names else [])
         blocks, n_tokens = _text_blocks(text_rows, tokenizer, spec, num_proc, tmp)
         meta: dict = {"text_tokens": int(n_tokens), "text_blocks": len(blocks)}
         if spec.flagged:

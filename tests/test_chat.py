@@ -168,8 +168,8 @@ def test_a_dataset_with_neither_text_nor_messages_is_refused(tmp_path):
 
 def chat_args(env: dict, root, *extra, name: str = "c") -> list:
     return ["-e", name, "-d", env["chats"], "-m", "local/tiny", "--save-dir", root, "--config",
-            ROOT / "configs" / "demo.yaml", "--seq-length", "256", "--log-freq", "1", "--ckpt-freq", "4",
-            "--eval-freq", "0", "--max-steps", "12", "--chat-date", "01 Jan 2025", *extra]
+            ROOT / "configs" / "demo.yaml", "--seq-length", "256", "--log-freq", "1", "--ckpt-freq", "3",
+            "--eval-freq", "0", "--max-steps", "6", "--chat-date", "01 Jan 2025", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +183,7 @@ def chat_reference(train_env, tmp_path_factory):
 def test_chat_run_trains_on_answers_and_exports_the_template(train_env, chat_reference, tiny_models):
     run = chat_reference / "c"
     ref = losses(run)
-    assert sorted(ref) == list(range(1, 13))
+    assert sorted(ref) == list(range(1, 7))
     meta = json.loads(next((chat_reference / "token_cache").glob("*/meta.json")).read_text())
     assert meta["conversations"]["kept"] == 302 and meta["text_blocks"] == 0 and meta["flags"]
     log = (run / "train.log").read_text()
@@ -207,15 +207,14 @@ def test_chat_run_head_paths_agree_and_a_killed_run_resumes_exactly(train_env, c
            str(ROOT / "fsdp1.py"), *map(str, chat_args(train_env, tmp_path))]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**train_env["env"], "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    wait_for(lambda: max(losses(tmp_path / "c"), default=0) >= 6, proc)
+    wait_for(lambda: max(losses(tmp_path / "c"), default=0) >= 4, proc)
     kill_tree(proc)
     again = torchrun(2, ROOT / "fsdp1.py", *chat_args(train_env, tmp_path), env=train_env["env"])
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout
     assert losses(tmp_path / "c") == ref  # bitwise: same world size, CPU
-    changed = torchrun(2, ROOT / "fsdp1.py", *chat_args(train_env, tmp_path, "--train-on", "last"),
-                       env=train_env["env"])
-    assert changed.returncode != 0  # torchrun's own status when its workers exit with 2
+    changed = run_script("fsdp1.py", *chat_args(train_env, tmp_path, "--train-on", "last"), env=train_env["env"])
+    assert changed.returncode == 2  # refused in preflight, before any process group
     assert "refusing to resume" in changed.stderr and "train_on was 'assistant' and is now 'last'" in changed.stderr
 
 
