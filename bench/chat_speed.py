@@ -17,6 +17,7 @@ import statistics
 from pathlib import Path
 
 from common import (
+    BENCH,
     ROOT,
     bar_chart,
     bench_args,
@@ -31,8 +32,6 @@ from common import (
     torchrun_cmd,
     update_section,
 )
-
-BENCH = Path(__file__).resolve().parent
 
 
 def conversations(work: Path, copies: int) -> Path:

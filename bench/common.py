@@ -20,7 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BENCHMARKS = ROOT / "BENCHMARKS.md"
-CHARTS = ROOT / "bench" / "charts"
+BENCH = ROOT / "bench"
+"""The benchmark scripts and their workers."""
+CHARTS = BENCH / "charts"
 LLAMA3_VOCAB = 128256
 
 

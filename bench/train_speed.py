@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from common import (
+    BENCH,
     ROOT,
     bar_chart,
     bench_args,
@@ -35,8 +36,6 @@ from common import (
     torchrun_cmd,
     update_section,
 )
-
-BENCH = Path(__file__).resolve().parent
 
 
 def run_ours(args, work: Path, model: Path, data: Path, name: str) -> dict:

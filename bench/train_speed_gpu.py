@@ -30,9 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import ROOT, bench_env, machine, read_events, table, torchrun_cmd, update_section
+from common import BENCH, ROOT, bench_env, machine, read_events, table, torchrun_cmd, update_section
 
-BENCH = Path(__file__).resolve().parent
 SEQ = 2048
 OURS_FLAGS = ["--precision", "bf16", "--seq-length", SEQ, "--log-freq", 5, "--ckpt-freq", 0, "--eval-freq", 0,
               "--lr", 3e-4, "--warmup-steps", 5, "--max-steps", 10**6, "--async-ckpt", "off"]

@@ -68,7 +68,7 @@ def first_losses(trainer: SFTTrainer, tokenizer, by_ids: dict, seq: int) -> dict
     batch = next(iter(trainer.get_train_dataloader()))
     model = trainer.model
     with torch.no_grad():
-        trl_loss = trainer.compute_loss(model, {k: v for k, v in batch.items()}).item()
+        trl_loss = trainer.compute_loss(model, dict(batch)).item()  # a copy: compute_loss may pop keys we read next
         ids, pos = batch["input_ids"][0].tolist(), batch["position_ids"][0].tolist()
         starts = [i for i, p in enumerate(pos) if p == 0] + [len(ids)]
         rendered = [by_ids[tuple(ids[a:b])] for a, b in zip(starts, starts[1:], strict=False)]
