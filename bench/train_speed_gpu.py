@@ -179,14 +179,15 @@ def model_figures(model: Path) -> tuple[float, float]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pipeline.hub import GIB, activation_bytes, memory_table
-    from pipeline.telemetry import flops_per_token, matmul_params
+    from pipeline.modeling import param_counts
+    from pipeline.telemetry import flops_per_token
 
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
     n = sum(p.numel() for p in meta.parameters())
     estimate = (memory_table(n, config, activation_bytes(config), gpus=(1,))[0]["total"] - GIB) / GIB
-    return flops_per_token(config, matmul_params(meta), SEQ), estimate
+    return flops_per_token(config, param_counts(meta)[1], SEQ), estimate
 
 
 def shown(path: Path) -> str:

@@ -23,7 +23,10 @@ from pipeline.errors import ArgumentParser, UserError
 
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "configs" / "profiles"
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
-Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+Sharding = Literal["auto", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+StrategyName = Literal["fsdp2", "fsdp1", "ddp", "manual"]
+AutoWrap = Literal["transformer", "size"]
+BackwardPrefetch = Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"]
 Schedule = Literal["cosine", "linear", "constant"]
 AutoOnOff = Literal["auto", "on", "off"]
 ExportDtype = Literal["auto", "bf16", "fp16", "fp32"]
@@ -133,9 +136,30 @@ class ModelConfig(Section):
     """Recompute each decoder layer's activations in backward: less memory, about a third more compute."""
     compile: bool = False
     """torch.compile each decoder layer."""
-    sharding: Sharding = "FULL_SHARD"
+    strategy: StrategyName = "fsdp2"
+    """How the model is spread over the ranks: fsdp2 (fully_shard), fsdp1 (FullyShardedDataParallel, with the
+    --auto-wrap, --backward-prefetch, --forward-prefetch, --limit-all-gathers and --use-orig-params knobs), ddp
+    (DistributedDataParallel: a whole replica per rank) or manual (this project's readable ZeRO-3,
+    pipeline/strategies/manual.py). All write the same checkpoints: a run resumes under another one."""
+    sharding: Sharding = "auto"
     """FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2: keep parameters gathered between forward and backward),
-    NO_SHARD (replicate, DDP semantics), HYBRID_SHARD (shard within a node, replicate across nodes)."""
+    NO_SHARD (replicate, DDP semantics), HYBRID_SHARD (shard within a node, replicate across nodes); auto:
+    NO_SHARD under ddp, FULL_SHARD otherwise."""
+    auto_wrap: AutoWrap = "transformer"
+    """fsdp1: one FSDP unit per decoder layer (transformer), or per module of at least --min-params parameters
+    (size); the embeddings and LM head always stay in the root unit."""
+    min_params: int = 100_000_000
+    """fsdp1 with --auto-wrap size: the smallest module given its own FSDP unit."""
+    backward_prefetch: BackwardPrefetch = "BACKWARD_PRE"
+    """fsdp1: all-gather the next unit's parameters before (BACKWARD_PRE) or after (BACKWARD_POST) the current
+    unit's gradient computation, or only when needed (NONE). fsdp2 prefetches as BACKWARD_PRE."""
+    forward_prefetch: bool = False
+    """fsdp1 and fsdp2: all-gather the next decoder layer's parameters while the current one computes."""
+    limit_all_gathers: bool = True
+    """fsdp1: at most two units' parameters gathered ahead of use (bounds memory; off may overlap more)."""
+    use_orig_params: bool = True
+    """fsdp1: keep the original parameters as views into each unit's flat parameter (needed by --compile and by
+    --weight-decay, which skips norms and biases); off gives the optimizer one flat parameter per unit."""
     cpu_offload: bool = False
     """Keep parameter shards, gradients and optimizer states in host memory; the optimizer step runs on CPU."""
     vocab_parallel: AutoOnOff = "auto"
@@ -144,10 +168,33 @@ class ModelConfig(Section):
 
     def check(self) -> None:
         _check(bool(self.model_name), "--model-name (-m) is required")
+        _check(self.min_params >= 1, f"--min-params must be at least 1, got {self.min_params}")
+        self._check_strategy()
+        if self.sharding == "auto":
+            self.sharding = "NO_SHARD" if self.strategy == "ddp" else "FULL_SHARD"
         _check(self.vocab_parallel != "on" or self.sharding in VOCAB_PARALLEL_SHARDINGS,
                f"--vocab-parallel on needs --sharding FULL_SHARD or SHARD_GRAD_OP, got {self.sharding}")
         _check(self.vocab_parallel != "on" or not self.cpu_offload,
                "--vocab-parallel on cannot be combined with --cpu-offload (the head would stay on the GPU)")
+
+    def _check_strategy(self) -> None:
+        """Combinations a strategy cannot run, each refused in one line naming what would."""
+        name = f"--strategy {self.strategy}"
+        allowed = {"ddp": ("auto", "NO_SHARD"), "manual": ("auto", "FULL_SHARD")}.get(self.strategy)
+        if allowed is not None:
+            what = "replicates the whole model on every rank" if self.strategy == "ddp" else "is ZeRO-3 (FULL_SHARD)"
+            _check(self.sharding in allowed, f"{name} {what}; --sharding {self.sharding} needs --strategy fsdp2 or "
+                                             "fsdp1")
+            _check(not self.cpu_offload, f"{name} cannot offload to the CPU; --cpu-offload needs --strategy fsdp2 or "
+                                         "fsdp1")
+        _check(self.vocab_parallel != "on" or self.strategy == "fsdp2",
+               f"--vocab-parallel on needs --strategy fsdp2, got {name}")
+        if self.strategy == "manual":
+            for key in ("compile", "activation_checkpointing"):
+                _check(not getattr(self, key), f"{name} does not support {flag(key)} yet; use --strategy fsdp2")
+        if self.strategy == "fsdp1":
+            _check(self.use_orig_params or not self.compile,
+                   "--compile under --strategy fsdp1 needs --use-orig-params on")
 
 
 @dataclass
@@ -208,6 +255,11 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.model.strategy != "fsdp1" or self.model.use_orig_params or self.optim.weight_decay == 0,
+               "--use-orig-params off gives the optimizer one flat parameter per FSDP unit, so --weight-decay cannot "
+               "skip norms and biases; use --weight-decay 0 or --use-orig-params on")
 
     @property
     def run_dir(self) -> Path:

@@ -81,7 +81,7 @@ def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dt
             names = {i: f for i, f in enumerate(files, 1)}
             index = {"metadata": {}, "weight_map": {k: names[i] for k, i in mapping.items()}}
             (work / INDEX).write_text(json.dumps(index, indent=2))
-        model = strategy.model
+        model = strategy.module
         config = model.config.__class__.from_dict(model.config.to_dict())
         config.dtype = dtype
         config.save_pretrained(work)
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         strategy, model_dir = load_checkpoint_model(args.checkpoint, d)
         run_template = args.checkpoint.resolve().parents[1] / RUN_TEMPLATE
         template = run_template.read_text(encoding="utf-8") if run_template.exists() else ""
-        export_model(strategy, model_dir, args.out, export_dtype(args.export_dtype, strategy.model.config), d,
+        export_model(strategy, model_dir, args.out, export_dtype(args.export_dtype, strategy.module.config), d,
                      template)
         if d.is_main:
             print(f"exported {args.checkpoint} to {args.out}")

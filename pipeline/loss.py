@@ -3,6 +3,8 @@ pipeline/vocab_parallel.py)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -29,15 +31,20 @@ class CausalLMLoss:
     """
 
     def __init__(self, model: nn.Module, vocab_parallel: bool, world_size: int,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None, autocast: torch.dtype | None = None):
         self.model, self.vocab_parallel, self.world_size, self.group = model, vocab_parallel, world_size, group
+        self.autocast = autocast
+        """Run the forward under torch.autocast in this dtype (a strategy whose parameters stay fp32: ddp)."""
 
     def __call__(self, batch: Batch, num_items: float) -> torch.Tensor:
         """Loss of the batch over num_items targets. A collective in the vocabulary-parallel path: every rank calls it
         with the same shapes."""
         if not self.vocab_parallel:
-            out = self.model(input_ids=batch.input_ids, labels=batch.labels, position_ids=batch.position_ids,
-                             use_cache=False, num_items_in_batch=num_items)
+            device = batch.input_ids.device.type
+            autocast = torch.autocast(device, self.autocast) if self.autocast else contextlib.nullcontext()
+            with autocast:
+                out = self.model(input_ids=batch.input_ids, labels=batch.labels, position_ids=batch.position_ids,
+                                 use_cache=False, num_items_in_batch=num_items)
             return out.loss * self.world_size
         h = self.model.base_model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                                   use_cache=False).last_hidden_state

@@ -54,12 +54,26 @@ def tied_partners(model: nn.Module) -> dict[str, str]:
     return {**pairs, **{v: k for k, v in pairs.items()}}
 
 
-def without_tied_aliases(model: nn.Module, state_dict: dict) -> dict:
-    """The state dict without the second name of a tied weight (lm_head.weight when tied to the embedding), as
-    Hugging Face files store it: DCP would otherwise write the same tensor twice (1 GB more per checkpoint for
-    Llama 3.2 1B in fp32)."""
-    aliases = tied_keys(model)
-    return {k: v for k, v in state_dict.items() if k not in aliases}
+def retie(model: nn.Module) -> None:
+    """Tie the LM head to the input embedding again where the config ties them and both are materialised:
+    to_empty gives every module its own new tensor, so a meta model materialised unsharded (DDP) or module by
+    module (FSDP1's param_init_fn) loses the tie."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head.weight is not embed.weight and not head.weight.is_meta and not embed.weight.is_meta:
+        head.weight = embed.weight
+
+
+def param_counts(model: nn.Module) -> tuple[int, int]:
+    """(parameters, parameters that take part in a matrix product per token) of an unwrapped model (a tied weight
+    counted once). The second leaves out an input embedding that is only looked up; a tied embedding is also the LM
+    head (a 2 x vocab x hidden product per token), so it counts."""
+    total = sum(p.numel() for p in model.parameters())
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is not None and head.weight is embed.weight:
+        return total, total
+    return total, total - embed.weight.numel()
 
 
 def reset_rotary(model: nn.Module, device: torch.device) -> None:

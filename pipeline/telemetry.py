@@ -73,6 +73,10 @@ class PhaseTimer:
     def step_done(self) -> None:
         self.steps += 1
 
+    def add(self, name: str, ms: float) -> None:
+        """Time measured elsewhere (a strategy's wait on collectives), reported beside the phases."""
+        self.totals[name] += ms
+
     def read(self) -> dict[str, float]:
         """Average ms per step for each phase since the last read (a host sync on GPU), then reset."""
         if self.pending:
@@ -80,7 +84,7 @@ class PhaseTimer:
             for name, start, end in self.pending:
                 self.totals[name] += start.elapsed_time(end)
         steps = max(self.steps, 1)
-        out = {p: round(self.totals.get(p, 0.0) / steps, 2) for p in PHASES}
+        out = {p: round(self.totals.get(p, 0.0) / steps, 2) for p in (*PHASES, *sorted(set(self.totals) - set(PHASES)))}
         self.totals.clear()
         self.pending.clear()
         self.steps = 0
@@ -99,16 +103,6 @@ def memory_gb(device: torch.device) -> dict[str, float]:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB; cannot be reset
         out = {"alloc": rss, "peak_alloc": peak, "reserved": rss, "peak_reserved": peak}
     return {k: round(v / GIB, 3) for k, v in out.items()}
-
-
-def matmul_params(model: torch.nn.Module) -> int:
-    """Parameters that take part in a matrix product per token: all but an input embedding that is only looked up.
-    A tied embedding is also the LM head (a 2 x vocab x hidden product per token), so it counts."""
-    total = sum(p.numel() for p in model.parameters())  # a tied weight is one parameter, counted once
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if head is not None and head.weight is embed.weight:
-        return total
-    return total - embed.weight.numel()
 
 
 def flops_per_token(config, num_matmul_params: int, seq_length: int) -> float:

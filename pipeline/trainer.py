@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from pipeline import config as config_mod
 from pipeline.batches import Batch, count_targets, make_batch
@@ -31,13 +30,12 @@ from pipeline.export import RUN_TEMPLATE, export_dtype, export_model
 from pipeline.fsutil import write_text_atomic
 from pipeline.preflight import Plan, preflight
 from pipeline.runtime import Dist, compute_dtype, init_distributed, watch_parent
-from pipeline.strategies import make_strategy
+from pipeline.strategies import ignored_knobs, make_strategy
 from pipeline.telemetry import (
     PhaseTimer,
     Telemetry,
     flops_per_token,
     log,
-    matmul_params,
     memory_gb,
     peak_flops,
     setup_logging,
@@ -95,12 +93,9 @@ def log_cache_meta(path: Path) -> None:
                  100 * meta["targets"] / max(total, 1))
 
 
-def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW with decay on matrices only; fused kernels (CUDA, and CPU: 3x faster there than the default loop)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+def build_optimizer(groups: list[dict], cfg: Config) -> torch.optim.Optimizer:
+    """AdamW over the strategy's parameter groups (decay on matrices only); fused kernels (CUDA, and CPU: 3x faster
+    there than the default loop)."""
     # with CPU offload the shards live on the host: the CPU kernel runs
     return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
 
@@ -190,23 +185,24 @@ class Trainer:
                                     cfg.train.batch_size, cfg.train.grad_accum)
         self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.sampler.steps_per_epoch
         self.strategy = make_strategy(cfg.model, d, self.dtype)
+        if d.is_main and (ignored := ignored_knobs(cfg.model)):
+            log.warning("%s: no effect under --strategy %s", ", ".join(ignored), cfg.model.strategy)
         self.model = self.strategy.build(plan.hf_config)
         self.loss = self.strategy.loss()
-        self.optimizer = build_optimizer(self.model, cfg)
+        self.optimizer = build_optimizer(self.strategy.param_groups(cfg.optim.weight_decay), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.step, self.samples_seen, self.best_val = 0, 0, math.inf
         self.bad_steps, self.skipped_since_save = 0, 0
         self.timer = PhaseTimer(d.device)
-        n_params = sum(p.numel() for p in self.model.parameters())
-        self.flops_per_token = flops_per_token(plan.hf_config, matmul_params(self.model), cfg.data.seq_length)
+        self.flops_per_token = flops_per_token(plan.hf_config, self.strategy.num_matmul_params, cfg.data.seq_length)
         self.peak = peak_flops(d.device)
         async_ckpt = cfg.run.async_ckpt == "on" or (cfg.run.async_ckpt == "auto" and d.device.type == "cuda")
         self.ckpt = Checkpointer(self.run_dir, d, cfg.train.keep_last, async_ckpt, plan.fingerprint)
         self.resumed_from = self.resume()
-        log.info("model %s: %s parameters, %s compute, %s; %d train / %d val blocks of %d tokens; global batch "
-                 "%d blocks; step %d of %d", type(self.model).__name__.removeprefix("FSDP"), f"{n_params:,}",
-                 self.dtype, cfg.model.sharding, len(self.blocks.train), len(self.blocks.val), cfg.data.seq_length,
-                 self.sampler.global_batch, self.step, self.total_steps)
+        log.info("model %s: %s parameters, %s compute, %s %s; %d train / %d val blocks of %d tokens; global batch "
+                 "%d blocks; step %d of %d", type(self.strategy.module).__name__, f"{self.strategy.num_params:,}",
+                 self.dtype, cfg.model.strategy, cfg.model.sharding, len(self.blocks.train), len(self.blocks.val),
+                 cfg.data.seq_length, self.sampler.global_batch, self.step, self.total_steps)
 
     # ------------------------------------------------------------------------------------------------ state
 
@@ -370,18 +366,19 @@ class Trainer:
         # the step's targets over every rank and micro-step, from the global permutation: no communication
         targets = self.count_targets(self.sampler.upcoming())
         micro = self.sampler.next_step()
+        self.strategy.comm_seconds()  # time_ms.comm counts this step's collectives, not evaluation's or a save's
         total = torch.zeros((), device=self.dist.device)
         with self.timer.phase("total"):
             for i, idx in enumerate(micro):
                 with self.timer.phase("data"):
                     batch = self.batch(self.blocks.train, self.blocks.train_flags, idx)
                 # reduce gradients only on the last micro-step; earlier ones accumulate locally
-                self.strategy.gradient_sync(i == len(micro) - 1)
-                with self.timer.phase("forward"):
-                    # each micro-batch's summed loss over the whole step's targets: their sum is the token mean
-                    loss = self.loss(batch, targets)
-                with self.timer.phase("backward"):
-                    loss.backward()
+                with self.strategy.gradient_sync(i == len(micro) - 1):
+                    with self.timer.phase("forward"):
+                        # each micro-batch's summed loss over the whole step's targets: their sum is the token mean
+                        loss = self.loss(batch, targets)
+                    with self.timer.phase("backward"):
+                        loss.backward()
                 total += loss.detach()
             with self.timer.phase("update"):
                 norm = self.strategy.clip_grad_norm(self.cfg.optim.max_grad_norm or math.inf)
@@ -391,6 +388,9 @@ class Trainer:
                     self.optimizer.step()
                     self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
+        comm = self.strategy.comm_seconds()
+        if comm is not None:
+            self.timer.add("comm", comm * 1000)
         self.timer.step_done()
         return result
 

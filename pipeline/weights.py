@@ -21,7 +21,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.futures import Future
 
 from pipeline.errors import UserError
-from pipeline.modeling import tied_partners
 
 INDEX = "model.safetensors.index.json"
 ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -155,18 +154,28 @@ class RowSliceReader(dcp.HuggingFaceStorageReader):
         return True
 
 
-def load_weights(model: nn.Module, model_dir: Path) -> None:
+def read_weights(state_dict: dict, model_dir: Path, partners: dict[str, str]) -> dict:
+    """Fill the tensors of state_dict (plain, DTensor or sharded: each rank's part) from the safetensors of
+    model_dir, every rank reading only what it holds; returns the entries filled, under state_dict's names.
+    partners: both names of a tied weight (modeling.tied_partners), stored in the files under either. A collective."""
+    index = read_index(model_dir)  # a truncated or corrupt file: one line naming it, not a safetensors traceback
+    stored = {}  # name in the files -> name in state_dict
+    for key in state_dict:
+        if key in index:
+            stored[key] = key
+        elif partners.get(key) in index:
+            stored.setdefault(partners[key], key)
+        else:
+            raise UserError(f"tensor {key} is missing from the weights in {model_dir}")
+    dcp.load({name: state_dict[key] for name, key in stored.items()}, storage_reader=RowSliceReader(model_dir, index))
+    return {key: state_dict[key] for key in stored.values()}
+
+
+def load_weights(model: nn.Module, model_dir: Path, partners: dict[str, str]) -> None:
     """Fill a distributed model (any torch.distributed wrapping whose state dict DCP understands) from safetensors;
     every rank reads only the slices it owns."""
-    index = read_index(model_dir)  # a truncated or corrupt file: one line naming it, not a safetensors traceback
     sd = get_model_state_dict(model)
-    partners = tied_partners(model)
-    wanted = {}
-    for key, value in sd.items():
-        if key in index:
-            wanted[key] = value
-        elif partners.get(key) not in index:
-            raise UserError(f"tensor {key} is missing from the weights in {model_dir}")
-    dcp.load(wanted, storage_reader=RowSliceReader(model_dir, index))
-    # strict=False: a tied lm_head is filled through its embedding (one shared parameter)
+    wanted = read_weights(sd, model_dir, partners)
+    # a tied weight under both of its names, both the tensor read (FSDP1 looks for both; it is one parameter)
+    wanted.update({name: wanted[other] for name, other in partners.items() if name in sd and other in wanted})
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))

@@ -52,6 +52,21 @@ def test_shipped_profiles_are_the_four_documented():
          "--vocab-parallel on needs --sharding FULL_SHARD or SHARD_GRAD_OP, got NO_SHARD"),
         (["--vocab-parallel", "on", "--cpu-offload"],
          "--vocab-parallel on cannot be combined with --cpu-offload (the head would stay on the GPU)"),
+        (["--strategy", "ddp", "--sharding", "HYBRID_SHARD"], "--strategy ddp replicates the whole model on every "
+         "rank; --sharding HYBRID_SHARD needs --strategy fsdp2 or fsdp1"),
+        (["--strategy", "manual", "--sharding", "SHARD_GRAD_OP"], "--strategy manual is ZeRO-3 (FULL_SHARD); "
+         "--sharding SHARD_GRAD_OP needs --strategy fsdp2 or fsdp1"),
+        (["--strategy", "ddp", "--cpu-offload"], "--strategy ddp cannot offload to the CPU; --cpu-offload needs "
+         "--strategy fsdp2 or fsdp1"),
+        (["--strategy", "fsdp1", "--vocab-parallel", "on"], "--vocab-parallel on needs --strategy fsdp2, got "
+         "--strategy fsdp1"),
+        (["--strategy", "manual", "--compile"], "--strategy manual does not support --compile yet; use --strategy "
+         "fsdp2"),
+        (["--strategy", "fsdp1", "--use-orig-params", "off", "--compile"],
+         "--compile under --strategy fsdp1 needs --use-orig-params on"),
+        (["--strategy", "fsdp1", "--use-orig-params", "off", "--weight-decay", "0.1"],
+         "--use-orig-params off gives the optimizer one flat parameter per FSDP unit, so --weight-decay cannot "
+         "skip norms and biases; use --weight-decay 0 or --use-orig-params on"),
     ],
 )
 def test_bad_values_name_the_flag(argv, message):
@@ -88,11 +103,14 @@ def test_choices_come_from_the_type_hints_and_are_checked_once():
     from pipeline.config import ModelConfig, RunConfig, choices
 
     assert choices(ModelConfig) == {"precision": ("auto", "bf16", "fp16", "fp32"),
-                                    "sharding": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"),
+                                    "strategy": ("fsdp2", "fsdp1", "ddp", "manual"),
+                                    "sharding": ("auto", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"),
+                                    "auto_wrap": ("transformer", "size"),
+                                    "backward_prefetch": ("BACKWARD_PRE", "BACKWARD_POST", "NONE"),
                                     "vocab_parallel": ("auto", "on", "off")}
     assert choices(RunConfig) == {"async_ckpt": ("auto", "on", "off"), "export_dtype": ("auto", "bf16", "fp16",
                                                                                          "fp32")}
-    with pytest.raises(UserError, match=r"^--sharding must be one of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "
+    with pytest.raises(UserError, match=r"^--sharding must be one of auto, FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "
                                         r"HYBRID_SHARD, got 'ZERO3'$"):
         ModelConfig(model_name="m", sharding="ZERO3")  # a YAML value, not only a flag, is checked
 

@@ -216,26 +216,36 @@ def test_resume_guard_names_the_changed_field(train_env, tmp_path, tiny_models):
     assert train(train_env, tmp_path, "--max-steps", 2).returncode == 0
     run = tmp_path / "r"
     fp = json.loads((run / "state.json").read_text())["fingerprint"]
-    cases = [
-        (["--seq-length", "64"], "seq_length was 128 and is now 64"),
-        (["--val-fraction", "0.1"], "val_fraction was 0.05 and is now 0.1"),
-        (["--seed", "1"], "seed was 0 and is now 1"),
-    ]
-    for extra, change in cases:
-        proc = run_script("fsdp1.py", *args(train_env, tmp_path, *extra), env=train_env["env"])
-        assert proc.returncode == 2
-        assert proc.stderr.splitlines()[-1] == (f"error: refusing to resume {run}: {change}; rerun with the original "
-                                                "value, or pass --no-resume to start a new run beside it")
-    other = [a if a != "local/tiny" else "local/tiny-untied" for a in args(train_env, tmp_path)]
-    proc = run_script("fsdp1.py", *other, env=train_env["env"])
-    assert "model_name was 'local/tiny' and is now 'local/tiny-untied'" in proc.stderr
     data2 = tmp_path / "data2"
     import datasets
 
     datasets.Dataset.from_dict({"text": ["other text " * 200] * 50}).save_to_disk(str(data2))
-    proc = run_script("fsdp1.py", *[str(data2) if a == str(train_env["dataset"]) else a
-                                    for a in args(train_env, tmp_path)], env=train_env["env"])
-    assert f"dataset was '{fp['dataset']}' and is now '" in proc.stderr
+    changes = {
+        "seq_length was 128 and is now 64": args(train_env, tmp_path, "--seq-length", "64"),
+        "val_fraction was 0.05 and is now 0.1": args(train_env, tmp_path, "--val-fraction", "0.1"),
+        "seed was 0 and is now 1": args(train_env, tmp_path, "--seed", "1"),
+        "model_name was 'local/tiny' and is now 'local/tiny-untied'":
+            [a if a != "local/tiny" else "local/tiny-untied" for a in args(train_env, tmp_path)],
+        f"dataset was '{fp['dataset']}' and is now '{{}}'":
+            [str(data2) if a == str(train_env["dataset"]) else a for a in args(train_env, tmp_path)],
+    }
+    # all five checked in one process: preflight refuses before any process group exists
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "preflight_errors.py")], cwd=ROOT,
+                          input=json.dumps(list(changes.values())), capture_output=True, text=True,
+                          env={**train_env["env"], "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(errors) == len(changes)
+    for change, error in zip(changes, errors, strict=True):
+        head = change.split("{}")[0]
+        assert error.startswith(f"refusing to resume {run}: {head}"), error
+        assert error.endswith("; rerun with the original value, or pass --no-resume to start a new run beside it")
+    assert errors[0] == (f"refusing to resume {run}: seq_length was 128 and is now 64; rerun with the original "
+                         "value, or pass --no-resume to start a new run beside it")
+    refused = run_script("fsdp1.py", *changes["seed was 0 and is now 1"], env=train_env["env"])
+    assert refused.returncode == 2 and refused.stderr.splitlines()[-1] == (
+        f"error: refusing to resume {run}: seed was 0 and is now 1; rerun with the original value, or pass "
+        "--no-resume to start a new run beside it")  # as the user sees it
     fresh = run_script("fsdp1.py", *args(train_env, tmp_path, "--seq-length", "64", "--no-resume"),
                        env=train_env["env"])
     assert fresh.returncode == 0, fresh.stderr[-3000:]

@@ -7,6 +7,8 @@ shards; the weights come from load_weights() or a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -15,7 +17,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from pipeline.config import VOCAB_PARALLEL_SHARDINGS, ModelConfig
 from pipeline.loss import CausalLMLoss
-from pipeline.modeling import decoder_layers, meta_model, reset_rotary
+from pipeline.modeling import decoder_layers, reset_rotary
 from pipeline.runtime import build_mesh
 from pipeline.strategies.base import Strategy
 from pipeline.vocab_parallel import VocabParallelEmbedding
@@ -32,11 +34,12 @@ def vocab_parallel_enabled(cfg: ModelConfig) -> bool:
 class FSDP2(Strategy):
     """`fully_shard` per decoder layer and at the root; --sharding picks the mesh and resharding."""
 
+    KNOBS = frozenset({"forward_prefetch", "backward_prefetch"})
     mesh: DeviceMesh
     vocab_parallel: bool
 
     def build(self, hf_config) -> nn.Module:
-        model = meta_model(hf_config)
+        model = self.meta(hf_config)
         self.mesh = build_mesh(self.cfg.sharding, self.dist)
         self.vocab_parallel = vocab_parallel_enabled(self.cfg)
         self._shard(model)
@@ -60,10 +63,14 @@ class FSDP2(Strategy):
         mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
         reshard = cfg.sharding in ("FULL_SHARD", "HYBRID_SHARD")
-        for layer in decoder_layers(model):
+        layers = decoder_layers(model)
+        for layer in layers:
             if cfg.compile:
                 layer.compile()
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+        if cfg.forward_prefetch:  # FSDP2's explicit prefetch; backward prefetch is implicit (as BACKWARD_PRE)
+            for layer, after in zip(layers, layers[1:], strict=False):
+                layer.set_modules_to_forward_prefetch([after])
         if not self.vocab_parallel:
             # root: embeddings, final norm and lm_head (one shared parameter when tied). Not resharded after
             # forward: the backward needs the lm_head first, right after the forward ends, so resharding would only
@@ -93,8 +100,9 @@ class FSDP2(Strategy):
         return CausalLMLoss(self.model, self.vocab_parallel, self.dist.world_size,
                             self.mesh.get_group() if self.vocab_parallel else None)
 
-    def gradient_sync(self, enabled: bool) -> None:
+    def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         self.root.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
 
     def release(self) -> None:
         self.root.reshard()

@@ -1,0 +1,20 @@
+"""Preflight (fsdp1.py's checks before any process group) for several command lines in one process: a JSON list
+of argument lists on stdin; prints, per line, the one-line error each gives (or "ok") as JSON."""
+
+import json
+import os
+import sys
+
+for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):  # as fsdp1.py sets them
+    os.environ[switch] = "1"
+
+from pipeline import config  # noqa: E402
+from pipeline.errors import UserError  # noqa: E402
+from pipeline.preflight import preflight  # noqa: E402
+
+for argv in json.load(sys.stdin):
+    try:
+        preflight(config.resolve(argv))
+        print(json.dumps("ok"))
+    except UserError as exc:
+        print(json.dumps(str(exc)))
