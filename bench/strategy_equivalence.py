@@ -64,7 +64,7 @@ def main() -> None:
         sections.append(f"**{kind} embeddings**, 2 ranks, against fsdp2:\n\n" + table(
             ["strategy", "loss, steps 1-3", "max loss diff", "max grad-norm diff", "max parameter diff"], rows))
         sections.append(f"**{kind} embeddings**, `manual` on W ranks, against 1 rank:\n\n" + table(
-            ["ranks", "loss, steps 1-3", "max loss diff", "max parameter diff", "max |padding|"], ranks))
+            ["ranks", "loss, steps 1-3", "max loss diff", "max parameter diff", "largest padding value"], ranks))
     body = "\n".join([f"- Machine: {machine()}.",
                       "- Command: `.venv/bin/python bench/strategy_equivalence.py`; worker "
                       "`tests/helpers/strategy_steps.py` (3 AdamW steps, lr 2e-5, weight decay 0.1, clipping 1.0, "
