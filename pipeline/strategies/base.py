@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from pipeline.config import ModelConfig
 from pipeline.loss import CausalLMLoss
-from pipeline.modeling import meta_model, param_counts, tied_keys
+from pipeline.modeling import decoder_layers, meta_model, param_counts, tied_keys, tied_partners
 from pipeline.runtime import Dist
 from pipeline.weights import load_weights
 
@@ -42,6 +42,8 @@ class Strategy(ABC):
         """The plain Hugging Face model inside whatever wrapper (config, embeddings, structure)."""
         self.tied: dict[str, str] = {}
         """{lm_head key: embedding key} when the model ties them (modeling.tied_keys)."""
+        self.partners: dict[str, str] = {}
+        """Both names of a tied weight, each to the other (modeling.tied_partners): files store it under either."""
         self.num_params = self.num_matmul_params = 0
         self.shapes: dict[str, torch.Size] = {}
         """Every parameter's name and shape in the unwrapped model (tied weights once)."""
@@ -59,9 +61,19 @@ class Strategy(ABC):
         model = meta_model(hf_config)
         self.module = model
         self.tied = tied_keys(model)
+        self.partners = tied_partners(model)
         self.num_params, self.num_matmul_params = param_counts(model)
         self.shapes = {name: p.shape for name, p in model.named_parameters()}
         return model
+
+    def checkpoint_and_compile(self, model: nn.Module) -> None:
+        """--activation-checkpointing (non-reentrant, per decoder layer) and --compile (each decoder layer), before
+        the model is wrapped."""
+        if self.cfg.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.cfg.compile:
+            for layer in decoder_layers(model):
+                layer.compile()
 
     # ---- what each strategy defines
 
@@ -70,10 +82,11 @@ class Strategy(ABC):
         """The model of hf_config on this rank's device, distributed, its non-persistent buffers computed and its
         weights uninitialised memory until load_weights() or load_state_dict() fills them. A collective."""
 
-    @abstractmethod
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Context for one micro-step's forward and backward: whether its backward reduces gradients over the ranks
-        (off for the micro-steps before the last of gradient accumulation, which accumulate locally)."""
+        (off for the micro-steps before the last of gradient accumulation, which accumulate locally). Here the
+        wrapper's own no_sync() (DDP, FSDP1)."""
+        return contextlib.nullcontext() if enabled else self.model.no_sync()
 
     def loss(self) -> CausalLMLoss:
         """The loss function for this model as built (the model's own forward and loss)."""
@@ -95,13 +108,9 @@ class Strategy(ABC):
 
     # ---- shared by the torch.distributed wrappers (DCP's state-dict API understands all of them)
 
-    def tied_partners(self) -> dict[str, str]:
-        """Both names of a tied weight, each to the other: files store it under either."""
-        return {**self.tied, **{v: k for k, v in self.tied.items()}}
-
     def load_weights(self, model_dir: Path) -> None:
         """The base model's weights from its safetensors, each rank reading only what it holds. A collective."""
-        load_weights(self.model, model_dir, self.tied_partners())
+        load_weights(self.model, model_dir, self.partners)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients to max_norm (inf: measure only); the global norm as a plain tensor on the device, the

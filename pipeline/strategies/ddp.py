@@ -9,14 +9,12 @@ writes each replicated tensor once.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.loss import CausalLMLoss
-from pipeline.modeling import decoder_layers, reset_rotary, retie
+from pipeline.modeling import reset_rotary, retie
 from pipeline.strategies.base import Strategy
 
 
@@ -28,11 +26,7 @@ class DDP(Strategy):
         model.to_empty(device=self.dist.device)
         retie(model)
         reset_rotary(model, self.dist.device)
-        if self.cfg.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.cfg.compile:
-            for layer in decoder_layers(model):
-                layer.compile()
+        self.checkpoint_and_compile(model)
         cuda = self.dist.device.type == "cuda"
         # init_sync=False: rank 0's weights are uninitialised memory until load_weights or a checkpoint fills every
         # rank alike, so broadcasting them would only cost time
@@ -43,6 +37,3 @@ class DDP(Strategy):
     def loss(self) -> CausalLMLoss:
         return CausalLMLoss(self.model, False, self.dist.world_size,
                             autocast=None if self.dtype == torch.float32 else self.dtype)
-
-    def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if enabled else self.model.no_sync()

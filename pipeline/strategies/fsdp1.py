@@ -9,12 +9,10 @@ in the root unit whatever the policy: a tied weight must live in one unit.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
     CPUOffload,
@@ -48,17 +46,12 @@ class FSDP1(Strategy):
     def build(self, hf_config) -> nn.Module:
         cfg, device = self.cfg, self.dist.device
         model = self.meta(hf_config)
-        if cfg.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if cfg.compile:
-            for layer in decoder_layers(model):
-                layer.compile()
+        self.checkpoint_and_compile(model)
         mixed = None if self.dtype == torch.float32 else MixedPrecision(param_dtype=self.dtype,
                                                                         reduce_dtype=torch.float32)
-        # a device mesh (2-D for HYBRID_SHARD) also makes FSDP1's sharded state dicts DTensors, as FSDP2's are:
-        # the same checkpoint layout, and the exporter's DTensor path
-        mesh = build_mesh(cfg.sharding, self.dist) if cfg.sharding == "HYBRID_SHARD" else \
-            init_device_mesh(device.type, (self.dist.world_size,))
+        # a device mesh also makes FSDP1's sharded state dicts DTensors, as FSDP2's are: the same checkpoint layout,
+        # and the exporter's DTensor path. FSDP1 takes the 1-D mesh for every strategy but HYBRID_SHARD (2-D)
+        mesh = build_mesh("HYBRID_SHARD" if cfg.sharding == "HYBRID_SHARD" else "FULL_SHARD", self.dist)
         self._model = FullyShardedDataParallel(
             model,
             sharding_strategy=ShardingStrategy[cfg.sharding],
@@ -101,9 +94,6 @@ class FSDP1(Strategy):
             shape = self.shapes.get(name.replace("_fsdp_wrapped_module.", ""), ())
             (decay if len(shape) >= 2 else no_decay).append(p)
         return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-    def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if enabled else self.model.no_sync()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         # the root's own method: it knows which gradients are shards and which are replicated

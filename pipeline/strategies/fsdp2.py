@@ -58,15 +58,12 @@ class FSDP2(Strategy):
         tokens.
         """
         cfg, mesh = self.cfg, self.mesh
-        if cfg.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.checkpoint_and_compile(model)
         mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
         reshard = cfg.sharding in ("FULL_SHARD", "HYBRID_SHARD")
         layers = decoder_layers(model)
         for layer in layers:
-            if cfg.compile:
-                layer.compile()
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
         if cfg.forward_prefetch:  # FSDP2's explicit prefetch; backward prefetch is implicit (as BACKWARD_PRE)
             for layer, after in zip(layers, layers[1:], strict=False):

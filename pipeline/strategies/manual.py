@@ -34,10 +34,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from pipeline.modeling import decoder_layers, reset_rotary
+from pipeline.runtime import build_mesh
 from pipeline.strategies.base import Strategy
 from pipeline.weights import read_weights
 
@@ -244,7 +245,7 @@ class ManualZeRO3(Strategy):
     def build(self, hf_config) -> nn.Module:
         model = self.meta(hf_config)
         self.comm = Comm(self.dist.world_size, self.dist.rank, self.dtype)
-        self.mesh = init_device_mesh(self.dist.device.type, (self.dist.world_size,), mesh_dim_names=("shard",))
+        self.mesh = build_mesh("FULL_SHARD", self.dist)
         names = [name for name, _ in model.named_parameters()]  # tied weights once, under their first name
         self.order = {name: i for i, name in enumerate(names)}
         layers = decoder_layers(model)
@@ -318,7 +319,7 @@ class ManualZeRO3(Strategy):
     # ---- weights and checkpoints, in FSDP2's layout
 
     def load_weights(self, model_dir) -> None:
-        rows = read_weights(self.state_dict()["model"], model_dir, self.tied_partners())
+        rows = read_weights(self.state_dict()["model"], model_dir, self.partners)
         self._load_model(rows)
 
     def state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
