@@ -28,6 +28,8 @@ from common import (
     launch,
     machine,
     spread,
+    step_args,
+    step_medians,
     table,
     torchrun_cmd,
     update_section,
@@ -83,14 +85,11 @@ def run_trl(args, work: Path, model: Path, data: Path) -> dict:
 
 def main() -> None:
     p = bench_args(__doc__, repeats=3, layers=2, hidden=256)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8)
+    step_args(p, seq=512, batch=2, steps=8, discard=3)
     p.add_argument("--copies", type=int, default=4)
-    p.add_argument("--discard", type=int, default=3, help="warm-up steps left out of the steady state")
     args = p.parse_args()
     work = args.workdir
-    model = build_model(work / f"llama-128k-{args.layers}x{args.hidden}", layers=args.layers, hidden=args.hidden)
+    model = build_model(args)
     data = conversations(work, args.copies)
     ours, trl = [], []
     for _ in range(args.repeats):
@@ -104,8 +103,7 @@ def report(args, model: Path, ours: list[dict], trl: list[dict]) -> None:
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model)
-    step = {"ours": [statistics.median(r["steps"]) for r in ours], "trl": [statistics.median(r["steps"]) for r in trl]}
-    med = {k: statistics.median(v) for k, v in step.items()}
+    step, med = step_medians({"ours": ours, "trl": trl})
     trained = {"ours": ours[0]["targets_per_step"] / med["ours"], "trl": trl[0]["targets_per_step"] / med["trl"]}
     all_tokens = {"ours": args.world * args.batch * args.seq / med["ours"],
                   "trl": trl[0]["tokens_per_step"] / med["trl"]}

@@ -44,8 +44,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=11)
     p.add_argument("--every", type=int, default=5)
     args = p.parse_args()
-    model = build_model(args.workdir / f"llama-128k-{args.layers}x{args.hidden}", layers=args.layers,
-                        hidden=args.hidden)
+    model = build_model(args)
     data = demo_dataset(args.workdir / "dataset")
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     for _ in range(args.repeats):

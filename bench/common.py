@@ -26,11 +26,13 @@ CHARTS = BENCH / "charts"
 LLAMA3_VOCAB = 128256
 
 
-def build_model(out: Path, *, layers: int, hidden: int) -> Path:
-    """The bundled tiny model's tokenizer with Llama 3's 128k-row embedding and a small body, once per folder."""
+def build_model(args: argparse.Namespace) -> Path:
+    """The bundled tiny model's tokenizer with Llama 3's 128k-row embedding and a body of --layers x --hidden, once
+    per folder under --workdir (bench_args' options)."""
     from pipeline.tiny import build_tiny
 
-    return out if (out / "config.json").exists() else build_tiny(out, layers=layers, hidden=hidden,
+    out = args.workdir / f"llama-128k-{args.layers}x{args.hidden}"
+    return out if (out / "config.json").exists() else build_tiny(out, layers=args.layers, hidden=args.hidden,
                                                                  model_vocab=LLAMA3_VOCAB)
 
 
@@ -43,6 +45,20 @@ def bench_args(doc: str, *, repeats: int, layers: int, hidden: int) -> argparse.
     p.add_argument("--layers", type=int, default=layers, help="decoder layers of the bench model")
     p.add_argument("--hidden", type=int, default=hidden, help="hidden size of the bench model")
     return p
+
+
+def step_args(p: argparse.ArgumentParser, *, seq: int, batch: int, steps: int, discard: int) -> None:
+    """The options of a benchmark that times training steps: their shape, how many, and the warm-up left out."""
+    p.add_argument("--seq", type=int, default=seq)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--discard", type=int, default=discard, help="warm-up steps left out of the steady state")
+
+
+def step_medians(systems: dict[str, list[dict]]) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Per system: each run's median step time (runs as {"steps": [seconds, ...]}), and the median of those."""
+    per_run = {name: [statistics.median(r["steps"]) for r in runs] for name, runs in systems.items()}
+    return per_run, {name: statistics.median(v) for name, v in per_run.items()}
 
 
 def demo_dataset(out: Path) -> Path:

@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--cold", action="store_true", help="drop the page cache before each measured run (root)")
     args = p.parse_args()
     work = args.workdir
-    model = common.build_model(work / f"llama-128k-{args.layers}x{args.hidden}", layers=args.layers, hidden=args.hidden)
+    model = common.build_model(args)
     data = common.demo_dataset(work / "dataset")
     measure(args.code.resolve(), work, model, data, args.world, False)  # the token cache, outside the measured runs
     runs = [measure(args.code.resolve(), work, model, data, args.world, args.cold) for _ in range(args.repeats)]

@@ -74,7 +74,7 @@ def main() -> None:
     p = bench_args(__doc__, repeats=2, layers=4, hidden=1024)
     args = p.parse_args()
     work = args.workdir
-    big = build_model(work / f"llama-128k-{args.layers}x{args.hidden}", layers=args.layers, hidden=args.hidden)
+    big = build_model(args)
     tiny = work / "tiny" if (work / "tiny" / "config.json").exists() else build_tiny(work / "tiny")
     data = demo_dataset(work / "dataset")
     ours(work, big, data, args.world)  # token caches built outside the measured runs

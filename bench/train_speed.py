@@ -32,6 +32,8 @@ from common import (
     launch,
     machine,
     spread,
+    step_args,
+    step_medians,
     table,
     torchrun_cmd,
     update_section,
@@ -81,13 +83,10 @@ def run_bare(args, model: Path, blocks: Path, thp: bool) -> dict:
 
 def main() -> None:
     p = bench_args(__doc__, repeats=3, layers=2, hidden=256)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--discard", type=int, default=5, help="warm-up steps left out of the steady state")
+    step_args(p, seq=128, batch=2, steps=20, discard=5)
     args = p.parse_args()
     work = args.workdir
-    model = build_model(work / f"llama-128k-{args.layers}x{args.hidden}", layers=args.layers, hidden=args.hidden)
+    model = build_model(args)
     data = demo_dataset(work / "dataset")
     run_ours(args, work, model, data, "warmup")  # builds the token cache the HF worker reads too
     blocks = token_cache(args, work, model, data)
@@ -103,8 +102,7 @@ def main() -> None:
 
 def report(args, model: Path, ours: list[dict], hf: list[dict], bare: list[dict], bare_thp: list[dict]) -> None:
     tokens = args.world * args.batch * args.seq
-    step = {name: [statistics.median(r["steps"]) for r in runs] for name, runs in (("ours", ours), ("hf", hf))}
-    med = {k: statistics.median(v) for k, v in step.items()}
+    step, med = step_medians({"ours": ours, "hf": hf})
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model)
