@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import sha256_file, write_text_atomic
+from pipeline.memory import Estimate, Shape, Workload, estimate
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
@@ -244,40 +245,20 @@ def verify(model_dir: Path) -> ModelReport:
 # ------------------------------------------------------------------------------------------------ memory estimate
 
 
-ACTIVATION_NOTE = "activations: batch 1, seq 2048, activation checkpointing, fp32 logits; plus 1 GiB CUDA context"
+TABLE_SEQ = 2048
 
 
-def activation_bytes(config, seq: int = 2048, dtype_bytes: int = 2) -> int:
-    """Allowance for one sequence: checkpointed layer inputs, one layer recomputed, and fp32 logits with grads."""
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    inter = getattr(config, "intermediate_size", 4 * hidden)
-    checkpoints = layers * seq * hidden * dtype_bytes
-    one_layer = seq * (10 * hidden + 3 * inter) * dtype_bytes
-    logits = 2 * seq * config.vocab_size * 4
-    return checkpoints + one_layer + logits + GIB
-
-
-STATE_BYTES_PER_PARAM = 16
-"""fp32 master weight, fp32 gradient and AdamW's two fp32 moments per parameter: what fsdp1.py keeps (sharded),
-whatever the dtype of the model's files."""
-
-
-def gathered_bytes(config, num_params: int, compute_bytes: int = 2) -> int:
-    """Unsharded compute copies (bf16) FSDP holds at once: the root (embedding, and the LM head when untied), which
-    stays gathered through the step, plus the decoder layer in use and the one prefetched."""
-    root = config.vocab_size * config.hidden_size * (1 if getattr(config, "tie_word_embeddings", False) else 2)
-    layer = (num_params - root) // config.num_hidden_layers
-    return (root + 2 * layer) * compute_bytes
-
-
-def memory_table(num_params: int, config, act: int, gpus: tuple[int, ...] = (1, 2, 4, 8)) -> list[dict]:
-    """Per-GPU bytes for full fine-tuning with fsdp1.py (FULL_SHARD, bf16 compute, fp32 weights and AdamW)."""
-    gathered = gathered_bytes(config, num_params)
-    rows = []
-    for n in gpus:
-        state = STATE_BYTES_PER_PARAM * num_params // n
-        rows.append({"gpus": n, "sharded_state": state, "gathered": gathered, "activations": act,
-                     "total": state + gathered + act})
+def memory_rows(config, gpus: tuple[int, ...] = (1, 2, 4, 8)) -> list[tuple[str, Estimate]]:
+    """pipeline.memory's estimate per GPU for what MODEL_DOWNLOAD.py's table shows: fsdp2 (FULL_SHARD, the
+    vocabulary-parallel head) on each number of GPUs, then ddp (the same on any number), at bf16 compute, batch 1 x
+    seq 2048 (or the model's limit), activation checkpointing on."""
+    shape = Shape.of(config)
+    seq = min(TABLE_SEQ, getattr(config, "max_position_embeddings", None) or TABLE_SEQ)
+    rows = [(f"fsdp2, {n} GPU{'s' if n > 1 else ''}", estimate(shape, Workload(
+        "fsdp2", "FULL_SHARD", n, n, 2, 1, seq, activation_checkpointing=True, vocab_parallel=True)))
+        for n in gpus]
+    rows.append(("ddp, any number", estimate(shape, Workload("ddp", "NO_SHARD", max(gpus), max(gpus), 2, 1, seq,
+                                                                activation_checkpointing=True))))
     return rows
 
 
@@ -314,15 +295,19 @@ def format_report(rep: ModelReport, where: Path, skipped: list[str]) -> str:
         lines.append(f"left out (not needed for training): {', '.join(skipped)}")
     if rep.unexpected:
         lines.append(f"ignored tensors not used by {rep.model_class}: {', '.join(rep.unexpected[:5])}")
-    lines.append("estimated per-GPU memory, full fine-tuning with fsdp1.py (FULL_SHARD, bf16 compute, fp32 master "
-                 "weights, gradients and AdamW states):")
-    lines.append(f"  {'GPUs':>4}  {'fp32 weights+grads+AdamW':>24}  {'bf16 gathered':>13}  {'activations':>11}  "
-                 f"{'total':>9}")
-    act = activation_bytes(rep.config)
-    for row in memory_table(rep.num_params, rep.config, act):
-        lines.append(f"  {row['gpus']:>4}  {row['sharded_state'] / GIB:>20.2f} GiB  {row['gathered'] / GIB:>9.2f} GiB"
-                     f"  {row['activations'] / GIB:>7.2f} GiB  {row['total'] / GIB:>5.2f} GiB")
-    lines.append(f"  ({ACTIVATION_NOTE})")
+    seq = min(TABLE_SEQ, getattr(rep.config, "max_position_embeddings", None) or TABLE_SEQ)
+    lines.append(f"estimated peak memory per GPU, full fine-tuning with fsdp1.py (bf16 compute; fp32 master weights, "
+                 f"gradients and AdamW states; batch 1 x seq {seq}, --activation-checkpointing on; plus about 1 GiB "
+                 "of CUDA context):")
+    lines.append(f"  {'strategy, GPUs':<16} {'weights+AdamW':>13} {'gradients':>9} {'bf16 copies':>11} "
+                 f"{'activations':>11} {'logits':>7} {'AdamW step':>10} {'peak':>9}")
+    for label, e in memory_rows(rep.config):
+        g = e.gib()
+        lines.append(f"  {label:<16} {g['weights']:>13.2f} {g['gradients']:>9.2f} {g['copies']:>11.2f} "
+                     f"{g['activations']:>11.2f} {g['logits']:>7.2f} {g['update']:>10.2f} {g['total']:>5.2f} GiB")
+    lines.append("  (GiB; the peak is the larger of the end of the forward, the first five columns together, and the "
+                 "AdamW step)")
+    lines.append("  (--strategy auto picks ddp where its row fits the GPU, fsdp2 otherwise)")
     return "\n".join(lines)
 
 

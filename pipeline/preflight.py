@@ -11,11 +11,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from pipeline.checkpoint import check_fingerprint, read_state
 from pipeline.config import Config
 from pipeline.data import BlockSpec, conversation_rows, dataset_fingerprint, load_text_dataset, tokenizer_fingerprint
 from pipeline.errors import UserError
 from pipeline.hub import resolve_model_dir
+from pipeline.strategies import MemoryPlan, plan_memory
 from pipeline.weights import read_index
 
 
@@ -30,6 +33,8 @@ class Plan:
     """The model's tokenizer, its chat template replaced by --chat-template when given."""
     spec: BlockSpec
     fingerprint: dict
+    memory: MemoryPlan
+    """--strategy auto resolved, and the estimated peak memory per rank."""
 
 
 def run_fingerprint(cfg: Config, model_dir: Path, hf_config, dataset, spec: BlockSpec) -> dict:
@@ -85,4 +90,5 @@ def preflight(cfg: Config) -> Plan:
         check_fingerprint(cfg.run_dir, state["fingerprint"], fingerprint)
     else:  # a fresh start loads the base weights: their headers now, before any process waits on another
         read_index(model_dir)
-    return Plan(model_dir, hf_config, dataset, tokenizer, spec, fingerprint)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return Plan(model_dir, hf_config, dataset, tokenizer, spec, fingerprint, plan_memory(cfg, hf_config, device))

@@ -92,17 +92,45 @@ class PhaseTimer:
 
 
 def memory_gb(device: torch.device) -> dict[str, float]:
-    """Allocated/reserved, current and peak since the last call (GPU); host RSS and its lifetime peak on CPU."""
+    """Allocated/reserved, current and peak since the last call (GPU); on CPU the resident set and its peak since the
+    last call (Linux resets the peak through /proc/self/clear_refs; elsewhere it is the lifetime peak)."""
     if device.type == "cuda":
         out = {"alloc": torch.cuda.memory_allocated(device), "peak_alloc": torch.cuda.max_memory_allocated(device),
                "reserved": torch.cuda.memory_reserved(device),
                "peak_reserved": torch.cuda.max_memory_reserved(device)}
-        torch.cuda.reset_peak_memory_stats(device)
     else:
-        rss = psutil.Process().memory_info().rss
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB; cannot be reset
+        rss, peak = host_rss()
         out = {"alloc": rss, "peak_alloc": peak, "reserved": rss, "peak_reserved": peak}
+    reset_peak_memory(device)
     return {k: round(v / GIB, 3) for k, v in out.items()}
+
+
+def host_rss() -> tuple[int, int]:
+    """This process's resident bytes now and at their peak (VmHWM; the lifetime peak where /proc lacks it)."""
+    rss = psutil.Process().memory_info().rss
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return rss, max(rss, hwm)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak from the memory in use now."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")  # 5: reset the peak resident set size (Linux >= 4.0)
+    except OSError:
+        pass
+
+
+def memory_in_use(device: torch.device) -> int:
+    """Bytes this rank holds now: allocated by the CUDA caching allocator, or resident on CPU."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else host_rss()[0]
 
 
 def flops_per_token(config, num_matmul_params: int, seq_length: int) -> float:

@@ -92,9 +92,14 @@ PRESETS = {
         "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
     },
+    "smollm2-135m": {
+        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True, "dtype": "bfloat16",
+    },
 }
-"""Configs of real models (meta-llama/Llama-3.2-1B's config.json), whose shapes the benchmarks train: the tokenizer's
-ids are a subset of the vocabulary."""
+"""Configs of real models (meta-llama/Llama-3.2-1B's and HuggingFaceTB/SmolLM2-135M's config.json), whose
+shapes the benchmarks train: the tokenizer's ids are a subset of the vocabulary."""
 
 
 def build_preset(out: Path, preset: str, corpus: Path = DEFAULT_CORPUS, *, seed: int = 0) -> Path:

@@ -32,12 +32,15 @@ from pipeline.preflight import Plan, preflight
 from pipeline.runtime import Dist, compute_dtype, init_distributed, watch_parent
 from pipeline.strategies import ignored_knobs, make_strategy
 from pipeline.telemetry import (
+    GIB,
     PhaseTimer,
     Telemetry,
     flops_per_token,
     log,
     memory_gb,
+    memory_in_use,
     peak_flops,
+    reset_peak_memory,
     setup_logging,
 )
 
@@ -185,8 +188,11 @@ class Trainer:
                                     cfg.train.batch_size, cfg.train.grad_accum)
         self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.sampler.steps_per_epoch
         self.strategy = make_strategy(cfg.model, d, self.dtype)
-        if d.is_main and (ignored := ignored_knobs(cfg.model)):
-            log.warning("%s: no effect under --strategy %s", ", ".join(ignored), cfg.model.strategy)
+        if d.is_main:
+            self.log_plan()
+        # what the process holds before the model exists: the estimate covers what comes above it
+        self.memory_base = memory_in_use(d.device)
+        reset_peak_memory(d.device)
         self.model = self.strategy.build(plan.hf_config)
         self.loss = self.strategy.loss()
         self.optimizer = build_optimizer(self.strategy.param_groups(cfg.optim.weight_decay), cfg)
@@ -203,6 +209,18 @@ class Trainer:
                  "%d blocks; step %d of %d", type(self.strategy.module).__name__, f"{self.strategy.num_params:,}",
                  self.dtype, cfg.model.strategy, cfg.model.sharding, len(self.blocks.train), len(self.blocks.val),
                  cfg.data.seq_length, self.sampler.global_batch, self.step, self.total_steps)
+
+    def log_plan(self) -> None:
+        """Rank 0: the strategy (and why, when auto chose it), knobs it ignores, and the memory estimate."""
+        mem, cfg = self.plan.memory, self.cfg.model
+        if mem.reason:
+            log.info("--strategy auto chose %s", mem.reason)
+        if ignored := ignored_knobs(cfg):
+            log.warning("%s: no effect under --strategy %s", ", ".join(ignored), cfg.strategy)
+        log.info("estimated peak memory per rank: %s; budget %.2f GiB", mem.estimate.describe(), mem.budget / GIB)
+        if mem.estimate.total > mem.budget:
+            log.warning("the estimate is above the budget: if a step runs out of memory, %s",
+                        out_of_memory_hints(self.cfg))
 
     # ------------------------------------------------------------------------------------------------ state
 
@@ -279,6 +297,9 @@ class Trainer:
         self.ckpt.listener = lambda step, fields: telemetry.event("checkpoint", step, **fields)
         if self.resumed_from:
             telemetry.event("resume", self.step, **self.resumed_from)
+        mem = self.plan.memory
+        telemetry.event("memory", self.step, strategy=self.cfg.model.strategy, sharding=self.cfg.model.sharding,
+                        estimate_gb=mem.estimate.gib(), budget_gb=round(mem.budget / GIB, 3))
         try:
             self.loop(telemetry)
         finally:
@@ -423,7 +444,7 @@ class Trainer:
                   "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": window.grad_norm,
                   "tokens_per_s": round(tokens_per_s, 1), "trained_tokens_per_s": round(window.targets / seconds, 1),
                   "mfu": None if mfu is None else round(mfu, 4),
-                  "time_ms": self.timer.read(), "mem_gb": memory_gb(self.dist.device)}
+                  "time_ms": self.timer.read(), "mem_gb": self.memory()}
         telemetry.event("train", self.step, **fields)
         t = fields["time_ms"]
         telemetry.human({"global_step": self.step, "epoch": fields["epoch"], "loss": round(fields["loss"], 4),
@@ -431,6 +452,16 @@ class Trainer:
                          "tok/s": round(tokens_per_s), "trained_tok/s": round(fields["trained_tokens_per_s"]),
                          "mfu": fields["mfu"], **{f"time/{k}": t[k] for k in t},
                          "mem/peak_alloc_gb": fields["mem_gb"]["peak_alloc"]})
+
+    def memory(self) -> dict:
+        """This rank's memory figures, and every rank's peak above what it held before the model was built
+        (`peak_by_rank`, what the start-up estimate predicts). An all-gather: every rank calls it."""
+        mem = memory_gb(self.dist.device)
+        peaks = [torch.zeros(1, dtype=torch.float64) for _ in range(self.dist.world_size)]
+        mine = torch.tensor([mem["peak_alloc"] - self.memory_base / GIB], dtype=torch.float64)
+        dist.all_gather(peaks, mine)  # CPU tensors: gloo, no device sync
+        mem["peak_by_rank"] = [round(p.item(), 3) for p in peaks]
+        return mem
 
     @torch.no_grad()
     def evaluate(self, telemetry: Telemetry) -> float | None:
@@ -505,18 +536,26 @@ def run(cfg: Config, d: Dist, plan: Plan) -> Trainer:
     return trainer
 
 
-def out_of_memory_message(cfg: Config, d: Dist) -> str:
-    """What to change when a step does not fit (NCCL reports the same failure as an 'unhandled cuda error')."""
+def out_of_memory_hints(cfg: Config) -> str:
+    """What to change when a step does not fit."""
     hints = ["a smaller --batch-size (with --grad-accum to keep the global batch)"]
     if not cfg.model.activation_checkpointing:
         hints.append("--activation-checkpointing on")
-    if cfg.model.vocab_parallel == "off" and cfg.model.sharding in VOCAB_PARALLEL_SHARDINGS and \
-            not cfg.model.cpu_offload:
+    m = cfg.model
+    if m.strategy == "fsdp2" and m.vocab_parallel == "off" and m.sharding in VOCAB_PARALLEL_SHARDINGS \
+            and not m.cpu_offload:
         hints.append("--vocab-parallel auto (no full-width logits)")
-    if cfg.model.sharding in ("NO_SHARD", "SHARD_GRAD_OP"):
+    if m.strategy == "ddp":
+        hints.append("--strategy fsdp2 (shards the model)")
+    elif m.sharding in ("NO_SHARD", "SHARD_GRAD_OP"):
         hints.append("--sharding FULL_SHARD")
+    return f"try {', '.join(hints)}"
+
+
+def out_of_memory_message(cfg: Config, d: Dist) -> str:
+    """What to change when a step does not fit (NCCL reports the same failure as an 'unhandled cuda error')."""
     return (f"rank {d.rank} ran out of {d.device.type.upper()} memory at batch {cfg.train.batch_size} x seq "
-            f"{cfg.data.seq_length}; try {', '.join(hints)}; the last complete checkpoint (if any) resumes with "
+            f"{cfg.data.seq_length}; {out_of_memory_hints(cfg)}; the last complete checkpoint (if any) resumes with "
             "the same command")
 
 

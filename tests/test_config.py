@@ -43,6 +43,7 @@ def test_shipped_profiles_are_the_four_documented():
         (["--profile", "huge"], "unknown profile 'huge'; known profiles: cpu_debug, large_scale, multi_node, "
          "single_node"),
         (["--keep-last", "1"], "--keep-last must be at least 2, got 1"),
+        (["--memory-gb", "-1"], "--memory-gb must be >= 0, got -1.0"),
         (["--lr", "0"], "--lr must be a positive number, got 0.0"),
         (["--batch-size", "two"], "--batch-size must be an int, got 'two'"),
         (["--compile", "maybe"], "--compile must be on or off, got 'maybe'"),
@@ -103,7 +104,7 @@ def test_choices_come_from_the_type_hints_and_are_checked_once():
     from pipeline.config import ModelConfig, RunConfig, choices
 
     assert choices(ModelConfig) == {"precision": ("auto", "bf16", "fp16", "fp32"),
-                                    "strategy": ("fsdp2", "fsdp1", "ddp", "manual"),
+                                    "strategy": ("fsdp2", "fsdp1", "ddp", "manual", "auto"),
                                     "sharding": ("auto", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"),
                                     "auto_wrap": ("transformer", "size"),
                                     "backward_prefetch": ("BACKWARD_PRE", "BACKWARD_POST", "NONE"),

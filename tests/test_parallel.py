@@ -109,11 +109,14 @@ def test_truncated_weights_stop_the_load_with_the_file_named(tmp_path, tiny_mode
 
 def test_vocab_parallel_auto_is_on_where_the_sharding_allows_it():
     from pipeline.config import ModelConfig
-    from pipeline.strategies.fsdp2 import vocab_parallel_enabled
 
-    assert vocab_parallel_enabled(ModelConfig(model_name="m"))
-    assert vocab_parallel_enabled(ModelConfig(model_name="m", sharding="SHARD_GRAD_OP"))
-    assert not vocab_parallel_enabled(ModelConfig(model_name="m", sharding="HYBRID_SHARD"))
-    assert not vocab_parallel_enabled(ModelConfig(model_name="m", sharding="NO_SHARD"))
-    assert not vocab_parallel_enabled(ModelConfig(model_name="m", cpu_offload=True))
-    assert not vocab_parallel_enabled(ModelConfig(model_name="m", vocab_parallel="off"))
+    def on(**kw) -> bool:
+        return ModelConfig(model_name="m", **kw).uses_vocab_parallel()
+
+    assert on() and on(sharding="SHARD_GRAD_OP") and on(vocab_parallel="on")
+    assert not on(sharding="HYBRID_SHARD")
+    assert not on(sharding="NO_SHARD")
+    assert not on(cpu_offload=True)
+    assert not on(vocab_parallel="off")
+    assert not on(strategy="fsdp1")
+    assert not on(strategy="auto")  # decided once preflight has chosen the strategy

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
-from pipeline.config import ModelConfig, flag
+from pipeline.config import Config, ModelConfig, flag
+from pipeline.memory import GIB, Estimate, Shape, Workload, device_bytes, estimate, launch_world
 from pipeline.runtime import Dist
 from pipeline.strategies.base import Strategy
 from pipeline.strategies.ddp import DDP
@@ -30,3 +33,43 @@ def ignored_knobs(cfg: ModelConfig) -> list[str]:
         honoured = honoured - {"backward_prefetch"}  # FSDP2 always prefetches as BACKWARD_PRE
     return [f"{flag(k)} {('on' if v else 'off') if isinstance(v, bool) else v}" for k, default in KNOB_DEFAULTS.items()
             if k not in honoured and (v := getattr(cfg, k)) != default]
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The strategy a run uses, what one rank is estimated to need under it, and what it may use."""
+
+    estimate: Estimate
+    budget: int
+    """Bytes per rank: --memory-gb, or the device's."""
+    reason: str
+    """Why --strategy auto chose as it did ("" when the strategy was given)."""
+
+
+def plan_memory(cfg: Config, hf_config, device: str) -> MemoryPlan:
+    """Resolve --strategy auto (in cfg) and estimate the peak memory per rank. No collective: every rank computes the
+    same from the same config, launch environment and hardware.
+
+    auto: ddp when a whole replica fits, since it has nothing to gather (measured fastest whenever it fits,
+    BENCHMARKS.md section 10); else fsdp2 (FULL_SHARD unless --sharding says otherwise)."""
+    world, local_world, local_rank = launch_world()
+    m, shape = cfg.model, Shape.of(hf_config)
+    budget = int(m.memory_gb * GIB) if m.memory_gb else device_bytes(device, local_world, local_rank)
+    reason = ""
+    if m.strategy == "auto":
+        m.strategy = "fsdp2"
+        ddp_allowed = m.sharding in ("auto", "NO_SHARD") and not m.cpu_offload and m.vocab_parallel != "on"
+        if ddp_allowed:
+            ddp = estimate(shape, Workload.of(replace(cfg, model=replace(m, strategy="ddp", sharding="NO_SHARD")),
+                                              device, world, local_world))
+            if ddp.total <= budget:
+                m.strategy = "ddp"
+                reason = (f"ddp: a whole replica fits ({ddp.total / GIB:.2f} of {budget / GIB:.2f} GiB per rank), "
+                          "and nothing needs gathering")
+            else:
+                reason = (f"fsdp2: a whole replica would need {ddp.total / GIB:.2f} GiB per rank, more than "
+                          f"{budget / GIB:.2f} GiB")
+        else:
+            reason = "fsdp2: the settings given (sharding, CPU offload or vocabulary parallelism) need it"
+        m.check()  # resolves --sharding auto for the chosen strategy
+    return MemoryPlan(estimate(shape, Workload.of(cfg, device, world, local_world)), budget, reason)

@@ -29,9 +29,10 @@ class DDP(Strategy):
         self.checkpoint_and_compile(model)
         cuda = self.dist.device.type == "cuda"
         # init_sync=False: rank 0's weights are uninitialised memory until load_weights or a checkpoint fills every
-        # rank alike, so broadcasting them would only cost time
+        # rank alike, so broadcasting them would only cost time. gradient_as_bucket_view: the gradients are views
+        # into the all-reduce buckets, not a second copy of them (4 bytes per parameter less at the step)
         self._model = DistributedDataParallel(model, device_ids=[self.dist.local_rank] if cuda else None,
-                                              init_sync=False)
+                                              init_sync=False, gradient_as_bucket_view=True)
         return self._model
 
     def loss(self) -> CausalLMLoss:

@@ -15,20 +15,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from pipeline.config import VOCAB_PARALLEL_SHARDINGS, ModelConfig
 from pipeline.loss import CausalLMLoss
 from pipeline.modeling import decoder_layers, reset_rotary
 from pipeline.runtime import build_mesh
 from pipeline.strategies.base import Strategy
 from pipeline.vocab_parallel import VocabParallelEmbedding
-
-
-def vocab_parallel_enabled(cfg: ModelConfig) -> bool:
-    """--vocab-parallel resolved: auto is on wherever the sharding allows it. Measured (BENCHMARKS.md): on CPU it
-    halved the step; on one H100 with Llama-3.2-1B at batch 8 x 2048 it runs as fast as the HF Trainer on 30% less
-    memory, where the model's own loss ran out of memory."""
-    return cfg.vocab_parallel == "on" or (cfg.vocab_parallel == "auto" and cfg.sharding in VOCAB_PARALLEL_SHARDINGS
-                                          and not cfg.cpu_offload)
 
 
 class FSDP2(Strategy):
@@ -41,7 +32,7 @@ class FSDP2(Strategy):
     def build(self, hf_config) -> nn.Module:
         model = self.meta(hf_config)
         self.mesh = build_mesh(self.cfg.sharding, self.dist)
-        self.vocab_parallel = vocab_parallel_enabled(self.cfg)
+        self.vocab_parallel = self.cfg.uses_vocab_parallel()
         self._shard(model)
         # the shards' memory (host memory with CPU offload), uninitialised until loaded
         model.to_empty(device="cpu" if self.cfg.cpu_offload else self.dist.device)

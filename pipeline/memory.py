@@ -1,0 +1,212 @@
+"""How much memory one rank needs to train a model: one estimator for MODEL_DOWNLOAD.py's table, the trainer's
+preflight and `--strategy auto`.
+
+The trainer keeps fp32 master weights, fp32 gradients and AdamW's two fp32 moments for every parameter it holds
+(16 bytes each, whatever the dtype of the model's files), sharded over the ranks by FSDP and `manual`, replicated by
+DDP. On top of that: the compute-dtype copies a step gathers (FSDP) or casts (DDP's autocast), a layer's
+unsharded gradients on their way to the reduce-scatter, the activations saved for backward, and the logits of the
+loss. The figures are peaks per rank above what the process held before the model was built (CUDA: the caching
+allocator's peak, without the CUDA context; CPU: resident memory); BENCHMARKS.md compares them with measured peaks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from pipeline.config import Config
+from pipeline.runtime import compute_dtype
+from pipeline.vocab_parallel import CHUNK_ELEMENTS
+
+GIB = 1024**3
+STATE_BYTES_PER_PARAM = 16
+"""fp32 master weight, fp32 gradient and AdamW's two fp32 moments per parameter."""
+CUDA_CONTEXT_BYTES = GIB
+"""What the CUDA context and NCCL take on a GPU outside the caching allocator (about 0.5-1 GiB): kept free."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Parameter counts of a Llama-style decoder, from its config alone (no model built)."""
+
+    hidden: int
+    intermediate: int
+    kv: int
+    """Width of the key (and of the value) projection: KV heads x head dim."""
+    layers: int
+    vocab: int
+    tied: bool
+    layer_params: int
+    """Parameters of one decoder layer."""
+
+    @classmethod
+    def of(cls, config) -> Shape:
+        hidden, layers = config.hidden_size, config.num_hidden_layers
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        q, kv_width = heads * head_dim, kv * head_dim
+        inter = getattr(config, "intermediate_size", None) or 4 * hidden
+        attn = hidden * (q + 2 * kv_width) + q * hidden
+        if getattr(config, "attention_bias", False):
+            attn += q + 2 * kv_width + hidden
+        mlp = 3 * hidden * inter + (2 * inter + hidden if getattr(config, "mlp_bias", False) else 0)
+        return cls(hidden, inter, kv_width, layers, config.vocab_size,
+                   bool(getattr(config, "tie_word_embeddings", False)), attn + mlp + 2 * hidden)
+
+    @property
+    def root_params(self) -> int:
+        """Embedding, LM head (when untied) and the final norm: FSDP's root unit."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def num_params(self) -> int:
+        return self.root_params + self.layers * self.layer_params
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What decides the memory of one rank, besides the model."""
+
+    strategy: str
+    """fsdp2, fsdp1, ddp or manual."""
+    sharding: str
+    """Resolved --sharding (not auto)."""
+    world_size: int
+    local_world_size: int
+    compute_bytes: int
+    """2 for bf16/fp16 compute, 4 for fp32."""
+    batch_size: int
+    seq_length: int
+    grad_accum: int = 1
+    activation_checkpointing: bool = False
+    vocab_parallel: bool = False
+    cpu_offload: bool = False
+    device: str = "cuda"
+
+    @classmethod
+    def of(cls, cfg: Config, device: str, world_size: int, local_world_size: int) -> Workload:
+        """The workload of a resolved config (its strategy and sharding chosen) on this launch."""
+        m = cfg.model
+        dtype = compute_dtype(m.precision, torch.device(device))
+        return cls(m.strategy, m.sharding, world_size, local_world_size, dtype.itemsize, cfg.train.batch_size,
+                   cfg.data.seq_length, cfg.train.grad_accum, m.activation_checkpointing, m.uses_vocab_parallel(),
+                   m.cpu_offload, device)
+
+    @property
+    def shards(self) -> int:
+        """Ranks each parameter is split over."""
+        if self.strategy == "ddp" or self.sharding == "NO_SHARD":
+            return 1
+        return self.local_world_size if self.sharding == "HYBRID_SHARD" else self.world_size
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Peak bytes per rank, by what holds them. Two moments compete for the peak: the end of the forward (saved
+    activations and the loss's logits on top of the resident state) and AdamW's step (the whole fp32 state and the
+    optimizer's temporaries)."""
+
+    weights: int
+    """fp32 master weights and AdamW's two moments this rank keeps on the device (none with --cpu-offload)."""
+    gradients: int
+    """Gradients alive at the end of the forward: DDP's buckets (kept between steps), the unsharded ones kept
+    through gradient accumulation (sharded strategies), and a layer's on its way to the reduce-scatter. Sharded
+    fp32 gradients only exist from the backward to the step, when the activations are being freed."""
+    copies: int
+    """Compute-dtype copies of parameters alive at the peak: gathered units (FSDP), autocast's cache (DDP)."""
+    activations: int
+    """Saved for backward by the decoder layers, for one micro-batch."""
+    logits: int
+    """The loss: full-width logits, their fp32 copy, log-softmax and gradient (or the vocabulary-parallel chunks)."""
+    update: int
+    """AdamW's step: weights, moments and fp32 gradients (the trainer's fused AdamW needs no per-parameter
+    temporaries)."""
+
+    PARTS = ("weights", "gradients", "copies", "activations", "logits", "update")
+
+    @property
+    def forward(self) -> int:
+        """The end of the forward: everything but the step."""
+        return self.weights + self.gradients + self.copies + self.activations + self.logits
+
+    @property
+    def total(self) -> int:
+        return max(self.forward, self.update)
+
+    def gib(self) -> dict[str, float]:
+        """GiB by part, and the total."""
+        return {name: round(getattr(self, name) / GIB, 3) for name in (*self.PARTS, "total")}
+
+    def describe(self) -> str:
+        parts = self.gib()
+        total = parts.pop("total")
+        return f"{total:.2f} GiB ({', '.join(f'{k} {v:.2f}' for k, v in parts.items())})"
+
+
+# Per token and decoder layer, the elements autograd saves, in widths of the layer (measured against peaks on CPU
+# for fp32 and bf16, BENCHMARKS.md section 10): the norms' inputs and outputs, q/k/v, attention output, residuals
+# (about 8 hidden widths and 2 KV widths) and the MLP's gate, up, activation and product (4 intermediate widths).
+HIDDEN_WIDTHS, KV_WIDTHS, INTERMEDIATE_WIDTHS = 8, 2, 4
+
+
+def layer_activation_bytes(shape: Shape, tokens: int, compute_bytes: int) -> int:
+    return tokens * (HIDDEN_WIDTHS * shape.hidden + KV_WIDTHS * shape.kv + INTERMEDIATE_WIDTHS * shape.intermediate) \
+        * compute_bytes
+
+
+def estimate(shape: Shape, work: Workload) -> Estimate:
+    """Peak bytes per rank for one optimizer step of this workload."""
+    c, n = work.compute_bytes, shape.num_params
+    held = 0 if work.cpu_offload else n // work.shards  # parameters this rank keeps fp32 state for
+    layer_grad = shape.layer_params * (c + 4)  # compute-dtype gradient and its fp32 copy for the reduction
+    accumulated = 4 * n if work.grad_accum > 1 else 0  # no_sync: whole unsharded fp32 gradients between micro-steps
+    root = 0 if work.vocab_parallel else shape.root_params
+    if work.strategy == "ddp":  # buckets are the gradients (gradient_as_bucket_view); autocast caches matmul weights
+        copies = (n - shape.root_params + shape.vocab * shape.hidden) * c if c < 4 else 0
+        gradients = 4 * n
+    elif work.shards == 1:  # FSDP replicating: every unit already whole, cast to the compute dtype when it differs
+        copies = n * c if c < 4 else 0
+        gradients = layer_grad + accumulated
+    elif work.sharding == "SHARD_GRAD_OP":  # ZeRO-2: every layer stays gathered from its forward to its backward
+        copies = (root + shape.layers * shape.layer_params) * c
+        gradients = layer_grad + accumulated
+    else:  # ZeRO-3: the root stays gathered; the layer in use and the one prefetched (manual: no prefetch)
+        copies = (root + (1 if work.strategy == "manual" else 2) * shape.layer_params) * c
+        gradients = layer_grad + accumulated
+    tokens = work.batch_size * work.seq_length
+    if work.activation_checkpointing:  # each layer's input, and one layer recomputed at a time
+        activations = shape.layers * tokens * shape.hidden * c + layer_activation_bytes(shape, tokens, c)
+    else:
+        activations = shape.layers * layer_activation_bytes(shape, tokens, c)
+    return Estimate(12 * held, gradients, copies, activations, logits_bytes(shape, work, tokens),
+                    STATE_BYTES_PER_PARAM * held)
+
+
+def logits_bytes(shape: Shape, work: Workload, tokens: int) -> int:
+    """The loss's peak: without vocabulary parallelism the logits (compute dtype), their fp32 upcast, the saved
+    log-softmax and its gradient; with it, every rank's hidden states gathered (fp32) and one chunk of logits with
+    its softmax and gradient."""
+    if not work.vocab_parallel:
+        return tokens * shape.vocab * (work.compute_bytes + (4 if work.compute_bytes < 4 else 0) + 8)
+    rows = tokens * work.world_size
+    chunk = min(rows * -(-shape.vocab // work.shards), CHUNK_ELEMENTS.get(work.device, CHUNK_ELEMENTS["cpu"]))
+    return rows * shape.hidden * 4 + 3 * chunk * 4
+
+
+def device_bytes(device_type: str, local_world_size: int, local_rank: int = 0) -> int:
+    """Memory one rank may plan for: the GPU's, less the CUDA context; on CPU the host's RAM shared by this node's
+    ranks."""
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(local_rank).total_memory - CUDA_CONTEXT_BYTES
+    return psutil.virtual_memory().total // max(local_world_size, 1)
+
+
+def launch_world() -> tuple[int, int, int]:
+    """(world size, ranks on this node, local rank) from the launcher's environment, before any process group."""
+    env = os.environ
+    world = int(env.get("WORLD_SIZE", 1))
+    return world, int(env.get("LOCAL_WORLD_SIZE", world)), int(env.get("LOCAL_RANK", 0))

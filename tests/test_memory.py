@@ -1,0 +1,99 @@
+"""The memory estimator (pipeline/memory.py) and --strategy auto, which chooses on it."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from pipeline.config import from_flat
+from pipeline.memory import GIB, Shape, Workload, estimate
+from pipeline.strategies import plan_memory
+
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True)
+
+
+def meta_params(config: LlamaConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"tie_word_embeddings": False},
+    {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 32},
+    {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+     "num_key_value_heads": 3, "vocab_size": 49152},
+])
+def test_parameter_counts_from_the_config_match_the_model(overrides):
+    config = LlamaConfig(**{**LLAMA_1B, **overrides})
+    assert Shape.of(config).num_params == meta_params(config)
+
+
+def test_llama_1b_state_is_16_bytes_per_parameter_over_the_shards():
+    shape = Shape.of(LlamaConfig(**LLAMA_1B))
+    assert shape.num_params == 1_235_814_400
+
+    def est(strategy: str, sharding: str, world: int, **kw) -> object:
+        return estimate(shape, Workload(strategy, sharding, world, kw.pop("local", world), 2, 1, 2048, **kw))
+
+    # fp32 weight and two AdamW moments, sharded over the GPUs; the (fused) step adds the fp32 gradient
+    assert [est("fsdp2", "FULL_SHARD", n).weights for n in (1, 2, 4, 8)] == \
+        [14_829_772_800, 7_414_886_400, 3_707_443_200, 1_853_721_600]
+    assert est("fsdp2", "FULL_SHARD", 8).update == 16 * shape.num_params // 8
+    assert est("ddp", "NO_SHARD", 8).weights == est("fsdp2", "NO_SHARD", 8).weights == 14_829_772_800
+    assert est("ddp", "NO_SHARD", 8).gradients == 4 * shape.num_params  # the buckets stay between steps
+    assert est("fsdp2", "HYBRID_SHARD", 8, local=4).weights == 3_707_443_200
+    assert est("fsdp2", "FULL_SHARD", 8, cpu_offload=True).weights == 0
+    # bf16 copies under ZeRO-3: the tied embedding (gathered root) and two of the 16 equal decoder layers; none
+    # of the root with the vocabulary-parallel head; one layer (no prefetch) under manual
+    layer = shape.layer_params
+    assert est("fsdp2", "FULL_SHARD", 8).copies == 2 * (128256 * 2048 + 2048 + 2 * layer)
+    assert est("fsdp2", "FULL_SHARD", 8, vocab_parallel=True).copies == 2 * 2 * layer
+    assert est("manual", "FULL_SHARD", 8).copies == 2 * (128256 * 2048 + 2048 + layer)
+    # gradient accumulation keeps the unsharded fp32 gradients between micro-steps
+    assert est("fsdp2", "FULL_SHARD", 8, grad_accum=2).gradients - est("fsdp2", "FULL_SHARD", 8).gradients == \
+        4 * shape.num_params
+    # activation checkpointing keeps one hidden state per layer instead of every layer's saved tensors
+    assert est("fsdp2", "FULL_SHARD", 8, activation_checkpointing=True).activations < \
+        est("fsdp2", "FULL_SHARD", 8).activations / 5
+
+
+def config_for(model: str, *extra: str):
+    return from_flat({"experiment_name": "m", "dataset_name": "d", "model_name": model,
+                      **dict(zip(extra[::2], extra[1::2], strict=True))})
+
+
+def test_auto_picks_ddp_while_a_replica_fits_and_fsdp2_beyond(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    hf = LlamaConfig(**LLAMA_1B)
+    replica = plan_memory(config_for("m", "strategy", "ddp", "precision", "bf16"), hf, "cpu").estimate.total
+
+    cfg = config_for("m", "strategy", "auto", "memory_gb", replica / GIB + 0.01, "precision", "bf16")
+    plan = plan_memory(cfg, hf, "cpu")
+    assert (cfg.model.strategy, cfg.model.sharding) == ("ddp", "NO_SHARD")
+    assert plan.estimate.total == replica
+    assert plan.reason == (f"ddp: a whole replica fits ({replica / GIB:.2f} of {replica / GIB + 0.01:.2f} GiB per "
+                           "rank), and nothing needs gathering")
+
+    cfg = config_for("m", "strategy", "auto", "memory_gb", replica / GIB - 0.01, "precision", "bf16")
+    plan = plan_memory(cfg, hf, "cpu")
+    assert (cfg.model.strategy, cfg.model.sharding) == ("fsdp2", "FULL_SHARD")
+    assert plan.reason == (f"fsdp2: a whole replica would need {replica / GIB:.2f} GiB per rank, more than "
+                           f"{replica / GIB - 0.01:.2f} GiB")
+    assert plan.estimate.weights == 12 * Shape.of(hf).num_params // 4
+
+    cfg = config_for("m", "strategy", "auto", "sharding", "SHARD_GRAD_OP", "memory_gb", 1000)
+    assert plan_memory(cfg, hf, "cpu").reason.startswith("fsdp2: the settings given")
+    assert (cfg.model.strategy, cfg.model.sharding) == ("fsdp2", "SHARD_GRAD_OP")
+    cfg = config_for("m", "strategy", "auto", "vocab_parallel", "on", "memory_gb", 1000)
+    assert plan_memory(cfg, hf, "cpu").reason.startswith("fsdp2: the settings given")
+    assert (cfg.model.strategy, cfg.model.sharding, cfg.model.uses_vocab_parallel()) == ("fsdp2", "FULL_SHARD", True)
+
+
+def test_a_given_strategy_is_kept_and_estimated():
+    hf = LlamaConfig(**LLAMA_1B)
+    cfg = config_for("m", "strategy", "fsdp1", "memory_gb", 0.5)
+    plan = plan_memory(cfg, hf, "cpu")
+    assert cfg.model.strategy == "fsdp1" and plan.reason == "" and plan.budget == GIB // 2
+    assert plan.estimate.total > plan.budget
