@@ -106,7 +106,8 @@ def test_each_strategy_resumes_bitwise(train_env, tmp_path, strategy, knobs):
     after = exported(tmp_path / "r")
     assert all(np.array_equal(after[k], before[k]) for k in before)
     comm = [e["time_ms"].get("comm") for e in events(tmp_path / "r", "train")]
-    assert all(c is not None and c > 0 for c in comm) if strategy == "manual" else not any(comm)
+    # timed under manual (exactly) and ddp (its comm hook, on CPU); FSDP1 runs its collectives out of sight
+    assert all(c is not None and c > 0 for c in comm) if strategy != "fsdp1" else not any(comm)
 
 
 def test_knobs_a_strategy_does_not_apply_are_named():

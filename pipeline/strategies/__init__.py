@@ -50,8 +50,9 @@ def plan_memory(cfg: Config, hf_config, device: str) -> MemoryPlan:
     """Resolve --strategy auto (in cfg) and estimate the peak memory per rank. No collective: every rank computes the
     same from the same config, launch environment and hardware.
 
-    auto: ddp when a whole replica fits, since it has nothing to gather (measured fastest whenever it fits,
-    BENCHMARKS.md section 10); else fsdp2 (FULL_SHARD unless --sharding says otherwise)."""
+    auto: ddp when a whole replica fits, since it has nothing to gather (bench/strategy_auto.py checks the choice
+    against the four strategies, BENCHMARKS.md section 11); else fsdp2 (FULL_SHARD unless --sharding says
+    otherwise)."""
     world, local_world, local_rank = launch_world()
     m, shape = cfg.model, Shape.of(hf_config)
     budget = int(m.memory_gb * GIB) if m.memory_gb else device_bytes(device, local_world, local_rank)

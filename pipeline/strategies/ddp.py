@@ -9,8 +9,11 @@ writes each replicated tensor once.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.loss import CausalLMLoss
@@ -18,8 +21,39 @@ from pipeline.modeling import reset_rotary, retie
 from pipeline.strategies.base import Strategy
 
 
+class BucketClock:
+    """When DDP's bucket all-reduces start and end, seen from a comm hook. On gloo they run on gloo's threads while
+    the backward goes on; the last bucket is launched when the backward's compute ends, so the time from its launch
+    to the last completion is what the step waits for them. (NCCL's futures complete when the work is queued, not
+    done: no hook is installed on GPU.)"""
+
+    def __init__(self) -> None:
+        self.launched: float | None = None
+        self.done = 0.0
+
+    def exposed(self) -> float:
+        """Seconds waited since the last call: 0 for steps with no all-reduce (accumulation, skipped)."""
+        seconds = 0.0 if self.launched is None else max(self.done - self.launched, 0.0)
+        self.launched = None
+        return seconds
+
+
+def timed_allreduce(clock: BucketClock, bucket):
+    """DDP's own all-reduce (divide by the world size, then sum), timed. Not annotated: register_comm_hook compares
+    the annotations with dist.GradBucket and Future[Tensor], and this module's are strings (postponed evaluation)."""
+    clock.launched = time.perf_counter()
+
+    def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        clock.done = max(clock.done, time.perf_counter())
+        return fut.value()
+
+    return allreduce_hook(None, bucket).then(done)
+
+
 class DDP(Strategy):
     """DistributedDataParallel around the plain model; gradient accumulation through no_sync()."""
+
+    clock: BucketClock | None = None
 
     def build(self, hf_config) -> nn.Module:
         model = self.meta(hf_config)
@@ -33,8 +67,14 @@ class DDP(Strategy):
         # into the all-reduce buckets, not a second copy of them (4 bytes per parameter less at the step)
         self._model = DistributedDataParallel(model, device_ids=[self.dist.local_rank] if cuda else None,
                                               init_sync=False, gradient_as_bucket_view=True)
+        if not cuda:
+            self.clock = BucketClock()
+            self._model.register_comm_hook(self.clock, timed_allreduce)
         return self._model
 
     def loss(self) -> CausalLMLoss:
         return CausalLMLoss(self.model, False, self.dist.world_size,
                             autocast=None if self.dtype == torch.float32 else self.dtype)
+
+    def comm_seconds(self) -> float | None:
+        return None if self.clock is None else self.clock.exposed()
