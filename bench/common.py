@@ -222,12 +222,12 @@ def read_events(metrics: Path) -> list[dict]:
 
 
 def fsdp1(runs: Path, name: str, model: Path, data: Path, *flags: object, world: int = 2,
-          fresh: bool = True) -> tuple[Launch, list[dict]]:
+          fresh: bool = True, env: dict[str, str] | None = None) -> tuple[Launch, list[dict]]:
     """One fsdp1.py run under torchrun (fp32 on CPU, no evaluation); returns the launch and its metrics events."""
     if fresh:
         shutil.rmtree(runs / name, ignore_errors=True)
     cmd = torchrun_cmd(world, ROOT / "fsdp1.py", "-e", name, "--save-dir", runs, "-d", data, "-m", model,
                        "--precision", "fp32", "--eval-freq", 0, "--lr", 3e-4, "--warmup-steps", 5, "--num-proc", 1,
                        *flags)
-    out = launch(cmd, bench_env())
+    out = launch(cmd, bench_env(**(env or {})))
     return out, read_events(runs / name / "metrics.jsonl")

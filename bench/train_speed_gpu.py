@@ -173,21 +173,21 @@ def error_of(output: str, code: int | None) -> str:
 
 
 def model_figures(model: Path) -> tuple[float, float]:
-    """FLOPs per token as the trainer counts them, and MODEL_DOWNLOAD.py's 1-GPU estimate in GiB without its 1 GiB
-    CUDA context allowance (max_memory_allocated, which it is compared with, does not include the context)."""
+    """FLOPs per token as the trainer counts them, and pipeline/memory.py's estimate in GiB for the estimator
+    variant (fsdp2 on 1 GPU, bf16, batch 1, the model's own loss, activation checkpointing), without the CUDA
+    context (max_memory_allocated, which it is compared with, does not include it)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pipeline.hub import GIB, activation_bytes, memory_table
+    from pipeline.memory import GIB, Shape, Workload, estimate
     from pipeline.modeling import param_counts
     from pipeline.telemetry import flops_per_token
 
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
-    n = sum(p.numel() for p in meta.parameters())
-    estimate = (memory_table(n, config, activation_bytes(config), gpus=(1,))[0]["total"] - GIB) / GIB
-    return flops_per_token(config, param_counts(meta)[1], SEQ), estimate
+    work = Workload("fsdp2", "FULL_SHARD", 1, 1, 2, 1, SEQ, activation_checkpointing=True)
+    return flops_per_token(config, param_counts(meta)[1], SEQ), estimate(Shape.of(config), work).total / GIB
 
 
 def shown(path: Path) -> str:
@@ -233,7 +233,7 @@ def report(args, results: list[dict]) -> str:
                               f"{c['stall_seconds']:.3f} s" for c in r["checkpoints"])
             lines += ["", f"Checkpoints of `{r['variant']}`: {saves}."]
         if r["variant"] == "ours-estimator" and r.get("estimate_gib"):
-            lines += ["", f"Memory estimator (MODEL_DOWNLOAD.py, 1 GPU, without its CUDA context allowance): "
+            lines += ["", f"Memory estimator (pipeline/memory.py, 1 GPU, without the CUDA context): "
                           f"{r['estimate_gib']:.2f} GiB against {r['peak_alloc_gib']:.2f} GiB measured."]
     return "\n".join(lines)
 
