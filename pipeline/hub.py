@@ -248,12 +248,16 @@ def verify(model_dir: Path) -> ModelReport:
 TABLE_SEQ = 2048
 
 
+def table_seq(config) -> int:
+    """The table's sequence length: 2048, or the model's limit when shorter."""
+    return min(TABLE_SEQ, getattr(config, "max_position_embeddings", None) or TABLE_SEQ)
+
+
 def memory_rows(config, gpus: tuple[int, ...] = (1, 2, 4, 8)) -> list[tuple[str, Estimate]]:
     """pipeline.memory's estimate per GPU for what MODEL_DOWNLOAD.py's table shows: fsdp2 (FULL_SHARD, the
     vocabulary-parallel head) on each number of GPUs, then ddp (the same on any number), at bf16 compute, batch 1 x
     seq 2048 (or the model's limit), activation checkpointing on."""
-    shape = Shape.of(config)
-    seq = min(TABLE_SEQ, getattr(config, "max_position_embeddings", None) or TABLE_SEQ)
+    shape, seq = Shape.of(config), table_seq(config)
     rows = [(f"fsdp2, {n} GPU{'s' if n > 1 else ''}", estimate(shape, Workload(
         "fsdp2", "FULL_SHARD", n, n, 2, 1, seq, activation_checkpointing=True, vocab_parallel=True)))
         for n in gpus]
@@ -295,7 +299,7 @@ def format_report(rep: ModelReport, where: Path, skipped: list[str]) -> str:
         lines.append(f"left out (not needed for training): {', '.join(skipped)}")
     if rep.unexpected:
         lines.append(f"ignored tensors not used by {rep.model_class}: {', '.join(rep.unexpected[:5])}")
-    seq = min(TABLE_SEQ, getattr(rep.config, "max_position_embeddings", None) or TABLE_SEQ)
+    seq = table_seq(rep.config)
     lines.append(f"estimated peak memory per GPU, full fine-tuning with fsdp1.py (bf16 compute; fp32 master weights, "
                  f"gradients and AdamW states; batch 1 x seq {seq}, --activation-checkpointing on; plus about 1 GiB "
                  "of CUDA context):")

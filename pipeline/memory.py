@@ -107,8 +107,7 @@ class Workload:
 @dataclass(frozen=True)
 class Estimate:
     """Peak bytes per rank, by what holds them. Two moments compete for the peak: the end of the forward (saved
-    activations and the loss's logits on top of the resident state) and AdamW's step (the whole fp32 state and the
-    optimizer's temporaries)."""
+    activations and the loss's logits on top of the resident state) and AdamW's step (the whole fp32 state)."""
 
     weights: int
     """fp32 master weights and AdamW's two moments this rank keeps on the device (none with --cpu-offload)."""
@@ -147,9 +146,10 @@ class Estimate:
         return f"{total:.2f} GiB ({', '.join(f'{k} {v:.2f}' for k, v in parts.items())})"
 
 
-# Per token and decoder layer, the elements autograd saves, in widths of the layer (measured against peaks on CPU
-# for fp32 and bf16, BENCHMARKS.md section 10): the norms' inputs and outputs, q/k/v, attention output, residuals
-# (about 8 hidden widths and 2 KV widths) and the MLP's gate, up, activation and product (4 intermediate widths).
+# Per token and decoder layer, the elements autograd saves, in widths of the layer (checked against fp32 peaks on
+# CPU, BENCHMARKS.md section 10; bf16 only with activation checkpointing, on one H100, section 6): the norms' inputs
+# and outputs, q/k/v, attention output, residuals (about 8 hidden widths and 2 KV widths) and the MLP's gate, up,
+# activation and product (4 intermediate widths).
 HIDDEN_WIDTHS, KV_WIDTHS, INTERMEDIATE_WIDTHS = 8, 2, 4
 
 
@@ -165,18 +165,16 @@ def estimate(shape: Shape, work: Workload) -> Estimate:
     layer_grad = shape.layer_params * (c + 4)  # compute-dtype gradient and its fp32 copy for the reduction
     accumulated = 4 * n if work.grad_accum > 1 else 0  # no_sync: whole unsharded fp32 gradients between micro-steps
     root = 0 if work.vocab_parallel else shape.root_params
-    if work.strategy == "ddp":  # buckets are the gradients (gradient_as_bucket_view); autocast caches matmul weights
+    # ddp: the buckets are the gradients (gradient_as_bucket_view) and stay between steps
+    gradients = 4 * n if work.strategy == "ddp" else layer_grad + accumulated
+    if work.strategy == "ddp":  # autocast caches the matmul weights in the compute dtype
         copies = (n - shape.root_params + shape.vocab * shape.hidden) * c if c < 4 else 0
-        gradients = 4 * n
     elif work.shards == 1:  # FSDP replicating: every unit already whole, cast to the compute dtype when it differs
         copies = n * c if c < 4 else 0
-        gradients = layer_grad + accumulated
     elif work.sharding == "SHARD_GRAD_OP":  # ZeRO-2: every layer stays gathered from its forward to its backward
         copies = (root + shape.layers * shape.layer_params) * c
-        gradients = layer_grad + accumulated
     else:  # ZeRO-3: the root stays gathered; the layer in use and the one prefetched (manual: no prefetch)
         copies = (root + (1 if work.strategy == "manual" else 2) * shape.layer_params) * c
-        gradients = layer_grad + accumulated
     tokens = work.batch_size * work.seq_length
     if work.activation_checkpointing:  # each layer's input, and one layer recomputed at a time
         activations = shape.layers * tokens * shape.hidden * c + layer_activation_bytes(shape, tokens, c)
