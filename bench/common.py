@@ -231,3 +231,16 @@ def fsdp1(runs: Path, name: str, model: Path, data: Path, *flags: object, world:
                        *flags)
     out = launch(cmd, bench_env(**(env or {})))
     return out, read_events(runs / name / "metrics.jsonl")
+
+
+def memory_plan(model: Path, world: int, *flags: object):
+    """What fsdp1.py's preflight resolves for these flags on `world` CPU ranks of one node: the strategy (auto
+    resolved, in the returned config) and the memory estimate. Returns (config, MemoryPlan)."""
+    from transformers import AutoConfig
+
+    from pipeline import config as config_mod
+    from pipeline.strategies import plan_memory
+
+    os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), LOCAL_RANK="0")
+    cfg = config_mod.resolve(["-e", "plan", "-d", "unused", "-m", str(model), *map(str, flags)])
+    return cfg, plan_memory(cfg, AutoConfig.from_pretrained(model), "cpu")

@@ -18,10 +18,9 @@ the estimator compares the new estimate with the peaks already measured).
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
-from common import ROOT, demo_dataset, fsdp1, machine, read_events, table, update_section
+from common import ROOT, demo_dataset, fsdp1, machine, memory_plan, read_events, table, update_section
 
 CASES: dict[str, tuple[int, list[object]]] = {
     "ddp fp32": (2, ["--strategy", "ddp"]),
@@ -52,18 +51,9 @@ def run_flags(seq: int, steps: int, flags: list[object]) -> list[object]:
     return ["--seq-length", seq, "--max-steps", steps, "--log-freq", 1, *flags]
 
 
-def estimated(model: Path, data: Path, world: int, flags: list[object], seq: int) -> dict:
+def estimated(model: Path, world: int, flags: list[object], seq: int) -> dict:
     """What the trainer logs at start for this run (GiB by part), from the code as it is now."""
-    from transformers import AutoConfig
-
-    from pipeline import config as config_mod
-    from pipeline.strategies import plan_memory
-
-    os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), LOCAL_RANK="0")
-    argv = ["-e", "x", "-d", str(data), "-m", str(model), "--precision", "fp32",
-            *map(str, run_flags(seq, 3, flags))]
-    cfg = config_mod.resolve(argv)
-    return plan_memory(cfg, AutoConfig.from_pretrained(model), "cpu").estimate.gib()
+    return memory_plan(model, world, "--precision", "fp32", *run_flags(seq, 3, flags))[1].estimate.gib()
 
 
 def main() -> None:
@@ -83,7 +73,7 @@ def main() -> None:
     for name, (world, flags) in CASES.items():
         if args.only and name not in args.only:
             continue
-        est = estimated(model, data, world, flags, args.seq)
+        est = estimated(model, world, flags, args.seq)
         live, _ = measure(args.workdir / "runs", name, model, data, world, flags, args.seq, "live", args.reuse)
         rss, by_step = measure(args.workdir / "runs", name, model, data, world, flags, args.seq, "default",
                                args.reuse)

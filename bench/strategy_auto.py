@@ -13,11 +13,10 @@ Rewrites the strategy_auto table of BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 from pathlib import Path
 
-from common import ROOT, build_model, demo_dataset, fsdp1, intervals, machine, table, update_section
+from common import ROOT, build_model, demo_dataset, fsdp1, intervals, machine, memory_plan, table, update_section
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp1", "manual")
 
@@ -31,15 +30,8 @@ def timed(runs: Path, name: str, model: Path, data: Path, strategy: str, args: a
 
 
 def auto_choice(model: Path, seq: int, memory_gb: float) -> str:
-    from transformers import AutoConfig
-
-    from pipeline.config import from_flat
-    from pipeline.strategies import plan_memory
-
-    os.environ.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", LOCAL_RANK="0")
-    cfg = from_flat({"experiment_name": "auto", "dataset_name": "d", "model_name": str(model), "strategy": "auto",
-                     "precision": "fp32", "seq_length": seq, "memory_gb": memory_gb})
-    plan = plan_memory(cfg, AutoConfig.from_pretrained(model), "cpu")
+    cfg, plan = memory_plan(model, 2, "--strategy", "auto", "--precision", "fp32", "--seq-length", seq,
+                            "--memory-gb", memory_gb)
     return f"{cfg.model.strategy} ({plan.estimate.total / 2**30:.2f} GiB estimated; {plan.reason})"
 
 
