@@ -19,10 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.collectives import all_gather_flat, reduce_scatter_flat
+
 IGNORE = -100
-# torch 2.13 renamed the single-tensor collectives (the old names warn on every call); torch 2.11 has only the old
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 CHUNK_ELEMENTS = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}
 """Logits per chunk by device type. CPU: 16M (64 MB in fp32); fewer, larger chunks were faster (each chunk re-reads
 and re-writes the head's gradient): 0.68 s/step at 16M against 0.75 at 8M and 1.08 at 2M, in a 2-rank training
@@ -48,7 +47,7 @@ def gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
     if world == 1:
         return x
     out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-    _all_gather(out, x.contiguous(), group=group)
+    all_gather_flat(out, x.contiguous(), group=group)
     return out
 
 
@@ -58,7 +57,7 @@ def _sum_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     if world == 1:
         return x
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-    _reduce_scatter(out, x, group=group)
+    reduce_scatter_flat(out, x, group=group)
     return out
 
 

@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from pipeline.config import from_flat
 from pipeline.memory import GIB, Shape, Workload, estimate
 from pipeline.strategies import plan_memory
+from pipeline.traffic import traffic_bytes
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True)
@@ -63,20 +64,43 @@ def config_for(model: str, *extra: str):
                       **dict(zip(extra[::2], extra[1::2], strict=True))})
 
 
-def test_auto_picks_ddp_while_a_replica_fits_and_fsdp2_beyond(monkeypatch):
+def test_traffic_counts_what_each_collective_moves_per_rank():
+    shape = Shape.of(LlamaConfig(**LLAMA_1B))
+    body, root = 16 * shape.layer_params, shape.root_params
+
+    def moved(strategy: str, sharding: str, world: int = 4, **kw) -> int:
+        return traffic_bytes(shape, Workload(strategy, sharding, world, world, kw.pop("c", 4), 1, 2048, **kw))
+
+    assert moved("ddp", "NO_SHARD") == int(0.75 * 2 * 4 * shape.num_params)  # one ring all-reduce of fp32 gradients
+    assert moved("ddp", "NO_SHARD", grad_accum=4) == moved("ddp", "NO_SHARD")  # no_sync until the last micro-step
+    assert moved("ddp", "NO_SHARD", world=1) == moved("fsdp2", "FULL_SHARD", world=1) == 0
+    # ZeRO-3: layers gathered for the forward and again for the backward, the root once; all reduce-scattered in fp32
+    assert moved("fsdp2", "FULL_SHARD") == int(0.75 * (4 * (2 * body + root) + 4 * (body + root)))
+    assert moved("fsdp2", "FULL_SHARD", c=2) == int(0.75 * (2 * (2 * body + root) + 4 * (body + root)))
+    assert moved("fsdp2", "SHARD_GRAD_OP") == int(0.75 * (4 * (body + root) + 4 * (body + root)))
+    assert moved("fsdp2", "FULL_SHARD", grad_accum=2) == int(0.75 * (2 * 4 * (2 * body + root) + 4 * (body + root)))
+    # the vocabulary-parallel head stays local; every rank's hidden states cross instead (4 x world x tokens x hidden)
+    assert moved("fsdp2", "FULL_SHARD", vocab_parallel=True) == \
+        int(0.75 * (4 * (2 * body + 2048) + 4 * (body + 2048) + 4 * 4 * 2048 * 2048 * 4))
+
+
+def test_auto_picks_ddp_while_a_replica_fits_and_moves_less_and_fsdp2_beyond(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     hf = LlamaConfig(**LLAMA_1B)
-    replica = plan_memory(config_for("m", "strategy", "ddp", "precision", "bf16"), hf, "cpu").estimate.total
+    replica = plan_memory(config_for("m", "strategy", "ddp", "precision", "fp32"), hf, "cpu").estimate.total
+    ddp_mib = traffic_bytes(Shape.of(hf), Workload.of(config_for("m", "strategy", "ddp"), "cpu", 4, 4)) / 2**20
+    fsdp2_mib = traffic_bytes(Shape.of(hf), Workload.of(config_for("m", "strategy", "fsdp2"), "cpu", 4, 4)) / 2**20
+    assert ddp_mib < fsdp2_mib  # fp32: gathering the layers twice and reduce-scattering them is 3 of 2 copies
 
-    cfg = config_for("m", "strategy", "auto", "memory_gb", replica / GIB + 0.01, "precision", "bf16")
+    cfg = config_for("m", "strategy", "auto", "memory_gb", replica / GIB + 0.01, "precision", "fp32")
     plan = plan_memory(cfg, hf, "cpu")
     assert (cfg.model.strategy, cfg.model.sharding) == ("ddp", "NO_SHARD")
     assert plan.estimate.total == replica
     assert plan.reason == (f"ddp: a whole replica fits ({replica / GIB:.2f} of {replica / GIB + 0.01:.2f} GiB per "
-                           "rank), and nothing needs gathering")
+                           f"rank) and ddp moves {ddp_mib:.0f} MiB per step per rank, fsdp2 {fsdp2_mib:.0f} MiB")
 
-    cfg = config_for("m", "strategy", "auto", "memory_gb", replica / GIB - 0.01, "precision", "bf16")
+    cfg = config_for("m", "strategy", "auto", "memory_gb", replica / GIB - 0.01, "precision", "fp32")
     plan = plan_memory(cfg, hf, "cpu")
     assert (cfg.model.strategy, cfg.model.sharding) == ("fsdp2", "FULL_SHARD")
     assert plan.reason == (f"fsdp2: a whole replica would need {replica / GIB:.2f} GiB per rank, more than "
@@ -89,6 +113,22 @@ def test_auto_picks_ddp_while_a_replica_fits_and_fsdp2_beyond(monkeypatch):
     cfg = config_for("m", "strategy", "auto", "vocab_parallel", "on", "memory_gb", 1000)
     assert plan_memory(cfg, hf, "cpu").reason.startswith("fsdp2: the settings given")
     assert (cfg.model.strategy, cfg.model.sharding, cfg.model.uses_vocab_parallel()) == ("fsdp2", "FULL_SHARD", True)
+
+
+@pytest.mark.parametrize(("world", "overrides", "chosen"), [
+    (2, {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 4,
+         "num_key_value_heads": 4, "head_dim": 64}, "fsdp2"),  # the 128k head is most of it: kept local, not reduced
+    (2, {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+         "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152}, "ddp"),  # SmolLM2-135M
+    (1, {}, "ddp"),  # one rank: nothing moves either way
+])
+def test_auto_takes_the_strategy_that_moves_less_when_both_fit(monkeypatch, world, overrides, chosen):
+    """The two CPU cases of BENCHMARKS.md section 11, where the choice was measured to be the faster."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+    cfg = config_for("m", "strategy", "auto", "memory_gb", 1000, "precision", "fp32", "seq_length", 256)
+    plan_memory(cfg, LlamaConfig(**{**LLAMA_1B, **overrides}), "cpu")
+    assert cfg.model.strategy == chosen
 
 
 def test_a_given_strategy_is_kept_and_estimated():

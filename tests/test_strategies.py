@@ -106,7 +106,8 @@ def test_each_strategy_resumes_bitwise(train_env, tmp_path, strategy, knobs):
     after = exported(tmp_path / "r")
     assert all(np.array_equal(after[k], before[k]) for k in before)
     comm = [e["time_ms"].get("comm") for e in events(tmp_path / "r", "train")]
-    # timed under manual (exactly) and ddp (its comm hook, on CPU); FSDP1 runs its collectives out of sight
+    # timed under manual and fsdp2 (each collective, synchronous on CPU) and ddp (its comm hook, on CPU); FSDP1 runs
+    # its collectives out of sight
     assert all(c is not None and c > 0 for c in comm) if strategy != "fsdp1" else not any(comm)
 
 
@@ -123,3 +124,13 @@ def test_knobs_a_strategy_does_not_apply_are_named():
         "--forward-prefetch on"]
     assert ignored_knobs(ModelConfig(model_name="m", strategy="fsdp1", **knobs)) == []
     assert ignored_knobs(ModelConfig(model_name="m", strategy="manual")) == []  # defaults are never named
+
+
+def test_the_private_fsdp2_interfaces_the_comm_timing_subclasses_still_exist():
+    """pipeline/strategies/fsdp2.py subclasses these (the one private import there): if torch moves them, this names
+    the cause before any run fails."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    assert AllGather.__abstractmethods__ == ReduceScatter.__abstractmethods__ == {"allocate", "__call__"}
+    assert callable(FSDPModule.set_custom_all_gather) and callable(FSDPModule.set_custom_reduce_scatter)

@@ -26,7 +26,8 @@ def test_two_rank_run_trains_and_writes_its_run_directory(tmp_path, train_env):
     assert [e["step"] for e in evals] == [20, 40] and evals[1]["loss"] < evals[0]["loss"]
     for e in train:
         assert set(e) == TRAIN_KEYS
-        assert set(e["time_ms"]) == {"data", "forward", "backward", "update", "total"}
+        assert set(e["time_ms"]) == {"data", "forward", "backward", "update", "comm", "total"}
+        assert 0 < e["time_ms"]["comm"] < e["time_ms"]["forward"] + e["time_ms"]["backward"]  # fsdp2's, timed
         assert set(e["mem_gb"]) == {"alloc", "peak_alloc", "reserved", "peak_reserved", "peak_by_rank"}
         assert len(e["mem_gb"]["peak_by_rank"]) == 2 and all(p > 0 for p in e["mem_gb"]["peak_by_rank"])
         assert e["mfu"] is None and e["tokens_per_s"] > 0 and e["grad_norm"] > 0

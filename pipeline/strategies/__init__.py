@@ -14,6 +14,7 @@ from pipeline.strategies.ddp import DDP
 from pipeline.strategies.fsdp1 import FSDP1
 from pipeline.strategies.fsdp2 import FSDP2
 from pipeline.strategies.manual import ManualZeRO3
+from pipeline.traffic import traffic_bytes
 
 STRATEGIES: dict[str, type[Strategy]] = {"fsdp2": FSDP2, "fsdp1": FSDP1, "ddp": DDP, "manual": ManualZeRO3}
 KNOB_DEFAULTS = {name: ModelConfig.__dataclass_fields__[name].default
@@ -48,29 +49,36 @@ class MemoryPlan:
 
 def plan_memory(cfg: Config, hf_config, device: str) -> MemoryPlan:
     """Resolve --strategy auto (in cfg) and estimate the peak memory per rank. No collective: every rank computes the
-    same from the same config, launch environment and hardware.
-
-    auto: ddp when a whole replica fits, since it has nothing to gather (bench/strategy_auto.py checks the choice
-    against the four strategies, BENCHMARKS.md section 11); else fsdp2 (FULL_SHARD unless --sharding says
-    otherwise)."""
+    same from the same config, launch environment and hardware."""
     world, local_world, local_rank = launch_world()
     m, shape = cfg.model, Shape.of(hf_config)
     budget = int(m.memory_gb * GIB) if m.memory_gb else device_bytes(device, local_world, local_rank)
     reason = ""
     if m.strategy == "auto":
-        m.strategy = "fsdp2"
-        ddp_allowed = m.sharding in ("auto", "NO_SHARD") and not m.cpu_offload and m.vocab_parallel != "on"
-        if ddp_allowed:
-            ddp = estimate(shape, Workload.of(replace(cfg, model=replace(m, strategy="ddp", sharding="NO_SHARD")),
-                                              device, world, local_world))
-            if ddp.total <= budget:
-                m.strategy = "ddp"
-                reason = (f"ddp: a whole replica fits ({ddp.total / GIB:.2f} of {budget / GIB:.2f} GiB per rank), "
-                          "and nothing needs gathering")
-            else:
-                reason = (f"fsdp2: a whole replica would need {ddp.total / GIB:.2f} GiB per rank, more than "
-                          f"{budget / GIB:.2f} GiB")
-        else:
-            reason = "fsdp2: the settings given (sharding, CPU offload or vocabulary parallelism) need it"
+        m.strategy, reason = choose(cfg, shape, budget, device, world, local_world)
         m.check()  # resolves --sharding auto for the chosen strategy
     return MemoryPlan(estimate(shape, Workload.of(cfg, device, world, local_world)), budget, reason)
+
+
+def choose(cfg: Config, shape: Shape, budget: int, device: str, world: int, local_world: int) -> tuple[str, str]:
+    """--strategy auto: of ddp and fsdp2, the one that moves fewer bytes per step (ddp on a tie: it has no gather
+    copies), among those whose estimated peak fits the budget; fsdp2 when the settings given need it. Checked against
+    the four strategies by bench/strategy_auto.py (BENCHMARKS.md section 11)."""
+    m = cfg.model
+    if m.sharding not in ("auto", "NO_SHARD") or m.cpu_offload or m.vocab_parallel == "on":
+        return "fsdp2", "fsdp2: the settings given (sharding, CPU offload or vocabulary parallelism) need it"
+
+    def workload(strategy: str, sharding: str) -> Workload:
+        return Workload.of(replace(cfg, model=replace(m, strategy=strategy, sharding=sharding)), device, world,
+                           local_world)
+
+    ddp, fsdp2 = workload("ddp", "NO_SHARD"), workload("fsdp2", "FULL_SHARD")
+    need = estimate(shape, ddp).total
+    if need > budget:
+        return "fsdp2", (f"fsdp2: a whole replica would need {need / GIB:.2f} GiB per rank, more than "
+                         f"{budget / GIB:.2f} GiB")
+    moved = {"ddp": traffic_bytes(shape, ddp), "fsdp2": traffic_bytes(shape, fsdp2)}
+    pick = "ddp" if moved["ddp"] <= moved["fsdp2"] else "fsdp2"
+    other = "fsdp2" if pick == "ddp" else "ddp"
+    return pick, (f"{pick}: a whole replica fits ({need / GIB:.2f} of {budget / GIB:.2f} GiB per rank) and {pick} "
+                  f"moves {moved[pick] / 2**20:.0f} MiB per step per rank, {other} {moved[other] / 2**20:.0f} MiB")

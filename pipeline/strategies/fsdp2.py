@@ -3,6 +3,11 @@ vocabulary-parallel embedding and head.
 
 The model is built on the meta device, wrapped, then materialised with `to_empty`, so each rank allocates only its
 shards; the weights come from load_weights() or a checkpoint.
+
+On CPU each FSDP module's all-gather and reduce-scatter go through TimedAllGather/TimedReduceScatter (FSDP2's
+custom-collective hooks), which issue the same gloo collective and time it: FSDP2 calls them synchronously there
+(no streams, no async unshard), so their sum is the time the step waited on them. On GPU they are queued on
+streams and a host clock would time the launch, so none is installed.
 """
 
 from __future__ import annotations
@@ -10,16 +15,52 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+# FSDPModule.set_custom_all_gather/set_custom_reduce_scatter are public, but the interfaces they take live only in
+# this private module; imported here alone, and tests/test_train checks that fsdp2 still reports time_ms.comm
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from pipeline.collectives import CommClock, all_gather_flat, reduce_scatter_flat
 from pipeline.loss import CausalLMLoss
 from pipeline.modeling import decoder_layers, reset_rotary
 from pipeline.runtime import build_mesh
 from pipeline.strategies.base import Strategy
 from pipeline.vocab_parallel import VocabParallelEmbedding
+
+
+class TimedAllGather(AllGather):
+    """FSDP2's default all-gather (a fresh output buffer, one flat all-gather), timed."""
+
+    def __init__(self, clock: CommClock) -> None:
+        self.clock = clock
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work | None:
+        with self.clock.timing():
+            return all_gather_flat(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class TimedReduceScatter(ReduceScatter):
+    """FSDP2's default reduce-scatter, timed."""
+
+    def __init__(self, clock: CommClock) -> None:
+        self.clock = clock
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False) -> dist.Work | None:
+        with self.clock.timing():
+            return reduce_scatter_flat(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 class FSDP2(Strategy):
@@ -28,12 +69,16 @@ class FSDP2(Strategy):
     KNOBS = frozenset({"forward_prefetch", "backward_prefetch"})
     mesh: DeviceMesh
     vocab_parallel: bool
+    clock: CommClock | None = None
+    """Times the collectives (CPU only)."""
 
     def build(self, hf_config) -> nn.Module:
         model = self.meta(hf_config)
         self.mesh = build_mesh(self.cfg.sharding, self.dist)
         self.vocab_parallel = self.cfg.uses_vocab_parallel()
         self._shard(model)
+        if self.dist.device.type == "cpu":
+            self._time_collectives(model)
         # the shards' memory (host memory with CPU offload), uninitialised until loaded
         model.to_empty(device="cpu" if self.cfg.cpu_offload else self.dist.device)
         reset_rotary(model, self.dist.device)
@@ -78,6 +123,17 @@ class FSDP2(Strategy):
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+    def _time_collectives(self, model: nn.Module) -> None:
+        self.clock = CommClock()
+        gather, scatter = TimedAllGather(self.clock), TimedReduceScatter(self.clock)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_all_gather(gather)
+                module.set_custom_reduce_scatter(scatter)
+
+    def comm_seconds(self) -> float | None:
+        return None if self.clock is None else self.clock.read()
 
     @property
     def root(self) -> FSDPModule:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -37,14 +36,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from pipeline.collectives import CommClock, all_gather_flat, reduce_scatter_flat
 from pipeline.modeling import decoder_layers, reset_rotary
 from pipeline.runtime import build_mesh
 from pipeline.strategies.base import Strategy
 from pipeline.weights import read_weights
-
-# torch 2.13 renamed the flat-tensor collectives (*_single); 2.11 (the GPU image) has only the old names
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Comm:
@@ -54,18 +50,16 @@ class Comm:
         self.world_size, self.rank, self.dtype = world_size, rank, dtype
         self.sync = True
         """Whether this micro-step's backward reduce-scatters (False: accumulate locally)."""
-        self.seconds = 0.0
-        """Wall time blocked in collectives since the last read (exact on CPU: gloo collectives are synchronous)."""
+        self.clock = CommClock()
+        """Wall time blocked in collectives (exact on CPU: gloo collectives are synchronous)."""
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
-        started = time.perf_counter()
-        _all_gather(out, shard)
-        self.seconds += time.perf_counter() - started
+        with self.clock.timing():
+            all_gather_flat(out, shard)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
-        started = time.perf_counter()
-        _reduce_scatter(out, full)
-        self.seconds += time.perf_counter() - started
+        with self.clock.timing():
+            reduce_scatter_flat(out, full)
 
 
 @dataclass(eq=False)
@@ -313,8 +307,7 @@ class ManualZeRO3(Strategy):
         return norm
 
     def comm_seconds(self) -> float | None:
-        seconds, self.comm.seconds = self.comm.seconds, 0.0
-        return seconds
+        return self.comm.clock.read()
 
     # ---- weights and checkpoints, in FSDP2's layout
 

@@ -1,0 +1,34 @@
+"""Bytes one rank moves through collectives per optimizer step, by strategy: what `--strategy auto` weighs when more
+than one strategy fits.
+
+Ring collectives move (W-1)/W of their buffer per rank: a reduce-scatter or an all-gather of B bytes costs
+B(W-1)/W, an all-reduce twice that. Where collectives block the step (gloo on CPU) the step time follows these bytes
+(BENCHMARKS.md section 11); on GPU they overlap the compute, and the figure is what is left to hide.
+"""
+
+from __future__ import annotations
+
+from pipeline.memory import Shape, Workload
+
+FP32 = 4
+
+
+def traffic_bytes(shape: Shape, w: Workload) -> int:
+    """Bytes this rank sends per optimizer step (it receives as many). HYBRID_SHARD is counted as FULL_SHARD over
+    every rank (its replicas' all-reduce left out): auto never chooses it."""
+    if w.world_size == 1:
+        return 0
+    ring = (w.world_size - 1) / w.world_size
+    if w.strategy == "ddp" or w.sharding == "NO_SHARD":
+        return int(2 * ring * FP32 * shape.num_params)  # one all-reduce of the fp32 gradients, at the sync step
+    body = shape.layers * shape.layer_params
+    root = shape.hidden if w.vocab_parallel else shape.root_params  # a vocab-parallel head is never gathered
+    # layers are gathered for the forward and again for the backward unless kept (SHARD_GRAD_OP); the root stays
+    # gathered from its forward to its backward. Gathers happen every micro-step, the reduce-scatter once
+    gathers = (2 if w.sharding in ("FULL_SHARD", "HYBRID_SHARD") else 1) * body + root
+    moved = w.grad_accum * w.compute_bytes * gathers + FP32 * (body + root)
+    if w.vocab_parallel:
+        # every rank's hidden states and embeddings cross the vocabulary shards: two gathers and two reduce-scatters
+        # of (world x tokens x hidden) per micro-step
+        moved += w.grad_accum * 4 * w.world_size * w.batch_size * w.seq_length * shape.hidden * w.compute_bytes
+    return int(ring * moved)
