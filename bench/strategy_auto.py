@@ -7,7 +7,7 @@ with Llama 3's 128k vocabulary; SmolLM2-135M's shape with this machine's memory;
 --small-device-gb (passed as --memory-gb: the budget auto plans for), where a whole replica no longer fits.
 Rewrites the strategy_auto table of BENCHMARKS.md.
 
-    .venv/bin/python bench/strategy_auto.py [--repeats 1]
+    .venv/bin/python bench/strategy_auto.py [--seq 256 --steps 7]
 """
 
 from __future__ import annotations
@@ -25,8 +25,15 @@ def timed(runs: Path, name: str, model: Path, data: Path, strategy: str, args: a
     _, events = fsdp1(runs, f"{name}-{strategy}", model, data, "--strategy", strategy, "--seq-length", args.seq,
                       "--max-steps", args.steps, "--log-freq", 1)
     train = [e for e in events if e["event"] == "train"]
+    comm = [e["time_ms"].get("comm") for e in train[args.discard:]]
     return {"step_s": statistics.median(intervals([e["time"] for e in train], args.discard)),
+            "comm_s": None if None in comm else statistics.median(comm) / 1000,
             "peak_gb": max(max(e["mem_gb"]["peak_by_rank"]) for e in train[1:])}
+
+
+def cell(r: dict, fits: bool) -> str:
+    comm = "" if r["comm_s"] is None else f" (comm {r['comm_s']:.3f})"
+    return f"{r['step_s']:.3f} s{comm}, {r['peak_gb']:.2f} GiB{'' if fits else ' (does not fit)'}"
 
 
 def auto_choice(model: Path, seq: int, memory_gb: float) -> str:
@@ -62,14 +69,14 @@ def main() -> None:
         results = measured[name]
         fits = {s: r for s, r in results.items() if not budget or r["peak_gb"] <= budget}
         fastest = min(fits, key=lambda s: fits[s]["step_s"])
-        cells = [f"{r['step_s']:.3f} s, {r['peak_gb']:.2f} GiB{'' if s in fits else ' (does not fit)'}"
-                 for s, r in results.items()]
+        cells = [cell(r, s in fits) for s, r in results.items()]
         rows.append([label, *cells, auto_choice(model, args.seq, budget), fastest])
         print(label, rows[-1][1:], flush=True)
     update_section("strategy_auto", "\n".join([
         f"Machine: {machine()}. Command: `.venv/bin/python bench/strategy_auto.py`. 2 ranks, fp32, batch 1 x seq "
-        f"{args.seq}, {args.steps} steps (median interval after {args.discard}); peak: the largest rank's resident "
-        "memory above what it held before the model was built, from step 2 on.",
+        f"{args.seq}, {args.steps} steps (median interval after {args.discard}; comm: the median `time_ms.comm`, "
+        "absent under fsdp1); peak: the largest rank's resident memory above what it held before the model was built, "
+        "from step 2 on.",
         "",
         table(["model and device", *STRATEGIES, "--strategy auto chose", "fastest that fits (measured)"], rows),
     ]))
