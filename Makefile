@@ -8,7 +8,7 @@ DEMO := demo
 DEMO_MODEL := local/tiny-llama
 export HF_HOME := $(CURDIR)/$(DEMO)/hf_home
 
-.PHONY: demo test lint bench bench-chat bench-gpu clean-demo
+.PHONY: demo test smoke lint bench bench-chat bench-gpu clean-demo
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ demo: $(STAMP)
 # 48 s since saved in test_corpus)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# Every strategy a few steps with a checkpoint and a resume, through the experiments harness
+smoke: $(STAMP)
+	examples/smoke.sh $(PY) $(DEMO)
 
 # The CPU benchmarks (about 12 minutes on 2 cores): rewrites the tables of BENCHMARKS.md and bench/charts/*.png
 bench: $(BENCH_STAMP)
