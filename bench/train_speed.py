@@ -8,6 +8,11 @@ torchrun. Steady-state seconds per step are the median of the per-step intervals
 the first step. Peak memory is the largest peak RSS of a worker process, sampled every 20 ms from outside.
 
     .venv/bin/python bench/train_speed.py --repeats 3
+    .venv/bin/python bench/train_speed.py --preset smollm2-135m --seq 256 --steps 10 --discard 3 --repeats 1
+
+--preset trains a real model's shape instead (pipeline.tiny's presets, random weights) and writes its own table,
+train_speed_PRESET_PRECISION; --precision bf16 is autocast over fp32 weights on both sides; --strategy is passed to
+fsdp1.py (default: its own default).
 """
 
 from __future__ import annotations
@@ -40,13 +45,20 @@ from common import (
 )
 
 
+def ours_flags(args) -> list[object]:
+    strategy = ["--strategy", args.strategy] if args.strategy else []
+    return ["--precision", args.precision, *strategy]
+
+
 def run_ours(args, work: Path, model: Path, data: Path, name: str) -> dict:
     out, events = fsdp1(work / "runs", name, model, data, "--seq-length", args.seq, "-b", args.batch, "--max-steps",
-                        args.steps, "--log-freq", 1, "--ckpt-freq", 0, "--async-ckpt", "off", world=args.world)
+                        args.steps, "--log-freq", 1, "--ckpt-freq", 0, "--async-ckpt", "off", *ours_flags(args),
+                        world=args.world)
+    chosen = next((e["strategy"] for e in events if e["event"] == "memory"), "?")
     ends = [e["time"] for e in events if e["event"] == "train"]
     shutil.rmtree(work / "runs" / name, ignore_errors=True)
     return {"steps": intervals(ends, args.discard), "first_step": ends[0] - out.started,
-            "peak_rss_gb": max(out.peak_rss_gb()[: args.world])}
+            "peak_rss_gb": max(out.peak_rss_gb()[: args.world]), "strategy": chosen}
 
 
 def token_cache(args, work: Path, model: Path, data: Path) -> Path:
@@ -62,7 +74,8 @@ def token_cache(args, work: Path, model: Path, data: Path) -> Path:
 def run_hf(args, work: Path, model: Path, blocks: Path) -> dict:
     result = work / "hf.json"
     cmd = torchrun_cmd(args.world, BENCH / "hf_worker.py", "--model", model, "--blocks", blocks, "--out", result,
-                       "--batch-size", args.batch, "--max-steps", args.steps, "--lr", 3e-4, "--warmup-steps", 5)
+                       "--batch-size", args.batch, "--max-steps", args.steps, "--lr", 3e-4, "--warmup-steps", 5,
+                       *(["--bf16"] if args.precision == "bf16" else []))
     out = launch(cmd, bench_env())
     r = json.loads(result.read_text())
     ends = r["step_end"]
@@ -84,9 +97,13 @@ def run_bare(args, model: Path, blocks: Path, thp: bool) -> dict:
 def main() -> None:
     p = bench_args(__doc__, repeats=3, layers=2, hidden=256)
     step_args(p, seq=128, batch=2, steps=20, discard=5)
+    p.add_argument("--preset", default=None, help="a real model's shape (pipeline.tiny presets) instead of the bench "
+                   "model (--layers and --hidden ignored)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--strategy", default=None, help="fsdp1.py's --strategy (default: its default)")
     args = p.parse_args()
     work = args.workdir
-    model = build_model(args)
+    model = build_model(args) if not args.preset else preset_model(work, args.preset)
     data = demo_dataset(work / "dataset")
     run_ours(args, work, model, data, "warmup")  # builds the token cache the HF worker reads too
     blocks = token_cache(args, work, model, data)
@@ -100,6 +117,25 @@ def main() -> None:
     report(args, model, ours, hf, bare, bare_thp)
 
 
+def section(args) -> str:
+    return "train_speed_cpu" if not args.preset else f"train_speed_{args.preset}_{args.precision}"
+
+
+def command(args) -> str:
+    if not args.preset:
+        return f"--repeats {args.repeats}"
+    flags = f"--preset {args.preset} --precision {args.precision} --seq {args.seq} --batch {args.batch} --steps " \
+            f"{args.steps} --discard {args.discard} --repeats {args.repeats}"
+    return flags + (f" --strategy {args.strategy}" if args.strategy else "")
+
+
+def preset_model(work: Path, preset: str) -> Path:
+    from pipeline.tiny import build_preset
+
+    out = work / preset
+    return out if (out / "config.json").exists() else build_preset(out, preset)
+
+
 def report(args, model: Path, ours: list[dict], hf: list[dict], bare: list[dict], bare_thp: list[dict]) -> None:
     tokens = args.world * args.batch * args.seq
     step, med = step_medians({"ours": ours, "hf": hf})
@@ -108,7 +144,8 @@ def report(args, model: Path, ours: list[dict], hf: list[dict], bare: list[dict]
     cfg = AutoConfig.from_pretrained(model)
     n_params = cfg.vocab_size * cfg.hidden_size  # embedding (tied: also the lm_head)
     rows = []
-    for name, label, runs in (("ours", "fsdp1.py (FSDP2 FULL_SHARD, vocabulary-parallel head)", ours),
+    for name, label, runs in (("ours", f"fsdp1.py (--strategy {args.strategy or 'default'}: ran "
+                                       f"{ours[0]['strategy']})", ours),
                               ("hf", f"HF Trainer ({hf[0]['wrapper']}, {hf[0]['distributed']})", hf)):
         mean = statistics.mean(s for r in runs for s in r["steps"])
         rows.append([label, spread(step[name]), f"{mean:.3f}", f"{tokens / med[name]:,.0f}",
@@ -117,10 +154,11 @@ def report(args, model: Path, ours: list[dict], hf: list[dict], bare: list[dict]
     share_thp = [b["share"] for b in bare_thp]
     body = "\n".join([
         f"- Machine: {machine()}.",
-        f"- Command: `.venv/bin/python bench/train_speed.py --repeats {args.repeats}` (part of `make bench`).",
+        f"- Command: `.venv/bin/python bench/train_speed.py {command(args)}`"
+        + (" (part of `make bench`)." if not args.preset else "."),
         f"- Model: Llama, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size:,} "
         f"(tied; embedding {n_params:,} parameters), random weights. {args.world} gloo processes, batch "
-        f"{args.batch} x seq {args.seq} per rank ({tokens} tokens per step), fp32, AdamW, clipping 1.0, "
+        f"{args.batch} x seq {args.seq} per rank ({tokens} tokens per step), {args.precision}, AdamW, clipping 1.0, "
         f"{args.steps} steps per run of which the first {args.discard} are left out.",
         "",
         table(["system", "s/step median (min-max of run medians)", "s/step mean", "tokens/s (median)",
@@ -139,13 +177,13 @@ def report(args, model: Path, ours: list[dict], hf: list[dict], bare: list[dict]
         "Fraction of the bare limit (share / our step, target 0.9), against the same allocator setting: "
         f"**{statistics.median(share_thp) / med['ours']:.2f}**.",
         "",
-        bar_chart("train_speed_cpu", "CPU training step, 2 gloo ranks (s/step, lower is better)",
+        bar_chart(section(args), "CPU training step, 2 gloo ranks (s/step, lower is better)",
                   ["fsdp1.py", "HF Trainer", "bare limit (stock)", "bare limit (huge pages)"],
                   [med["ours"], med["hf"], statistics.median(share), statistics.median(share_thp)], "s/step",
                   [(min(step["ours"]), max(step["ours"])), (min(step["hf"]), max(step["hf"])),
                    (min(share), max(share)), (min(share_thp), max(share_thp))]),
     ])
-    update_section("train_speed_cpu", body)
+    update_section(section(args), body)
     print(body)
 
 
