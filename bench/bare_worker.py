@@ -26,6 +26,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast over fp32 weights, as both trainers do")
     args = p.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
@@ -35,7 +36,9 @@ def main() -> None:
     for step in range(args.steps):
         ids = torch.from_numpy(blocks[step * args.batch_size:(step + 1) * args.batch_size].astype(np.int64))
         t0 = time.perf_counter()
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
         t1 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

@@ -87,7 +87,8 @@ def run_hf(args, work: Path, model: Path, blocks: Path) -> dict:
 def run_bare(args, model: Path, blocks: Path, thp: bool) -> dict:
     env = bench_env(**({"THP_MEM_ALLOC_ENABLE": "1"} if thp else {}))
     proc = subprocess.run([sys.executable, str(BENCH / "bare_worker.py"), "--model", str(model), "--blocks",
-                           str(blocks), "--batch-size", str(args.batch), "--world", str(args.world)],
+                           str(blocks), "--batch-size", str(args.batch), "--world", str(args.world),
+                           *(["--bf16"] if args.precision == "bf16" else [])],
                           env=env, capture_output=True, text=True, check=True, cwd=ROOT)
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     return {"share": statistics.median(r["fwd_bwd_s"]) + statistics.median(r["update_s"]) / args.world,
