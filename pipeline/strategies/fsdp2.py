@@ -33,14 +33,18 @@ from pipeline.strategies.base import Strategy
 from pipeline.vocab_parallel import VocabParallelEmbedding
 
 
-class TimedAllGather(AllGather):
-    """FSDP2's default all-gather (a fresh output buffer, one flat all-gather), timed."""
+class _Timed:
+    """What the timed collectives share: the clock, and FSDP2's default buffers (a fresh tensor per call)."""
 
     def __init__(self, clock: CommClock) -> None:
         self.clock = clock
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class TimedAllGather(_Timed, AllGather):
+    """FSDP2's default all-gather (one flat all-gather), timed."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
@@ -48,14 +52,8 @@ class TimedAllGather(AllGather):
             return all_gather_flat(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-class TimedReduceScatter(ReduceScatter):
+class TimedReduceScatter(_Timed, ReduceScatter):
     """FSDP2's default reduce-scatter, timed."""
-
-    def __init__(self, clock: CommClock) -> None:
-        self.clock = clock
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False) -> dist.Work | None:
