@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import shutil
@@ -217,10 +216,6 @@ def bar_chart(name: str, title: str, labels: list[str], values: list[float], uni
     return f"![{title}](bench/charts/{name}.png)"
 
 
-def read_events(metrics: Path) -> list[dict]:
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-
-
 def fsdp1(runs: Path, name: str, model: Path, data: Path, *flags: object, world: int = 2,
           fresh: bool = True, env: dict[str, str] | None = None) -> tuple[Launch, list[dict]]:
     """One fsdp1.py run under torchrun (fp32 on CPU, no evaluation); returns the launch and its metrics events."""
@@ -230,7 +225,9 @@ def fsdp1(runs: Path, name: str, model: Path, data: Path, *flags: object, world:
                        "--precision", "fp32", "--eval-freq", 0, "--lr", 3e-4, "--warmup-steps", 5, "--num-proc", 1,
                        *flags)
     out = launch(cmd, bench_env(**(env or {})))
-    return out, read_events(runs / name / "metrics.jsonl")
+    from pipeline.telemetry import read_metrics
+
+    return out, read_metrics(runs / name / "metrics.jsonl")
 
 
 def memory_plan(model: Path, world: int, *flags: object):

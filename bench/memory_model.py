@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import ROOT, demo_dataset, fsdp1, machine, memory_plan, read_events, table, update_section
+from common import ROOT, demo_dataset, fsdp1, machine, memory_plan, table, update_section
+
+from pipeline.telemetry import read_metrics
 
 CASES: dict[str, tuple[int, list[object]]] = {
     "ddp fp32": (2, ["--strategy", "ddp"]),
@@ -43,7 +45,7 @@ def measure(runs: Path, name: str, model: Path, data: Path, world: int, flags: l
     env, steps = MODES[mode]
     run = f"{name.replace(' ', '_').replace(',', '')}-{mode}"
     metrics = runs / run / "metrics.jsonl"
-    events = read_events(metrics) if reuse and metrics.exists() else []
+    events = read_metrics(metrics) if reuse and metrics.exists() else []
     if not any(e["event"] == "train" and e["step"] == steps for e in events):
         _, events = fsdp1(runs, run, model, data, *run_flags(seq, steps, flags), world=world, env=env)
     train = [e for e in events if e["event"] == "train"]

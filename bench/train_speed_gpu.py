@@ -30,7 +30,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import BENCH, ROOT, bench_env, machine, read_events, table, torchrun_cmd, update_section
+from common import BENCH, ROOT, bench_env, machine, table, torchrun_cmd, update_section
+
+from pipeline.telemetry import read_metrics
 
 SEQ = 2048
 OURS_FLAGS = ["--precision", "bf16", "--seq-length", SEQ, "--log-freq", 5, "--ckpt-freq", 0, "--eval-freq", 0,
@@ -103,7 +105,7 @@ def launch_until(cmd: list[str], env: dict, metrics: Path, done, timeout: float)
         deadline = time.time() + timeout
         code = None
         while proc.poll() is None and time.time() < deadline:
-            if metrics.exists() and done(read_events(metrics)):
+            if metrics.exists() and done(read_metrics(metrics)):
                 break
             time.sleep(0.5)
         if proc.poll() is None:
@@ -132,7 +134,7 @@ def run_ours(args, name: str, flags: list, inputs: Inputs, batch: int) -> dict:
                 and sum(e["event"] == "checkpoint" for e in evs) >= saves)
 
     code, tail = launch_until(cmd, bench_env(), metrics, done, args.timeout)
-    events = read_events(metrics) if metrics.exists() else []
+    events = read_metrics(metrics) if metrics.exists() else []
     shutil.rmtree(runs / name, ignore_errors=True)  # a 1B model's checkpoint is 15 GB: the next run needs the disk
     steady = windows(events, args.discard)
     if not steady:

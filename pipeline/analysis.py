@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pipeline.errors import UserError
 from pipeline.fsutil import write_text_atomic
+from pipeline.telemetry import read_metrics
 
 
 @dataclass(frozen=True)
@@ -37,17 +38,6 @@ class Summary:
     """Baseline's s/step over this one's."""
     loss_delta: float | None = None
     """This final train loss minus the baseline's."""
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """A run's events; a line cut short by a kill (the last one) is left out."""
-    events = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return events
 
 
 def summarise(name: str, status: str, error: str, events: list[dict], skip_steps: int) -> Summary:

@@ -195,6 +195,18 @@ class Telemetry:
             plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
 
 
+def read_metrics(path: Path) -> list[dict]:
+    """A run's metrics.jsonl events. A line cut short by a kill (and the next run's first line appended to it) is
+    left out rather than failing the reader."""
+    events = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events
+
+
 def plot_losses(metrics: Path, out: Path) -> None:
     import matplotlib
 
@@ -202,8 +214,7 @@ def plot_losses(metrics: Path, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     series: dict[str, tuple[list[int], list[float]]] = {"train": ([], []), "eval": ([], [])}
-    for line in metrics.read_text(encoding="utf-8").splitlines():
-        event = json.loads(line)
+    for event in read_metrics(metrics):
         if event["event"] in series:
             series[event["event"]][0].append(event["step"])
             series[event["event"]][1].append(event["loss"])
