@@ -140,8 +140,9 @@ class ModelConfig(Section):
     """How the model is spread over the ranks: fsdp2 (fully_shard), fsdp1 (FullyShardedDataParallel, with the
     --auto-wrap, --backward-prefetch, --forward-prefetch, --limit-all-gathers and --use-orig-params knobs), ddp
     (DistributedDataParallel: a whole replica per rank) or manual (this project's readable ZeRO-3,
-    pipeline/strategies/manual.py); auto: ddp where the memory estimate of a whole replica fits --memory-gb, else
-    fsdp2 (the reason is logged). All write the same checkpoints: a run resumes under another one."""
+    pipeline/strategies/manual.py); auto: of ddp and fsdp2, the one that moves fewer bytes per step among those
+    whose memory estimate fits --memory-gb (the reason is logged). All write the same checkpoints: a run resumes
+    under another one."""
     sharding: Sharding = "auto"
     """FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2: keep parameters gathered between forward and backward),
     NO_SHARD (replicate, DDP semantics), HYBRID_SHARD (shard within a node, replicate across nodes); auto:

@@ -311,7 +311,8 @@ def format_report(rep: ModelReport, where: Path, skipped: list[str]) -> str:
                      f"{g['activations']:>11.2f} {g['logits']:>7.2f} {g['update']:>10.2f} {g['total']:>5.2f} GiB")
     lines.append("  (GiB; the peak is the larger of the end of the forward, the first five columns together, and the "
                  "AdamW step)")
-    lines.append("  (--strategy auto picks ddp where its row fits the GPU, fsdp2 otherwise)")
+    lines.append("  (--strategy auto picks between ddp and fsdp2 among the rows that fit the GPU: the one that moves "
+                 "fewer bytes per step)")
     return "\n".join(lines)
 
 
