@@ -90,12 +90,13 @@ def train_env(tmp_path_factory, tiny_models) -> dict:
 
 
 def events(run_dir: Path, kind: str) -> list[dict]:
-    """The run's metrics.jsonl events of one kind (none before the file exists)."""
+    """The run's metrics.jsonl events of one kind (none before the file exists). Polled while the run writes, so a
+    last line not yet ended by its newline is left for the next poll; every ended line must parse."""
     import json
 
     path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [e for e in map(json.loads, lines) if e["event"] == kind]
+    ended = path.read_text().split("\n")[:-1] if path.exists() else []
+    return [e for e in map(json.loads, ended) if e["event"] == kind]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
