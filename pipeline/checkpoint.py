@@ -361,8 +361,8 @@ def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[Strategy, Path]:
         raise UserError(f"--checkpoint {checkpoint} is not a complete checkpoint (no {TRAINER} or .metadata)")
     model_name = json.loads((checkpoint / TRAINER).read_text())["fingerprint"]["model_name"]
     model_dir = resolve_model_dir(model_name)
-    strategy = make_strategy(ModelConfig(model_name=model_name, precision="fp32", vocab_parallel="off"), d,
-                             torch.float32)
+    config = ModelConfig(model_name=model_name, precision="fp32", strategy="fsdp2", vocab_parallel="off")
+    strategy = make_strategy(config, d, torch.float32)
     strategy.build(AutoConfig.from_pretrained(model_dir))
     state = strategy.state_dict()
     dcp.load(state, checkpoint_id=str(checkpoint))

@@ -83,6 +83,9 @@ class RunConfig(Section):
     """dtype of the exported Hugging Face model (auto: the base model's)."""
     save_best: bool = False
     """Also export the model with the best validation loss to RUN/best/."""
+    collective_timeout_s: float = 3600.0
+    """Seconds a collective may wait for the slowest rank before the run fails (the process group's timeout).
+    Waiting for the token cache is not a collective: a long build never hits it."""
 
     def check(self) -> None:
         _check(bool(self.experiment_name), "--experiment-name (-e) is required")
@@ -90,6 +93,7 @@ class RunConfig(Section):
                f"--resume-from must name a checkpoint like step-00000040, got {self.resume_from!r}")
         _check("/" not in self.experiment_name and self.experiment_name not in (".", ".."),
                f"--experiment-name must be a plain folder name, got {self.experiment_name!r}")
+        _check(self.collective_timeout_s > 0, f"--collective-timeout-s must be > 0, got {self.collective_timeout_s}")
 
 
 @dataclass
@@ -114,6 +118,9 @@ class DataConfig(Section):
     document_mask: bool = False
     """Text rows: restart positions after each EOS and keep attention within each document (conversations always
     are)."""
+    prepare_only: bool = False
+    """Build the token cache (tokenize, pack, split) and exit: no process group, no GPU, so it can run on a CPU node
+    before the job (plain python, same arguments); the training run then finds it. A killed build resumes."""
 
     def check(self) -> None:
         _check(bool(self.dataset_name), "--dataset-name (-d) is required")
@@ -141,8 +148,8 @@ class ModelConfig(Section):
     --auto-wrap, --backward-prefetch, --forward-prefetch, --limit-all-gathers and --use-orig-params knobs), ddp
     (DistributedDataParallel: a whole replica per rank) or manual (this project's readable ZeRO-3,
     pipeline/strategies/manual.py); auto: of ddp and fsdp2, the one that moves fewer bytes per step among those
-    whose memory estimate fits --memory-gb (the reason is logged). All write the same checkpoints: a run resumes
-    under another one."""
+    whose memory estimate fits --memory-gb, fsdp2 on one rank (the reason is logged). All write the same checkpoints:
+    a run resumes under another one."""
     sharding: Sharding = "auto"
     """FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2: keep parameters gathered between forward and backward),
     NO_SHARD (replicate, DDP semantics), HYBRID_SHARD (shard within a node, replicate across nodes); auto:

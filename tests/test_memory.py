@@ -120,7 +120,7 @@ def test_auto_picks_ddp_while_a_replica_fits_and_moves_less_and_fsdp2_beyond(mon
          "num_key_value_heads": 4, "head_dim": 64}, "fsdp2"),  # the 128k head is most of it: kept local, not reduced
     (2, {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
          "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152}, "ddp"),  # SmolLM2-135M
-    (1, {}, "ddp"),  # one rank: nothing moves either way
+    (1, {}, "fsdp2"),  # one rank: nothing moves either way, and fsdp2's chunked loss needs less memory
 ])
 def test_auto_takes_the_strategy_that_moves_less_when_both_fit(monkeypatch, world, overrides, chosen):
     """The two CPU cases of BENCHMARKS.md section 11, where the choice was measured to be the faster."""
@@ -129,6 +129,15 @@ def test_auto_takes_the_strategy_that_moves_less_when_both_fit(monkeypatch, worl
     cfg = config_for("m", "strategy", "auto", "memory_gb", 1000, "precision", "fp32", "seq_length", 256)
     plan_memory(cfg, LlamaConfig(**{**LLAMA_1B, **overrides}), "cpu")
     assert cfg.model.strategy == chosen
+
+
+def test_auto_takes_fsdp2_on_one_rank_and_says_why(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    cfg = config_for("m", "strategy", "auto", "memory_gb", 1000)
+    plan = plan_memory(cfg, LlamaConfig(**LLAMA_1B), "cpu")
+    assert (cfg.model.strategy, cfg.model.sharding, cfg.model.uses_vocab_parallel()) == ("fsdp2", "FULL_SHARD", True)
+    assert plan.reason == "fsdp2: one rank moves nothing, and fsdp2's chunked loss never builds full-width logits"
 
 
 def test_a_given_strategy_is_kept_and_estimated():

@@ -62,11 +62,15 @@ def plan_memory(cfg: Config, hf_config, device: str) -> MemoryPlan:
 
 def choose(cfg: Config, shape: Shape, budget: int, device: str, world: int, local_world: int) -> tuple[str, str]:
     """--strategy auto: of ddp and fsdp2, the one that moves fewer bytes per step (ddp on a tie: it has no gather
-    copies), among those whose estimated peak fits the budget; fsdp2 when the settings given need it. Checked against
-    the four strategies by bench/strategy_auto.py (BENCHMARKS.md section 11)."""
+    copies), among those whose estimated peak fits the budget; fsdp2 when the settings given need it, or on one rank.
+    Checked against the four strategies by bench/strategy_auto.py (BENCHMARKS.md section 11)."""
     m = cfg.model
     if m.sharding not in ("auto", "NO_SHARD") or m.cpu_offload or m.vocab_parallel == "on":
         return "fsdp2", "fsdp2: the settings given (sharding, CPU offload or vocabulary parallelism) need it"
+    if world == 1:
+        # Nothing to communicate either way; fsdp2's chunked loss keeps the full-width logits out of memory, which
+        # let one H100 train Llama-3.2-1B at batch 8 x 2048 where the model's own loss ran out (BENCHMARKS.md 6).
+        return "fsdp2", "fsdp2: one rank moves nothing, and fsdp2's chunked loss never builds full-width logits"
 
     def workload(strategy: str, sharding: str) -> Workload:
         return Workload.of(replace(cfg, model=replace(m, strategy=strategy, sharding=sharding)), device, world,
