@@ -65,7 +65,8 @@ def token_cache(args, work: Path, model: Path, data: Path) -> Path:
     """train.npy of the cache fsdp1.py built for these runs (its defaults: val fraction 0.01, seed 0)."""
     from datasets import load_from_disk
 
-    from pipeline.data import BlockSpec, dataset_fingerprint, token_cache_dir
+    from pipeline.data import BlockSpec, dataset_fingerprint
+    from pipeline.token_cache import token_cache_dir
 
     fingerprint = dataset_fingerprint(load_from_disk(str(data)))
     return token_cache_dir(work / "runs", fingerprint, model, BlockSpec(args.seq, 0.01, 0)) / "train.npy"

@@ -76,8 +76,9 @@ def prepare(work: Path) -> Inputs:
     from transformers import AutoTokenizer
 
     from pipeline.corpus import CorpusConfig, build_dataset
-    from pipeline.data import BlockSpec, build_blocks, dataset_fingerprint, token_cache_dir
+    from pipeline.data import BlockSpec, dataset_fingerprint
     from pipeline.tiny import build_preset
+    from pipeline.token_cache import build_blocks, token_cache_dir
 
     model = work / "llama-3.2-1b"
     if not (model / "config.json").exists():

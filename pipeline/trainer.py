@@ -1,19 +1,23 @@
 """The trainer: one Trainer whose loop reads on one screen, and fsdp1.py's main.
 
 Order matters: preflight (pipeline/preflight.py) runs first, on every rank, before the process group does anything
-heavy. Then rank 0 of each node builds the token cache, the strategy builds and distributes the model, a
+heavy. Then rank 0 of each node builds the token cache under a file lock while the others poll for it (no
+collective, so no timeout however long it takes), the strategy builds and distributes the model, a
 checkpoint (or, on a fresh start, the base weights) fills it, and the loop runs.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +28,11 @@ from pipeline import config as config_mod
 from pipeline.batches import Batch, count_targets, make_batch
 from pipeline.checkpoint import Checkpointer, step_name
 from pipeline.config import VOCAB_PARALLEL_SHARDINGS, Config
-from pipeline.data import Blocks, BlockSampler, build_blocks, open_blocks, token_cache_dir
+from pipeline.data import BlockSampler
 from pipeline.errors import UserError
 from pipeline.export import RUN_TEMPLATE, export_dtype, export_model
 from pipeline.fsutil import write_text_atomic
+from pipeline.memory import launch_world
 from pipeline.preflight import Plan, preflight
 from pipeline.runtime import Dist, compute_dtype, init_distributed, watch_parent
 from pipeline.strategies import ignored_knobs, make_strategy
@@ -43,6 +48,7 @@ from pipeline.telemetry import (
     reset_peak_memory,
     setup_logging,
 )
+from pipeline.token_cache import Blocks, ensure_token_cache, open_blocks, token_cache_dir
 
 
 def seed_everything(seed: int) -> None:
@@ -51,28 +57,24 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _broadcast_error(d: Dist, error: str | None) -> None:
-    """Raise on every rank what one rank found (a collective: all ranks must reach it)."""
-    box = [error]
-    dist.broadcast_object_list(box, src=0)
-    if box[0]:
-        raise UserError(box[0])
+def cache_path(cfg: Config, plan: Plan) -> Path:
+    return token_cache_dir(cfg.run.save_dir, plan.fingerprint["dataset"], plan.model_dir, plan.spec)
+
+
+def ensure_blocks(cfg: Config, plan: Plan, builder: bool) -> tuple[str, Path]:
+    """The token cache of this run's data: ("hit" | "built" | "waited", its path). The builder (one process per
+    node) builds it under a file lock; the others poll for it. No collective, so no timeout however long it takes."""
+    path = cache_path(cfg, plan)
+    status = ensure_token_cache(plan.dataset, plan.tokenizer, plan.spec, cfg.data.num_proc or os.cpu_count() or 1,
+                                path, builder)
+    return status, path
 
 
 def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks:
-    """Rank 0 of each node builds the token cache while the others wait at a barrier; then all memory-map it."""
-    path = token_cache_dir(cfg.run.save_dir, plan.fingerprint["dataset"], plan.model_dir, plan.spec)
-    error = None
-    if d.is_local_main and not (path / "meta.json").exists():
-        log.info("building token cache %s", path)
-        try:
-            build_blocks(plan.dataset, plan.tokenizer, plan.spec, cfg.data.num_proc or os.cpu_count() or 1, path)
-        except UserError as exc:
-            error = str(exc)
-    elif d.is_main:
-        log.info("token cache hit: %s", path)
-    _broadcast_error(d, error)
+    """Every rank memory-maps the token cache its node's first rank built (or found)."""
+    status, path = ensure_blocks(cfg, plan, d.is_local_main)
     if d.is_main:
+        log.info("token cache %s: %s", status, path)
         log_cache_meta(path)
     blocks = open_blocks(path)
     global_batch = d.world_size * cfg.train.batch_size * cfg.train.grad_accum
@@ -82,6 +84,18 @@ def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks:
                         f"grad accum {cfg.train.grad_accum} = {global_batch}); use more data or a smaller "
                         "--seq-length, --batch-size or --grad-accum")
     return blocks
+
+
+def prepare_only(cfg: Config, plan: Plan) -> int:
+    """--prepare-only: the token cache and nothing else (no process group, no GPU)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    status, path = ensure_blocks(cfg, plan, builder=launch_world()[2] == 0)
+    meta = json.loads((path / "meta.json").read_text())
+    if launch_world()[2] == 0:
+        print(f"token cache {status}: {path}: {meta['train_blocks']} training and {meta['val_blocks']} validation "
+              f"blocks of {meta['seq_length']} tokens; the same command without --prepare-only trains on it",
+              flush=True)
+    return 0
 
 
 def log_cache_meta(path: Path) -> None:
@@ -563,7 +577,9 @@ def main(argv: list[str] | None = None) -> int:
     """fsdp1.py: resolve the config, check everything cheap, then join the process group and train."""
     cfg = config_mod.resolve(argv)
     plan = preflight(cfg)
-    d = init_distributed()
+    if cfg.data.prepare_only:
+        return prepare_only(cfg, plan)
+    d = init_distributed(timedelta(seconds=cfg.run.collective_timeout_s))
     watch_parent()
     try:
         run(cfg, d, plan)

@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
 
-from pipeline.data import BlockSampler, split_blocks
+from pipeline.data import BlockSampler
 from pipeline.errors import UserError
+from pipeline.token_cache import split_blocks
 
 
 def epoch_indices(n, world, batch, accum, seed=3, epoch=0):

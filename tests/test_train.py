@@ -49,12 +49,19 @@ def test_two_rank_run_trains_and_writes_its_run_directory(tmp_path, train_env):
     assert "[rank=0] {'global_step': 40," in proc.stdout
 
 
-def test_single_process_run_reuses_the_token_cache(tmp_path, train_env):
+def test_prepare_only_builds_the_cache_that_single_process_runs_then_reuse(tmp_path, train_env):
     args = ["-d", train_env["dataset"], "-m", "local/tiny-untied", "--save-dir", tmp_path, *DEMO, "--max-steps", "3",
             "--log-freq", "1"]
+    prepared = run_script("fsdp1.py", "-e", "a", *args, "--prepare-only", env=train_env["env"])
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    assert "building token cache" in prepared.stdout and "token cache built: " in prepared.stdout
+    assert ": 649 training and 34 validation blocks of 128 tokens; the same command without" in prepared.stdout
+    assert not (tmp_path / "a").exists()  # no run started
+    again = run_script("fsdp1.py", "-e", "a", *args, "--prepare-only", env=train_env["env"])
+    assert "token cache hit: " in again.stdout and "building" not in again.stdout
     first = run_script("fsdp1.py", "-e", "a", *args, env=train_env["env"])
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "building token cache" in first.stdout
+    assert "token cache hit" in first.stdout and "building token cache" not in first.stdout
     second = run_script("fsdp1.py", "-e", "b", *args, env=train_env["env"])
     assert second.returncode == 0, second.stderr[-3000:]
     assert "token cache hit" in second.stdout and "building token cache" not in second.stdout

@@ -1,0 +1,368 @@
+"""The token cache: a dataset tokenized, packed into fixed-length blocks and split, on disk, shared by every run.
+
+Text rows are tokenized without special tokens, each followed by EOS, concatenated and cut into seq_length-token
+blocks (the tail shorter than a block is dropped). Conversation rows are rendered with the chat template, masked
+(pipeline/chat_tokens.py) and packed whole (pipeline/packing.py) after the text blocks. Blocks are split into train
+and validation by a seeded permutation and saved as .npy files under a key of everything that defines them
+(`token_cache_dir`), so every later run reuses them memory-mapped.
+
+Building is made for corpora of tens of GB:
+- Text is tokenized in chunks of about CHUNK_BYTES with datasets.map(num_proc); each chunk's ids are saved as
+  OUT.partial/chunk-NNNNN.npy once complete, so a killed build resumes from its finished chunks.
+- The chunks then stream into memory-mapped train/val files in order, so memory holds a chunk, not the corpus.
+  Conversations are still packed in memory (best-fit decreasing needs every length; their corpora are smaller).
+- One builder at a time: an flock on the token_cache folder (held by a `--prepare-only` job, the first rank of a
+  node, or a node sharing the file system). Every other process polls for OUT/meta.json or OUT.error: no collective
+  is in flight while it waits, so no collective timeout fires however long the build takes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+
+from pipeline import chat_tokens, packing
+from pipeline.conversations import BadConversation
+from pipeline.data import BlockSpec, conversation_rows, tokenizer_fingerprint
+from pipeline.errors import UserError
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 2
+CHUNK_BYTES = 64 * 2**20
+"""Text per tokenized chunk: the unit a killed build resumes from, and (times a few) the build's working memory."""
+COPY_BLOCKS = 4096
+"""Blocks copied into the train/val files at a time."""
+
+
+@dataclass
+class Blocks:
+    train: np.ndarray
+    """(n_train, seq_length) token ids, memory-mapped."""
+    val: np.ndarray
+    """(n_val, seq_length) token ids, memory-mapped."""
+    path: Path
+    """The cache directory they were read from."""
+    train_flags: np.ndarray | None = None
+    """(n_train, seq_length) packing.TRAIN | packing.START per token; None for plain text blocks."""
+    val_flags: np.ndarray | None = None
+
+
+def token_cache_dir(save_dir: Path, dataset_fp: str, model_dir: Path, spec: BlockSpec) -> Path:
+    """Where the packed blocks of this dataset, tokenizer and cut live: shared by every run under save_dir."""
+    key = {"format": CACHE_FORMAT, "dataset": dataset_fp, "tokenizer": tokenizer_fingerprint(model_dir),
+           **spec.key()}
+    fp = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return Path(save_dir) / "token_cache" / fp[:24]
+
+
+def open_blocks(path: Path) -> Blocks:
+    def load(name: str) -> np.ndarray | None:
+        return np.load(path / name, mmap_mode="r") if (path / name).exists() else None
+
+    return Blocks(load("train.npy"), load("val.npy"), path, load("train_flags.npy"), load("val_flags.npy"))
+
+
+def split_blocks(n_blocks: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted (train, val) block indices from a seeded permutation; one val block at least when n >= 2."""
+    n_val = round(n_blocks * val_fraction)
+    if val_fraction > 0 and n_blocks >= 2:
+        n_val = max(1, n_val)
+    perm = np.random.default_rng(seed).permutation(n_blocks)
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+# --- waiting for, or taking the turn to build, a cache -------------------------------------------------------------
+
+def error_file(path: Path) -> Path:
+    return path.with_name(f"{path.name}.error")
+
+
+def ensure_token_cache(ds, tokenizer, spec: BlockSpec, num_proc: int, path: Path, builder: bool,
+                       poll_s: float = 0.2) -> str:
+    """The cache at path, built if missing: "hit", "built" or "waited". The builder (one process per node) takes the
+    lock and builds; any other process polls until the cache or the builder's error appears. No collective."""
+    if (path / "meta.json").exists():
+        return "hit"
+    if not builder:
+        _wait_for(path, time.time(), poll_s)
+        return "waited"
+    with build_lock(path):
+        if (path / "meta.json").exists():  # built by whoever held the lock before us
+            shutil.rmtree(path.with_name(f"{path.name}.partial"), ignore_errors=True)
+            return "hit"
+        error_file(path).unlink(missing_ok=True)
+        log.info("building token cache %s", path)
+        try:
+            build_blocks(ds, tokenizer, spec, num_proc, path)
+        except BaseException as exc:
+            text = str(exc) if isinstance(exc, UserError) else \
+                f"the token cache build on {socket.gethostname()} failed: {type(exc).__name__}: {exc}"
+            error_file(path).write_text(text + "\n")
+            raise
+    return "built"
+
+
+def _wait_for(path: Path, since: float, poll_s: float) -> None:
+    """Poll for the cache or for an error the builder wrote after we started waiting (an older one is stale)."""
+    err = error_file(path)
+    while not (path / "meta.json").exists():
+        with contextlib.suppress(FileNotFoundError):
+            if err.stat().st_mtime >= since - 1:
+                raise UserError(err.read_text().strip())
+        time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def build_lock(path: Path) -> Iterator[None]:
+    """An exclusive flock on the token_cache folder (no lock file left behind; builds of different caches in one
+    save_dir take turns). The kernel releases it if the holder dies, so a killed build never blocks the next. A file
+    system without flock builds unlocked: two builders then race to one identical rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("another process is building the token cache %s; waiting for it", path.parent)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            log.warning("cannot lock %s (%s); building without a lock", path.parent, exc)
+        yield
+    finally:
+        os.close(fd)
+
+
+# --- building ---------------------------------------------------------------------------------------------------------
+
+def _tokenize(batch: dict, tokenizer, eos_id: int) -> dict:
+    """A batch of rows -> one row: their ids, each followed by EOS, as one uint32 array. Arrow takes a numpy array
+    in one copy, where a list of Python int lists is converted element by element (a quarter of the whole
+    tokenize+pack time on the bench)."""
+    ids = tokenizer(batch["text"], add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    flat = np.fromiter(chain.from_iterable(row + [eos_id] for row in ids), dtype=np.uint32)
+    return {"input_ids": [flat]}
+
+
+def _tokenize_chats(batch: dict, tokenizer, spec: BlockSpec) -> dict:
+    """Each conversation -> its ids, trained mask (uint8) and status (an index into chat_tokens.STATUS), fitted
+    into one block."""
+    out: dict[str, list] = {"input_ids": [], "trained": [], "status": []}
+    for messages in batch["messages"]:
+        try:
+            rendered = chat_tokens.tokenize_conversation(tokenizer, messages, spec.chat_date, spec.train_on)
+            fitted, status = chat_tokens.fit(rendered, spec.seq_length)
+        except BadConversation:
+            fitted, status = None, "malformed"
+        except chat_tokens.TemplateMismatch:
+            fitted, status = None, "template_mismatch"
+        out["input_ids"].append(fitted.ids if fitted else np.zeros(0, np.uint32))
+        out["trained"].append(fitted.trained.astype(np.uint8) if fitted else np.zeros(0, np.uint8))
+        out["status"].append(chat_tokens.STATUS.index(status))
+    return out
+
+
+def _map_kwargs(work: Path, name: str, num_proc: int, rows: int) -> dict:
+    """datasets.map arguments: workers only when each gets a batch or more of rows; its Arrow output in our work
+    folder (by default datasets writes beside the dataset's own files)."""
+    return {"batched": True, "batch_size": 1000, "num_proc": num_proc if num_proc > 1 and rows > 1000 else None,
+            "cache_file_name": str(work / f"{name}.arrow"), "load_from_cache_file": False}
+
+
+def _save_atomic(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(f"{path.stem}.tmp.npy")
+    np.save(tmp, array)
+    os.replace(tmp, path)
+
+
+def _rows_per_chunk(text_rows) -> int:
+    """Rows per chunk, from the table's bytes per row (no text read): the same on every attempt, so a resumed build
+    cuts the same chunks."""
+    table = text_rows.data
+    per_row = max(1, table.nbytes // max(1, len(table)))
+    return max(1, CHUNK_BYTES // per_row)
+
+
+def _tokenized_chunks(text_rows, tokenizer, num_proc: int, work: Path) -> list[Path]:
+    """Each chunk of text rows tokenized into work/chunk-NNNNN.npy (flat uint32 ids), skipping those a killed
+    build already finished. A progress bar shows rows and throughput."""
+    from tqdm import tqdm
+
+    per_chunk = _rows_per_chunk(text_rows)
+    plan = {"rows": len(text_rows), "rows_per_chunk": per_chunk}
+    plan_file = work / "chunks.json"
+    if not plan_file.exists() or json.loads(plan_file.read_text()) != plan:
+        for stale in work.glob("chunk-*.npy"):
+            stale.unlink()
+        plan_file.write_text(json.dumps(plan) + "\n")
+    starts = range(0, len(text_rows), per_chunk)
+    paths = [work / f"chunk-{i:05d}.npy" for i in range(len(starts))]
+    done = sum(p.exists() for p in paths)
+    if done:
+        log.info("token cache: resuming, %d of %d chunks already tokenized", done, len(paths))
+    with tqdm(total=len(text_rows), unit="row", unit_scale=True, desc="tokenizing", file=sys.stderr,
+              disable=None) as bar:
+        for start, path in zip(starts, paths, strict=True):
+            stop = min(start + per_chunk, len(text_rows))
+            if not path.exists():
+                _tokenize_chunk(text_rows.select(range(start, stop)), tokenizer, num_proc, work, path)
+            bar.update(stop - start)
+    return paths
+
+
+def _tokenize_chunk(rows, tokenizer, num_proc: int, work: Path, out: Path) -> None:
+    import datasets
+
+    for leftover in [*work.glob("*.arrow"), *work.glob("tmp*")]:  # a killed map's partial output
+        leftover.unlink()
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # one bar for the whole build, not one per chunk
+    try:
+        tokenized = rows.map(_tokenize, remove_columns=rows.column_names,
+                             fn_kwargs={"tokenizer": tokenizer, "eos_id": tokenizer.eos_token_id},
+                             **_map_kwargs(work, "text", num_proc, len(rows)))
+        column = tokenized.data.column("input_ids")
+        flat = np.concatenate([c.flatten().to_numpy() for c in column.chunks]).astype(np.uint32, copy=False)
+        _save_atomic(out, flat)
+        del tokenized, column
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+    for arrow in work.glob("*.arrow"):
+        arrow.unlink()
+
+
+def _text_block_batches(chunks: list[Path], seq_length: int) -> Iterator[np.ndarray]:
+    """The text blocks in order, a few thousand at a time, from the chunk files (memory-mapped); the tokens that do
+    not fill a chunk's last block open the next chunk's first."""
+    carry = np.zeros(0, np.uint32)
+    for path in chunks:
+        ids = np.load(path, mmap_mode="r")
+        if len(carry):
+            need = seq_length - len(carry)
+            if len(ids) < need:
+                carry = np.concatenate([carry, ids])
+                continue
+            yield np.concatenate([carry, ids[:need]]).reshape(1, seq_length)
+            ids = ids[need:]
+        n = len(ids) // seq_length * seq_length
+        for at in range(0, n, COPY_BLOCKS * seq_length):
+            yield ids[at: min(n, at + COPY_BLOCKS * seq_length)].reshape(-1, seq_length)
+        carry = np.array(ids[n:])
+
+
+def _chat_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Conversation rows rendered, masked and packed whole into blocks; what happened to them, by status."""
+    tokenized = ds.map(_tokenize_chats, remove_columns=ds.column_names, desc="tokenizing conversations",
+                       fn_kwargs={"tokenizer": tokenizer, "spec": spec},
+                       **_map_kwargs(work, "chats", num_proc, len(ds)))
+    codes = np.asarray(tokenized.data.column("status").to_numpy())
+    status = Counter(chat_tokens.STATUS[c] for c in codes.tolist())
+    kept = codes <= chat_tokens.STATUS.index("truncated")
+    ids = [x for x, k in zip(_ragged(tokenized, "input_ids", np.uint32), kept, strict=True) if k]
+    trained = [x.astype(bool) for x, k in zip(_ragged(tokenized, "trained", np.uint8), kept, strict=True) if k]
+    blocks, flags = packing.pack(ids, trained, spec.seq_length, tokenizer.eos_token_id)
+    return blocks, flags, {s: status.get(s, 0) for s in chat_tokens.STATUS}
+
+
+def _ragged(ds, name: str, dtype) -> list[np.ndarray]:
+    """A list column as one array per row (views of one flat copy, no per-row Python conversion)."""
+    column = ds.data.column(name).combine_chunks()
+    offsets = np.asarray(column.offsets.to_numpy())
+    flat = np.asarray(column.flatten().to_numpy(zero_copy_only=False), dtype=dtype)
+    return np.split(flat, offsets[1:-1] - offsets[0]) if len(column) else []
+
+
+class _SplitWriter:
+    """Routes blocks, in block order, to memory-mapped train.npy/val.npy (and their flags) at the rows the seeded
+    split gives them; the files are the same bytes np.save writes for the whole arrays."""
+
+    def __init__(self, out: Path, n_blocks: int, spec: BlockSpec):
+        train_idx, val_idx = split_blocks(n_blocks, spec.val_fraction, spec.seed)
+        self.is_val = np.zeros(n_blocks, dtype=bool)
+        self.is_val[val_idx] = True
+        self.row = np.empty(n_blocks, dtype=np.int64)
+        self.row[train_idx], self.row[val_idx] = np.arange(len(train_idx)), np.arange(len(val_idx))
+        self.next = 0
+        self.targets = 0
+
+        def file(name: str, rows: int, dtype) -> np.ndarray:
+            return np.lib.format.open_memmap(out / name, mode="w+", dtype=dtype, shape=(rows, spec.seq_length))
+
+        self.ids = {False: file("train.npy", len(train_idx), np.uint32), True: file("val.npy", len(val_idx), np.uint32)}
+        self.flags = {False: file("train_flags.npy", len(train_idx), np.uint8),
+                      True: file("val_flags.npy", len(val_idx), np.uint8)} if spec.flagged else None
+
+    def add(self, blocks: np.ndarray, flags: np.ndarray | None) -> None:
+        at = np.arange(self.next, self.next + len(blocks))
+        self.next += len(blocks)
+        for val in (False, True):
+            pick = self.is_val[at] == val
+            rows = self.row[at[pick]]
+            self.ids[val][rows] = blocks[pick]
+            if self.flags is not None:
+                self.flags[val][rows] = flags[pick]
+        if flags is not None:
+            self.targets += int(packing.targets(flags).sum())
+
+    def close(self) -> None:
+        for files in (self.ids, self.flags or {}):
+            for array in files.values():
+                array.flush()
+
+
+def build_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, out: Path) -> None:
+    """Tokenize, pack and split into out/ (assembled in OUT.partial/, then renamed into place)."""
+    work = out.with_name(f"{out.name}.partial")
+    work.mkdir(parents=True, exist_ok=True)
+    final = work / "blocks"
+    shutil.rmtree(final, ignore_errors=True)
+    final.mkdir()
+    chats = conversation_rows(ds)
+    # a hub dataset may have messages and no text column: its rows without a conversation have nothing to train
+    text_rows = ds.select(np.flatnonzero(~chats) if "text" in ds.column_names else [])
+    chunks = _tokenized_chunks(text_rows, tokenizer, num_proc, work) if len(text_rows) else []
+    n_tokens = sum(len(np.load(p, mmap_mode="r")) for p in chunks)
+    n_text = n_tokens // spec.seq_length
+    meta: dict = {"text_tokens": int(n_tokens), "text_blocks": n_text}
+    chat_ids = chat_flags = None
+    if chats.any():
+        chat_ids, chat_flags, meta["conversations"] = _chat_blocks(ds.select(np.flatnonzero(chats)), tokenizer, spec,
+                                                                   num_proc, work)
+        meta["chat_blocks"] = len(chat_ids)
+    n_blocks = n_text + (len(chat_ids) if chat_ids is not None else 0)
+    writer = _SplitWriter(final, n_blocks, spec)
+    for blocks in _text_block_batches(chunks, spec.seq_length):
+        writer.add(blocks, packing.text_flags(blocks, tokenizer.eos_token_id, spec.document_mask)
+                   if spec.flagged else None)
+    if chat_ids is not None:
+        writer.add(chat_ids, chat_flags)
+    writer.close()
+    if spec.flagged:
+        meta["targets"] = writer.targets
+    n_val = int(writer.is_val.sum())
+    meta.update({"blocks": n_blocks, "train_blocks": n_blocks - n_val, "val_blocks": n_val,
+                 "seq_length": spec.seq_length, "rows": len(ds), "flags": spec.flagged})
+    (final / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    try:
+        os.rename(final, out)
+    except OSError:
+        if not (out / "meta.json").exists():  # another node built it at the same time: theirs is identical
+            raise
+    shutil.rmtree(work, ignore_errors=True)

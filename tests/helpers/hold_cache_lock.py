@@ -1,0 +1,20 @@
+"""Hold the token cache's build lock for fsdp1.py's arguments, as a --prepare-only job on the same node would, until a
+line arrives on stdin. Prints "locked PATH" once it holds it."""
+
+import os
+import sys
+
+for _switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ[_switch] = "1"
+
+from pipeline import config as config_mod  # noqa: E402
+from pipeline.preflight import preflight  # noqa: E402
+from pipeline.token_cache import build_lock  # noqa: E402
+from pipeline.trainer import cache_path  # noqa: E402
+
+if __name__ == "__main__":
+    cfg = config_mod.resolve(sys.argv[1:])
+    path = cache_path(cfg, preflight(cfg))
+    with build_lock(path):
+        print(f"locked {path}", flush=True)
+        sys.stdin.readline()

@@ -1,0 +1,100 @@
+"""The token cache: streamed in chunks to the same bytes as the whole corpus cut in memory, resumable after a kill,
+and waited for without a collective (so a build longer than the collective timeout does not kill the run)."""
+
+import io
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT, kill_tree, wait_for
+from transformers import AutoTokenizer
+
+from pipeline import packing, token_cache
+from pipeline.data import BlockSpec, load_text_dataset
+
+
+def reference(dataset, model, spec: BlockSpec) -> dict[str, bytes]:
+    """What the cache must hold, computed the plain way: every row's ids and EOS concatenated in memory, cut, split,
+    np.save'd whole."""
+    tok = AutoTokenizer.from_pretrained(model)
+    texts = load_text_dataset(str(dataset))["text"]
+    rows = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
+    ids = np.concatenate([np.asarray(r, np.uint32) for r in rows])
+    n = len(ids) // spec.seq_length
+    blocks = ids[: n * spec.seq_length].reshape(n, spec.seq_length)
+    train, val = token_cache.split_blocks(n, spec.val_fraction, spec.seed)
+    arrays = {"train.npy": blocks[train], "val.npy": blocks[val]}
+    if spec.flagged:
+        flags = packing.text_flags(blocks, tok.eos_token_id, spec.document_mask)
+        arrays.update({"train_flags.npy": flags[train], "val_flags.npy": flags[val]})
+    out = {}
+    for name, array in arrays.items():
+        buf = io.BytesIO()
+        np.save(buf, array)
+        out[name] = buf.getvalue()
+    return out
+
+
+@pytest.mark.parametrize("document_mask", [False, True])
+def test_chunked_build_writes_the_bytes_of_the_whole_corpus_cut_in_memory(tmp_path, train_env, tiny_models,
+                                                                          monkeypatch, document_mask):
+    monkeypatch.setattr(token_cache, "CHUNK_BYTES", 3000)  # many chunks, most ending inside a block
+    monkeypatch.setattr(token_cache, "COPY_BLOCKS", 3)
+    spec = BlockSpec(64, 0.1, 3, document_mask=document_mask)
+    ds = load_text_dataset(str(train_env["dataset"]))
+    tok = AutoTokenizer.from_pretrained(tiny_models["tied"])
+    out = tmp_path / "cache"
+    token_cache.build_blocks(ds, tok, spec, 1, out)
+    expected = reference(train_env["dataset"], tiny_models["tied"], spec)
+    assert sorted(f.name for f in out.iterdir()) == sorted([*expected, "meta.json"])
+    assert {name: (out / name).read_bytes() for name in expected} == expected
+    assert not out.with_name("cache.partial").exists()
+
+
+def test_a_killed_build_resumes_from_its_finished_chunks(tmp_path, train_env, tiny_models):
+    out = tmp_path / "cache"
+    cmd = [sys.executable, str(ROOT / "tests" / "helpers" / "build_cache.py"), str(train_env["dataset"]),
+           str(tiny_models["tied"]), str(out), "1"]  # 1 byte per chunk: one row each
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    first = out.with_name("cache.partial") / "chunk-00001.npy"
+    wait_for(first.exists, proc)
+    kill_tree(proc)
+    chunks = sorted(out.with_name("cache.partial").glob("chunk-?????.npy"))
+    assert not out.exists() and 2 <= len(chunks) < len(load_text_dataset(str(train_env["dataset"])))
+
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"resuming, {len(chunks)} of " in again.stderr  # those chunks were read back, not tokenized again
+    expected = reference(train_env["dataset"], tiny_models["tied"], BlockSpec(64, 0.1, 0))
+    assert {name: (out / name).read_bytes() for name in expected} == expected
+    assert not out.with_name("cache.partial").exists()
+
+
+def test_ranks_wait_out_a_build_longer_than_the_collective_timeout(tmp_path, train_env):
+    """The cache's lock is held (as a --prepare-only job on the node would) for three collective timeouts: rank 0
+    waits on the lock and rank 1 polls for the cache, neither inside a collective, and the run then trains."""
+    args = ["-e", "r", "-d", train_env["dataset"], "-m", "local/tiny", "--save-dir", tmp_path, "--seq-length", "64",
+            "--max-steps", "2", "--ckpt-freq", "0", "--eval-freq", "0"]
+    env = {**train_env["env"], "PYTHONPATH": str(ROOT)}
+    holder = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "hold_cache_lock.py"), *map(str, args)],
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert holder.stdout.readline().startswith("locked ")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(ROOT / "fsdp1.py"), *map(str, args), "--collective-timeout-s", "4"]
+        run = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+        log = tmp_path / "r" / "train.log"
+        wait_for(lambda: log.exists() and "another process is building the token cache" in log.read_text(), run)
+        with pytest.raises(subprocess.TimeoutExpired):
+            run.wait(timeout=12)  # three collective timeouts with both ranks waiting
+        holder.stdin.write("release\n")
+        holder.stdin.flush()
+        output, _ = run.communicate(timeout=300)
+    finally:
+        kill_tree(holder)
+    assert run.returncode == 0, output[-3000:]
+    assert "building token cache" in output and "token cache built" in output
