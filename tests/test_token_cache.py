@@ -56,7 +56,7 @@ def test_chunked_build_writes_the_bytes_of_the_whole_corpus_cut_in_memory(tmp_pa
 def test_a_killed_build_resumes_from_its_finished_chunks(tmp_path, train_env, tiny_models):
     out = tmp_path / "cache"
     cmd = [sys.executable, str(ROOT / "tests" / "helpers" / "build_cache.py"), str(train_env["dataset"]),
-           str(tiny_models["tied"]), str(out), "1"]  # 1 byte per chunk: one row each
+           str(tiny_models["tied"]), str(out), "20000"]  # 20 KB chunks: a few rows each
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     first = out.with_name("cache.partial") / "chunk-00001.npy"
