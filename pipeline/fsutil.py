@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
 def hash_file(path: Path, digest) -> str:
@@ -20,12 +22,12 @@ def sha256_file(path: Path) -> str:
     return hash_file(path, hashlib.sha256())
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Temporary file, fsync, rename, fsync of the folder: readers see the old or the new file, never a mix, and
-    a crash never leaves a half-written one."""
+def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """write(fh) into a temporary file, fsync, rename, fsync of the folder: readers see the old or the new file,
+    never a mix, and a crash never leaves a half-written one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
+    with open(tmp, "wb") as fh:
+        write(fh)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
@@ -34,6 +36,10 @@ def write_text_atomic(path: Path, text: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    write_atomic(path, lambda fh: fh.write(text.encode("utf-8")))
 
 
 def replace_dir(new: Path, target: Path) -> None:

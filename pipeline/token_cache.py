@@ -40,6 +40,7 @@ from pipeline import chat_tokens, packing
 from pipeline.conversations import BadConversation
 from pipeline.data import BlockSpec, conversation_rows, tokenizer_fingerprint
 from pipeline.errors import UserError
+from pipeline.fsutil import write_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -185,12 +186,6 @@ def _map_kwargs(work: Path, name: str, num_proc: int, rows: int) -> dict:
             "cache_file_name": str(work / f"{name}.arrow"), "load_from_cache_file": False}
 
 
-def _save_atomic(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(f"{path.stem}.tmp.npy")
-    np.save(tmp, array)
-    os.replace(tmp, path)
-
-
 def _rows_per_chunk(text_rows) -> int:
     """Rows per chunk, from the table's bytes per row (no text read): the same on every attempt, so a resumed build
     cuts the same chunks."""
@@ -210,7 +205,7 @@ def _tokenized_chunks(text_rows, tokenizer, num_proc: int, work: Path) -> list[P
     if not plan_file.exists() or json.loads(plan_file.read_text()) != plan:
         for stale in work.glob("chunk-*.npy"):
             stale.unlink()
-        plan_file.write_text(json.dumps(plan) + "\n")
+        write_text_atomic(plan_file, json.dumps(plan) + "\n")
     starts = range(0, len(text_rows), per_chunk)
     paths = [work / f"chunk-{i:05d}.npy" for i in range(len(starts))]
     done = sum(p.exists() for p in paths)
@@ -239,7 +234,7 @@ def _tokenize_chunk(rows, tokenizer, num_proc: int, work: Path, out: Path) -> No
                              **_map_kwargs(work, "text", num_proc, len(rows)))
         column = tokenized.data.column("input_ids")
         flat = np.concatenate([c.flatten().to_numpy() for c in column.chunks]).astype(np.uint32, copy=False)
-        _save_atomic(out, flat)
+        write_atomic(out, lambda fh: np.save(fh, flat))
         del tokenized, column
     finally:
         if was_enabled:

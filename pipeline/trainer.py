@@ -89,9 +89,10 @@ def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks:
 def prepare_only(cfg: Config, plan: Plan) -> int:
     """--prepare-only: the token cache and nothing else (no process group, no GPU)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    status, path = ensure_blocks(cfg, plan, builder=launch_world()[2] == 0)
+    builder = launch_world()[2] == 0
+    status, path = ensure_blocks(cfg, plan, builder)
     meta = json.loads((path / "meta.json").read_text())
-    if launch_world()[2] == 0:
+    if builder:
         print(f"token cache {status}: {path}: {meta['train_blocks']} training and {meta['val_blocks']} validation "
               f"blocks of {meta['seq_length']} tokens; the same command without --prepare-only trains on it",
               flush=True)
