@@ -26,11 +26,15 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """write(fh) into a temporary file, fsync, rename, fsync of the folder: readers see the old or the new file,
     never a mix, and a crash never leaves a half-written one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        write(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from pipeline.checkpoint import to_prune
-from pipeline.fsutil import replace_dir, sha256_file, write_text_atomic
+from pipeline.fsutil import replace_dir, sha256_file, write_atomic, write_text_atomic
 
 
 def test_write_text_atomic_replaces_the_file_and_leaves_no_temporary(tmp_path):
@@ -16,12 +16,18 @@ def test_write_text_atomic_replaces_the_file_and_leaves_no_temporary(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
 
 
-def test_a_failed_atomic_write_keeps_the_old_file(tmp_path):
+def test_a_failed_atomic_write_keeps_the_old_file_and_removes_the_temporary(tmp_path):
     target = tmp_path / "state.json"
     target.write_text("old")
-    with pytest.raises(TypeError):
-        write_text_atomic(target, None)  # fails while writing the temporary file
+
+    def write_half_then_fail(fh):
+        fh.write(b"ne")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic(target, write_half_then_fail)
     assert target.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
 
 
 def test_replace_dir_swaps_in_the_new_folder_and_removes_the_old(tmp_path):
