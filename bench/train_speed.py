@@ -69,7 +69,8 @@ def token_cache(args, work: Path, model: Path, data: Path) -> Path:
     from pipeline.token_cache import token_cache_dir
 
     fingerprint = dataset_fingerprint(load_from_disk(str(data)))
-    return token_cache_dir(work / "runs", fingerprint, model, BlockSpec(args.seq, 0.01, 0)) / "train.npy"
+    cache = token_cache_dir(work / "runs" / "token_cache", fingerprint, model, BlockSpec(args.seq, 0.01, 0))
+    return cache / "train.npy"
 
 
 def run_hf(args, work: Path, model: Path, blocks: Path) -> dict:

@@ -90,7 +90,7 @@ def prepare(work: Path) -> Inputs:
         gather(raw, 16 * 2**20)
         build_dataset(CorpusConfig(raw, data, num_proc=os.cpu_count() or 1))
     ds = load_from_disk(str(data))
-    cache = token_cache_dir(work / "runs", dataset_fingerprint(ds), model, BlockSpec(SEQ, 0.01, 0))
+    cache = token_cache_dir(work / "runs" / "token_cache", dataset_fingerprint(ds), model, BlockSpec(SEQ, 0.01, 0))
     if not (cache / "meta.json").exists():
         build_blocks(ds, AutoTokenizer.from_pretrained(model), BlockSpec(SEQ, 0.01, 0), os.cpu_count() or 1, cache)
     return Inputs(model, data, cache / "train.npy")

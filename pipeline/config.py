@@ -86,6 +86,9 @@ class RunConfig(Section):
     collective_timeout_s: float = 3600.0
     """Seconds a collective may wait for the slowest rank before the run fails (the process group's timeout).
     Waiting for the token cache is not a collective: a long build never hits it."""
+    peer_timeout_s: float = 30.0
+    """Seconds a rank's heartbeat may stall before it counts as lost (a dead node, a killed process): every other rank
+    then exits within about this plus 10 s, naming it. 0 turns the heartbeat off (the collective timeout remains)."""
 
     def check(self) -> None:
         _check(bool(self.experiment_name), "--experiment-name (-e) is required")
@@ -94,6 +97,8 @@ class RunConfig(Section):
         _check("/" not in self.experiment_name and self.experiment_name not in (".", ".."),
                f"--experiment-name must be a plain folder name, got {self.experiment_name!r}")
         _check(self.collective_timeout_s > 0, f"--collective-timeout-s must be > 0, got {self.collective_timeout_s}")
+        _check(self.peer_timeout_s == 0 or self.peer_timeout_s >= 2,
+               f"--peer-timeout-s must be 0 (off) or at least 2, got {self.peer_timeout_s}")
 
 
 @dataclass
@@ -106,6 +111,9 @@ class DataConfig(Section):
     """Share of blocks held out for validation (at least one block when there are two or more)."""
     num_proc: int = 0
     """Processes for tokenization; 0 means all cores."""
+    cache_dir: str = ""
+    """Folder of the token cache; empty means SAVE_DIR/token_cache. May be a node-local disk: each node then builds
+    (or finds) its own copy; nodes that share it take turns under a file lock."""
     train_on: TrainOn = "assistant"
     """Conversations (rows with messages): the tokens in the loss. assistant: every assistant turn (its content and
     end-of-turn token); last: the last assistant turn only; all: every token of the rendered conversation."""

@@ -11,7 +11,6 @@ allocator's peak, without the CUDA context; CPU: resident memory); BENCHMARKS.md
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import psutil
@@ -202,9 +201,3 @@ def device_bytes(device_type: str, local_world_size: int, local_rank: int = 0) -
         return torch.cuda.get_device_properties(local_rank).total_memory - CUDA_CONTEXT_BYTES
     return psutil.virtual_memory().total // max(local_world_size, 1)
 
-
-def launch_world() -> tuple[int, int, int]:
-    """(world size, ranks on this node, local rank) from the launcher's environment, before any process group."""
-    env = os.environ
-    world = int(env.get("WORLD_SIZE", 1))
-    return world, int(env.get("LOCAL_WORLD_SIZE", world)), int(env.get("LOCAL_RANK", 0))

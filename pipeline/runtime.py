@@ -1,4 +1,4 @@
-"""The distributed runtime: joining the process group, the launcher watchdog, the device mesh, the compute dtype.
+"""The distributed runtime: joining the process group, the device mesh, the compute dtype.
 
 Everything here is independent of how the model is distributed (see pipeline/strategies/): it answers "which
 process am I, on which device, in which group".
@@ -6,17 +6,17 @@ process am I, on which device, in which group".
 
 from __future__ import annotations
 
-import os
+import secrets
 import socket
-import threading
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pipeline import launch as launch_mod
 from pipeline.errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -48,23 +48,58 @@ def free_port() -> int:
 
 
 def init_distributed(timeout: timedelta = timedelta(minutes=60)) -> Dist:
-    """Join torchrun's process group (NCCL for CUDA tensors, gloo for CPU ones); plain `python` is a group of one."""
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    local_rank = int(os.environ["LOCAL_RANK"])
+    """Join the process group of whatever launched us (pipeline.launch: torchrun, the plain variables, srun; plain
+    `python` is a group of one): NCCL for CUDA tensors, gloo for CPU ones."""
+    launch = launch_mod.detect()
+    if launch.launcher == "single":
+        launch = replace(launch, master_port=free_port())
+    launch.export()
     if torch.cuda.is_available():
-        check_gpus_per_node(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        if launch.local_world_size is not None:
+            check_gpus_per_node(launch.local_world_size, torch.cuda.device_count())
+        torch.cuda.set_device(launch.local_rank)
+        device = torch.device("cuda", launch.local_rank)
         backend = "cuda:nccl,cpu:gloo"  # gloo too: small CPU-side collectives (flags, objects) stay off the GPU
     else:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
-    return Dist(dist.get_rank(), dist.get_world_size(), local_rank,
-                int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())), device)
+    local_world = launch.local_world_size or ranks_on_this_host()
+    return Dist(dist.get_rank(), dist.get_world_size(), launch.local_rank, local_world, device)
+
+
+def ranks_on_this_host() -> int:
+    """Ranks sharing this host name (for launchers that do not say): one all-gather every rank must reach."""
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts.count(socket.gethostname())
+
+
+def check_shared_dir(path: Path, d: Dist, flag: str) -> None:
+    """Refuse, on every rank, a folder that not every rank sees (node-local disk): rank 0 writes a probe file there
+    and each rank reads it back, instead of the first checkpoint failing hours later. Collective."""
+    if d.world_size == 1:
+        return
+    token = [secrets.token_hex(8) if d.is_main else None]
+    if d.is_main:
+        (path / f".shared-probe-{token[0]}").write_text(token[0])
+    dist.broadcast_object_list(token, src=0)  # after the write: every rank reads a finished file
+    probe = path / f".shared-probe-{token[0]}"
+    try:
+        seen = probe.read_text() == token[0]
+    except OSError:
+        seen = False
+    views = [None] * d.world_size
+    dist.all_gather_object(views, (seen, socket.gethostname()))
+    if d.is_main:
+        probe.unlink()
+    blind = [r for r, (ok, _) in enumerate(views) if not ok]
+    if blind:
+        hosts = sorted({views[r][1] for r in blind})
+        raise UserError(f"{path} is not on storage every node sees: rank(s) {', '.join(map(str, blind))} on "
+                        f"{', '.join(hosts)} cannot read a file rank 0 wrote there; put {flag} on a shared file "
+                        "system (NFS, Lustre, ...) with the same path on every node")
 
 
 def check_gpus_per_node(local_world_size: int, gpus: int) -> None:
@@ -72,27 +107,6 @@ def check_gpus_per_node(local_world_size: int, gpus: int) -> None:
     if local_world_size > gpus:
         raise UserError(f"{local_world_size} processes on this node but {gpus} CUDA device(s) visible: one process "
                         f"per GPU, so use --nproc_per_node {gpus} (or CUDA_VISIBLE_DEVICES= to train on the CPU)")
-
-
-def watch_parent(interval_s: float = 1.0) -> None:
-    """Under torchrun, exit when the launcher dies.
-
-    A SIGKILLed torchrun agent cannot forward anything: its workers would sit in a collective until the timeout
-    (an hour). A daemon thread notices the re-parenting and ends the process; collectives release the GIL, so it
-    runs even while the main thread is blocked in one.
-    """
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    launcher = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(interval_s)
-            if os.getppid() != launcher:
-                os.write(2, f"rank {os.environ.get('RANK')}: launcher (pid {launcher}) died; exiting\n".encode())
-                os._exit(1)
-
-    threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:

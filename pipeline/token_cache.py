@@ -64,12 +64,13 @@ class Blocks:
     val_flags: np.ndarray | None = None
 
 
-def token_cache_dir(save_dir: Path, dataset_fp: str, model_dir: Path, spec: BlockSpec) -> Path:
-    """Where the packed blocks of this dataset, tokenizer and cut live: shared by every run under save_dir."""
+def token_cache_dir(cache_root: Path, dataset_fp: str, model_dir: Path, spec: BlockSpec) -> Path:
+    """Where the packed blocks of this dataset, tokenizer and cut live under cache_root: shared by every run that
+    uses the same root (by default SAVE_DIR/token_cache)."""
     key = {"format": CACHE_FORMAT, "dataset": dataset_fp, "tokenizer": tokenizer_fingerprint(model_dir),
            **spec.key()}
     fp = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-    return Path(save_dir) / "token_cache" / fp[:24]
+    return Path(cache_root) / fp[:24]
 
 
 def open_blocks(path: Path) -> Blocks:

@@ -32,9 +32,11 @@ from pipeline.data import BlockSampler
 from pipeline.errors import UserError
 from pipeline.export import RUN_TEMPLATE, export_dtype, export_model
 from pipeline.fsutil import write_text_atomic
-from pipeline.memory import launch_world
+from pipeline.launch import Launch
+from pipeline.launch import detect as detect_launch
+from pipeline.liveness import PeerWatch, watch_parent
 from pipeline.preflight import Plan, preflight
-from pipeline.runtime import Dist, compute_dtype, init_distributed, watch_parent
+from pipeline.runtime import Dist, check_shared_dir, compute_dtype, init_distributed
 from pipeline.strategies import ignored_knobs, make_strategy
 from pipeline.telemetry import (
     GIB,
@@ -58,7 +60,8 @@ def seed_everything(seed: int) -> None:
 
 
 def cache_path(cfg: Config, plan: Plan) -> Path:
-    return token_cache_dir(cfg.run.save_dir, plan.fingerprint["dataset"], plan.model_dir, plan.spec)
+    root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.run.save_dir) / "token_cache"
+    return token_cache_dir(root, plan.fingerprint["dataset"], plan.model_dir, plan.spec)
 
 
 def ensure_blocks(cfg: Config, plan: Plan, builder: bool) -> tuple[str, Path]:
@@ -86,10 +89,10 @@ def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks:
     return blocks
 
 
-def prepare_only(cfg: Config, plan: Plan) -> int:
+def prepare_only(cfg: Config, plan: Plan, launch: Launch) -> int:
     """--prepare-only: the token cache and nothing else (no process group, no GPU)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    builder = launch_world()[2] == 0
+    builder = launch.local_rank == 0
     status, path = ensure_blocks(cfg, plan, builder)
     meta = json.loads((path / "meta.json").read_text())
     if builder:
@@ -535,6 +538,7 @@ def run(cfg: Config, d: Dist, plan: Plan) -> Trainer:
     if cfg.run.no_resume:
         cfg = _new_run_name(cfg, d)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    check_shared_dir(cfg.run_dir, d, "--save-dir")
     setup_logging(cfg.run_dir, d.rank)
     if d.is_main:
         config_mod.save(cfg, cfg.run_dir / "config.yaml")
@@ -577,19 +581,49 @@ def out_of_memory_message(cfg: Config, d: Dist) -> str:
 def main(argv: list[str] | None = None) -> int:
     """fsdp1.py: resolve the config, check everything cheap, then join the process group and train."""
     cfg = config_mod.resolve(argv)
+    launch = detect_launch()  # a launcher's missing variable is one line before any heavy work
     plan = preflight(cfg)
     if cfg.data.prepare_only:
-        return prepare_only(cfg, plan)
+        return prepare_only(cfg, plan, launch)
     d = init_distributed(timedelta(seconds=cfg.run.collective_timeout_s))
     watch_parent()
+    peers = PeerWatch(d, cfg.run.peer_timeout_s).start()
+    try:
+        code = train_or_stop(cfg, d, plan, peers)
+    except BaseException as exc:
+        if not is_collective_failure(exc):  # this rank's own failure, not the echo of another's
+            peers.stop(failure=(str(exc).strip() or type(exc).__name__).splitlines()[0][:300])
+        dist.destroy_process_group()
+        raise
+    peers.stop()
+    dist.barrier()  # every rank's heartbeat has stopped before any rank (one may host the store) exits
+    dist.destroy_process_group()
+    return code
+
+
+def train_or_stop(cfg: Config, d: Dist, plan: Plan, peers: PeerWatch) -> int:
+    """run(), its clean stop as an exit code, and its failures as one line where we can say what happened."""
     try:
         run(cfg, d, plan)
     except Interrupted as stop:
         return 128 + stop.signum
-    except (torch.OutOfMemoryError, dist.DistBackendError) as exc:
-        if not isinstance(exc, torch.OutOfMemoryError) and "out of memory" not in str(exc):
-            raise
+    except torch.OutOfMemoryError:
         raise UserError(out_of_memory_message(cfg, d)) from None
-    finally:
-        dist.destroy_process_group()
+    except RuntimeError as exc:
+        if not is_collective_failure(exc):
+            raise
+        if "out of memory" in str(exc):  # NCCL's report of a CUDA OOM
+            raise UserError(out_of_memory_message(cfg, d)) from None
+        # Most often a peer died: the heartbeat names it and ends the process; a launcher that is already
+        # stopping us (another worker failed on this node) needs no wait
+        peers.wait_for_verdict(give_up=lambda: StopRequest.signum != 0)
+        raise
     return 0
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """A collective that failed because of another rank: DistBackendError, or gloo's plain RuntimeError when a peer's
+    connection drops."""
+    return isinstance(exc, dist.DistBackendError) or (
+        isinstance(exc, RuntimeError) and any(m in str(exc) for m in ("gloo/transport", "Connection closed by peer",
+                                                                       "Connection reset by peer")))

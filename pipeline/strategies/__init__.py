@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from pipeline.config import Config, ModelConfig, flag
-from pipeline.memory import GIB, Estimate, Shape, Workload, device_bytes, estimate, launch_world
+from pipeline.launch import detect as detect_launch
+from pipeline.memory import GIB, Estimate, Shape, Workload, device_bytes, estimate
 from pipeline.runtime import Dist
 from pipeline.strategies.base import Strategy
 from pipeline.strategies.ddp import DDP
@@ -50,7 +51,9 @@ class MemoryPlan:
 def plan_memory(cfg: Config, hf_config, device: str) -> MemoryPlan:
     """Resolve --strategy auto (in cfg) and estimate the peak memory per rank. No collective: every rank computes the
     same from the same config, launch environment and hardware."""
-    world, local_world, local_rank = launch_world()
+    launch = detect_launch()
+    # before joining; a launcher that does not say how many ranks share this host: plan as if all of them do
+    world, local_world, local_rank = launch.world_size, launch.local_world_size or launch.world_size, launch.local_rank
     m, shape = cfg.model, Shape.of(hf_config)
     budget = int(m.memory_gb * GIB) if m.memory_gb else device_bytes(device, local_world, local_rank)
     reason = ""

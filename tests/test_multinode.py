@@ -1,0 +1,236 @@
+"""Several nodes on one machine: torchrun agents joined by c10d rendezvous, the plain-variable and srun launches,
+the SLURM script with stand-in srun/scontrol, a node lost mid-run, and a run folder that not every node sees."""
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT, kill_tree, losses, run_script, torchrun, wait_for
+
+from pipeline.config import resolve
+from pipeline.errors import UserError
+from pipeline.launch import Launch, detect, first_host, tasks_per_node
+
+pytestmark = pytest.mark.slow
+
+# Constant learning rate: a leg stopped early by --max-steps trains like the first steps of a longer run
+FAST = ["--config", str(ROOT / "configs" / "demo.yaml"), "--log-freq", "1", "--eval-freq", "0", "--ckpt-freq", "0",
+        "--lr-schedule", "constant", "--warmup-steps", "0"]
+
+
+def args(env: dict, save_dir: Path, *extra: object, name: str = "r") -> list[str]:
+    return ["-e", name, "-d", str(env["dataset"]), "-m", "local/tiny", "--save-dir", str(save_dir), *FAST,
+            *map(str, extra)]
+
+
+def free_port(low: int = 20000, high: int = 35000) -> int:
+    """A free TCP port in [low, high) (SLURM launches derive theirs from the job id into that range)."""
+    for port in range(low + os.getpid() % 1000, high):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port")
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def start_node(env: dict, port: int, nproc: int, script_args: list[str], log: Path, cwd: Path = ROOT,
+               nnodes: int = 2) -> subprocess.Popen:
+    """One node's torchrun agent, in its own session so the whole node can be killed at once."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc_per_node", str(nproc),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job",
+           str(ROOT / "fsdp1.py"), *script_args]
+    return subprocess.Popen(cmd, cwd=cwd, env={**env["env"], "PYTHONPATH": str(ROOT)}, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def two_nodes(env: dict, nproc: int, script_args: list[str], tmp: Path, cwds: tuple[Path, Path] = (ROOT, ROOT),
+              timeout: float = 600) -> list[tuple[int, str]]:
+    """Both nodes to the end: (exit code, output) of each. The first agent hosts the rendezvous store."""
+    port = free_port()
+    first = start_node(env, port, nproc, script_args, tmp / "node0.log", cwds[0])
+    wait_for(lambda: listening(port), first, timeout=60)
+    second = start_node(env, port, nproc, script_args, tmp / "node1.log", cwds[1])
+    for proc in (first, second):
+        proc.wait(timeout=timeout)
+    return [(p.returncode, (tmp / f"node{i}.log").read_text()) for i, p in enumerate((first, second))]
+
+
+def test_launch_variables_are_read_and_checked():
+    plain = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "8", "RANK": "5", "LOCAL_RANK": "1"}
+    assert detect(plain) == Launch("env", 5, 8, 1, None, "10.0.0.1", 29500)
+    slurm = {"SLURM_STEP_NUM_TASKS": "6", "SLURM_PROCID": "4", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
+             "SLURM_STEP_TASKS_PER_NODE": "2(x3)", "SLURM_STEP_NODELIST": "gpu[007-009]", "SLURM_JOB_ID": "123456"}
+    assert detect(slurm) == Launch("slurm", 4, 6, 0, 2, "gpu007", 15000 + 123456 % 20000)
+    assert detect({**slurm, "MASTER_ADDR": "head", "MASTER_PORT": "4000"}).master_addr == "head"
+    assert detect({"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}).launcher == "single"  # srun of one task
+    assert first_host("node1,node2") == "node1" and first_host("a[09-12,20]b") == "a09b"
+    assert tasks_per_node("4(x2),3") == [4, 4, 3]
+    cases = [
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR, MASTER_PORT, LOCAL_RANK not set: a launch without torchrun "
+         "or srun must set all of MASTER_ADDR MASTER_PORT WORLD_SIZE RANK LOCAL_RANK in every process"),
+        ({**plain, "RANK": "8"}, "inconsistent launch variables: RANK=8 is not below WORLD_SIZE=8"),
+        ({**plain, "LOCAL_WORLD_SIZE": "1"}, "inconsistent launch variables: LOCAL_RANK=1 and LOCAL_WORLD_SIZE=1 do "
+         "not fit WORLD_SIZE=8"),
+        ({**plain, "MASTER_PORT": "http"}, "MASTER_PORT='http': not a whole number"),
+        ({**slurm, "SLURM_NODEID": "3"}, "SLURM_NODEID 3 is not a node of SLURM_STEP_TASKS_PER_NODE 2(x3)"),
+        ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"}, "SLURM_STEP_NUM_TASKS is 2 but SLURM_LOCALID, "
+         "SLURM_NODEID, SLURM_STEP_TASKS_PER_NODE, SLURM_STEP_NODELIST (or MASTER_ADDR) not set: launch with srun "
+         "(one task per process), or torchrun inside srun"),
+    ]
+    for env, message in cases:
+        with pytest.raises(UserError) as err:
+            detect(env)
+        assert str(err.value) == message
+
+
+def test_plain_variables_and_srun_variables_train_like_torchrun(train_env, tmp_path):
+    reference = torchrun(2, ROOT / "fsdp1.py", *args(train_env, tmp_path / "torchrun", "--max-steps", 3),
+                         env=train_env["env"])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    port = free_port()
+    plain = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(r),
+              "LOCAL_RANK": str(r)} for r in range(2)]  # no LOCAL_WORLD_SIZE: counted by host name
+    port = free_port()
+    srun = [{"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_NODEID": "0",
+             "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "localhost", "SLURM_JOB_ID": str(port - 15000)}
+            for r in range(2)]
+    for name, variables in (("plain", plain), ("srun", srun)):
+        procs = [subprocess.Popen([sys.executable, str(ROOT / "fsdp1.py"), *args(train_env, tmp_path / name,
+                                                                                  "--max-steps", 3)],
+                                  cwd=ROOT, env={**train_env["env"], **v, "PYTHONPATH": str(ROOT)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for v in variables]
+        outputs = [p.communicate(timeout=600)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+        assert "world size 2" in (tmp_path / name / "r" / "train.log").read_text()
+        assert losses(tmp_path / name / "r") == losses(tmp_path / "torchrun" / "r")  # the same ranks, bitwise
+    missing = run_script("fsdp1.py", *args(train_env, tmp_path / "x"), env={**train_env["env"], "RANK": "1"})
+    assert missing.returncode == 2
+    assert missing.stderr.splitlines()[-1] == (
+        "error: MASTER_ADDR, MASTER_PORT, WORLD_SIZE, LOCAL_RANK not set: a launch without torchrun or srun must set "
+        "all of MASTER_ADDR MASTER_PORT WORLD_SIZE RANK LOCAL_RANK in every process")
+
+
+def stand_in_slurm(bin_dir: Path) -> None:
+    """srun and scontrol for a job of SLURM_NNODES nodes that all live on this machine."""
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/bash\n[ "$1 $2" = "show hostnames" ] && for _ in $(seq "$SLURM_NNODES")'
+                                      '; do echo localhost; done\n[ "$1" = requeue ] && echo "$2" >> "$REQUEUED"\n'
+                                      'exit 0\n')
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\npids=()\n'
+                                  'for node in $(seq 0 $((SLURM_NNODES - 1))); do\n'
+                                  '  SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 "$@" &\n'
+                                  '  pids+=($!)\n'
+                                  '  [ "$node" = 0 ] && until (exec 3<>/dev/tcp/127.0.0.1/"$MASTER_PORT") 2>/dev/null'
+                                  '; do sleep 0.2; done\n'  # the first node hosts the rendezvous, as on a cluster
+                                  'done\ncode=0\nfor p in "${pids[@]}"; do wait "$p" || code=$?; done\nexit $code\n')
+    for f in bin_dir.iterdir():
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+
+
+def test_two_nodes_train_like_one_and_resume_across_node_counts(train_env, tmp_path):
+    # One node of 4 processes, uninterrupted: the reference
+    ref = torchrun(4, ROOT / "fsdp1.py", *args(train_env, tmp_path / "one", "--max-steps", 6), env=train_env["env"])
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    expected = losses(tmp_path / "one" / "r")
+    run = tmp_path / "chain" / "r"
+    # Leg 1: two nodes of 2, HYBRID_SHARD (replicate across the nodes, shard within)
+    nodes = two_nodes(train_env, 2, args(train_env, tmp_path / "chain", "--max-steps", 2, "--sharding",
+                                         "HYBRID_SHARD"), tmp_path)
+    assert [code for code, _ in nodes] == [0, 0], nodes[0][1][-3000:] + nodes[1][1][-3000:]
+    # Leg 2: one node of 2 with two micro-steps: the same global batch of 8 blocks
+    one = torchrun(2, ROOT / "fsdp1.py", *args(train_env, tmp_path / "chain", "--max-steps", 4, "--grad-accum", 2),
+                   env=train_env["env"])
+    assert one.returncode == 0, one.stderr[-3000:]
+    # Leg 3: two nodes of 2, FULL_SHARD over 4, launched by the SLURM script with stand-ins for srun and scontrol
+    stand_in_slurm(tmp_path / "bin")
+    slurm_env = {**train_env["env"], "PATH": f"{tmp_path / 'bin'}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+                 "PYTHONPATH": str(ROOT), "PROJECT_DIR": str(ROOT), "SLURM_JOB_ID": "42", "SLURM_NNODES": "2",
+                 "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(free_port()), "GPUS_PER_NODE": "2",
+                 "REQUEUED": str(tmp_path / "requeued")}
+    sbatch = subprocess.run(["bash", str(ROOT / "examples" / "slurm" / "train.sbatch"),
+                             *args(train_env, tmp_path / "chain", "--max-steps", 6)],
+                            cwd=tmp_path, env=slurm_env, capture_output=True, text=True, timeout=600)
+    assert sbatch.returncode == 0, sbatch.stdout[-3000:] + sbatch.stderr[-3000:]
+    assert not (tmp_path / "requeued").exists()
+    got = losses(run)
+    assert sorted(got) == sorted(expected) == list(range(1, 7))
+    for step in expected:  # resharded between legs: equal up to the reduction order
+        assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
+    resumes = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"resume"' in x]
+    assert [e["from_step"] for e in resumes] == [2, 4]
+    assert "world size 4" in (run / "train.log").read_text()
+
+
+def test_a_lost_node_is_named_within_a_minute_and_the_rerun_resumes(train_env, tmp_path):
+    # Each node keeps its token cache on its own disk (a relative --cache-dir from its own working folder)
+    cwds = (tmp_path / "a", tmp_path / "b")
+    for d in cwds:
+        d.mkdir()
+    port = free_port()
+    run_args = args(train_env, tmp_path / "shared", "--max-steps", 100000, "--ckpt-freq", 2, "--cache-dir", "cache",
+                    "--peer-timeout-s", 6)
+    first = start_node(train_env, port, 1, run_args, tmp_path / "node0.log", cwds[0])
+    wait_for(lambda: listening(port), first, timeout=60)
+    second = start_node(train_env, port, 1, run_args, tmp_path / "node1.log", cwds[1])
+    run = tmp_path / "shared" / "r"
+    wait_for(lambda: max(losses(run), default=0) >= 3, first)
+    assert all(len(list((d / "cache").glob("*/meta.json"))) == 1 for d in cwds)  # one copy per node
+    kill_tree(second)  # the whole node: its agent and its worker, no chance to say anything
+    lost_at = time.monotonic()
+    first.wait(timeout=120)
+    waited = time.monotonic() - lost_at
+    out = (tmp_path / "node0.log").read_text()
+    assert first.returncode != 0 and waited < 60, (waited, out[-3000:])
+    assert f"error: rank 0: rank(s) 1 on {socket.gethostname()} stopped responding for 6 s (a lost node or a killed " \
+           "process); exiting. Rerun the same command on every node to resume from the last complete checkpoint" \
+           in out, out[-3000:]
+    last = json.loads((run / "state.json").read_text())["step"]
+    rerun = args(train_env, tmp_path / "shared", "--max-steps", last + 2, "--ckpt-freq", 2, "--cache-dir", "cache")
+    nodes = two_nodes(train_env, 1, rerun, tmp_path, cwds)
+    assert [code for code, _ in nodes] == [0, 0], nodes[0][1][-3000:] + nodes[1][1][-3000:]
+    resumes = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"resume"' in x]
+    assert resumes[-1]["from_step"] == last and max(losses(run)) == last + 2
+
+
+def test_a_run_folder_that_one_node_cannot_see_is_refused_at_start(train_env, tmp_path):
+    cwds = (tmp_path / "a", tmp_path / "b")
+    for d in cwds:
+        d.mkdir()
+    # The same relative --save-dir names a different folder on each "node": as a node-local disk would
+    nodes = two_nodes(train_env, 1, args(train_env, Path("outputs")), tmp_path, cwds)
+    assert all(code != 0 for code, _ in nodes)
+    for _, out in nodes:
+        assert f"error: outputs/r is not on storage every node sees: rank(s) 1 on {socket.gethostname()} cannot read " \
+               "a file rank 0 wrote there; put --save-dir on a shared file system (NFS, Lustre, ...) with the same " \
+               "path on every node" in out, out[-3000:]
+    assert not list((cwds[0] / "outputs" / "r" / "checkpoints").glob("*"))
+
+
+def test_the_kubernetes_job_runs_fsdp1_with_arguments_it_accepts():
+    job = yaml.safe_load((ROOT / "examples" / "kubernetes" / "pytorchjob.yaml").read_text())
+    assert job["kind"] == "PyTorchJob"
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert set(specs) == {"Master", "Worker"} and specs["Master"]["template"] == specs["Worker"]["template"]
+    (container,) = specs["Master"]["template"]["spec"]["containers"]
+    assert container["name"] == "pytorch" and container["command"] == ["torchrun"]
+    script, *script_args = container["args"]
+    assert script == "fsdp1.py"
+    cfg = resolve(script_args)
+    assert cfg.data.cache_dir.startswith("/local/") and cfg.run.save_dir.startswith("/shared/")
+    assert cfg.model.sharding == "HYBRID_SHARD"  # the multi_node profile
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert {"/shared", "/local", "/dev/shm"} <= mounts
