@@ -6,6 +6,7 @@ process am I, on which device, in which group".
 
 from __future__ import annotations
 
+import os
 import secrets
 import socket
 from dataclasses import dataclass, replace
@@ -64,9 +65,29 @@ def init_distributed(timeout: timedelta = timedelta(minutes=60)) -> Dist:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timeout)
+        store = attempt_store(launch, timeout)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout, store=store, rank=launch.rank,
+                                    world_size=launch.world_size)
     local_world = launch.local_world_size or ranks_on_this_host()
     return Dist(dist.get_rank(), dist.get_world_size(), launch.local_rank, local_world, device)
+
+
+def attempt_store(launch: launch_mod.Launch, timeout: timedelta) -> dist.Store | None:
+    """Under torchrun after a restart (--max-restarts), the agent's store with a prefix of its own for this attempt.
+
+    Restarted workers rejoin the same agent store, where the previous attempt's gloo/NCCL addresses are still under
+    the same keys: a new rank connects to a dead one's port and fails ("Connection refused",
+    pytorch/pytorch#167288). None: the default env:// rendezvous, as on a first attempt.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if launch.launcher != "torchrun" or attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"fsdp1/attempt-{attempt}/", agent)
 
 
 def ranks_on_this_host() -> int:

@@ -277,3 +277,19 @@ def test_async_checkpoints_complete_and_resume_exactly(train_env, tmp_path, refe
     steps = [c["step"] for c in ckpts]
     assert steps[-2:] == [15, 20] and steps.count(20) == 1, steps
     assert json.loads((run / "state.json").read_text())["checkpoints"] == ["step-00000015", "step-00000020"]
+
+
+def test_torchrun_restarts_a_crashed_worker_and_the_run_resumes_by_itself(train_env, tmp_path, reference):
+    run = tmp_path / "r"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
+           "1", str(ROOT / "fsdp1.py"), *args(train_env, tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**train_env["env"], "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    wait_for(lambda: max(losses(run), default=0) >= 7, proc)  # past the checkpoint of step 5
+    (rank1,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+    rank1.kill()
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    assert losses(run) == reference  # the restarted workers went on from step 5's checkpoint, bitwise
+    resumes = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"resume"' in x]
+    assert [e["from_step"] for e in resumes] in ([5], [10])  # the newest complete checkpoint when rank 1 died
