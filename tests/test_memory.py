@@ -13,6 +13,13 @@ LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num
                 num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True)
 
 
+def launched_as(monkeypatch, world: int | str) -> None:
+    """The variables a launcher of `world` processes on one node sets for its rank 0 (plan_memory reads them)."""
+    for key, value in {"WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world, "RANK": 0, "LOCAL_RANK": 0,
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}.items():
+        monkeypatch.setenv(key, str(value))
+
+
 def meta_params(config: LlamaConfig) -> int:
     with torch.device("meta"):
         return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
@@ -85,8 +92,7 @@ def test_traffic_counts_what_each_collective_moves_per_rank():
 
 
 def test_auto_picks_ddp_while_a_replica_fits_and_moves_less_and_fsdp2_beyond(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    launched_as(monkeypatch, "4")
     hf = LlamaConfig(**LLAMA_1B)
     replica = plan_memory(config_for("m", "strategy", "ddp", "precision", "fp32"), hf, "cpu").estimate.total
     ddp_mib = traffic_bytes(Shape.of(hf), Workload.of(config_for("m", "strategy", "ddp"), "cpu", 4, 4)) / 2**20
@@ -124,16 +130,14 @@ def test_auto_picks_ddp_while_a_replica_fits_and_moves_less_and_fsdp2_beyond(mon
 ])
 def test_auto_takes_the_strategy_that_moves_less_when_both_fit(monkeypatch, world, overrides, chosen):
     """The two CPU cases of BENCHMARKS.md section 11, where the choice was measured to be the faster."""
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+    launched_as(monkeypatch, str(world))
     cfg = config_for("m", "strategy", "auto", "memory_gb", 1000, "precision", "fp32", "seq_length", 256)
     plan_memory(cfg, LlamaConfig(**{**LLAMA_1B, **overrides}), "cpu")
     assert cfg.model.strategy == chosen
 
 
 def test_auto_takes_fsdp2_on_one_rank_and_says_why(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    launched_as(monkeypatch, "1")
     cfg = config_for("m", "strategy", "auto", "memory_gb", 1000)
     plan = plan_memory(cfg, LlamaConfig(**LLAMA_1B), "cpu")
     assert (cfg.model.strategy, cfg.model.sharding, cfg.model.uses_vocab_parallel()) == ("fsdp2", "FULL_SHARD", True)
