@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from pipeline.errors import UserError
 from pipeline.fsutil import hash_file, write_text_atomic
+from pipeline.liveness import is_collective_failure
 from pipeline.runtime import Dist
 from pipeline.strategies import Strategy, make_strategy
 from pipeline.telemetry import log
@@ -223,6 +224,9 @@ class Checkpointer:
         previous = (f"the previous checkpoint {Path(state['path']).name} is intact: rerun the same command to "
                     "resume from it") if state else "no earlier checkpoint exists"
         causes = exc.failures.items() if isinstance(exc, CheckpointException) else [(self.dist.rank, (exc, None))]
+        lost_peer = next((e for _, (e, _) in causes if is_collective_failure(e)), None)
+        if lost_peer is not None:  # not this checkpoint's fault: another rank is gone, which the heartbeat names
+            raise lost_peer
         first = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in causes)
         raise UserError(f"checkpoint {step_name(step)} could not be written ({first}); nothing was marked "
                         f"complete and {previous}") from exc

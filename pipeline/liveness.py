@@ -48,6 +48,14 @@ def watch_parent(interval_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="launcher-watchdog", daemon=True).start()
 
 
+def is_collective_failure(exc: BaseException) -> bool:
+    """A collective that failed because of another rank: DistBackendError, or gloo's plain RuntimeError when a peer's
+    connection drops. The heartbeat, not this rank, can say what happened."""
+    return isinstance(exc, dist.DistBackendError) or (
+        isinstance(exc, RuntimeError) and any(m in str(exc) for m in ("gloo/transport", "Connection closed by peer",
+                                                                       "Connection reset by peer")))
+
+
 def watched_ranks(rank: int, world_size: int, local_world_size: int) -> list[int]:
     """What this rank watches: the first rank of each node watches every rank of the next node (ranks are numbered
     node by node, as torchrun and srun's block distribution do); on one node, its own other ranks; others, none."""

@@ -34,7 +34,7 @@ from pipeline.export import RUN_TEMPLATE, export_dtype, export_model
 from pipeline.fsutil import write_text_atomic
 from pipeline.launch import Launch
 from pipeline.launch import detect as detect_launch
-from pipeline.liveness import PeerWatch, watch_parent
+from pipeline.liveness import PeerWatch, is_collective_failure, watch_parent
 from pipeline.preflight import Plan, preflight
 from pipeline.runtime import Dist, check_shared_dir, compute_dtype, init_distributed
 from pipeline.strategies import ignored_knobs, make_strategy
@@ -620,10 +620,3 @@ def train_or_stop(cfg: Config, d: Dist, plan: Plan, peers: PeerWatch) -> int:
         raise
     return 0
 
-
-def is_collective_failure(exc: BaseException) -> bool:
-    """A collective that failed because of another rank: DistBackendError, or gloo's plain RuntimeError when a peer's
-    connection drops."""
-    return isinstance(exc, dist.DistBackendError) or (
-        isinstance(exc, RuntimeError) and any(m in str(exc) for m in ("gloo/transport", "Connection closed by peer",
-                                                                       "Connection reset by peer")))
