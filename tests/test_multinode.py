@@ -98,7 +98,7 @@ def test_launch_variables_are_read_and_checked():
 
 
 def test_plain_variables_and_srun_variables_train_like_torchrun(train_env, tmp_path):
-    reference = torchrun(2, ROOT / "fsdp1.py", *args(train_env, tmp_path / "torchrun", "--max-steps", 3),
+    reference = torchrun(2, ROOT / "fsdp1.py", *args(train_env, tmp_path / "torchrun", "--max-steps", 2),
                          env=train_env["env"])
     assert reference.returncode == 0, reference.stderr[-3000:]
     port = free_port()
@@ -110,7 +110,7 @@ def test_plain_variables_and_srun_variables_train_like_torchrun(train_env, tmp_p
             for r in range(2)]
     for name, variables in (("plain", plain), ("srun", srun)):
         procs = [subprocess.Popen([sys.executable, str(ROOT / "fsdp1.py"), *args(train_env, tmp_path / name,
-                                                                                  "--max-steps", 3)],
+                                                                                  "--max-steps", 2)],
                                   cwd=ROOT, env={**train_env["env"], **v, "PYTHONPATH": str(ROOT)},
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for v in variables]
         outputs = [p.communicate(timeout=600)[0] for p in procs]

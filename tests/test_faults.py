@@ -1,0 +1,172 @@
+"""Fault tests without the shared reference run: damaged checkpoints, failed writes, another world size or global
+batch, divergence, the resume guard, a killed launcher. Split from test_resume.py so the two halves run on both
+pytest workers at once."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+from conftest import ROOT, losses, run_script, wait_for
+from test_resume import args, start, train
+
+pytestmark = pytest.mark.slow
+
+
+def test_damaged_and_incomplete_checkpoints(train_env, tmp_path):
+    run = tmp_path / "r"
+    assert train(train_env, tmp_path, "--max-steps", 10).returncode == 0
+    shard = run / "checkpoints" / "step-00000010" / "__1_0.distcp"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 2])
+    junk = run / "checkpoints" / "step-00000007"
+    junk.mkdir()
+    (junk / "__0_0.distcp").write_bytes(b"partial")
+    refused = train(train_env, tmp_path, "--max-steps", 15)
+    assert refused.returncode != 0
+    message = (f"error: checkpoint step-00000010 is damaged: {shard} is truncated ({size // 2} of {size} bytes); "
+               "resume from the previous one with --resume-from step-00000005")
+    # torchrun stops the other worker as soon as one fails, so it may not get to print its own copy
+    assert refused.stderr.count(message + "\n") >= 1, refused.stderr[-2000:]
+    resumed = train(train_env, tmp_path, "--max-steps", 15, "--resume-from", "step-00000005")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "ignoring incomplete checkpoint step-00000007" in (run / "train.log").read_text()
+    assert not junk.exists(), "removed once a newer complete checkpoint exists"
+    assert json.loads((run / "state.json").read_text())["checkpoints"] == ["step-00000010", "step-00000015"]
+
+
+def test_write_failure_on_one_rank_keeps_the_previous_checkpoint(train_env, tmp_path):
+    run = tmp_path / "r"
+    assert train(train_env, tmp_path, "--max-steps", 5).returncode == 0
+    blocker = run / "checkpoints" / "step-00000010" / "__1_0.distcp"
+    blocker.mkdir(parents=True)  # rank 1 cannot create its shard file there
+    failed = train(train_env, tmp_path, "--max-steps", 10)
+    assert failed.returncode != 0
+    lines = [x for x in failed.stderr.splitlines() if x.startswith("error: checkpoint step-00000010")]
+    assert lines, failed.stderr[-3000:]
+    assert lines[0].endswith("nothing was marked complete and the previous checkpoint step-00000005 is intact: "
+                             "rerun the same command to resume from it")
+    state = json.loads((run / "state.json").read_text())
+    assert (state["step"], state["checkpoints"]) == (5, ["step-00000005"])
+    blocker.rmdir()
+    again = train(train_env, tmp_path, "--max-steps", 10)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and json.loads((run / "state.json").read_text())["step"] == 10
+
+
+def test_resume_with_another_world_size(train_env, tmp_path):
+    # 2 ranks -> 1, the same global batch of 4 blocks; the other way (whole tensors into shards) is
+    # test_strategies' ddp -> fsdp2 chain
+    one = train(train_env, tmp_path / "a", "--max-steps", 10, "-b", 2)
+    assert one.returncode == 0, one.stderr[-3000:]
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    same = train(train_env, tmp_path / "a", "-b", 2)
+    other = train(train_env, tmp_path / "b", "-b", 4, nproc=1)
+    for proc in (same, other):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "resumed from" in proc.stdout
+    expected, got = losses(tmp_path / "a" / "r"), losses(tmp_path / "b" / "r")
+    assert sorted(got) == sorted(expected) == list(range(1, 21))
+    for step in range(1, 21):  # resharded model and optimizer: equal up to the reduction order, not bitwise
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+
+
+def test_another_global_batch_and_lr_continue_from_the_next_unseen_block(train_env, tmp_path):
+    assert train(train_env, tmp_path, "--max-steps", 5).returncode == 0
+    more = train(train_env, tmp_path, "--max-steps", 8, "-b", 1, "--lr", "1e-3")
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert ("global batch changed from 4 to 2 blocks: continuing from the next unseen block (20 consumed in "
+            "epoch 0)") in more.stdout
+    state = json.loads((tmp_path / "r" / "state.json").read_text())
+    assert state["samples_seen"] == 5 * 4 + 3 * 2
+    # demo.yaml: peak 3e-3, 5 warm-up steps, cosine to step 8; the new peak takes over from step 5
+    assert "--lr changed from 0.003 to 0.001: the schedule continues at step 5 with the new peak" in more.stdout
+    lrs = {e["step"]: e["lr"] for e in map(json.loads, (tmp_path / "r" / "metrics.jsonl").read_text().splitlines())
+           if e["event"] == "train"}
+    assert lrs[5] == pytest.approx(3e-3) and lrs[6] == pytest.approx(1e-3 * 0.75) and lrs[7] == pytest.approx(
+        1e-3 * 0.25)
+
+
+def test_a_diverging_run_skips_bad_steps_stops_in_one_line_and_keeps_only_finite_checkpoints(train_env, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    run = tmp_path / "r"
+    proc = train(train_env, tmp_path, "--lr", "1e30", "--warmup-steps", "0", "--ckpt-freq", "1")
+    assert proc.returncode != 0
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    skipped = [e["step"] for e in events if e["event"] == "skipped"]
+    first = skipped[0]
+    assert skipped == [first, first + 1, first + 2], skipped  # --max-bad-steps 3 by default
+    assert [e["in_a_row"] for e in events if e["event"] == "skipped"] == [1, 2, 3]
+    assert not [e for e in events if e["event"] == "checkpoint" and e["step"] >= first]
+    state = json.loads((run / "state.json").read_text())
+    assert state["step"] == first - 1
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("error: "))
+    assert line.startswith(f"error: training diverged: steps {first}-{first + 2} had a non-finite loss or gradient "
+                           "norm (last: loss ")
+    assert line.endswith(f"and were skipped; the last good checkpoint is {run / state['path']}; try a lower --lr "
+                         "(now 1e+30), --precision fp32 or a smaller --max-grad-norm (now 1), then rerun to resume "
+                         "from it")
+    assert 'File "' + str(ROOT / "pipeline") not in proc.stderr  # no worker traceback
+    for name in state["checkpoints"]:
+        dcp_to_torch_save(run / "checkpoints" / name, tmp_path / f"{name}.pt")
+        model = torch.load(tmp_path / f"{name}.pt", weights_only=False)["model"]
+        assert model and all(torch.isfinite(t).all() for t in model.values()), name
+
+
+def test_resume_guard_names_the_changed_field(train_env, tmp_path, tiny_models):
+    assert train(train_env, tmp_path, "--max-steps", 2).returncode == 0
+    run = tmp_path / "r"
+    fp = json.loads((run / "state.json").read_text())["fingerprint"]
+    data2 = tmp_path / "data2"
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["other text " * 200] * 50}).save_to_disk(str(data2))
+    changes = {
+        "seq_length was 128 and is now 64": args(train_env, tmp_path, "--seq-length", "64"),
+        "val_fraction was 0.05 and is now 0.1": args(train_env, tmp_path, "--val-fraction", "0.1"),
+        "seed was 0 and is now 1": args(train_env, tmp_path, "--seed", "1"),
+        "model_name was 'local/tiny' and is now 'local/tiny-untied'":
+            [a if a != "local/tiny" else "local/tiny-untied" for a in args(train_env, tmp_path)],
+        f"dataset was '{fp['dataset']}' and is now '{{}}'":
+            [str(data2) if a == str(train_env["dataset"]) else a for a in args(train_env, tmp_path)],
+    }
+    # all five checked in one process: preflight refuses before any process group exists
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "preflight_errors.py")], cwd=ROOT,
+                          input=json.dumps(list(changes.values())), capture_output=True, text=True,
+                          env={**train_env["env"], "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(errors) == len(changes)
+    for change, error in zip(changes, errors, strict=True):
+        head = change.split("{}")[0]
+        assert error.startswith(f"refusing to resume {run}: {head}"), error
+        assert error.endswith("; rerun with the original value, or pass --no-resume to start a new run beside it")
+    assert errors[0] == (f"refusing to resume {run}: seq_length was 128 and is now 64; rerun with the original "
+                         "value, or pass --no-resume to start a new run beside it")
+    refused = run_script("fsdp1.py", *changes["seed was 0 and is now 1"], env=train_env["env"])
+    assert refused.returncode == 2 and refused.stderr.splitlines()[-1] == (
+        f"error: refusing to resume {run}: seed was 0 and is now 1; rerun with the original value, or pass "
+        "--no-resume to start a new run beside it")  # as the user sees it
+    fresh = run_script("fsdp1.py", *args(train_env, tmp_path, "--seq-length", "64", "--no-resume", "--max-steps", 2),
+                       env=train_env["env"])
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert (tmp_path / "r-2" / "hf" / "config.json").exists() and (run / "state.json").exists()
+
+
+def test_no_worker_outlives_a_killed_launcher(train_env, tmp_path):
+    proc = start(train_env, tmp_path, "--max-steps", 100000, "--ckpt-freq", 0)
+    wait_for(lambda: max(losses(tmp_path / "r"), default=0) >= 1, proc)
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    assert len(workers) >= 2
+    os.kill(proc.pid, signal.SIGKILL)  # the agent only: nothing forwards a signal to the workers
+    proc.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=20)
+    for p in alive:
+        p.kill()
+    assert not alive, f"workers still running 20 s after the launcher died: {[p.pid for p in alive]}"
