@@ -17,6 +17,7 @@ from conftest import ROOT, kill_tree, losses, run_script, torchrun, wait_for
 from pipeline.config import resolve
 from pipeline.errors import UserError
 from pipeline.launch import Launch, detect, first_host, tasks_per_node
+from pipeline.liveness import watched_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -95,6 +96,12 @@ def test_launch_variables_are_read_and_checked():
         with pytest.raises(UserError) as err:
             detect(env)
         assert str(err.value) == message
+
+
+def test_the_first_rank_of_each_node_watches_the_next_node():
+    assert [watched_ranks(r, 12, 4) for r in (0, 4, 8)] == [[4, 5, 6, 7], [8, 9, 10, 11], [0, 1, 2, 3]]
+    assert all(watched_ranks(r, 12, 4) == [] for r in (1, 2, 3, 5, 11))
+    assert watched_ranks(0, 3, 3) == [1, 2] and watched_ranks(0, 1, 1) == []  # one node: its own other ranks
 
 
 def test_plain_variables_and_srun_variables_train_like_torchrun(train_env, tmp_path):
