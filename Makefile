@@ -46,8 +46,8 @@ demo: $(STAMP)
 	@echo "  chat run:            $(DEMO)/outputs/chat (try it: $(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf)"
 
 # Two pytest workers, one test file each at a time (module fixtures stay shared): most of a test's time is process
-# start-up and checkpoint I/O, so two overlap on 2 cores (measured here: 18:30 with two workers after the multi-node tests; before them 12:28 with two workers, 15:13 serially, with
-# 48 s since saved in test_corpus)
+# start-up and checkpoint I/O, so two overlap on 2 cores (measured here: 18:30 with two workers since the multi-node
+# tests; before them 12:28 with two workers, 15:13 serially)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
