@@ -9,6 +9,9 @@ and validation by a seeded permutation and saved as .npy files under a key of ev
 Building is made for corpora of tens of GB:
 - Text is tokenized in chunks of about CHUNK_BYTES with datasets.map(num_proc); each chunk's ids are saved as
   OUT.partial/chunk-NNNNN.npy once complete, so a killed build resumes from its finished chunks.
+- The tokenizer is given at most about TOKENIZE_CHARS at a time (a row longer than that in pieces cut at whitespace,
+  each cut checked to change no id), and freed memory is handed back after each call, so a worker's memory does not
+  follow the longest row or the corpus.
 - The chunks then stream into memory-mapped train/val files in order, so memory holds a chunk, not the corpus.
   Conversations are still packed in memory (best-fit decreasing needs every length; their corpora are smaller).
 - One builder at a time: an flock on the token_cache folder (held by a `--prepare-only` job, the first rank of a
@@ -19,7 +22,9 @@ Building is made for corpora of tens of GB:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -47,6 +52,11 @@ log = logging.getLogger(__name__)
 CACHE_FORMAT = 2
 CHUNK_BYTES = 64 * 2**20
 """Text per tokenized chunk: the unit a killed build resumes from, and (times a few) the build's working memory."""
+TOKENIZE_CHARS = 2**18
+"""Text per tokenizer call, and the longest piece a row is tokenized in: a fast tokenizer holds about 300 bytes
+per character of its input while it works (BENCHMARKS.md section 14), so a 2.6M-character row alone took 800 MB."""
+CHECK_CHARS = 1024
+"""Text either side of a cut in a long row that is tokenized whole and cut to check the cut changes no id."""
 COPY_BLOCKS = 4096
 """Blocks copied into the train/val files at a time."""
 
@@ -156,10 +166,79 @@ def build_lock(path: Path) -> Iterator[None]:
 def _tokenize(batch: dict, tokenizer, eos_id: int) -> dict:
     """A batch of rows -> one row: their ids, each followed by EOS, as one uint32 array. Arrow takes a numpy array
     in one copy, where a list of Python int lists is converted element by element (a quarter of the whole
-    tokenize+pack time on the bench)."""
-    ids = tokenizer(batch["text"], add_special_tokens=False, return_attention_mask=False)["input_ids"]
-    flat = np.fromiter(chain.from_iterable(row + [eos_id] for row in ids), dtype=np.uint32)
-    return {"input_ids": [flat]}
+    tokenize+pack time on the bench). The tokenizer sees at most about TOKENIZE_CHARS at a time (see there); the
+    generator feeds np.fromiter one call's ids at a time."""
+    pieces = [piece for text in batch["text"] for piece in _pieces(text, tokenizer)]
+    return {"input_ids": [np.fromiter(chain.from_iterable(_piece_ids(pieces, tokenizer, eos_id)), dtype=np.uint32)]}
+
+
+def _piece_ids(pieces: list[tuple[str, bool]], tokenizer, eos_id: int) -> Iterator[list[int]]:
+    """Each piece's ids, EOS after a row's last piece; one tokenizer call per TOKENIZE_CHARS of text."""
+    call: list[tuple[str, bool]] = []
+    size = 0
+    for n, (text, last) in enumerate(pieces):
+        call.append((text, last))
+        size += len(text)
+        if size >= TOKENIZE_CHARS or n == len(pieces) - 1 or size + len(pieces[n + 1][0]) > TOKENIZE_CHARS:
+            ids = _ids(tokenizer, [t for t, _ in call])
+            yield from (row + [eos_id] if end else row for row, (_, end) in zip(ids, call, strict=True))
+            call, size = [], 0
+            del ids
+            _release_freed_memory()
+
+
+def _release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere). The tokenizer's
+    allocations, freed after each call, otherwise stay in the process: a worker grew by about 20 MB per call and
+    reached 800 MB on the bench corpus."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None)  # the C library the process already has loaded
+
+
+def _ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    return tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+
+def _pieces(text: str, tokenizer) -> list[tuple[str, bool]]:
+    """(piece, is the row's last) for one row: the row itself, or a longer row cut at whitespace into pieces of at
+    most about TOKENIZE_CHARS whose ids, one after another, are the whole row's. A cut is kept only when the text
+    around it tokenizes the same whole and cut (a tokenizer that prefixes every input, as Llama 2's normalizer
+    does, fails that); the rest of the row is then one piece."""
+    out: list[tuple[str, bool]] = []
+    start = 0
+    while len(text) - start > TOKENIZE_CHARS:
+        cut = _cut_at(text, start + TOKENIZE_CHARS // 2, start + TOKENIZE_CHARS)
+        if cut is None or not _cut_is_exact(tokenizer, text, cut):
+            break
+        out.append((text[start:cut], False))
+        start = cut
+    out.append((text[start:] if start else text, True))
+    return out
+
+
+def _cut_at(text: str, lo: int, hi: int) -> int | None:
+    """The last place in (lo, hi) just after a newline, else just before a space, that has a non-space character
+    on either side: where the usual pre-tokenizers (GPT-2's and Llama 3's patterns) end a pre-token."""
+    for sep, after in (("\n", 1), (" ", 0)):
+        at = text.rfind(sep, lo, hi)
+        while at > lo:
+            if not text[at - 1].isspace() and at + 1 < len(text) and not text[at + 1].isspace():
+                return at + after
+            at = text.rfind(sep, lo, at)
+    return None
+
+
+def _cut_is_exact(tokenizer, text: str, cut: int) -> bool:
+    """Whether CHECK_CHARS either side of cut tokenize to the same ids whole and as two texts."""
+    left, right = text[max(0, cut - CHECK_CHARS):cut], text[cut:cut + CHECK_CHARS]
+    whole, first, second = _ids(tokenizer, [left + right, left, right])
+    return whole == first + second
 
 
 def _tokenize_chats(batch: dict, tokenizer, spec: BlockSpec) -> dict:

@@ -42,6 +42,8 @@ def test_chunked_build_writes_the_bytes_of_the_whole_corpus_cut_in_memory(tmp_pa
                                                                           monkeypatch, document_mask):
     monkeypatch.setattr(token_cache, "CHUNK_BYTES", 3000)  # many chunks, most ending inside a block
     monkeypatch.setattr(token_cache, "COPY_BLOCKS", 3)
+    monkeypatch.setattr(token_cache, "TOKENIZE_CHARS", 400)  # rows longer than this are tokenized in pieces
+    monkeypatch.setattr(token_cache, "CHECK_CHARS", 64)
     spec = BlockSpec(64, 0.1, 3, document_mask=document_mask)
     ds = load_text_dataset(str(train_env["dataset"]))
     tok = AutoTokenizer.from_pretrained(tiny_models["tied"])
@@ -51,6 +53,64 @@ def test_chunked_build_writes_the_bytes_of_the_whole_corpus_cut_in_memory(tmp_pa
     assert sorted(f.name for f in out.iterdir()) == sorted([*expected, "meta.json"])
     assert {name: (out / name).read_bytes() for name in expected} == expected
     assert not out.with_name("cache.partial").exists()
+
+
+def llama3_style(tok):
+    """tok's vocabulary behind Llama 3's pre-tokenizer (its split pattern, then byte-level without a regex)."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+    backend = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=tok.eos_token)
+
+
+def metaspace_style(tok):
+    """tok's vocabulary behind SentencePiece's pre-tokenizer (spaces become word markers, one before the input)."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=tok.eos_token)
+
+
+def prefixed(tok):
+    """tok with a space put before every input, as Llama 2's normalizer puts its word marker: a piece would gain one
+    that the whole row does not have, so no cut may be kept."""
+    from tokenizers import Tokenizer, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    backend.normalizer = normalizers.Prepend(" ")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=tok.eos_token)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama3", "metaspace", "prefixed"])
+def test_long_rows_are_tokenized_in_pieces_to_the_ids_of_the_whole_row(tiny_models, monkeypatch, style):
+    """A row of the repository's own sources and docs (code, prose, numbers, punctuation before line ends, runs of
+    spaces and blank lines) tokenized in pieces of at most 2,000 characters gives exactly the whole row's ids, with
+    each pre-tokenizer family; a tokenizer that prefixes every input is never cut."""
+    monkeypatch.setattr(token_cache, "TOKENIZE_CHARS", 2000)
+    monkeypatch.setattr(token_cache, "CHECK_CHARS", 256)
+    styles = {"gpt2": lambda t: t, "llama3": llama3_style, "metaspace": metaspace_style, "prefixed": prefixed}
+    tok = styles[style](AutoTokenizer.from_pretrained(tiny_models["tied"]))
+    sources = [ROOT / "README.md", *sorted((ROOT / "pipeline").glob("*.py"))]
+    text = "".join(p.read_text(encoding="utf-8") for p in sources)
+    rows = [text, "short row", text[: len(text) // 3]]
+    pieces = [piece for row in rows for piece in token_cache._pieces(row, tok)]
+    assert "".join(p for p, _ in pieces) == "".join(rows) and [p for p, last in pieces if last][1] == "short row"
+    if style == "prefixed":
+        assert pieces == [(row, True) for row in rows]
+    elif style != "metaspace":  # SentencePiece's marker keeps the cuts before a space only, which is fine
+        assert len(pieces) > len(text) // 2000 and max(len(p) for p, _ in pieces) <= 2000
+    got = token_cache._tokenize({"text": rows}, tok, tok.eos_token_id)["input_ids"][0]
+    whole = [i for row in rows for i in [*tok(row, add_special_tokens=False)["input_ids"], tok.eos_token_id]]
+    assert got.tolist() == whole
 
 
 def test_a_killed_build_resumes_from_its_finished_chunks(tmp_path, train_env, tiny_models):
