@@ -122,6 +122,28 @@ def test_every_format_is_extracted(tmp_path):
     assert json.loads((tmp_path / "out" / REPORT).read_text()) == report
 
 
+def test_the_dataset_is_written_once_in_save_to_disks_layout(tmp_path):
+    """The workers' shards become the dataset's files: the folder reads back as save_to_disk's own would (the same
+    state keys, info, format and rows), so load_from_disk and every later stage see no difference."""
+    data = tmp_path / "data"
+    for k in range(6):
+        write(data, f"d{k}/f.txt", f"text {k}\n" * 200)
+    build(data, tmp_path / "out", num_proc=2)
+    ours = datasets.load_from_disk(str(tmp_path / "out"))
+    ours.save_to_disk(str(tmp_path / "theirs"))
+    theirs = datasets.load_from_disk(str(tmp_path / "theirs"))
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.arrow")) == [
+        "data-00000-of-00002.arrow", "data-00001-of-00002.arrow"]
+    state, their_state = (json.loads((tmp_path / d / "state.json").read_text()) for d in ("out", "theirs"))
+    assert state.keys() == their_state.keys()
+    assert len(state["_fingerprint"]) == len(their_state["_fingerprint"])
+    info, their_info = (json.loads((tmp_path / d / "dataset_info.json").read_text()) for d in ("out", "theirs"))
+    assert info == their_info
+    assert ours.features == theirs.features and ours.format == theirs.format
+    assert ours.to_dict() == theirs.to_dict()
+    assert [r["text"] for r in ours] == [f"text {k}\n" * 200 for k in range(6)]
+
+
 def test_large_text_is_cut_at_paragraphs():
     paras = [f"paragraph {i} " + "w" * 300 for i in range(10_000)]
     text = "\n\n".join(paras)
