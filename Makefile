@@ -46,7 +46,7 @@ demo: $(STAMP)
 	@echo "  chat run:            $(DEMO)/outputs/chat (try it: $(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf)"
 
 # Two pytest workers, one test file each at a time (module fixtures stay shared): most of a test's time is process
-# start-up and checkpoint I/O, so two overlap on 2 cores (measured here: 18:30 with two workers since the multi-node
+# start-up and checkpoint I/O, so two overlap on 2 cores (measured here: 17:52 with two workers since the multi-node
 # tests; before them 12:28 with two workers, 15:13 serially)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
@@ -57,7 +57,7 @@ smoke: $(STAMP)
 
 # The CPU benchmarks (about 12 minutes on 2 cores): rewrites the tables of BENCHMARKS.md and bench/charts/*.png
 bench: $(BENCH_STAMP)
-	$(PY) bench/data_prep.py --num_proc 2 --target_mb 100 --repeats 3 --workdir .bench/data --write
+	$(PY) bench/data_prep.py --num_proc 2 --target_mb 100 --repeats 5 --workdir .bench/data --write
 	$(PY) bench/tokenize_pack.py --num_proc 2 --target_mb 10 --repeats 3
 	$(PY) bench/train_speed.py --repeats 3
 	$(PY) bench/checkpoint_io.py --repeats 2

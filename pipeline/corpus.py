@@ -45,7 +45,8 @@ class CorpusConfig:
     data_folder: Path
     """Folder to read recursively (typically ORGANIZE_DATA's --dst_root)."""
     save_dir: Path
-    """Where the dataset is saved with save_to_disk. Must not exist unless overwrite is set."""
+    """Where the dataset is written, in save_to_disk's layout (load_from_disk reads it). Must not exist unless overwrite
+    is set."""
     num_proc: int = os.cpu_count() or 1
     """Worker processes for extraction."""
     overwrite: bool = False
