@@ -173,18 +173,26 @@ def _tokenize(batch: dict, tokenizer, eos_id: int) -> dict:
 
 
 def _piece_ids(pieces: list[tuple[str, bool]], tokenizer, eos_id: int) -> Iterator[list[int]]:
-    """Each piece's ids, EOS after a row's last piece; one tokenizer call per TOKENIZE_CHARS of text."""
+    """Each piece's ids, EOS after a row's last piece; the freed memory is handed back after each tokenizer call."""
+    for call in _calls(pieces):
+        ids = _ids(tokenizer, [text for text, _ in call])
+        yield from (row + [eos_id] if last else row for row, (_, last) in zip(ids, call, strict=True))
+        del ids
+        _release_freed_memory()
+
+
+def _calls(pieces: list[tuple[str, bool]]) -> Iterator[list[tuple[str, bool]]]:
+    """Consecutive pieces grouped into tokenizer calls of at most TOKENIZE_CHARS characters (a longer piece alone)."""
     call: list[tuple[str, bool]] = []
     size = 0
-    for n, (text, last) in enumerate(pieces):
-        call.append((text, last))
-        size += len(text)
-        if size >= TOKENIZE_CHARS or n == len(pieces) - 1 or size + len(pieces[n + 1][0]) > TOKENIZE_CHARS:
-            ids = _ids(tokenizer, [t for t, _ in call])
-            yield from (row + [eos_id] if end else row for row, (_, end) in zip(ids, call, strict=True))
+    for piece in pieces:
+        if call and size + len(piece[0]) > TOKENIZE_CHARS:
+            yield call
             call, size = [], 0
-            del ids
-            _release_freed_memory()
+        call.append(piece)
+        size += len(piece[0])
+    if call:
+        yield call
 
 
 def _release_freed_memory() -> None:
