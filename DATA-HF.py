@@ -1,7 +1,7 @@
-"""Stage 2: extract text from organised files into a Hugging Face Arrow dataset. See pipeline/corpus.py."""
+"""Stage 2: extract text from organised files into a Hugging Face Arrow dataset. See pipeline/prep/corpus.py."""
 
-from pipeline.corpus import main
 from pipeline.errors import run_cli
+from pipeline.prep.corpus import main
 
 if __name__ == "__main__":
     run_cli(main)

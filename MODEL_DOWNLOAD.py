@@ -1,7 +1,7 @@
-"""Stage 3: put a model into the local Hugging Face cache and verify it on the meta device. See pipeline/hub.py."""
+"""Stage 3: put a model into the local Hugging Face cache and verify it on the meta device. See pipeline/prep/hub.py."""
 
 from pipeline.errors import run_cli
-from pipeline.hub import main
+from pipeline.prep.hub import main
 
 if __name__ == "__main__":
     run_cli(main)

@@ -1,7 +1,7 @@
-"""Stage 1: split raw text files into folders balanced by bytes. See pipeline/organize.py."""
+"""Stage 1: split raw text files into folders balanced by bytes. See pipeline/prep/organize.py."""
 
 from pipeline.errors import run_cli
-from pipeline.organize import main
+from pipeline.prep.organize import main
 
 if __name__ == "__main__":
     run_cli(main)

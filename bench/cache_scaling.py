@@ -80,7 +80,7 @@ def corpus(work: Path, mb: int) -> Path:
 
 
 def main() -> None:
-    from pipeline.tiny import build_tiny
+    from pipeline.prep.tiny import build_tiny
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "scaling")

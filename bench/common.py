@@ -28,7 +28,7 @@ LLAMA3_VOCAB = 128256
 def build_model(args: argparse.Namespace) -> Path:
     """The bundled tiny model's tokenizer with Llama 3's 128k-row embedding and a body of --layers x --hidden, once
     per folder under --workdir (bench_args' options)."""
-    from pipeline.tiny import build_tiny
+    from pipeline.prep.tiny import build_tiny
 
     out = args.workdir / f"llama-128k-{args.layers}x{args.hidden}"
     return out if (out / "config.json").exists() else build_tiny(out, layers=args.layers, hidden=args.hidden,
@@ -63,7 +63,7 @@ def step_medians(systems: dict[str, list[dict]]) -> tuple[dict[str, list[float]]
 def demo_dataset(out: Path) -> Path:
     """The bundled corpus's text (its conversations left out: the benchmarks train plain text blocks, as the HF
     Trainer and bare workers read them) through DATA-HF, once per folder."""
-    from pipeline.corpus import CorpusConfig, build_dataset
+    from pipeline.prep.corpus import CorpusConfig, build_dataset
 
     if not out.exists():
         raw = out.with_name(out.name + "-raw")
@@ -225,7 +225,7 @@ def fsdp1(runs: Path, name: str, model: Path, data: Path, *flags: object, world:
                        "--precision", "fp32", "--eval-freq", 0, "--lr", 3e-4, "--warmup-steps", 5, "--num-proc", 1,
                        *flags)
     out = launch(cmd, bench_env(**(env or {})))
-    from pipeline.telemetry import read_metrics
+    from pipeline.train.telemetry import read_metrics
 
     return out, read_metrics(runs / name / "metrics.jsonl")
 

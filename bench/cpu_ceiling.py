@@ -30,7 +30,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.tiny import PRESETS
+    from pipeline.prep.tiny import PRESETS
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -5,7 +5,7 @@ reStructuredText documentation, and Python sources stored as .txt until the targ
 
 - the parse limit: the same files read and parsed (json.loads, the C YAML loader, UTF-8 decode) by a process pool
   of --num_proc workers doing nothing else;
-- DATA-HF: pipeline.corpus.build_dataset with the same --num_proc, from listing the folder to the renamed dataset.
+- DATA-HF: pipeline.prep.corpus.build_dataset with the same --num_proc, from listing the folder to the renamed dataset.
 
 Runs alternate between the two and the medians are reported. Usage:
     .venv/bin/python bench/data_prep.py --num_proc 2 --target_mb 100 --repeats 3
@@ -29,7 +29,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.corpus import CorpusConfig, SkipFile, build_dataset, decode, list_files  # noqa: E402
+from pipeline.prep.corpus import CorpusConfig, SkipFile, build_dataset, decode, list_files  # noqa: E402
 
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _AS = {".json": ".json", ".yaml": ".yaml", ".yml": ".yml", ".txt": ".txt", ".md": ".md", ".rst": ".md"}

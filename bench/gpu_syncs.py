@@ -36,10 +36,10 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from pipeline import config as config_mod
-    from pipeline.preflight import preflight
-    from pipeline.runtime import init_distributed
-    from pipeline.telemetry import setup_logging
-    from pipeline.trainer import Trainer
+    from pipeline.dist.runtime import init_distributed
+    from pipeline.train.preflight import preflight
+    from pipeline.train.telemetry import setup_logging
+    from pipeline.train.trainer import Trainer
 
     cfg = config_mod.resolve([f for f in args.flags if f != "--"])
     plan = preflight(cfg)

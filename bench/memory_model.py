@@ -1,4 +1,4 @@
-"""The memory estimator (pipeline/memory.py) against measured peaks: fsdp1.py runs on the CPU, each rank's peak
+"""The memory estimator (pipeline/strategies/memory.py) vs measured peaks: fsdp1.py runs on the CPU, each rank's peak
 resident memory above what it held before the model was built (the trainer's `peak_by_rank`, read from Linux's
 VmHWM, reset at every log window), against the estimate the run logged at start. Rewrites the memory_model table
 of BENCHMARKS.md.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from common import ROOT, demo_dataset, fsdp1, machine, memory_plan, table, update_section
 
-from pipeline.telemetry import read_metrics
+from pipeline.train.telemetry import read_metrics
 
 CASES: dict[str, tuple[int, list[object]]] = {
     "ddp fp32": (2, ["--strategy", "ddp"]),
@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("--only", nargs="*", default=None, help="case names to run (default: all)")
     p.add_argument("--reuse", action="store_true", help="take the peaks of runs already finished in --workdir")
     args = p.parse_args()
-    from pipeline.tiny import build_preset
+    from pipeline.prep.tiny import build_preset
 
     model = args.workdir / "smollm2-135m"
     if not (model / "config.json").exists():

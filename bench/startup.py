@@ -69,7 +69,7 @@ def model_gb(model: Path) -> float:
 
 
 def main() -> None:
-    from pipeline.tiny import build_tiny
+    from pipeline.prep.tiny import build_tiny
 
     p = bench_args(__doc__, repeats=2, layers=4, hidden=1024)
     args = p.parse_args()

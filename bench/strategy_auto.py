@@ -50,7 +50,7 @@ def main() -> None:
     p.add_argument("--discard", type=int, default=2)
     p.add_argument("--small-device-gb", type=float, default=2.0)
     args = p.parse_args()
-    from pipeline.tiny import build_preset
+    from pipeline.prep.tiny import build_preset
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     smol = args.workdir / "smollm2-135m"

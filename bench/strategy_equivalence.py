@@ -39,7 +39,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "strategies")
     args = p.parse_args()
-    from pipeline.tiny import build_tiny
+    from pipeline.prep.tiny import build_tiny
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     sections = []

@@ -1,7 +1,7 @@
 """Tokenize + pack (fsdp1.py's token cache) against the raw fast tokenizer's batch encode of the same text.
 
 The text: a DATA-HF dataset of real text gathered from this machine (bench/data_prep.py's gatherer). Ours:
-pipeline.token_cache.build_blocks (datasets.map with num_proc in chunks, EOS appended, streamed into blocks, split,
+pipeline.data.token_cache.build_blocks (datasets.map with num_proc in chunks, EOS appended, streamed into blocks, split,
 saved). The limit: a fork pool of the same number of processes, each encoding batches of 1,000 rows with the same
 tokenizer (add_special_tokens=False) and doing nothing else. Rust-side parallelism is off in both
 (TOKENIZERS_PARALLELISM=false), so each process uses one core. Runs alternate.
@@ -40,8 +40,8 @@ def encode_limit(ds, tokenizer, num_proc: int) -> float:
 
 
 def ours(ds, tokenizer, num_proc: int, out: Path) -> float:
-    from pipeline.data import BlockSpec
-    from pipeline.token_cache import build_blocks
+    from pipeline.data.dataset import BlockSpec
+    from pipeline.data.token_cache import build_blocks
 
     shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
@@ -53,8 +53,8 @@ def main() -> None:
     from data_prep import gather
     from datasets import disable_progress_bars, load_from_disk
 
-    from pipeline.corpus import CorpusConfig, build_dataset
-    from pipeline.tiny import DEFAULT_CORPUS, corpus_texts, train_tokenizer
+    from pipeline.prep.corpus import CorpusConfig, build_dataset
+    from pipeline.prep.tiny import DEFAULT_CORPUS, corpus_texts, train_tokenizer
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "tokenize")

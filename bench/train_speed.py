@@ -10,7 +10,7 @@ the first step. Peak memory is the largest peak RSS of a worker process, sampled
     .venv/bin/python bench/train_speed.py --repeats 3
     .venv/bin/python bench/train_speed.py --preset smollm2-135m --seq 256 --steps 10 --discard 3 --repeats 1
 
---preset trains a real model's shape instead (pipeline.tiny's presets, random weights) and writes its own table,
+--preset trains a real model's shape instead (pipeline.prep.tiny's presets, random weights) and writes its own table,
 train_speed_PRESET_PRECISION; --precision bf16 is autocast over fp32 weights on both sides; --strategy is passed to
 fsdp1.py (default: its own default).
 """
@@ -65,8 +65,8 @@ def token_cache(args, work: Path, model: Path, data: Path) -> Path:
     """train.npy of the cache fsdp1.py built for these runs (its defaults: val fraction 0.01, seed 0)."""
     from datasets import load_from_disk
 
-    from pipeline.data import BlockSpec, dataset_fingerprint
-    from pipeline.token_cache import token_cache_dir
+    from pipeline.data.dataset import BlockSpec, dataset_fingerprint
+    from pipeline.data.token_cache import token_cache_dir
 
     fingerprint = dataset_fingerprint(load_from_disk(str(data)))
     cache = token_cache_dir(work / "runs" / "token_cache", fingerprint, model, BlockSpec(args.seq, 0.01, 0))
@@ -133,7 +133,7 @@ def command(args) -> str:
 
 
 def preset_model(work: Path, preset: str) -> Path:
-    from pipeline.tiny import build_preset
+    from pipeline.prep.tiny import build_preset
 
     out = work / preset
     return out if (out / "config.json").exists() else build_preset(out, preset)

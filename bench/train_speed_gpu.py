@@ -32,7 +32,7 @@ from pathlib import Path
 
 from common import BENCH, ROOT, bench_env, machine, table, torchrun_cmd, update_section
 
-from pipeline.telemetry import read_metrics
+from pipeline.train.telemetry import read_metrics
 
 SEQ = 2048
 OURS_FLAGS = ["--precision", "bf16", "--seq-length", SEQ, "--log-freq", 5, "--ckpt-freq", 0, "--eval-freq", 0,
@@ -75,10 +75,10 @@ def prepare(work: Path) -> Inputs:
     from datasets import load_from_disk
     from transformers import AutoTokenizer
 
-    from pipeline.corpus import CorpusConfig, build_dataset
-    from pipeline.data import BlockSpec, dataset_fingerprint
-    from pipeline.tiny import build_preset
-    from pipeline.token_cache import build_blocks, token_cache_dir
+    from pipeline.data.dataset import BlockSpec, dataset_fingerprint
+    from pipeline.data.token_cache import build_blocks, token_cache_dir
+    from pipeline.prep.corpus import CorpusConfig, build_dataset
+    from pipeline.prep.tiny import build_preset
 
     model = work / "llama-3.2-1b"
     if not (model / "config.json").exists():
@@ -176,15 +176,15 @@ def error_of(output: str, code: int | None) -> str:
 
 
 def model_figures(model: Path) -> tuple[float, float]:
-    """FLOPs per token as the trainer counts them, and pipeline/memory.py's estimate in GiB for the estimator
+    """FLOPs per token as the trainer counts them, and pipeline/strategies/memory.py's estimate in GiB for the estimator
     variant (fsdp2 on 1 GPU, bf16, batch 1, the model's own loss, activation checkpointing), without the CUDA
     context (max_memory_allocated, which it is compared with, does not include it)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pipeline.memory import GIB, Shape, Workload, estimate
-    from pipeline.modeling import param_counts
-    from pipeline.telemetry import flops_per_token
+    from pipeline.model.modeling import param_counts
+    from pipeline.strategies.memory import GIB, Shape, Workload, estimate
+    from pipeline.train.telemetry import flops_per_token
 
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):
@@ -236,7 +236,7 @@ def report(args, results: list[dict]) -> str:
                               f"{c['stall_seconds']:.3f} s" for c in r["checkpoints"])
             lines += ["", f"Checkpoints of `{r['variant']}`: {saves}."]
         if r["variant"] == "ours-estimator" and r.get("estimate_gib"):
-            lines += ["", f"Memory estimator (pipeline/memory.py, 1 GPU, without the CUDA context): "
+            lines += ["", f"Memory estimator (pipeline/strategies/memory.py, 1 GPU, without the CUDA context): "
                           f"{r['estimate_gib']:.2f} GiB against {r['peak_alloc_gib']:.2f} GiB measured."]
     return "\n".join(lines)
 

@@ -5,7 +5,7 @@ best-fit decreasing, padding-free) and assistant-only loss.
 TRL finds assistant tokens through `{% generation %}` markers, so it is given the model's template with markers
 added around each answer and its end-of-turn token: it renders the same text. Before training, rank 0 checks our
 masks against TRL's on every conversation, and the first batch's loss both ways: TRL's compute_loss on its own
-first batch, and our loss (pipeline/loss.py) on the same conversations with our masks and our packing.
+first batch, and our loss (pipeline/model/loss.py) on the same conversations with our masks and our packing.
 Rank 0 writes {"step_end": [...], "targets_per_row", "mask_mismatches", "first_loss": {"trl", "ours"}} to --out.
 """
 
@@ -22,23 +22,23 @@ from datasets import load_from_disk
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
-from pipeline import packing
-from pipeline.batches import count_targets, make_batch
-from pipeline.chat_tokens import tokenize_conversation
-from pipeline.loss import CausalLMLoss
+from pipeline.data import packing
+from pipeline.data.batches import count_targets, make_batch
+from pipeline.data.chat_tokens import tokenize_conversation
+from pipeline.model.loss import CausalLMLoss
 
 MARKED = {
     "message['content'] | trim + '<|eot_id|>' }}{%- endfor %}":
         "'' }}{%- if message['role'] == 'assistant' %}{% generation %}{{- message['content'] | trim + '<|eot_id|>' }}"
         "{% endgeneration %}{%- else %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endif %}{%- endfor %}",
 }
-"""The tiny model's template (pipeline/tiny.py) with generation markers: the same text, TRL's way of masking."""
+"""The tiny model's template (pipeline/prep/tiny.py) with generation markers: the same text, TRL's way of masking."""
 
 
 def marked(template: str) -> str:
     for old, new in MARKED.items():
         if old not in template:
-            raise SystemExit("the model's chat template is not pipeline.tiny's: add its generation markers here")
+            raise SystemExit("the model's chat template is not pipeline.prep.tiny's: add its generation markers here")
         template = template.replace(old, new)
     return template
 

@@ -41,7 +41,7 @@ def script():
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """The bundled tiny Llama, tied and untied, built once per test session (random weights, trained tokenizer)."""
-    from pipeline.tiny import build_tiny
+    from pipeline.prep.tiny import build_tiny
 
     root = tmp_path_factory.mktemp("tiny")
     return {kind: build_tiny(root / kind, tied=kind == "tied") for kind in ("tied", "untied")}
@@ -75,8 +75,8 @@ def train_env(tmp_path_factory, tiny_models) -> dict:
     import os
     import shutil
 
-    from pipeline.corpus import CorpusConfig, build_dataset
-    from pipeline.hub import import_local
+    from pipeline.prep.corpus import CorpusConfig, build_dataset
+    from pipeline.prep.hub import import_local
 
     root = tmp_path_factory.mktemp("train_env")
     shutil.copytree(ROOT / "examples" / "raw", root / "text", ignore=shutil.ignore_patterns("chats"))

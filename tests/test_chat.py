@@ -11,13 +11,13 @@ import torch
 from conftest import ROOT, kill_tree, losses, run_script, torchrun, wait_for
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline import packing
-from pipeline.batches import Batch, count_targets, make_batch
-from pipeline.chat_tokens import Rendered, TemplateMismatch, fit, tokenize_conversation
-from pipeline.data import load_text_dataset
+from pipeline.data import packing
+from pipeline.data.batches import Batch, count_targets, make_batch
+from pipeline.data.chat_tokens import Rendered, TemplateMismatch, fit, tokenize_conversation
+from pipeline.data.dataset import load_text_dataset
 from pipeline.errors import UserError
-from pipeline.loss import CausalLMLoss
-from pipeline.tiny import CHAT_TEMPLATE
+from pipeline.model.loss import CausalLMLoss
+from pipeline.prep.tiny import CHAT_TEMPLATE
 
 CHATML = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")

@@ -117,7 +117,9 @@ def test_choices_come_from_the_type_hints_and_are_checked_once():
 
 
 def parsers():
-    from pipeline import config, corpus, export, hub, organize
+    from pipeline import config
+    from pipeline.prep import corpus, hub, organize
+    from pipeline.train import export
 
     return {"fsdp1.py": (config.build_parser(), ["--save-dir", "out", "--max-bad-steps", "5"]),
             "ORGANIZE_DATA.py": (organize.build_parser(), ["--src-dir", "raw", "--dst-root", "s", "--num-dirs", "3"]),

@@ -10,8 +10,8 @@ import datasets
 import pytest
 from conftest import ROOT, run_script
 
-from pipeline.corpus import REPORT, CorpusConfig, build_dataset, split_paragraphs, strings_in
 from pipeline.errors import UserError
+from pipeline.prep.corpus import REPORT, CorpusConfig, build_dataset, split_paragraphs, strings_in
 
 
 def write(root: Path, rel: str, content: str | bytes) -> None:

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from pipeline.data import BlockSampler
+from pipeline.data.sampler import BlockSampler
+from pipeline.data.token_cache import split_blocks
 from pipeline.errors import UserError
-from pipeline.token_cache import split_blocks
 
 
 def epoch_indices(n, world, batch, accum, seed=3, epoch=0):

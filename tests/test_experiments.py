@@ -11,7 +11,7 @@ import yaml
 from conftest import ROOT
 
 from pipeline.errors import UserError
-from pipeline.experiments import main
+from pipeline.tools.experiments import main
 
 LAUNCHER = "torchrun --standalone --nproc_per_node 2"
 
@@ -107,7 +107,7 @@ def test_a_bad_spec_is_refused_in_one_line_before_anything_is_written(tmp_path, 
 
 
 def test_the_steady_state_leaves_out_the_first_steps_and_the_restart_of_a_resumed_run():
-    from pipeline.analysis import summarise
+    from pipeline.tools.analysis import summarise
 
     def train(step: int, t: float, loss: float) -> dict:
         return {"event": "train", "step": step, "time": t, "loss": loss, "tokens_per_s": 100.0 * step,

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from pipeline.checkpoint import to_prune
 from pipeline.fsutil import replace_dir, sha256_file, write_atomic, write_text_atomic
+from pipeline.train.checkpoint import to_prune
 
 
 def test_write_text_atomic_replaces_the_file_and_leaves_no_temporary(tmp_path):

@@ -10,8 +10,8 @@ from conftest import hub_env, run_script
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from pipeline.hub import verify
-from pipeline.tiny import build_tiny
+from pipeline.prep.hub import verify
+from pipeline.prep.tiny import build_tiny
 
 RESOLVE = """
 import json, sys, torch
@@ -165,7 +165,7 @@ def test_tiny_model_is_deterministic(tmp_path, tiny_models):
 
 def test_not_enough_disk_is_refused_with_the_numbers(tmp_path):
     from pipeline.errors import UserError
-    from pipeline.hub import check_disk
+    from pipeline.prep.hub import check_disk
 
     free = shutil.disk_usage(tmp_path).free
     with pytest.raises(UserError) as err:

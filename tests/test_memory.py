@@ -1,13 +1,13 @@
-"""The memory estimator (pipeline/memory.py) and --strategy auto, which chooses on it."""
+"""The memory estimator (pipeline/strategies/memory.py) and --strategy auto, which chooses on it."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pipeline.config import from_flat
-from pipeline.memory import GIB, Shape, Workload, estimate
 from pipeline.strategies import plan_memory
-from pipeline.traffic import traffic_bytes
+from pipeline.strategies.memory import GIB, Shape, Workload, estimate
+from pipeline.strategies.traffic import traffic_bytes
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True)

@@ -11,7 +11,7 @@ from conftest import run_script, tree_digest
 
 from pipeline.errors import UserError
 from pipeline.fsutil import sha256_file
-from pipeline.organize import MANIFEST, OrganizeConfig, organize
+from pipeline.prep.organize import MANIFEST, OrganizeConfig, organize
 
 
 def make_source(root: Path, n: int = 40, seed: int = 1) -> dict[str, int]:

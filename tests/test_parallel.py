@@ -48,7 +48,7 @@ def test_vocab_parallel_head_matches_the_hf_loss_and_gradients(tmp_path, tiny_mo
 @pytest.fixture
 def group_of_one(monkeypatch):
     """This pytest process as a gloo group of one (the env it sets is restored afterwards)."""
-    from pipeline.runtime import free_port, init_distributed
+    from pipeline.dist.runtime import free_port, init_distributed
 
     for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT=str(free_port())).items():
@@ -82,7 +82,7 @@ def bf16_copy(src: Path, dst: Path) -> Path:
 def test_row_reader_converts_bf16_files_reading_in_small_pieces(tmp_path, tiny_models, group_of_one, monkeypatch):
     from safetensors.torch import load_file
 
-    from pipeline import weights
+    from pipeline.model import weights
 
     model_dir = bf16_copy(tiny_models["untied"], tmp_path / "bf16")
     monkeypatch.setattr(weights, "READ_CHUNK_BYTES", 1000)  # every matrix takes many reads

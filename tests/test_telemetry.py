@@ -2,7 +2,7 @@
 
 import json
 
-from pipeline.telemetry import Telemetry
+from pipeline.train.telemetry import Telemetry
 
 
 def test_events_go_to_jsonl_and_tensorboard_and_the_plot(tmp_path):

@@ -11,8 +11,8 @@ import pytest
 from conftest import ROOT, kill_tree, wait_for
 from transformers import AutoTokenizer
 
-from pipeline import packing, token_cache
-from pipeline.data import BlockSpec, load_text_dataset
+from pipeline.data import packing, token_cache
+from pipeline.data.dataset import BlockSpec, load_text_dataset
 
 
 def reference(dataset, model, spec: BlockSpec) -> dict[str, bytes]:

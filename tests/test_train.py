@@ -133,8 +133,8 @@ def test_out_of_memory_hints_name_only_what_applies():
     import torch
 
     from pipeline.config import from_flat
-    from pipeline.runtime import Dist
-    from pipeline.trainer import out_of_memory_message
+    from pipeline.dist.runtime import Dist
+    from pipeline.train.trainer import out_of_memory_message
 
     d = Dist(rank=1, world_size=2, local_rank=1, local_world_size=2, device=torch.device("cuda", 1))
     base = {"experiment_name": "x", "dataset_name": "d", "model_name": "m", "batch_size": 8, "seq_length": 2048,

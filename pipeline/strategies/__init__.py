@@ -7,15 +7,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from pipeline.config import Config, ModelConfig, flag
-from pipeline.launch import detect as detect_launch
-from pipeline.memory import GIB, Estimate, Shape, Workload, device_bytes, estimate
-from pipeline.runtime import Dist
+from pipeline.dist.launch import detect as detect_launch
+from pipeline.dist.runtime import Dist
 from pipeline.strategies.base import Strategy
 from pipeline.strategies.ddp import DDP
 from pipeline.strategies.fsdp1 import FSDP1
 from pipeline.strategies.fsdp2 import FSDP2
 from pipeline.strategies.manual import ManualZeRO3
-from pipeline.traffic import traffic_bytes
+from pipeline.strategies.memory import GIB, Estimate, Shape, Workload, device_bytes, estimate
+from pipeline.strategies.traffic import traffic_bytes
 
 STRATEGIES: dict[str, type[Strategy]] = {"fsdp2": FSDP2, "fsdp1": FSDP1, "ddp": DDP, "manual": ManualZeRO3}
 KNOB_DEFAULTS = {name: ModelConfig.__dataclass_fields__[name].default

@@ -23,10 +23,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from pipeline.config import ModelConfig
-from pipeline.loss import CausalLMLoss
-from pipeline.modeling import decoder_layers, meta_model, param_counts, tied_keys, tied_partners
-from pipeline.runtime import Dist
-from pipeline.weights import load_weights
+from pipeline.dist.runtime import Dist
+from pipeline.model.loss import CausalLMLoss
+from pipeline.model.modeling import decoder_layers, meta_model, param_counts, tied_keys, tied_partners
+from pipeline.model.weights import load_weights
 
 
 class Strategy(ABC):

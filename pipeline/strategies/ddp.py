@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from pipeline.loss import CausalLMLoss
-from pipeline.modeling import reset_rotary, retie
+from pipeline.model.loss import CausalLMLoss
+from pipeline.model.modeling import reset_rotary, retie
 from pipeline.strategies.base import Strategy
 
 

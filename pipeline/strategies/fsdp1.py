@@ -22,8 +22,8 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-from pipeline.modeling import decoder_layers, reset_rotary, retie
-from pipeline.runtime import build_mesh
+from pipeline.dist.runtime import build_mesh
+from pipeline.model.modeling import decoder_layers, reset_rotary, retie
 from pipeline.strategies.base import Strategy
 
 

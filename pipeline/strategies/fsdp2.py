@@ -25,12 +25,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from pipeline.collectives import CommClock, all_gather_flat, reduce_scatter_flat
-from pipeline.loss import CausalLMLoss
-from pipeline.modeling import decoder_layers, reset_rotary
-from pipeline.runtime import build_mesh
+from pipeline.dist.collectives import CommClock, all_gather_flat, reduce_scatter_flat
+from pipeline.dist.runtime import build_mesh
+from pipeline.model.loss import CausalLMLoss
+from pipeline.model.modeling import decoder_layers, reset_rotary
+from pipeline.model.vocab_parallel import VocabParallelEmbedding
 from pipeline.strategies.base import Strategy
-from pipeline.vocab_parallel import VocabParallelEmbedding
 
 
 class _Timed:
@@ -87,7 +87,7 @@ class FSDP2(Strategy):
         """Activation checkpointing and compile per decoder layer, then fully_shard each layer and the root.
 
         vocab_parallel: the embedding and LM head are sharded by vocabulary rows on the same mesh and left out of
-        FSDP (see pipeline/vocab_parallel.py); the root FSDP module is then the decoder stack (`model.base_model`),
+        FSDP (pipeline/model/vocab_parallel.py); the root FSDP module is then the decoder stack (`model.base_model`),
         whose gradients are summed over ranks, not averaged, since the loss is already the mean over every rank's
         tokens.
         """

@@ -36,11 +36,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from pipeline.collectives import CommClock, all_gather_flat, reduce_scatter_flat
-from pipeline.modeling import decoder_layers, reset_rotary
-from pipeline.runtime import build_mesh
+from pipeline.dist.collectives import CommClock, all_gather_flat, reduce_scatter_flat
+from pipeline.dist.runtime import build_mesh
+from pipeline.model.modeling import decoder_layers, reset_rotary
+from pipeline.model.weights import read_weights
 from pipeline.strategies.base import Strategy
-from pipeline.weights import read_weights
 
 
 class Comm:

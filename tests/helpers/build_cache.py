@@ -9,8 +9,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from pipeline import token_cache
-from pipeline.data import BlockSpec, load_text_dataset
+from pipeline.data import token_cache
+from pipeline.data.dataset import BlockSpec, load_text_dataset
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -7,8 +7,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.checkpoint import load_checkpoint_model
-from pipeline.runtime import init_distributed
+from pipeline.dist.runtime import init_distributed
+from pipeline.train.checkpoint import load_checkpoint_model
 
 
 def main() -> None:

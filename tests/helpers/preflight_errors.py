@@ -10,7 +10,7 @@ for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 
 from pipeline import config  # noqa: E402
 from pipeline.errors import UserError  # noqa: E402
-from pipeline.preflight import preflight  # noqa: E402
+from pipeline.train.preflight import preflight  # noqa: E402
 
 for argv in json.load(sys.stdin):
     try:

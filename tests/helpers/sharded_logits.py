@@ -9,7 +9,7 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from pipeline.config import ModelConfig
-from pipeline.runtime import init_distributed
+from pipeline.dist.runtime import init_distributed
 from pipeline.strategies import make_strategy
 
 

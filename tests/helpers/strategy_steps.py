@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from pipeline.batches import make_batch
 from pipeline.config import Config, from_flat
-from pipeline.runtime import init_distributed
+from pipeline.data.batches import make_batch
+from pipeline.dist.runtime import init_distributed
 from pipeline.strategies import make_strategy
-from pipeline.trainer import build_optimizer
+from pipeline.train.trainer import build_optimizer
 
 STEPS, GLOBAL_ROWS, SEQ, MICRO = 3, 24, 16, 2
 

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pipeline.batches import count_targets, make_batch
 from pipeline.config import ModelConfig
-from pipeline.loss import CausalLMLoss
-from pipeline.runtime import init_distributed
+from pipeline.data.batches import count_targets, make_batch
+from pipeline.dist.runtime import init_distributed
+from pipeline.model.loss import CausalLMLoss
 from pipeline.strategies import make_strategy
 
 
@@ -44,7 +44,7 @@ def main() -> None:
         with torch.no_grad():  # rank 0 pads its second row: only the others' rows and its first count
             valid = 1 if d.rank == 0 else 2
             tokens = torch.tensor(float(count_targets(ids.numpy(), None, valid)))
-            # over num_items = world size, the values summed over ranks are the global sum (pipeline/loss.py)
+            # over num_items = world size, the values summed over ranks are the global sum (pipeline/model/loss.py)
             summed = loss_fn(make_batch(ids.numpy(), None, d.device, valid), d.world_size)
             padded = global_mean(summed, 1) / global_mean(tokens, 1)
         results[vocab_parallel] = {"loss": global_mean(loss, d.world_size), "grads": grads, "eval": padded,

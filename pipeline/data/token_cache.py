@@ -2,8 +2,8 @@
 
 Text rows are tokenized without special tokens, each followed by EOS, concatenated and cut into seq_length-token
 blocks (the tail shorter than a block is dropped). Conversation rows are rendered with the chat template, masked
-(pipeline/chat_tokens.py) and packed whole (pipeline/packing.py) after the text blocks. Blocks are split into train
-and validation by a seeded permutation and saved as .npy files under a key of everything that defines them
+(pipeline/data/chat_tokens.py) and packed whole (pipeline/data/packing.py) after the text blocks. Blocks are split into
+train and validation by a seeded permutation and saved as .npy files under a key of everything that defines them
 (`token_cache_dir`), so every later run reuses them memory-mapped.
 
 Building is made for corpora of tens of GB:
@@ -41,11 +41,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import chat_tokens, packing
-from pipeline.conversations import BadConversation
-from pipeline.data import BlockSpec, conversation_rows, tokenizer_fingerprint
+from pipeline.data import chat_tokens, packing
+from pipeline.data.dataset import BlockSpec, conversation_rows, tokenizer_fingerprint
 from pipeline.errors import UserError
 from pipeline.fsutil import write_atomic, write_text_atomic
+from pipeline.prep.conversations import BadConversation
 
 log = logging.getLogger(__name__)
 

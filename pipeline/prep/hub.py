@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import sha256_file, write_text_atomic
-from pipeline.memory import Estimate, Shape, Workload, estimate
+from pipeline.strategies.memory import Estimate, Shape, Workload, estimate
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
@@ -211,8 +211,8 @@ def verify(model_dir: Path) -> ModelReport:
     import torch
     from transformers import AutoConfig
 
-    from pipeline.modeling import meta_model, tied_partners
-    from pipeline.weights import read_index
+    from pipeline.model.modeling import meta_model, tied_partners
+    from pipeline.model.weights import read_index
 
     try:
         config = AutoConfig.from_pretrained(model_dir)
@@ -254,7 +254,7 @@ def table_seq(config) -> int:
 
 
 def memory_rows(config, gpus: tuple[int, ...] = (1, 2, 4, 8)) -> list[tuple[str, Estimate]]:
-    """pipeline.memory's estimate per GPU for what MODEL_DOWNLOAD.py's table shows: fsdp2 (FULL_SHARD, the
+    """pipeline.strategies.memory's estimate per GPU for what MODEL_DOWNLOAD.py's table shows: fsdp2 (FULL_SHARD, the
     vocabulary-parallel head) on each number of GPUs, then ddp (the same on any number), at bf16 compute, batch 1 x
     seq 2048 (or the model's limit), activation checkpointing on."""
     shape, seq = Shape.of(config), table_seq(config)

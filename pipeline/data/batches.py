@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline import packing
-from pipeline.vocab_parallel import IGNORE
+from pipeline.data import packing
+from pipeline.model.vocab_parallel import IGNORE
 
 
 @dataclass

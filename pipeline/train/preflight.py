@@ -13,13 +13,19 @@ from pathlib import Path
 
 import torch
 
-from pipeline.checkpoint import check_fingerprint, read_state
 from pipeline.config import Config
-from pipeline.data import BlockSpec, conversation_rows, dataset_fingerprint, load_text_dataset, tokenizer_fingerprint
+from pipeline.data.dataset import (
+    BlockSpec,
+    conversation_rows,
+    dataset_fingerprint,
+    load_text_dataset,
+    tokenizer_fingerprint,
+)
 from pipeline.errors import UserError
-from pipeline.hub import resolve_model_dir
+from pipeline.model.weights import read_index
+from pipeline.prep.hub import resolve_model_dir
 from pipeline.strategies import MemoryPlan, plan_memory
-from pipeline.weights import read_index
+from pipeline.train.checkpoint import check_fingerprint, read_state
 
 
 @dataclass

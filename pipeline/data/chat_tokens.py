@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.conversations import ROLES, BadConversation, check
+from pipeline.prep.conversations import ROLES, BadConversation, check
 
 TRAIN_ON = ("assistant", "last", "all")
 """--train-on: every assistant turn, only the last one, or every token of the rendered conversation."""

@@ -1,5 +1,5 @@
 """Next-token loss of a causal LM: through the Hugging Face forward, or vocabulary-parallel and fused (see
-pipeline/vocab_parallel.py)."""
+pipeline/model/vocab_parallel.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.batches import Batch
-from pipeline.vocab_parallel import (
+from pipeline.data.batches import Batch
+from pipeline.model.vocab_parallel import (
     VocabParallelCrossEntropy,
     gather_rows,
     head_pass,
@@ -25,7 +25,7 @@ class CausalLMLoss:
     step's loss is the token-weighted mean whatever the packing.
 
     HF path: the model's own forward and loss over this rank's tokens, times the world size, since FSDP averages
-    gradients over ranks. Vocabulary-parallel path (pipeline/vocab_parallel.py): the sum over every rank's tokens,
+    gradients over ranks. Vocabulary-parallel path (pipeline/model/vocab_parallel.py): the sum over every rank's tokens,
     identical on every rank, whose gradients FSDP sums. Either way the mean of the returned values over ranks is the
     step's share of the global loss, and the gradient is that of the global loss.
     """

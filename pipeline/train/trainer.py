@@ -1,6 +1,6 @@
 """The trainer: one Trainer whose loop reads on one screen, and fsdp1.py's main.
 
-Order matters: preflight (pipeline/preflight.py) runs first, on every rank, before the process group does anything
+Order matters: preflight (pipeline/train/preflight.py) runs first, on every rank, before the process group does anything
 heavy. Then rank 0 of each node builds the token cache under a file lock while the others poll for it (no
 collective, so no timeout however long it takes), the strategy builds and distributes the model, a
 checkpoint (or, on a fresh start, the base weights) fills it, and the loop runs.
@@ -25,20 +25,21 @@ import torch
 import torch.distributed as dist
 
 from pipeline import config as config_mod
-from pipeline.batches import Batch, count_targets, make_batch
-from pipeline.checkpoint import Checkpointer, step_name
 from pipeline.config import VOCAB_PARALLEL_SHARDINGS, Config
-from pipeline.data import BlockSampler
+from pipeline.data.batches import Batch, count_targets, make_batch
+from pipeline.data.sampler import BlockSampler
+from pipeline.data.token_cache import Blocks, ensure_token_cache, open_blocks, token_cache_dir
+from pipeline.dist.launch import Launch
+from pipeline.dist.launch import detect as detect_launch
+from pipeline.dist.liveness import PeerWatch, is_collective_failure, watch_parent
+from pipeline.dist.runtime import Dist, check_shared_dir, compute_dtype, init_distributed
 from pipeline.errors import UserError
-from pipeline.export import RUN_TEMPLATE, export_dtype, export_model
 from pipeline.fsutil import write_text_atomic
-from pipeline.launch import Launch
-from pipeline.launch import detect as detect_launch
-from pipeline.liveness import PeerWatch, is_collective_failure, watch_parent
-from pipeline.preflight import Plan, preflight
-from pipeline.runtime import Dist, check_shared_dir, compute_dtype, init_distributed
 from pipeline.strategies import ignored_knobs, make_strategy
-from pipeline.telemetry import (
+from pipeline.train.checkpoint import Checkpointer, step_name
+from pipeline.train.export import RUN_TEMPLATE, export_dtype, export_model
+from pipeline.train.preflight import Plan, preflight
+from pipeline.train.telemetry import (
     GIB,
     PhaseTimer,
     Telemetry,
@@ -50,7 +51,6 @@ from pipeline.telemetry import (
     reset_peak_memory,
     setup_logging,
 )
-from pipeline.token_cache import Blocks, ensure_token_cache, open_blocks, token_cache_dir
 
 
 def seed_everything(seed: int) -> None:
@@ -498,7 +498,7 @@ class Trainer:
             # pads with block 0, whose rows do not count
             valid = len(idx)
             idx = np.concatenate([idx, np.zeros(bs - valid, dtype=idx.dtype)])
-            # over num_items = world size, the losses summed over ranks are the global sum (pipeline/loss.py)
+            # over num_items = world size, the losses summed over ranks are the global sum (pipeline/model/loss.py)
             loss = self.loss(self.batch(val, val_flags, idx, valid), self.dist.world_size)
             tokens = count_targets(val[idx], None if val_flags is None else val_flags[idx], valid)
             sums += torch.stack([loss.double(), torch.tensor(tokens, dtype=torch.float64, device=self.dist.device)])
@@ -542,7 +542,7 @@ def run(cfg: Config, d: Dist, plan: Plan) -> Trainer:
     setup_logging(cfg.run_dir, d.rank)
     if d.is_main:
         config_mod.save(cfg, cfg.run_dir / "config.yaml")
-        if plan.spec.chat_template:  # pipeline.export of any of the run's checkpoints carries it too
+        if plan.spec.chat_template:  # pipeline.train.export of any of the run's checkpoints carries it too
             write_text_atomic(cfg.run_dir / RUN_TEMPLATE, plan.spec.chat_template)
         log.info("run directory %s (world size %d, device %s)", cfg.run_dir, d.world_size, d.device)
     StopRequest.install()

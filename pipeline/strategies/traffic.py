@@ -8,7 +8,7 @@ B(W-1)/W, an all-reduce twice that. Where collectives block the step (gloo on CP
 
 from __future__ import annotations
 
-from pipeline.memory import Shape, Workload
+from pipeline.strategies.memory import Shape, Workload
 
 FP32 = 4
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pipeline.errors import UserError
 from pipeline.fsutil import write_text_atomic
-from pipeline.telemetry import read_metrics
+from pipeline.train.telemetry import read_metrics
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def collect(folder: Path, skip_steps: int) -> list[Summary]:
     manifest = folder / "experiments.json"
     if not manifest.is_file():
         raise UserError(f"--experiment-dir {folder} has no experiments.json: write it with `python -m "
-                        "pipeline.experiments run --spec FILE --output-dir DIR`")
+                        "pipeline.tools.experiments run --spec FILE --output-dir DIR`")
     out = []
     for name in json.loads(manifest.read_text())["experiments"]:
         path = folder / "status" / f"{name}.json"

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.collectives import all_gather_flat, reduce_scatter_flat
+from pipeline.dist.collectives import all_gather_flat, reduce_scatter_flat
 
 IGNORE = -100
 CHUNK_ELEMENTS = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}

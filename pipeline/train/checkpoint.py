@@ -31,12 +31,12 @@ import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from pipeline.dist.liveness import is_collective_failure
+from pipeline.dist.runtime import Dist
 from pipeline.errors import UserError
 from pipeline.fsutil import hash_file, write_text_atomic
-from pipeline.liveness import is_collective_failure
-from pipeline.runtime import Dist
 from pipeline.strategies import Strategy, make_strategy
-from pipeline.telemetry import log
+from pipeline.train.telemetry import log
 
 CHECKPOINTS = "checkpoints"
 STATE = "state.json"
@@ -359,7 +359,7 @@ def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[Strategy, Path]:
     from transformers import AutoConfig
 
     from pipeline.config import ModelConfig
-    from pipeline.hub import resolve_model_dir
+    from pipeline.prep.hub import resolve_model_dir
 
     if not (checkpoint / TRAINER).exists() or not (checkpoint / ".metadata").exists():
         raise UserError(f"--checkpoint {checkpoint} is not a complete checkpoint (no {TRAINER} or .metadata)")

@@ -17,8 +17,8 @@ import psutil
 import torch
 
 from pipeline.config import Config
-from pipeline.runtime import compute_dtype
-from pipeline.vocab_parallel import CHUNK_ELEMENTS
+from pipeline.dist.runtime import compute_dtype
+from pipeline.model.vocab_parallel import CHUNK_ELEMENTS
 
 GIB = 1024**3
 STATE_BYTES_PER_PARAM = 16

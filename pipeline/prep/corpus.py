@@ -24,10 +24,10 @@ import pyarrow as pa
 import yaml
 from tqdm import tqdm
 
-from pipeline import conversations
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import replace_dir
-from pipeline.organize import MANIFEST
+from pipeline.prep import conversations
+from pipeline.prep.organize import MANIFEST
 
 TEXT_TYPES = (".txt", ".md")
 SUPPORTED = (*TEXT_TYPES, ".json", ".jsonl", ".yaml", ".yml")
@@ -145,7 +145,7 @@ def _parse(loader, text: str, reason: str):
 
 
 Row = str | list[dict]
-"""One dataset row: text, or a conversation's messages (pipeline/conversations.py)."""
+"""One dataset row: text, or a conversation's messages (pipeline/prep/conversations.py)."""
 
 
 @dataclass

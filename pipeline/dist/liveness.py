@@ -21,7 +21,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from pipeline.runtime import Dist
+from pipeline.dist.runtime import Dist
 
 DONE = -(1 << 40)
 """Added to a finished rank's counter: a negative counter is a rank that left on purpose."""

@@ -1,0 +1,166 @@
+"""The bundled tiny Llama for the demo and the tests: random weights, a byte-level BPE trained on a corpus.
+
+    python -m pipeline.tiny --out DIR [--corpus examples/raw] [--tied|--untied] [--layers 2] [--hidden 64] [--seed 0]
+    python -m pipeline.tiny --out DIR --preset llama-3.2-1b      # a real model's shape, for benchmarks
+
+The weights are random: the model exists to exercise every code path (sharded loading, tied embeddings, training,
+checkpoints, export) on a CPU in seconds, not to produce useful text. Deterministic given the arguments (a preset
+is initialised on the GPU when there is one, whose random numbers differ from the CPU's).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from pipeline.errors import ArgumentParser, UserError
+from pipeline.prep.corpus import SUPPORTED, SkipFile, extract_file
+
+BOS = "<|begin_of_text|>"
+EOS = "<|end_of_text|>"
+EOT = "<|eot_id|>"
+HEADER = ("<|start_header_id|>", "<|end_header_id|>")
+CHAT_TEMPLATE = (
+    "{{- bos_token }}\n"
+    "{%- if date_string is not defined %}{%- if strftime_now is defined %}"
+    "{%- set date_string = strftime_now('%d %b %Y') %}{%- else %}{%- set date_string = '26 Jul 2024' %}"
+    "{%- endif %}{%- endif %}\n"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] | trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}\n"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{{- 'Cutting Knowledge Date: December 2023\\nToday Date: ' + date_string + '\\n\\n' }}"
+    "{{- system_message + '<|eot_id|>' }}\n"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}\n"
+)
+"""Llama 3.1/3.2 Instruct's chat format: a system header with today's date (pinned by passing date_string), each turn
+between header tokens and closed by <|eot_id|>."""
+DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "examples" / "raw"
+
+
+def corpus_texts(corpus: Path) -> list[str]:
+    """Every extractable text of the corpus in path order (bad files are skipped, as DATA-HF would)."""
+    texts = []
+    for path in sorted(p for p in corpus.rglob("*") if p.suffix.lower() in SUPPORTED and p.is_file()):
+        try:
+            rows = extract_file(path).rows
+        except (SkipFile, OSError):
+            continue
+        texts.extend(r if isinstance(r, str) else "\n".join(m["content"] for m in r) for r in rows)
+    if not texts:
+        raise UserError(f"--corpus {corpus} holds no usable text to train a tokenizer on")
+    return texts
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE with Llama 3's special-token names and chat template; BOS is prepended on encode, as Llama 3
+    does."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS, EOT, *HEADER], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+                                                       special_tokens=[(BOS, tok.token_to_id(BOS))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, model_max_length=2048,
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def tiny_config(vocab_size: int, bos_id: int, eos_id: int, *, tied: bool, layers: int, hidden: int) -> LlamaConfig:
+    """Llama 3 shape in miniature: grouped-query attention (2 KV heads for 4 query heads), rope theta 500k."""
+    heads = max(2, hidden // 16)
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 8 * 8 or 8,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=tied,
+        bos_token_id=bos_id, eos_token_id=eos_id, dtype="float32",
+    )
+
+
+PRESETS = {
+    "llama-3.2-1b": {
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True, "dtype": "bfloat16",
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    },
+    "smollm2-135m": {
+        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True, "dtype": "bfloat16",
+    },
+}
+"""Configs of real models (meta-llama/Llama-3.2-1B's and HuggingFaceTB/SmolLM2-135M's config.json), whose
+shapes the benchmarks train: the tokenizer's ids are a subset of the vocabulary."""
+
+
+def build_preset(out: Path, preset: str, corpus: Path = DEFAULT_CORPUS, *, seed: int = 0) -> Path:
+    """A random-weight model with a preset's real config, in its file dtype, and the bundled tokenizer; returns out.
+    Built on the GPU when there is one (a 1B model's random init takes minutes on two CPU cores)."""
+    if preset not in PRESETS:
+        raise UserError(f"unknown --preset {preset!r}; known: {', '.join(PRESETS)}")
+    tokenizer = train_tokenizer(corpus_texts(corpus), 1024)
+    config = LlamaConfig(**PRESETS[preset], bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    return save_random(out, config, tokenizer, seed, "cuda" if torch.cuda.is_available() else "cpu")
+
+
+def build_tiny(out: Path, corpus: Path = DEFAULT_CORPUS, *, tied: bool = True, layers: int = 2, hidden: int = 64,
+               seed: int = 0, vocab_size: int = 1024, model_vocab: int | None = None) -> Path:
+    """Write a tokenizer and a random-weight LlamaForCausalLM (safetensors) to out; returns out.
+
+    model_vocab: rows of the embedding when larger than the tokenizer (Llama 3's 128,256 for benchmarks: the
+    tokenizer's ids are a subset)."""
+    if layers < 1 or hidden < 16 or hidden % 16:
+        raise UserError(f"--layers must be >= 1 and --hidden a multiple of 16 (>= 16), got {layers} and {hidden}")
+    tokenizer = train_tokenizer(corpus_texts(corpus), vocab_size)
+    config = tiny_config(model_vocab or len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
+                         tied=tied, layers=layers, hidden=hidden)
+    return save_random(out, config, tokenizer, seed)
+
+
+def save_random(out: Path, config: LlamaConfig, tokenizer: PreTrainedTokenizerFast, seed: int,
+                device: str = "cpu") -> Path:
+    """A LlamaForCausalLM of config with seeded random weights in the config's dtype, and the tokenizer, saved to
+    out (safetensors); returns out."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(config.dtype)
+    # an Instruct model ends its turns with <|eot_id|>: generation stops there as well as at EOS
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(EOT)]
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = ArgumentParser(description="Build the tiny random-weight Llama used by the demo and tests.")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="text to train the tokenizer on")
+    tie = p.add_mutually_exclusive_group()
+    tie.add_argument("--tied", dest="tied", action="store_true", default=True, help="tie embeddings (default)")
+    tie.add_argument("--untied", dest="tied", action="store_false", help="separate lm_head")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a real model's config instead of the tiny one (--layers, --hidden and --tied ignored)")
+    args = p.parse_args(argv)
+    if not args.corpus.is_dir():
+        raise UserError(f"--corpus {args.corpus} does not exist or is not a directory")
+    if args.preset:
+        out = build_preset(args.out, args.preset, args.corpus, seed=args.seed)
+        print(f"{args.preset} shape (random weights) written to {out}")
+        return 0
+    out = build_tiny(args.out, args.corpus, tied=args.tied, layers=args.layers, hidden=args.hidden, seed=args.seed)
+    print(f"tiny Llama ({'tied' if args.tied else 'untied'}, {args.layers} layers, hidden {args.hidden}, random "
+          f"weights) written to {out}")
+    return 0

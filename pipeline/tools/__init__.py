@@ -1,0 +1,1 @@
+"""Commands around training: chat with a model, experiments and their analysis."""

@@ -1,0 +1,119 @@
+"""Export a sharded model to a Hugging Face folder (safetensors, config, generation config, tokenizer).
+
+Every rank writes its own shards through DCP's HuggingFaceStorageWriter; rank 0 then consolidates them tensor by
+tensor into full safetensors files, so no device ever holds the whole model. The folder is built beside its
+destination and renamed into place.
+
+    python -m pipeline.export --checkpoint outputs/RUN/checkpoints/step-00000040 --out exported/ [--export-dtype bf16]
+
+(also under torchrun, to spread a large model over several processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from pipeline.dist.runtime import DTYPES, Dist, init_distributed
+from pipeline.errors import ArgumentParser
+from pipeline.fsutil import replace_dir
+from pipeline.model.weights import INDEX
+from pipeline.prep.hub import TOKENIZER_FILES
+from pipeline.strategies import Strategy
+from pipeline.train.checkpoint import load_checkpoint_model
+
+FILE_BYTES = 5 * 1024**3
+"""Target size of one consolidated safetensors file."""
+
+
+def export_dtype(name: str, hf_config) -> torch.dtype:
+    """--export-dtype: auto is the base model's own dtype."""
+    if name == "auto":
+        base = getattr(hf_config, "dtype", None) or torch.float32
+        return base if isinstance(base, torch.dtype) else getattr(torch, str(base))
+    return DTYPES[name]
+
+
+def _file_index(sd: dict, dtype: torch.dtype) -> dict[str, int]:
+    size = torch.empty((), dtype=dtype).element_size()
+    mapping, index, used = {}, 1, 0
+    for key, value in sd.items():
+        nbytes = value.numel() * size
+        if used and used + nbytes > FILE_BYTES:
+            index, used = index + 1, 0
+        mapping[key] = index
+        used += nbytes
+    return mapping
+
+
+RUN_TEMPLATE = "chat_template.jinja"
+"""A run trained with --chat-template keeps the template in its folder under this name, for every later export."""
+
+
+def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dtype, d: Dist,
+                 chat_template: str = "") -> None:
+    """Write the model (distributed, any world size) to out in Hugging Face format, with the base model's tokenizer
+    files and, when given, chat_template (instead of the base model's). A collective: every rank calls it. A tied
+    weight is stored once, under the embedding; from_pretrained re-ties."""
+    sd = {k: v.detach().to(dtype) for k, v in strategy.state_dict()["model"].items()}
+    work = out.with_name(f".{out.name}.partial")
+    scratch = work / "dcp"  # DCP's writer: per-rank files, then the consolidated ones; only the latter are kept
+    if d.is_main:
+        shutil.rmtree(work, ignore_errors=True)
+        scratch.mkdir(parents=True)
+    dist.barrier()
+    mapping = _file_index(sd, dtype)
+    writer = dcp.HuggingFaceStorageWriter(str(scratch), fqn_to_index_mapping=mapping, save_distributed=True,
+                                          enable_consolidation=True)
+    dcp.save(sd, storage_writer=writer)
+    if d.is_main:
+        for f in [*scratch.glob("*.safetensors"), *scratch.glob(INDEX)]:
+            os.replace(f, work / f.name)
+        shutil.rmtree(scratch)
+        files = sorted(p.name for p in work.glob("*.safetensors"))
+        if len(files) > 1 and not (work / INDEX).exists():
+            names = {i: f for i, f in enumerate(files, 1)}
+            index = {"metadata": {}, "weight_map": {k: names[i] for k, i in mapping.items()}}
+            (work / INDEX).write_text(json.dumps(index, indent=2))
+        model = strategy.module
+        config = model.config.__class__.from_dict(model.config.to_dict())
+        config.dtype = dtype
+        config.save_pretrained(work)
+        for name in (*TOKENIZER_FILES, "generation_config.json"):
+            if (model_dir / name).exists():
+                shutil.copyfile(model_dir / name, work / name)
+        if chat_template:
+            (work / "chat_template.json").unlink(missing_ok=True)
+            (work / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+        replace_dir(work, out)
+    dist.barrier()
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(description="Export a training checkpoint to a Hugging Face model folder.")
+    p.add_argument("--checkpoint", required=True, type=Path, help="RUN/checkpoints/step-NNNNNNNN")
+    p.add_argument("--out", required=True, type=Path, help="output folder (replaced once the export is complete)")
+    p.add_argument("--export-dtype", default="auto", choices=("auto", *DTYPES), help="default: the base model's")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    d = init_distributed()
+    try:
+        strategy, model_dir = load_checkpoint_model(args.checkpoint, d)
+        run_template = args.checkpoint.resolve().parents[1] / RUN_TEMPLATE
+        template = run_template.read_text(encoding="utf-8") if run_template.exists() else ""
+        export_model(strategy, model_dir, args.out, export_dtype(args.export_dtype, strategy.module.config), d,
+                     template)
+        if d.is_main:
+            print(f"exported {args.checkpoint} to {args.out}")
+    finally:
+        dist.destroy_process_group()
+    return 0
