@@ -1,4 +1,4 @@
-"""Stage 4: fine-tune with FSDP2. Launch with torchrun (or plain python for one process). See pipeline/train/trainer.py.
+"""Stage 4: fine-tune with FSDP2. Launch with torchrun (or plain python for one process). See pipeline/train/.
 
     torchrun --standalone --nproc_per_node 4 fsdp1.py -e NAME -d hf_datasets/corpus -m org/model -b 2 --lr 2e-5
 """
@@ -14,7 +14,7 @@ for _switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from pipeline.errors import run_cli  # noqa: E402
-from pipeline.train.trainer import main  # noqa: E402
+from pipeline.train.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     run_cli(main)

@@ -236,8 +236,9 @@ def memory_plan(model: Path, world: int, *flags: object):
     from transformers import AutoConfig
 
     from pipeline import config as config_mod
-    from pipeline.strategies import plan_memory
+    from pipeline.strategies.auto import plan_memory
 
     os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), LOCAL_RANK="0")
     cfg = config_mod.resolve(["-e", "plan", "-d", "unused", "-m", str(model), *map(str, flags)])
-    return cfg, plan_memory(cfg, AutoConfig.from_pretrained(model), "cpu")
+    plan = plan_memory(cfg, AutoConfig.from_pretrained(model), "cpu")
+    return plan.config, plan

@@ -43,6 +43,7 @@ def main() -> None:
 
     cfg = config_mod.resolve([f for f in args.flags if f != "--"])
     plan = preflight(cfg)
+    cfg = plan.config
     d = init_distributed()
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
     cfg.run_dir.mkdir(parents=True)

@@ -183,7 +183,8 @@ def model_figures(model: Path) -> tuple[float, float]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pipeline.model.modeling import param_counts
-    from pipeline.strategies.memory import GIB, Shape, Workload, estimate
+    from pipeline.strategies.memory import GIB, Shape, Workload
+    from pipeline.strategies.registry import estimate
     from pipeline.train.telemetry import flops_per_token
 
     config = AutoConfig.from_pretrained(model)

@@ -20,6 +20,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import yaml
 
 from pipeline.errors import ArgumentParser, UserError
+from pipeline.fsutil import read_yaml
 
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "configs" / "profiles"
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
@@ -145,7 +146,8 @@ class ModelConfig(Section):
     model_name: str = ""
     """Hub id resolved from the local cache (offline), or a local model directory."""
     precision: Precision = "auto"
-    """Compute dtype: bf16 where supported (auto on GPU), fp32 on CPU; fp16 is allowed on GPU. Master weights,
+    """Compute dtype: bf16 where supported (auto on GPU), fp32 on CPU. fp16 is refused: nothing scales the loss,
+    so its small gradients would underflow to zero. Master weights,
     optimizer states and gradient reduction are fp32."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: less memory, about a third more compute."""
@@ -188,43 +190,17 @@ class ModelConfig(Section):
 
     def check(self) -> None:
         _check(bool(self.model_name), "--model-name (-m) is required")
+        _check(self.precision != "fp16", "--precision fp16 is not supported: nothing scales the loss, so small "
+                                         "gradients would underflow to zero; use --precision bf16 (Ampere or newer "
+                                         "GPUs) or fp32")
         _check(self.min_params >= 1, f"--min-params must be at least 1, got {self.min_params}")
         _check(self.memory_gb >= 0, f"--memory-gb must be >= 0, got {self.memory_gb}")
-        self._check_strategy()
-        if self.sharding == "auto" and self.strategy != "auto":
-            self.sharding = "NO_SHARD" if self.strategy == "ddp" else "FULL_SHARD"
-        # sharding is still auto only under --strategy auto, which then picks fsdp2 and FULL_SHARD
+        # what a strategy accepts is the strategy's to say (pipeline/strategies/registry.check); sharding auto is
+        # resolved there, never here
         _check(self.vocab_parallel != "on" or self.sharding in (*VOCAB_PARALLEL_SHARDINGS, "auto"),
                f"--vocab-parallel on needs --sharding FULL_SHARD or SHARD_GRAD_OP, got {self.sharding}")
         _check(self.vocab_parallel != "on" or not self.cpu_offload,
                "--vocab-parallel on cannot be combined with --cpu-offload (the head would stay on the GPU)")
-
-    def uses_vocab_parallel(self) -> bool:
-        """--vocab-parallel resolved: auto is on wherever fsdp2's sharding allows it. Measured (BENCHMARKS.md): on
-        CPU it halved the step; on one H100 with Llama-3.2-1B at batch 8 x 2048 it runs as fast as the HF Trainer on
-        30% less memory, where the model's own loss ran out of memory."""
-        if self.strategy != "fsdp2" or self.sharding not in VOCAB_PARALLEL_SHARDINGS:
-            return False
-        return self.vocab_parallel == "on" or (self.vocab_parallel == "auto" and not self.cpu_offload)
-
-    def _check_strategy(self) -> None:
-        """Combinations a strategy cannot run, each refused in one line naming what would."""
-        name = f"--strategy {self.strategy}"
-        allowed = {"ddp": ("auto", "NO_SHARD"), "manual": ("auto", "FULL_SHARD")}.get(self.strategy)
-        if allowed is not None:
-            what = "replicates the whole model on every rank" if self.strategy == "ddp" else "is ZeRO-3 (FULL_SHARD)"
-            _check(self.sharding in allowed, f"{name} {what}; --sharding {self.sharding} needs --strategy fsdp2 or "
-                                             "fsdp1")
-            _check(not self.cpu_offload, f"{name} cannot offload to the CPU; --cpu-offload needs --strategy fsdp2 or "
-                                         "fsdp1")
-        _check(self.vocab_parallel != "on" or self.strategy in ("fsdp2", "auto"),
-               f"--vocab-parallel on needs --strategy fsdp2, got {name}")
-        if self.strategy == "manual":
-            for key in ("compile", "activation_checkpointing"):
-                _check(not getattr(self, key), f"{name} does not support {flag(key)} yet; use --strategy fsdp2")
-        if self.strategy == "fsdp1":
-            _check(self.use_orig_params or not self.compile,
-                   "--compile under --strategy fsdp1 needs --use-orig-params on")
 
 
 @dataclass
@@ -286,11 +262,6 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
-    def __post_init__(self) -> None:
-        _check(self.model.strategy != "fsdp1" or self.model.use_orig_params or self.optim.weight_decay == 0,
-               "--use-orig-params off gives the optimizer one flat parameter per FSDP unit, so --weight-decay cannot "
-               "skip norms and biases; use --weight-decay 0 or --use-orig-params on")
-
     @property
     def run_dir(self) -> Path:
         return Path(self.run.save_dir) / self.run.experiment_name
@@ -321,10 +292,17 @@ def _fields() -> dict[str, tuple[str, dataclasses.Field]]:
     return {f.name: (section, f) for section, cls in _SECTION_TYPES.items() for f in dataclasses.fields(cls)}
 
 
-def _convert(key: str, kind: str, value: Any) -> Any:
+@cache
+def kinds(cls: type) -> dict[str, type]:
+    """The type each field of a config section holds, from its resolved type hints (a Literal's values are str)."""
+    hints = get_type_hints(cls)
+    return {f.name: str if get_origin(hints[f.name]) is Literal else hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _convert(key: str, kind: type, value: Any) -> Any:
     """Coerce a YAML or CLI value to the field's type, with one clear line when it cannot be."""
     try:
-        if kind == "bool":
+        if kind is bool:
             if isinstance(value, bool):
                 return value
             text = str(value).lower()
@@ -333,25 +311,20 @@ def _convert(key: str, kind: str, value: Any) -> Any:
             if text in ("off", "false", "no", "0"):
                 return False
             raise ValueError
-        if kind == "int":
+        if kind is int:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(value)
-        if kind == "float":
+        if kind is float:
             return float(value)
         return str(value)
     except (TypeError, ValueError):
-        expected = "on or off" if kind == "bool" else f"a{'n' if kind == 'int' else ''} {kind}"
+        expected = "on or off" if kind is bool else f"a{'n' if kind is int else ''} {kind.__name__}"
         raise UserError(f"{flag(key)} must be {expected}, got {value!r}") from None
 
 
 def _read_yaml(path: Path, what: str) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except OSError:
-        raise UserError(f"{what} {path} cannot be read") from None
-    except yaml.YAMLError as exc:
-        raise UserError(f"{what} {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
+    data = read_yaml(path, what) or {}
     if not isinstance(data, dict):
         raise UserError(f"{what} {path} must be a mapping of keys to values")
     unknown = sorted(set(data) - set(_fields()) - {"profile"})
@@ -381,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
         doc = field_docs(_SECTION_TYPES[section]).get(key, "")
         default = "" if f.default in ("", dataclasses.MISSING) else f" (default: {_show(f.default)})"
         allowed = choices(_SECTION_TYPES[section]).get(key)
-        if f.type == "bool":  # `--flag on|off`, or the bare `--flag` for on
+        if kinds(_SECTION_TYPES[section])[key] is bool:  # `--flag on|off`, or the bare `--flag` for on
             p.add_argument(*flags, dest=key, help=doc + default, metavar="on|off", nargs="?", const="on")
         else:
             p.add_argument(*flags, dest=key, help=doc + default, choices=allowed)
@@ -412,7 +385,7 @@ def from_flat(values: dict[str, Any]) -> Config:
     per_section: dict[str, dict[str, Any]] = {s: {} for s in _SECTION_TYPES}
     for key, value in values.items():
         section, f = fields[key]
-        per_section[section][key] = _convert(key, str(f.type), value)
+        per_section[section][key] = _convert(key, kinds(_SECTION_TYPES[section])[key], value)
     return Config(**{s: _SECTION_TYPES[s](**kw) for s, kw in per_section.items()})
 
 

@@ -1,4 +1,5 @@
-"""File helpers shared by the stages: content hashes and replacing a folder without a moment of loss."""
+"""File helpers shared by the stages: content hashes, replacing a folder without a moment of loss, and the two checks
+every stage makes of what the user named (a YAML file read, an output kept out of its input)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
+
+import yaml
+
+from pipeline.errors import UserError
 
 
 def hash_file(path: Path, digest) -> str:
@@ -53,3 +58,20 @@ def replace_dir(new: Path, target: Path) -> None:
         os.replace(target, old)
     os.replace(new, target)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def read_yaml(path: Path, what: str) -> Any:
+    """The YAML document of a file the user named (`what`: its flag), with one clear line when it cannot be read."""
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError:
+        raise UserError(f"{what} {path} cannot be read") from None
+    except yaml.YAMLError as exc:
+        raise UserError(f"{what} {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
+
+
+def refuse_inside(inner: Path, inner_flag: str, outer: Path, outer_flag: str, why: str) -> None:
+    """An output folder (inner) at or under the input folder (outer) is refused: it would be read back as input."""
+    a, b = inner.resolve(), outer.resolve()
+    if a == b or b in a.parents:
+        raise UserError(f"{inner_flag} {inner} is inside {outer_flag} {outer}; {why}")

@@ -5,9 +5,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pipeline.config import from_flat
-from pipeline.strategies import plan_memory
-from pipeline.strategies.memory import GIB, Shape, Workload, estimate
-from pipeline.strategies.traffic import traffic_bytes
+from pipeline.strategies.auto import plan_memory
+from pipeline.strategies.memory import GIB, Shape, Workload
+from pipeline.strategies.registry import estimate, settle, traffic_bytes, uses_vocab_parallel, workload
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True)
@@ -95,30 +95,32 @@ def test_auto_picks_ddp_while_a_replica_fits_and_moves_less_and_fsdp2_beyond(mon
     launched_as(monkeypatch, "4")
     hf = LlamaConfig(**LLAMA_1B)
     replica = plan_memory(config_for("m", "strategy", "ddp", "precision", "fp32"), hf, "cpu").estimate.total
-    ddp_mib = traffic_bytes(Shape.of(hf), Workload.of(config_for("m", "strategy", "ddp"), "cpu", 4, 4)) / 2**20
-    fsdp2_mib = traffic_bytes(Shape.of(hf), Workload.of(config_for("m", "strategy", "fsdp2"), "cpu", 4, 4)) / 2**20
+    ddp_mib = traffic_bytes(Shape.of(hf), workload(settle(config_for("m", "strategy", "ddp")), "cpu", 4, 4)) / 2**20
+    fsdp2_mib = traffic_bytes(Shape.of(hf), workload(settle(config_for("m", "strategy", "fsdp2")), "cpu", 4, 4)) / 2**20
     assert ddp_mib < fsdp2_mib  # fp32: gathering the layers twice and reduce-scattering them is 3 of 2 copies
 
     cfg = config_for("m", "strategy", "auto", "memory_gb", replica / GIB + 0.01, "precision", "fp32")
     plan = plan_memory(cfg, hf, "cpu")
-    assert (cfg.model.strategy, cfg.model.sharding) == ("ddp", "NO_SHARD")
+    assert (cfg.model.strategy, cfg.model.sharding) == ("auto", "auto")  # the given config is left as it is
+    assert (plan.config.model.strategy, plan.config.model.sharding) == ("ddp", "NO_SHARD")
     assert plan.estimate.total == replica
     assert plan.reason == (f"ddp: a whole replica fits ({replica / GIB:.2f} of {replica / GIB + 0.01:.2f} GiB per "
                            f"rank) and ddp moves {ddp_mib:.0f} MiB per step per rank, fsdp2 {fsdp2_mib:.0f} MiB")
 
     cfg = config_for("m", "strategy", "auto", "memory_gb", replica / GIB - 0.01, "precision", "fp32")
     plan = plan_memory(cfg, hf, "cpu")
-    assert (cfg.model.strategy, cfg.model.sharding) == ("fsdp2", "FULL_SHARD")
+    assert (plan.config.model.strategy, plan.config.model.sharding) == ("fsdp2", "FULL_SHARD")
     assert plan.reason == (f"fsdp2: a whole replica would need {replica / GIB:.2f} GiB per rank, more than "
                            f"{replica / GIB - 0.01:.2f} GiB")
     assert plan.estimate.weights == 12 * Shape.of(hf).num_params // 4
 
-    cfg = config_for("m", "strategy", "auto", "sharding", "SHARD_GRAD_OP", "memory_gb", 1000)
-    assert plan_memory(cfg, hf, "cpu").reason.startswith("fsdp2: the settings given")
-    assert (cfg.model.strategy, cfg.model.sharding) == ("fsdp2", "SHARD_GRAD_OP")
-    cfg = config_for("m", "strategy", "auto", "vocab_parallel", "on", "memory_gb", 1000)
-    assert plan_memory(cfg, hf, "cpu").reason.startswith("fsdp2: the settings given")
-    assert (cfg.model.strategy, cfg.model.sharding, cfg.model.uses_vocab_parallel()) == ("fsdp2", "FULL_SHARD", True)
+    plan = plan_memory(config_for("m", "strategy", "auto", "sharding", "SHARD_GRAD_OP", "memory_gb", 1000), hf, "cpu")
+    assert plan.reason.startswith("fsdp2: the settings given")
+    assert (plan.config.model.strategy, plan.config.model.sharding) == ("fsdp2", "SHARD_GRAD_OP")
+    plan = plan_memory(config_for("m", "strategy", "auto", "vocab_parallel", "on", "memory_gb", 1000), hf, "cpu")
+    assert plan.reason.startswith("fsdp2: the settings given")
+    m = plan.config.model
+    assert (m.strategy, m.sharding, uses_vocab_parallel(m)) == ("fsdp2", "FULL_SHARD", True)
 
 
 @pytest.mark.parametrize(("world", "overrides", "chosen"), [
@@ -132,15 +134,15 @@ def test_auto_takes_the_strategy_that_moves_less_when_both_fit(monkeypatch, worl
     """The two CPU cases of BENCHMARKS.md section 11, where the choice was measured to be the faster."""
     launched_as(monkeypatch, str(world))
     cfg = config_for("m", "strategy", "auto", "memory_gb", 1000, "precision", "fp32", "seq_length", 256)
-    plan_memory(cfg, LlamaConfig(**{**LLAMA_1B, **overrides}), "cpu")
-    assert cfg.model.strategy == chosen
+    assert plan_memory(cfg, LlamaConfig(**{**LLAMA_1B, **overrides}), "cpu").config.model.strategy == chosen
 
 
 def test_auto_takes_fsdp2_on_one_rank_and_says_why(monkeypatch):
     launched_as(monkeypatch, "1")
     cfg = config_for("m", "strategy", "auto", "memory_gb", 1000)
     plan = plan_memory(cfg, LlamaConfig(**LLAMA_1B), "cpu")
-    assert (cfg.model.strategy, cfg.model.sharding, cfg.model.uses_vocab_parallel()) == ("fsdp2", "FULL_SHARD", True)
+    m = plan.config.model
+    assert (m.strategy, m.sharding, uses_vocab_parallel(m)) == ("fsdp2", "FULL_SHARD", True)
     assert plan.reason == "fsdp2: one rank moves nothing, and fsdp2's chunked loss never builds full-width logits"
 
 
@@ -148,5 +150,5 @@ def test_a_given_strategy_is_kept_and_estimated():
     hf = LlamaConfig(**LLAMA_1B)
     cfg = config_for("m", "strategy", "fsdp1", "memory_gb", 0.5)
     plan = plan_memory(cfg, hf, "cpu")
-    assert cfg.model.strategy == "fsdp1" and plan.reason == "" and plan.budget == GIB // 2
+    assert plan.config.model.strategy == "fsdp1" and plan.reason == "" and plan.budget == GIB // 2
     assert plan.estimate.total > plan.budget

@@ -63,7 +63,7 @@ def load_sharded(model_dir: Path, d) -> dict[str, torch.Tensor]:
     from transformers import AutoConfig
 
     from pipeline.config import ModelConfig
-    from pipeline.strategies import make_strategy
+    from pipeline.strategies.registry import make_strategy
 
     strategy = make_strategy(ModelConfig(model_name=str(model_dir), precision="fp32", vocab_parallel="off"), d,
                              torch.float32)
@@ -108,10 +108,12 @@ def test_truncated_weights_stop_the_load_with_the_file_named(tmp_path, tiny_mode
 
 
 def test_vocab_parallel_auto_is_on_where_the_sharding_allows_it():
-    from pipeline.config import ModelConfig
+    from pipeline.config import from_flat
+    from pipeline.strategies.registry import settle, uses_vocab_parallel
 
     def on(**kw) -> bool:
-        return ModelConfig(model_name="m", **kw).uses_vocab_parallel()
+        return uses_vocab_parallel(settle(from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": "m",
+                                                     **kw})).model)
 
     assert on() and on(sharding="SHARD_GRAD_OP") and on(vocab_parallel="on")
     assert not on(sharding="HYBRID_SHARD")

@@ -113,7 +113,7 @@ def test_each_strategy_resumes_bitwise(train_env, tmp_path, strategy, knobs):
 
 def test_knobs_a_strategy_does_not_apply_are_named():
     from pipeline.config import ModelConfig
-    from pipeline.strategies import ignored_knobs
+    from pipeline.strategies.registry import ignored_knobs
 
     knobs = {"backward_prefetch": "NONE", "limit_all_gathers": False, "forward_prefetch": True, "auto_wrap": "size",
              "use_orig_params": False, "min_params": 10}

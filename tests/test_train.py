@@ -70,6 +70,10 @@ def test_prepare_only_builds_the_cache_that_single_process_runs_then_reuse(tmp_p
     assert train_losses[0] == train_losses[1] and len(train_losses[0]) == 3
 
 
+FP16_REFUSED = ("--precision fp16 is not supported: nothing scales the loss, so small gradients would underflow to "
+                "zero; use --precision bf16 (Ampere or newer GPUs) or fp32")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -82,8 +86,7 @@ def test_prepare_only_builds_the_cache_that_single_process_runs_then_reuse(tmp_p
          "blocks of 2048 tokens, fewer than one global batch (1 processes x batch 64 x grad accum 1 = 64); use "
          "more data or a smaller --seq-length, --batch-size or --grad-accum"),
         (["-d", "{t}/empty", "-m", "local/tiny"], "--dataset-name {t}/empty is empty"),
-        (["-d", "{data}", "-m", "local/tiny", "--precision", "fp16"], "--precision fp16 needs a CUDA GPU (loss "
-         "scaling); use fp32 or bf16 on CPU"),
+        (["-d", "{data}", "-m", "local/tiny", "--precision", "fp16"], FP16_REFUSED),
         (["-d", "{data}", "-m", "local/tiny", "--profile", "tiny"], "unknown profile 'tiny'; known profiles: "
          "cpu_debug, large_scale, multi_node, single_node"),
     ],
@@ -134,7 +137,7 @@ def test_out_of_memory_hints_name_only_what_applies():
 
     from pipeline.config import from_flat
     from pipeline.dist.runtime import Dist
-    from pipeline.train.trainer import out_of_memory_message
+    from pipeline.train.cli import out_of_memory_message
 
     d = Dist(rank=1, world_size=2, local_rank=1, local_world_size=2, device=torch.device("cuda", 1))
     base = {"experiment_name": "x", "dataset_name": "d", "model_name": "m", "batch_size": 8, "seq_length": 2048,

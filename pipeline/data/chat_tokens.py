@@ -16,8 +16,6 @@ import numpy as np
 
 from pipeline.prep.conversations import ROLES, BadConversation, check
 
-TRAIN_ON = ("assistant", "last", "all")
-"""--train-on: every assistant turn, only the last one, or every token of the rendered conversation."""
 STATUS = ("kept", "truncated", "dropped_too_long", "malformed", "template_mismatch")
 """What happened to each conversation, counted in the token cache's meta.json and the log."""
 

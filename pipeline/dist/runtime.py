@@ -137,9 +137,7 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if cuda_bf16 else torch.float32
     if device.type == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise UserError(f"--precision bf16 is not supported by {torch.cuda.get_device_name(device)}; "
-                        "use --precision fp16 or fp32")
-    if device.type != "cuda" and precision == "fp16":
-        raise UserError("--precision fp16 needs a CUDA GPU (loss scaling); use fp32 or bf16 on CPU")
+                        "use --precision fp32")
     return DTYPES[precision]
 
 

@@ -25,7 +25,7 @@ import yaml
 from tqdm import tqdm
 
 from pipeline.errors import ArgumentParser, UserError
-from pipeline.fsutil import replace_dir
+from pipeline.fsutil import refuse_inside, replace_dir
 from pipeline.prep import conversations
 from pipeline.prep.organize import MANIFEST
 
@@ -58,10 +58,8 @@ class CorpusConfig:
             raise UserError(f"--num_proc must be at least 1, got {self.num_proc}")
         if not self.data_folder.is_dir():
             raise UserError(f"--data_folder {self.data_folder} does not exist or is not a directory")
-        data, save = self.data_folder.resolve(), self.save_dir.resolve()
-        if save == data or data in save.parents:
-            raise UserError(f"--save_dir {self.save_dir} is inside --data_folder {self.data_folder}; "
-                            "a later run would read the dataset back as input")
+        refuse_inside(self.save_dir, "--save_dir", self.data_folder, "--data_folder",
+                      "a later run would read the dataset back as input")
         if self.save_dir.exists():
             if not self.overwrite:
                 raise UserError(f"--save_dir {self.save_dir} already exists; pass --overwrite to replace it")

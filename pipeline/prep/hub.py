@@ -18,7 +18,8 @@ from pathlib import Path
 
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import sha256_file, write_text_atomic
-from pipeline.strategies.memory import Estimate, Shape, Workload, estimate
+from pipeline.strategies.memory import GIB, Estimate, Shape, Workload
+from pipeline.strategies.registry import estimate
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
@@ -31,7 +32,6 @@ ALLOW_PATTERNS = [
 ]
 IGNORE_PATTERNS = ["*/*", "*.pth", "*.bin", "*.pt", "*.gguf", "*.msgpack", "*.h5"]
 """Top-level files only: `original/` (Meta's consolidated .pth) and other duplicate formats are never fetched."""
-GIB = 1024**3
 
 
 def wanted(rel: str) -> bool:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import ArgumentParser, UserError
-from pipeline.fsutil import sha256_file, write_text_atomic
+from pipeline.fsutil import refuse_inside, sha256_file, write_text_atomic
 
 MANIFEST = "manifest.jsonl"
 MODES = ("copy", "hardlink", "symlink")
@@ -48,10 +48,7 @@ class OrganizeConfig:
             raise UserError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not self.src_dir.is_dir():
             raise UserError(f"--src_dir {self.src_dir} does not exist or is not a directory")
-        src, dst = self.src_dir.resolve(), self.dst_root.resolve()
-        if dst == src or src in dst.parents:
-            raise UserError(f"--dst_root {self.dst_root} is inside --src_dir {self.src_dir}; "
-                            "choose a folder outside it")
+        refuse_inside(self.dst_root, "--dst_root", self.src_dir, "--src_dir", "choose a folder outside it")
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -22,21 +23,46 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from pipeline.config import ModelConfig
+from pipeline.config import Config, ModelConfig
 from pipeline.dist.runtime import Dist
 from pipeline.model.loss import CausalLMLoss
 from pipeline.model.modeling import decoder_layers, meta_model, param_counts, tied_keys, tied_partners
+from pipeline.model.transforms import ModelTransform
 from pipeline.model.weights import load_weights
+from pipeline.strategies.memory import Shape, Workload
+from pipeline.strategies.traffic import replicated_bytes, sharded_bytes
 
 
 class Strategy(ABC):
-    """One way of spreading a model, its gradients and its optimizer state over the ranks."""
+    """One way of spreading a model, its gradients and its optimizer state over the ranks.
+
+    Besides the runtime interface, a strategy states its facts as class attributes and class methods, read before
+    any model exists: the config it accepts (registry.check), its memory terms (memory.estimate), the bytes it moves
+    per step (auto's choice) and its out-of-memory hints. A new strategy is one subclass plus its line in
+    registry.STRATEGIES.
+    """
 
     KNOBS: frozenset[str] = frozenset()
     """The FSDP1 knobs (config keys) this strategy applies; the others have no effect under it."""
+    SHARDINGS: tuple[str, ...] = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+    """The --sharding values it runs."""
+    DEFAULT_SHARDING = "FULL_SHARD"
+    """What --sharding auto resolves to under it."""
+    LAYOUT = ""
+    """What it is, for a refusal of another --sharding ("replicates the whole model on every rank")."""
+    CPU_OFFLOAD = True
+    """Whether it runs --cpu-offload."""
+    VOCAB_PARALLEL = False
+    """Whether it runs the vocabulary-parallel embedding and head."""
+    UNSUPPORTED: tuple[str, ...] = ()
+    """Boolean config keys it refuses when on."""
+    PREFETCHED_LAYERS = 2
+    """Gathered decoder layers at the forward's peak under FULL_SHARD: the one in use and the one prefetched."""
 
-    def __init__(self, cfg: ModelConfig, d: Dist, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, d: Dist, dtype: torch.dtype, transforms: Sequence[ModelTransform] = ()):
         self.cfg, self.dist, self.dtype = cfg, d, dtype
+        self.transforms = list(transforms)
+        """Applied to the meta model in build(), before checkpointing, compile and the wrap."""
         self._model: nn.Module | None = None
         self.module: nn.Module | None = None
         """The plain Hugging Face model inside whatever wrapper (config, embeddings, structure)."""
@@ -48,6 +74,61 @@ class Strategy(ABC):
         self.shapes: dict[str, torch.Size] = {}
         """Every parameter's name and shape in the unwrapped model (tied weights once)."""
 
+    # ---- facts, read from the config before any model exists
+
+    @classmethod  # noqa: B027 (most strategies have no refusals of their own)
+    def check(cls, cfg: Config) -> None:
+        """Refusals of this strategy's own beyond the facts above (registry.check applies those): UserError."""
+
+    @classmethod
+    def uses_vocab_parallel(cls, m: ModelConfig) -> bool:
+        """--vocab-parallel resolved for this strategy."""
+        return False
+
+    @classmethod
+    def honoured_knobs(cls, m: ModelConfig) -> frozenset[str]:
+        """The FSDP1 knobs that take effect under this config."""
+        return cls.KNOBS
+
+    @classmethod
+    def shards(cls, work: Workload) -> int:
+        """Ranks each parameter is split over."""
+        if work.sharding == "NO_SHARD":
+            return 1
+        return work.local_world_size if work.sharding == "HYBRID_SHARD" else work.world_size
+
+    @classmethod
+    def gradient_bytes(cls, shape: Shape, work: Workload) -> int:
+        """A layer's compute-dtype gradient and its fp32 copy on their way to the reduce-scatter, and the whole
+        unsharded fp32 gradients kept between the micro-steps of gradient accumulation (no_sync)."""
+        accumulated = 4 * shape.num_params if work.grad_accum > 1 else 0
+        return shape.layer_params * (work.compute_bytes + 4) + accumulated
+
+    @classmethod
+    def copy_bytes(cls, shape: Shape, work: Workload) -> int:
+        """The gathered compute-dtype units alive at the forward's peak."""
+        c = work.compute_bytes
+        if cls.shards(work) == 1:  # replicating: every unit already whole, cast to the compute dtype when it differs
+            return shape.num_params * c if c < 4 else 0
+        root = 0 if work.vocab_parallel else shape.root_params
+        if work.sharding == "SHARD_GRAD_OP":  # ZeRO-2: every layer stays gathered from its forward to its backward
+            return (root + shape.layers * shape.layer_params) * c
+        return (root + cls.PREFETCHED_LAYERS * shape.layer_params) * c  # ZeRO-3: the root stays gathered
+
+    @classmethod
+    def traffic_bytes(cls, shape: Shape, work: Workload) -> int:
+        """Bytes this rank sends per optimizer step (it receives as many)."""
+        if work.world_size == 1:
+            return 0
+        return replicated_bytes(shape, work) if work.sharding == "NO_SHARD" else sharded_bytes(shape, work)
+
+    @classmethod
+    def memory_hints(cls, m: ModelConfig) -> list[str]:
+        """What to change under this strategy when a step does not fit (besides batch and checkpointing)."""
+        return ["--sharding FULL_SHARD"] if m.sharding in ("NO_SHARD", "SHARD_GRAD_OP") else []
+
+    # ---- the one build path
+
     @property
     def model(self) -> nn.Module:
         """What the loss calls: the model as wrapped."""
@@ -55,16 +136,27 @@ class Strategy(ABC):
             raise RuntimeError("Strategy.build() has not run")
         return self._model
 
-    def meta(self, hf_config) -> nn.Module:
-        """The unwrapped model on the meta device, its tied names and parameter counts recorded: every strategy
-        starts here, so none reads the structure of a wrapped model."""
+    def build(self, hf_config) -> nn.Module:
+        """The model of hf_config on this rank's device, distributed, its non-persistent buffers computed and its
+        weights uninitialised memory until load_weights() or load_state_dict() fills them. A collective.
+
+        Every strategy takes the same path: the meta model, the model transforms, activation checkpointing and
+        compile, then the strategy's wrap."""
         model = meta_model(hf_config)
+        for transform in self.transforms:
+            transform.apply(model)
+        self.record(model)
+        self.checkpoint_and_compile(model)
+        self._model = self.wrap(model)
+        return self._model
+
+    def record(self, model: nn.Module) -> None:
+        """The unwrapped model's tied names, parameter counts and shapes, before any wrapper changes them."""
         self.module = model
         self.tied = tied_keys(model)
         self.partners = tied_partners(model)
         self.num_params, self.num_matmul_params = param_counts(model)
         self.shapes = {name: p.shape for name, p in model.named_parameters()}
-        return model
 
     def checkpoint_and_compile(self, model: nn.Module) -> None:
         """--activation-checkpointing (non-reentrant, per decoder layer) and --compile (each decoder layer), before
@@ -75,12 +167,15 @@ class Strategy(ABC):
             for layer in decoder_layers(model):
                 layer.compile()
 
-    # ---- what each strategy defines
-
     @abstractmethod
-    def build(self, hf_config) -> nn.Module:
-        """The model of hf_config on this rank's device, distributed, its non-persistent buffers computed and its
-        weights uninitialised memory until load_weights() or load_state_dict() fills them. A collective."""
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Distribute the meta model (transformed, checkpointed, compiled) and materialise this rank's part of it on
+        the device, its non-persistent buffers computed. Returns what the loss calls. A collective."""
+
+    def after_optimizer_step(self) -> None:
+        """Runs after every applied optimizer step, on every rank: the transforms' hooks."""
+        for transform in self.transforms:
+            transform.after_optimizer_step(self.module)
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Context for one micro-step's forward and backward: whether its backward reduces gradients over the ranks

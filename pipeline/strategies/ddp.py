@@ -16,9 +16,12 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from pipeline.config import ModelConfig
 from pipeline.model.loss import CausalLMLoss
 from pipeline.model.modeling import reset_rotary, retie
 from pipeline.strategies.base import Strategy
+from pipeline.strategies.memory import Shape, Workload
+from pipeline.strategies.traffic import replicated_bytes
 
 
 class BucketClock:
@@ -53,24 +56,49 @@ def timed_allreduce(clock: BucketClock, bucket):
 class DDP(Strategy):
     """DistributedDataParallel around the plain model; gradient accumulation through no_sync()."""
 
+    SHARDINGS = ("NO_SHARD",)
+    DEFAULT_SHARDING = "NO_SHARD"
+    LAYOUT = "replicates the whole model on every rank"
+    CPU_OFFLOAD = False
     clock: BucketClock | None = None
 
-    def build(self, hf_config) -> nn.Module:
-        model = self.meta(hf_config)
+    @classmethod
+    def shards(cls, work: Workload) -> int:
+        return 1
+
+    @classmethod
+    def gradient_bytes(cls, shape: Shape, work: Workload) -> int:
+        """The buckets are the gradients (gradient_as_bucket_view), and they stay between steps."""
+        return 4 * shape.num_params
+
+    @classmethod
+    def copy_bytes(cls, shape: Shape, work: Workload) -> int:
+        """Autocast caches the matmul weights in the compute dtype."""
+        c = work.compute_bytes
+        return (shape.num_params - shape.root_params + shape.vocab * shape.hidden) * c if c < 4 else 0
+
+    @classmethod
+    def traffic_bytes(cls, shape: Shape, work: Workload) -> int:
+        return 0 if work.world_size == 1 else replicated_bytes(shape, work)
+
+    @classmethod
+    def memory_hints(cls, m: ModelConfig) -> list[str]:
+        return ["--strategy fsdp2 (shards the model)"]
+
+    def wrap(self, model: nn.Module) -> nn.Module:
         model.to_empty(device=self.dist.device)
         retie(model)
         reset_rotary(model, self.dist.device)
-        self.checkpoint_and_compile(model)
         cuda = self.dist.device.type == "cuda"
         # init_sync=False: rank 0's weights are uninitialised memory until load_weights or a checkpoint fills every
         # rank alike, so broadcasting them would only cost time. gradient_as_bucket_view: the gradients are views
         # into the all-reduce buckets, not a second copy of them (4 bytes per parameter less at the step)
-        self._model = DistributedDataParallel(model, device_ids=[self.dist.local_rank] if cuda else None,
-                                              init_sync=False, gradient_as_bucket_view=True)
+        wrapped = DistributedDataParallel(model, device_ids=[self.dist.local_rank] if cuda else None,
+                                          init_sync=False, gradient_as_bucket_view=True)
         if not cuda:
             self.clock = BucketClock()
-            self._model.register_comm_hook(self.clock, timed_allreduce)
-        return self._model
+            wrapped.register_comm_hook(self.clock, timed_allreduce)
+        return wrapped
 
     def loss(self) -> CausalLMLoss:
         return CausalLMLoss(self.model, False, self.dist.world_size,

@@ -22,7 +22,9 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
+from pipeline.config import Config
 from pipeline.dist.runtime import build_mesh
+from pipeline.errors import UserError
 from pipeline.model.modeling import decoder_layers, reset_rotary, retie
 from pipeline.strategies.base import Strategy
 
@@ -43,16 +45,23 @@ class FSDP1(Strategy):
     KNOBS = frozenset({"auto_wrap", "min_params", "backward_prefetch", "forward_prefetch", "limit_all_gathers",
                        "use_orig_params"})
 
-    def build(self, hf_config) -> nn.Module:
+    @classmethod
+    def check(cls, cfg: Config) -> None:
+        m = cfg.model
+        if m.compile and not m.use_orig_params:
+            raise UserError("--compile under --strategy fsdp1 needs --use-orig-params on")
+        if cfg.optim.weight_decay and not m.use_orig_params:
+            raise UserError("--use-orig-params off gives the optimizer one flat parameter per FSDP unit, so "
+                            "--weight-decay cannot skip norms and biases; use --weight-decay 0 or --use-orig-params on")
+
+    def wrap(self, model: nn.Module) -> nn.Module:
         cfg, device = self.cfg, self.dist.device
-        model = self.meta(hf_config)
-        self.checkpoint_and_compile(model)
         mixed = None if self.dtype == torch.float32 else MixedPrecision(param_dtype=self.dtype,
                                                                         reduce_dtype=torch.float32)
         # a device mesh also makes FSDP1's sharded state dicts DTensors, as FSDP2's are: the same checkpoint layout,
         # and the exporter's DTensor path. FSDP1 takes the 1-D mesh for every strategy but HYBRID_SHARD (2-D)
         mesh = build_mesh("HYBRID_SHARD" if cfg.sharding == "HYBRID_SHARD" else "FULL_SHARD", self.dist)
-        self._model = FullyShardedDataParallel(
+        wrapped = FullyShardedDataParallel(
             model,
             sharding_strategy=ShardingStrategy[cfg.sharding],
             device_mesh=mesh,
@@ -66,8 +75,8 @@ class FSDP1(Strategy):
             limit_all_gathers=cfg.limit_all_gathers,
             use_orig_params=cfg.use_orig_params,
         )
-        reset_rotary(self._model, device)
-        return self._model
+        reset_rotary(wrapped, device)
+        return wrapped
 
     def _materialize(self, module: nn.Module) -> None:
         """FSDP1's param_init_fn, called on each module of a unit before it is flattened: its own parameters as

@@ -232,12 +232,16 @@ class ManualZeRO3(Strategy):
     """ZeRO-3 by hand: flat parameters per unit, all-gather in forward and again in backward, reduce-scatter of
     gradients at accumulation boundaries, AdamW on the local shards."""
 
+    SHARDINGS = ("FULL_SHARD",)
+    LAYOUT = "is ZeRO-3 (FULL_SHARD)"
+    CPU_OFFLOAD = False
+    UNSUPPORTED = ("compile", "activation_checkpointing")
+    PREFETCHED_LAYERS = 1  # no prefetch: only the layer in use is gathered
     mesh: DeviceMesh
     units: list[Unit]
     flats: list[FlatParam]
 
-    def build(self, hf_config) -> nn.Module:
-        model = self.meta(hf_config)
+    def wrap(self, model: nn.Module) -> nn.Module:
         self.comm = Comm(self.dist.world_size, self.dist.rank, self.dtype)
         self.mesh = build_mesh("FULL_SHARD", self.dist)
         names = [name for name, _ in model.named_parameters()]  # tied weights once, under their first name
@@ -254,7 +258,6 @@ class ManualZeRO3(Strategy):
         self.flats = [flat for unit in self.units for flat in unit.flats]
         model.to_empty(device=self.dist.device)  # the buffers; the parameters now live in the flats
         reset_rotary(model, self.dist.device)
-        self._model = model
         return model
 
     def _unit(self, model: nn.Module, scope: nn.Module, claimed: set[str], reshard: bool) -> Unit:

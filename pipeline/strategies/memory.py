@@ -12,12 +12,11 @@ allocator's peak, without the CUDA context; CPU: resident memory); BENCHMARKS.md
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import psutil
 import torch
 
-from pipeline.config import Config
-from pipeline.dist.runtime import compute_dtype
 from pipeline.model.vocab_parallel import CHUNK_ELEMENTS
 
 GIB = 1024**3
@@ -86,22 +85,6 @@ class Workload:
     cpu_offload: bool = False
     device: str = "cuda"
 
-    @classmethod
-    def of(cls, cfg: Config, device: str, world_size: int, local_world_size: int) -> Workload:
-        """The workload of a resolved config (its strategy and sharding chosen) on this launch."""
-        m = cfg.model
-        dtype = compute_dtype(m.precision, torch.device(device))
-        return cls(m.strategy, m.sharding, world_size, local_world_size, dtype.itemsize, cfg.train.batch_size,
-                   cfg.data.seq_length, cfg.train.grad_accum, m.activation_checkpointing, m.uses_vocab_parallel(),
-                   m.cpu_offload, device)
-
-    @property
-    def shards(self) -> int:
-        """Ranks each parameter is split over."""
-        if self.strategy == "ddp" or self.sharding == "NO_SHARD":
-            return 1
-        return self.local_world_size if self.sharding == "HYBRID_SHARD" else self.world_size
-
 
 @dataclass(frozen=True)
 class Estimate:
@@ -157,40 +140,42 @@ def layer_activation_bytes(shape: Shape, tokens: int, compute_bytes: int) -> int
         * compute_bytes
 
 
-def estimate(shape: Shape, work: Workload) -> Estimate:
-    """Peak bytes per rank for one optimizer step of this workload."""
+class StrategyTerms(Protocol):
+    """What the estimate asks of a strategy: the terms in which strategies differ (base.Strategy implements them)."""
+
+    def shards(self, work: Workload) -> int:
+        """Ranks each parameter is split over."""
+
+    def gradient_bytes(self, shape: Shape, work: Workload) -> int:
+        """Gradients alive at the end of the forward (Estimate.gradients)."""
+
+    def copy_bytes(self, shape: Shape, work: Workload) -> int:
+        """Compute-dtype copies of parameters alive at the peak (Estimate.copies)."""
+
+
+def estimate(shape: Shape, work: Workload, terms: StrategyTerms) -> Estimate:
+    """Peak bytes per rank for one optimizer step of this workload, under the strategy whose terms are given
+    (pipeline/strategies/registry.estimate looks them up by work.strategy)."""
     c, n = work.compute_bytes, shape.num_params
-    held = 0 if work.cpu_offload else n // work.shards  # parameters this rank keeps fp32 state for
-    layer_grad = shape.layer_params * (c + 4)  # compute-dtype gradient and its fp32 copy for the reduction
-    accumulated = 4 * n if work.grad_accum > 1 else 0  # no_sync: whole unsharded fp32 gradients between micro-steps
-    root = 0 if work.vocab_parallel else shape.root_params
-    # ddp: the buckets are the gradients (gradient_as_bucket_view) and stay between steps
-    gradients = 4 * n if work.strategy == "ddp" else layer_grad + accumulated
-    if work.strategy == "ddp":  # autocast caches the matmul weights in the compute dtype
-        copies = (n - shape.root_params + shape.vocab * shape.hidden) * c if c < 4 else 0
-    elif work.shards == 1:  # FSDP replicating: every unit already whole, cast to the compute dtype when it differs
-        copies = n * c if c < 4 else 0
-    elif work.sharding == "SHARD_GRAD_OP":  # ZeRO-2: every layer stays gathered from its forward to its backward
-        copies = (root + shape.layers * shape.layer_params) * c
-    else:  # ZeRO-3: the root stays gathered; the layer in use and the one prefetched (manual: no prefetch)
-        copies = (root + (1 if work.strategy == "manual" else 2) * shape.layer_params) * c
+    shards = terms.shards(work)
+    held = 0 if work.cpu_offload else n // shards  # parameters this rank keeps fp32 state for
     tokens = work.batch_size * work.seq_length
     if work.activation_checkpointing:  # each layer's input, and one layer recomputed at a time
         activations = shape.layers * tokens * shape.hidden * c + layer_activation_bytes(shape, tokens, c)
     else:
         activations = shape.layers * layer_activation_bytes(shape, tokens, c)
-    return Estimate(12 * held, gradients, copies, activations, logits_bytes(shape, work, tokens),
-                    STATE_BYTES_PER_PARAM * held)
+    return Estimate(12 * held, terms.gradient_bytes(shape, work), terms.copy_bytes(shape, work), activations,
+                    logits_bytes(shape, work, tokens, shards), STATE_BYTES_PER_PARAM * held)
 
 
-def logits_bytes(shape: Shape, work: Workload, tokens: int) -> int:
+def logits_bytes(shape: Shape, work: Workload, tokens: int, shards: int) -> int:
     """The loss's peak: without vocabulary parallelism the logits (compute dtype), their fp32 upcast, the saved
     log-softmax and its gradient; with it, every rank's hidden states gathered (fp32) and one chunk of logits with
     its softmax and gradient."""
     if not work.vocab_parallel:
         return tokens * shape.vocab * (work.compute_bytes + (4 if work.compute_bytes < 4 else 0) + 8)
     rows = tokens * work.world_size
-    chunk = min(rows * -(-shape.vocab // work.shards), CHUNK_ELEMENTS.get(work.device, CHUNK_ELEMENTS["cpu"]))
+    chunk = min(rows * -(-shape.vocab // shards), CHUNK_ELEMENTS.get(work.device, CHUNK_ELEMENTS["cpu"]))
     return rows * shape.hidden * 4 + 3 * chunk * 4
 
 

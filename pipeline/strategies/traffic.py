@@ -1,5 +1,5 @@
-"""Bytes one rank moves through collectives per optimizer step, by strategy: what `--strategy auto` weighs when more
-than one strategy fits.
+"""Bytes one rank moves through collectives per optimizer step: the two patterns the strategies are made of, which
+`--strategy auto` weighs when more than one strategy fits (each strategy's `traffic_bytes` picks its pattern).
 
 Ring collectives move (W-1)/W of their buffer per rank: a reduce-scatter or an all-gather of B bytes costs
 B(W-1)/W, an all-reduce twice that. Where collectives block the step (gloo on CPU) the step time follows these bytes
@@ -13,14 +13,18 @@ from pipeline.strategies.memory import Shape, Workload
 FP32 = 4
 
 
-def traffic_bytes(shape: Shape, w: Workload) -> int:
-    """Bytes this rank sends per optimizer step (it receives as many). HYBRID_SHARD is counted as FULL_SHARD over
-    every rank (its replicas' all-reduce left out): auto never chooses it."""
-    if w.world_size == 1:
-        return 0
-    ring = (w.world_size - 1) / w.world_size
-    if w.strategy == "ddp" or w.sharding == "NO_SHARD":
-        return int(2 * ring * FP32 * shape.num_params)  # one all-reduce of the fp32 gradients, at the sync step
+def ring(w: Workload) -> float:
+    return (w.world_size - 1) / w.world_size
+
+
+def replicated_bytes(shape: Shape, w: Workload) -> int:
+    """A whole replica per rank (DDP, NO_SHARD): one all-reduce of the fp32 gradients, at the sync step."""
+    return int(2 * ring(w) * FP32 * shape.num_params)
+
+
+def sharded_bytes(shape: Shape, w: Workload) -> int:
+    """FSDP's pattern: parameters all-gathered for use, gradients reduce-scattered. HYBRID_SHARD is counted as
+    FULL_SHARD over every rank (its replicas' all-reduce left out): auto never chooses it."""
     body = shape.layers * shape.layer_params
     root = shape.hidden if w.vocab_parallel else shape.root_params  # a vocab-parallel head is never gathered
     # layers are gathered for the forward and again for the backward unless kept (SHARD_GRAD_OP); the root stays
@@ -31,4 +35,4 @@ def traffic_bytes(shape: Shape, w: Workload) -> int:
         # every rank's hidden states and embeddings cross the vocabulary shards: two gathers and two reduce-scatters
         # of (world x tokens x hidden) per micro-step
         moved += w.grad_accum * 4 * w.world_size * w.batch_size * w.seq_length * shape.hidden * w.compute_bytes
-    return int(ring * moved)
+    return int(ring(w) * moved)

@@ -23,11 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pipeline.config import from_flat, load_profile, save
 from pipeline.errors import ArgumentParser, UserError
-from pipeline.fsutil import write_text_atomic
+from pipeline.fsutil import read_yaml, write_text_atomic
+from pipeline.strategies.registry import settle
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = ROOT / "fsdp1.py"
@@ -55,12 +54,7 @@ def launcher_argv(launcher: str) -> list[str]:
 
 def read_spec(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """The spec's base config and its experiments (name -> overrides), with one clear line for each thing wrong."""
-    try:
-        spec = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError:
-        raise UserError(f"--spec {path} cannot be read") from None
-    except yaml.YAMLError as exc:
-        raise UserError(f"--spec {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
+    spec = read_yaml(path, "--spec")
     if not isinstance(spec, dict) or set(spec) - {"base", "experiments"}:
         raise UserError(f"--spec {path} must be a mapping with the keys base and experiments")
     base, experiments = spec.get("base") or {}, spec.get("experiments")
@@ -91,7 +85,7 @@ def materialise(spec: Path, out: Path, launcher: str) -> list[Experiment]:
     configs = {}
     for name, overrides in experiments.items():
         try:
-            configs[name] = from_flat({**base, **overrides, "experiment_name": name, "save_dir": str(out)})
+            configs[name] = settle(from_flat({**base, **overrides, "experiment_name": name, "save_dir": str(out)}))
         except UserError as exc:
             raise UserError(f"experiment {name}: {exc}") from None
     (out / "configs").mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,8 @@ from pipeline.dist.liveness import is_collective_failure
 from pipeline.dist.runtime import Dist
 from pipeline.errors import UserError
 from pipeline.fsutil import hash_file, write_text_atomic
-from pipeline.strategies import Strategy, make_strategy
+from pipeline.strategies.base import Strategy
+from pipeline.strategies.registry import make_strategy
 from pipeline.train.telemetry import log
 
 CHECKPOINTS = "checkpoints"
@@ -89,22 +90,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
-
-
-# ----------------------------------------------------------------------------------------------- resume guard
-
-
-GUARDED = ("model_name", "model_config", "tokenizer", "dataset", "seq_length", "val_fraction", "seed", "train_on",
-           "chat_date", "chat_template", "document_mask")
-"""What defines a run: a rerun that changes any of these would silently train something else."""
-
-
-def check_fingerprint(run_dir: Path, saved: dict, current: dict) -> None:
-    for key in GUARDED:
-        if saved.get(key) != current.get(key):
-            raise UserError(f"refusing to resume {run_dir}: {key} was {saved.get(key)!r} and is now "
-                            f"{current.get(key)!r}; rerun with the original value, or pass --no-resume to start a "
-                            "new run beside it")
 
 
 # ------------------------------------------------------------------------------------------------ checkpointer

@@ -25,7 +25,7 @@ from pipeline.errors import ArgumentParser
 from pipeline.fsutil import replace_dir
 from pipeline.model.weights import INDEX
 from pipeline.prep.hub import TOKENIZER_FILES
-from pipeline.strategies import Strategy
+from pipeline.strategies.base import Strategy
 from pipeline.train.checkpoint import load_checkpoint_model
 
 FILE_BYTES = 5 * 1024**3

@@ -24,8 +24,8 @@ from pipeline.data.dataset import (
 from pipeline.errors import UserError
 from pipeline.model.weights import read_index
 from pipeline.prep.hub import resolve_model_dir
-from pipeline.strategies import MemoryPlan, plan_memory
-from pipeline.train.checkpoint import check_fingerprint, read_state
+from pipeline.strategies.auto import MemoryPlan, plan_memory
+from pipeline.train.checkpoint import read_state
 
 
 @dataclass
@@ -42,9 +42,15 @@ class Plan:
     memory: MemoryPlan
     """--strategy auto resolved, and the estimated peak memory per rank."""
 
+    @property
+    def config(self) -> Config:
+        """The run's config, --strategy auto resolved (the memory plan's)."""
+        return self.memory.config
+
 
 def run_fingerprint(cfg: Config, model_dir: Path, hf_config, dataset, spec: BlockSpec) -> dict:
-    """What defines the run, for the resume guard (epochs, steps and frequencies may change between reruns)."""
+    """What defines the run: the one definition of the resume guard, which refuses a rerun that changes any of these
+    fields (epochs, steps and frequencies may change between reruns). A field added here is guarded."""
     conf = {k: v for k, v in hf_config.to_dict().items() if k not in ("transformers_version", "_name_or_path")}
     return {
         "model_name": cfg.model.model_name,
@@ -53,6 +59,16 @@ def run_fingerprint(cfg: Config, model_dir: Path, hf_config, dataset, spec: Bloc
         "dataset": dataset_fingerprint(dataset),
         **spec.key(),
     }
+
+
+def check_fingerprint(run_dir: Path, saved: dict, current: dict) -> None:
+    """The resume guard: every field of either fingerprint must be unchanged, or the rerun would silently train
+    something else."""
+    for key in [*current, *(k for k in saved if k not in current)]:
+        if saved.get(key) != current.get(key):
+            raise UserError(f"refusing to resume {run_dir}: {key} was {saved.get(key)!r} and is now "
+                            f"{current.get(key)!r}; rerun with the original value, or pass --no-resume to start a "
+                            "new run beside it")
 
 
 def load_tokenizer(cfg: Config, model_dir: Path, chats: bool):

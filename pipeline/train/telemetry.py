@@ -21,7 +21,10 @@ from pathlib import Path
 import psutil
 import torch
 
-GIB = 1024**3
+from pipeline.errors import UserError
+from pipeline.strategies.memory import GIB
+from pipeline.train.signals import Interrupted
+
 PHASES = ("data", "forward", "backward", "update", "total")
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
 """Dense bf16 peak by device name (H100/H200 SXM figures)."""
@@ -163,6 +166,14 @@ class Telemetry:
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
 
+    def __enter__(self) -> Telemetry:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # a clean end, a stop by signal or a refusal (divergence) plots what the run has; a crash only ends the bar
+        # and the files, before its message
+        self.close(plot=exc_type is None or issubclass(exc_type, (UserError, Interrupted)))
+
     def event(self, kind: str, step: int, **fields) -> None:
         if not self.enabled:
             return
@@ -185,7 +196,7 @@ class Telemetry:
             self.bar.update(1)
 
     def close(self, plot: bool = True) -> None:
-        """End the bar and flush the files; plot the losses unless the run is failing."""
+        """End the bar and flush the files; plot the losses unless the run is failing. Once."""
         if not self.enabled or self.metrics.closed:
             return
         self.bar.close()

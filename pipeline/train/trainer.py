@@ -1,46 +1,38 @@
-"""The trainer: one Trainer whose loop reads on one screen, and fsdp1.py's main.
+"""The Trainer: the run's state (model, optimizer, schedule, sampler, counters), its loop, evaluation and signals.
 
-Order matters: preflight (pipeline/train/preflight.py) runs first, on every rank, before the process group does anything
-heavy. Then rank 0 of each node builds the token cache under a file lock while the others poll for it (no
-collective, so no timeout however long it takes), the strategy builds and distributes the model, a
-checkpoint (or, on a fresh start, the base weights) fills it, and the loop runs.
+Order matters: preflight (pipeline/train/preflight.py) runs first, on every rank, before the process group does
+anything heavy. Then the token cache is found or built (pipeline/train/blocks.py), the strategy builds and
+distributes the model, a checkpoint (or, on a fresh start, the base weights) fills it, and the loop runs.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import math
-import os
 import random
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline import config as config_mod
-from pipeline.config import VOCAB_PARALLEL_SHARDINGS, Config
+from pipeline.config import Config
 from pipeline.data.batches import Batch, count_targets, make_batch
 from pipeline.data.sampler import BlockSampler
-from pipeline.data.token_cache import Blocks, ensure_token_cache, open_blocks, token_cache_dir
-from pipeline.dist.launch import Launch
-from pipeline.dist.launch import detect as detect_launch
-from pipeline.dist.liveness import PeerWatch, is_collective_failure, watch_parent
-from pipeline.dist.runtime import Dist, check_shared_dir, compute_dtype, init_distributed
+from pipeline.dist.runtime import Dist, compute_dtype
 from pipeline.errors import UserError
-from pipeline.fsutil import write_text_atomic
-from pipeline.strategies import ignored_knobs, make_strategy
+from pipeline.model.transforms import transforms_for
+from pipeline.strategies.memory import GIB
+from pipeline.strategies.registry import ignored_knobs, make_strategy, out_of_memory_hints
+from pipeline.train.blocks import prepare_blocks
 from pipeline.train.checkpoint import Checkpointer, step_name
-from pipeline.train.export import RUN_TEMPLATE, export_dtype, export_model
-from pipeline.train.preflight import Plan, preflight
+from pipeline.train.export import export_dtype, export_model
+from pipeline.train.optim import build_optimizer, build_scheduler
+from pipeline.train.preflight import Plan
+from pipeline.train.signals import Interrupted, StopRequest
+from pipeline.train.step import StepResult, Update, train_step
 from pipeline.train.telemetry import (
-    GIB,
     PhaseTimer,
     Telemetry,
     flops_per_token,
@@ -49,7 +41,6 @@ from pipeline.train.telemetry import (
     memory_in_use,
     peak_flops,
     reset_peak_memory,
-    setup_logging,
 )
 
 
@@ -57,87 +48,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def cache_path(cfg: Config, plan: Plan) -> Path:
-    root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.run.save_dir) / "token_cache"
-    return token_cache_dir(root, plan.fingerprint["dataset"], plan.model_dir, plan.spec)
-
-
-def ensure_blocks(cfg: Config, plan: Plan, builder: bool) -> tuple[str, Path]:
-    """The token cache of this run's data: ("hit" | "built" | "waited", its path). The builder (one process per
-    node) builds it under a file lock; the others poll for it. No collective, so no timeout however long it takes."""
-    path = cache_path(cfg, plan)
-    status = ensure_token_cache(plan.dataset, plan.tokenizer, plan.spec, cfg.data.num_proc or os.cpu_count() or 1,
-                                path, builder)
-    return status, path
-
-
-def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks:
-    """Every rank memory-maps the token cache its node's first rank built (or found)."""
-    status, path = ensure_blocks(cfg, plan, d.is_local_main)
-    if d.is_main:
-        log.info("token cache %s: %s", status, path)
-        log_cache_meta(path)
-    blocks = open_blocks(path)
-    global_batch = d.world_size * cfg.train.batch_size * cfg.train.grad_accum
-    if len(blocks.train) < global_batch:
-        raise UserError(f"the dataset gives {len(blocks.train)} training blocks of {cfg.data.seq_length} tokens, "
-                        f"fewer than one global batch ({d.world_size} processes x batch {cfg.train.batch_size} x "
-                        f"grad accum {cfg.train.grad_accum} = {global_batch}); use more data or a smaller "
-                        "--seq-length, --batch-size or --grad-accum")
-    return blocks
-
-
-def prepare_only(cfg: Config, plan: Plan, launch: Launch) -> int:
-    """--prepare-only: the token cache and nothing else (no process group, no GPU)."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    builder = launch.local_rank == 0
-    status, path = ensure_blocks(cfg, plan, builder)
-    meta = json.loads((path / "meta.json").read_text())
-    if builder:
-        print(f"token cache {status}: {path}: {meta['train_blocks']} training and {meta['val_blocks']} validation "
-              f"blocks of {meta['seq_length']} tokens; the same command without --prepare-only trains on it",
-              flush=True)
-    return 0
-
-
-def log_cache_meta(path: Path) -> None:
-    """What the cache holds: conversations kept, truncated and dropped, and the share of tokens trained."""
-    meta = json.loads((path / "meta.json").read_text())
-    if "conversations" in meta:
-        counts = ", ".join(f"{k} {v}" for k, v in meta["conversations"].items() if v)
-        log.info("conversations: %s; %d blocks of them, %d of text", counts, meta["chat_blocks"], meta["text_blocks"])
-    if meta.get("flags"):
-        total = meta["blocks"] * (meta["seq_length"] - 1)
-        log.info("%d of %d tokens (%.1f%%) are targets of the loss", meta["targets"], total,
-                 100 * meta["targets"] / max(total, 1))
-
-
-def build_optimizer(groups: list[dict], cfg: Config) -> torch.optim.Optimizer:
-    """AdamW over the strategy's parameter groups (decay on matrices only); fused kernels (CUDA, and CPU: 3x faster
-    there than the default loop)."""
-    # with CPU offload the shards live on the host: the CPU kernel runs
-    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config, total_steps: int):
-    from transformers import get_scheduler
-
-    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.optim.lr_schedule]
-    return get_scheduler(name, optimizer, num_warmup_steps=cfg.optim.warmup_steps, num_training_steps=total_steps)
-
-
-@dataclass
-class StepResult:
-    loss: float
-    """Mean over every rank's tokens."""
-    grad_norm: float
-    """Global norm before clipping."""
-    applied: bool
-    """False when the loss or gradient norm was not finite on some rank: the update was skipped."""
-    targets: int
-    """Tokens in the loss this step, over every rank."""
 
 
 @dataclass
@@ -171,28 +81,6 @@ def finite_or_text(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)
 
 
-class Interrupted(Exception):
-    """SIGTERM/SIGINT: a checkpoint was saved and the run stopped cleanly."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class StopRequest:
-    """Set by the signal handler; acted on at the next step boundary, where all ranks agree on it."""
-
-    signum = 0
-
-    @classmethod
-    def install(cls) -> None:
-        def handler(signum, _frame):
-            cls.signum = signum
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, handler)
-
-
 class Trainer:
     """Owns the model, optimizer, schedule, sampler and counters; its state is what a checkpoint holds."""
 
@@ -205,7 +93,7 @@ class Trainer:
         self.sampler = BlockSampler(len(self.blocks.train), cfg.run.seed, d.world_size, d.rank,
                                     cfg.train.batch_size, cfg.train.grad_accum)
         self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.sampler.steps_per_epoch
-        self.strategy = make_strategy(cfg.model, d, self.dtype)
+        self.strategy = make_strategy(cfg.model, d, self.dtype, transforms_for(cfg.model))
         if d.is_main:
             self.log_plan()
         # what the process holds before the model exists: the estimate covers what comes above it
@@ -215,6 +103,8 @@ class Trainer:
         self.loss = self.strategy.loss()
         self.optimizer = build_optimizer(self.strategy.param_groups(cfg.optim.weight_decay), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
+        # an async checkpoint's copy of the weights and states must be complete before an update changes them
+        self.update = Update(self.optimizer, self.scheduler, cfg.optim.max_grad_norm, lambda: self.ckpt.staged())
         self.step, self.samples_seen, self.best_val = 0, 0, math.inf
         self.bad_steps, self.skipped_since_save = 0, 0
         self.timer = PhaseTimer(d.device)
@@ -311,17 +201,15 @@ class Trainer:
         if self.step >= self.total_steps and (self.run_dir / "hf").exists():
             log.info("run already complete at step %d: %s", self.step, self.run_dir / "hf")
             return
-        telemetry = Telemetry(self.run_dir, self.dist.is_main, self.total_steps, self.step)
-        self.ckpt.listener = lambda step, fields: telemetry.event("checkpoint", step, **fields)
-        if self.resumed_from:
-            telemetry.event("resume", self.step, **self.resumed_from)
-        mem = self.plan.memory
-        telemetry.event("memory", self.step, strategy=self.cfg.model.strategy, sharding=self.cfg.model.sharding,
-                        estimate_gb=mem.estimate.gib(), budget_gb=round(mem.budget / GIB, 3))
-        try:
+        # closed (and the losses plotted, unless the run crashed) however the loop ends, before any message
+        with Telemetry(self.run_dir, self.dist.is_main, self.total_steps, self.step) as telemetry:
+            self.ckpt.listener = lambda step, fields: telemetry.event("checkpoint", step, **fields)
+            if self.resumed_from:
+                telemetry.event("resume", self.step, **self.resumed_from)
+            mem = self.plan.memory
+            telemetry.event("memory", self.step, strategy=self.cfg.model.strategy, sharding=self.cfg.model.sharding,
+                            estimate_gb=mem.estimate.gib(), budget_gb=round(mem.budget / GIB, 3))
             self.loop(telemetry)
-        finally:
-            telemetry.close(plot=False)  # a no-op after a clean end; on an error, ends the bar before the message
         log.info("exported the model to %s", self.run_dir / "hf")
 
     def loop(self, telemetry: Telemetry) -> None:
@@ -329,7 +217,7 @@ class Trainer:
         self.model.train()
         while self.step < self.total_steps:
             if self.boundary():
-                self.stop(telemetry)
+                self.stop()
             if not self.sampler.has_next():  # epoch boundary: checkpoint the start of the next epoch
                 self.sampler.start_epoch(self.sampler.epoch + 1)
                 self.save()
@@ -356,7 +244,6 @@ class Trainer:
         export_model(self.strategy, self.plan.model_dir, self.run_dir / "hf",
                      export_dtype(self.cfg.run.export_dtype, self.plan.hf_config), self.dist,
                      self.plan.spec.chat_template)
-        telemetry.close()
 
     def boundary(self) -> bool:
         """One small all-reduce per step: did any rank get a signal, and has every rank finished its async save?"""
@@ -365,10 +252,9 @@ class Trainer:
         self.ckpt.finish_if_done(all_done=flags[1].item() == 0)
         return bool(flags[0].item())
 
-    def stop(self, telemetry: Telemetry) -> None:
+    def stop(self) -> None:
         saved = self.save(sync=True)
         self.ckpt.wait()
-        telemetry.close()  # plots what the run has so far
         where = f"checkpoint {self.ckpt.root / step_name(self.step)} saved" if saved else \
             f"the last good checkpoint is {self.last_checkpoint()}"
         log.warning("stopped by signal at step %d; %s; rerun the same command to resume", self.step, where)
@@ -391,7 +277,6 @@ class Trainer:
         limit = self.cfg.train.max_bad_steps
         if limit and self.bad_steps >= limit:
             self.ckpt.wait()
-            telemetry.close()
             raise UserError(
                 f"training diverged: steps {self.step - self.bad_steps + 1}-{self.step} had a non-finite loss or "
                 f"gradient norm (last: loss {figures['loss']}, grad norm {figures['grad_norm']}) and were skipped; "
@@ -400,49 +285,12 @@ class Trainer:
                 "to resume from it")
 
     def train_step(self) -> StepResult:
-        """One optimizer step over grad_accum micro-batches, applied only when the loss and gradient norm are finite
-        on every rank."""
+        """One optimizer step (pipeline/train/step.py) over this rank's share of the sampler's next global batch."""
         # the step's targets over every rank and micro-step, from the global permutation: no communication
         targets = self.count_targets(self.sampler.upcoming())
-        micro = self.sampler.next_step()
-        self.strategy.comm_seconds()  # time_ms.comm counts this step's collectives, not evaluation's or a save's
-        total = torch.zeros((), device=self.dist.device)
-        with self.timer.phase("total"):
-            for i, idx in enumerate(micro):
-                with self.timer.phase("data"):
-                    batch = self.batch(self.blocks.train, self.blocks.train_flags, idx)
-                # reduce gradients only on the last micro-step; earlier ones accumulate locally
-                with self.strategy.gradient_sync(i == len(micro) - 1):
-                    with self.timer.phase("forward"):
-                        # each micro-batch's summed loss over the whole step's targets: their sum is the token mean
-                        loss = self.loss(batch, targets)
-                    with self.timer.phase("backward"):
-                        loss.backward()
-                total += loss.detach()
-            with self.timer.phase("update"):
-                norm = self.strategy.clip_grad_norm(self.cfg.optim.max_grad_norm or math.inf)
-                result = self.agree(total, norm, targets)
-                if result.applied:
-                    self.ckpt.staged()  # an async checkpoint's copy of the weights and states must be complete
-                    self.optimizer.step()
-                    self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
-        comm = self.strategy.comm_seconds()
-        if comm is not None:
-            self.timer.add("comm", comm * 1000)
-        self.timer.step_done()
-        return result
-
-    def agree(self, loss: torch.Tensor, norm: torch.Tensor, targets: int) -> StepResult:
-        """The step's global mean loss and gradient norm, and whether to apply it: one all-reduce (every rank must
-        reach it) and one host sync per step, since every rank must take the same decision before stepping. A
-        non-finite value on any rank makes the sum non-finite everywhere."""
-        figures = torch.stack([loss.float(), norm.float().to(loss.device)])
-        summed = figures.clone()
-        dist.all_reduce(summed)  # SUM: gloo has no AVG
-        mean_loss, total_norm, local_norm = torch.cat([summed, figures[1:]]).tolist()
-        applied = math.isfinite(mean_loss) and math.isfinite(total_norm)
-        return StepResult(mean_loss / self.dist.world_size, local_norm if applied else total_norm, applied, targets)
+        return train_step(self.strategy, self.loss, self.sampler.next_step(),
+                          lambda idx: self.batch(self.blocks.train, self.blocks.train_flags, idx), targets,
+                          self.update, self.timer)
 
     def count_targets(self, idx: np.ndarray) -> int:
         flags = self.blocks.train_flags
@@ -516,107 +364,3 @@ class Trainer:
                          self.plan.spec.chat_template)
             log.info("best validation loss so far (%.5f): exported to %s", loss, self.run_dir / "best")
         return loss
-
-
-def _new_run_name(cfg: Config, d: Dist) -> Config:
-    """--no-resume on an existing run: rank 0 picks NAME-2, NAME-3, ... and tells the others. Collective."""
-    box = [cfg.run.experiment_name]
-    if d.is_main and cfg.run_dir.exists():
-        k = 2
-        while (Path(cfg.run.save_dir) / f"{cfg.run.experiment_name}-{k}").exists():
-            k += 1
-        box[0] = f"{cfg.run.experiment_name}-{k}"
-        log.warning("--no-resume: starting a new run %s; %s is kept as it is", box[0], cfg.run_dir)
-    dist.broadcast_object_list(box, src=0)
-    cfg.run.experiment_name = box[0]
-    cfg.run.no_resume = False
-    return cfg
-
-
-def run(cfg: Config, d: Dist, plan: Plan) -> Trainer:
-    """Set up the run directory and logs, then train."""
-    if cfg.run.no_resume:
-        cfg = _new_run_name(cfg, d)
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    check_shared_dir(cfg.run_dir, d, "--save-dir")
-    setup_logging(cfg.run_dir, d.rank)
-    if d.is_main:
-        config_mod.save(cfg, cfg.run_dir / "config.yaml")
-        if plan.spec.chat_template:  # pipeline.train.export of any of the run's checkpoints carries it too
-            write_text_atomic(cfg.run_dir / RUN_TEMPLATE, plan.spec.chat_template)
-        log.info("run directory %s (world size %d, device %s)", cfg.run_dir, d.world_size, d.device)
-    StopRequest.install()
-    trainer = Trainer(cfg, d, plan)
-    trainer.fit()
-    dist.barrier()  # no rank tears the group down while another still has collectives in flight
-    if d.is_main:
-        log.info("done: model %s, metrics %s, plot %s, log %s", cfg.run_dir / "hf", cfg.run_dir / "metrics.jsonl",
-                 cfg.run_dir / "loss.png", cfg.run_dir / "train.log")
-    return trainer
-
-
-def out_of_memory_hints(cfg: Config) -> str:
-    """What to change when a step does not fit."""
-    hints = ["a smaller --batch-size (with --grad-accum to keep the global batch)"]
-    if not cfg.model.activation_checkpointing:
-        hints.append("--activation-checkpointing on")
-    m = cfg.model
-    if m.strategy == "fsdp2" and m.vocab_parallel == "off" and m.sharding in VOCAB_PARALLEL_SHARDINGS \
-            and not m.cpu_offload:
-        hints.append("--vocab-parallel auto (no full-width logits)")
-    if m.strategy == "ddp":
-        hints.append("--strategy fsdp2 (shards the model)")
-    elif m.sharding in ("NO_SHARD", "SHARD_GRAD_OP"):
-        hints.append("--sharding FULL_SHARD")
-    return f"try {', '.join(hints)}"
-
-
-def out_of_memory_message(cfg: Config, d: Dist) -> str:
-    """What to change when a step does not fit (NCCL reports the same failure as an 'unhandled cuda error')."""
-    return (f"rank {d.rank} ran out of {d.device.type.upper()} memory at batch {cfg.train.batch_size} x seq "
-            f"{cfg.data.seq_length}; {out_of_memory_hints(cfg)}; the last complete checkpoint (if any) resumes with "
-            "the same command")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """fsdp1.py: resolve the config, check everything cheap, then join the process group and train."""
-    cfg = config_mod.resolve(argv)
-    launch = detect_launch()  # a launcher's missing variable is one line before any heavy work
-    plan = preflight(cfg)
-    if cfg.data.prepare_only:
-        return prepare_only(cfg, plan, launch)
-    d = init_distributed(timedelta(seconds=cfg.run.collective_timeout_s))
-    watch_parent()
-    peers = PeerWatch(d, cfg.run.peer_timeout_s).start()
-    try:
-        code = train_or_stop(cfg, d, plan, peers)
-    except BaseException as exc:
-        if not is_collective_failure(exc):  # this rank's own failure, not the echo of another's
-            peers.stop(failure=(str(exc).strip() or type(exc).__name__).splitlines()[0][:300])
-        dist.destroy_process_group()
-        raise
-    peers.stop()
-    dist.barrier()  # every rank's heartbeat has stopped before any rank (one may host the store) exits
-    dist.destroy_process_group()
-    return code
-
-
-def train_or_stop(cfg: Config, d: Dist, plan: Plan, peers: PeerWatch) -> int:
-    """run(), its clean stop as an exit code, and its failures as one line where we can say what happened."""
-    try:
-        run(cfg, d, plan)
-    except Interrupted as stop:
-        return 128 + stop.signum
-    except torch.OutOfMemoryError:
-        raise UserError(out_of_memory_message(cfg, d)) from None
-    except RuntimeError as exc:
-        if not is_collective_failure(exc):
-            raise
-        if "out of memory" in str(exc):  # NCCL's report of a CUDA OOM
-            raise UserError(out_of_memory_message(cfg, d)) from None
-        # Most often a peer died: the heartbeat names it and ends the process; a launcher that is already
-        # stopping us (another worker failed on this node) needs no wait
-        peers.wait_for_verdict(give_up=lambda: StopRequest.signum != 0)
-        raise
-    return 0
-

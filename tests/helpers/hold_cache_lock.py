@@ -9,8 +9,8 @@ for _switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 from pipeline import config as config_mod  # noqa: E402
 from pipeline.data.token_cache import build_lock  # noqa: E402
+from pipeline.train.blocks import cache_path  # noqa: E402
 from pipeline.train.preflight import preflight  # noqa: E402
-from pipeline.train.trainer import cache_path  # noqa: E402
 
 if __name__ == "__main__":
     cfg = config_mod.resolve(sys.argv[1:])

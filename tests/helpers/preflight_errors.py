@@ -10,11 +10,12 @@ for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 
 from pipeline import config  # noqa: E402
 from pipeline.errors import UserError  # noqa: E402
+from pipeline.strategies.registry import settle  # noqa: E402
 from pipeline.train.preflight import preflight  # noqa: E402
 
 for argv in json.load(sys.stdin):
     try:
-        preflight(config.resolve(argv))
+        preflight(settle(config.resolve(argv)))
         print(json.dumps("ok"))
     except UserError as exc:
         print(json.dumps(str(exc)))

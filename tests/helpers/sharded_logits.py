@@ -10,7 +10,7 @@ from transformers import AutoConfig
 
 from pipeline.config import ModelConfig
 from pipeline.dist.runtime import init_distributed
-from pipeline.strategies import make_strategy
+from pipeline.strategies.registry import make_strategy
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Run under torchrun: a few optimizer steps of the tiny model under each named strategy, on the same global batches
 whatever the world size (24 blocks of 16 tokens per step, each rank its contiguous share, two micro-steps of
-accumulation), in fp32 through the trainer's own pieces (strategy, loss, clipping, AdamW). Rank 0 writes the losses
+accumulation), in fp32 through the trainer's own step function (pipeline/train/step.py). Rank 0 writes the losses
 and gradient norms per step and the final parameters (full tensors) to OUT.json / OUT.npz.
 
     strategy_steps.py MODEL_DIR OUT STRATEGY [STRATEGY ...]
@@ -18,40 +18,37 @@ from transformers import AutoConfig
 from pipeline.config import Config, from_flat
 from pipeline.data.batches import make_batch
 from pipeline.dist.runtime import init_distributed
-from pipeline.strategies import make_strategy
-from pipeline.train.trainer import build_optimizer
+from pipeline.strategies.registry import make_strategy, settle
+from pipeline.train.optim import build_optimizer, build_scheduler
+from pipeline.train.step import Update, train_step
+from pipeline.train.telemetry import PhaseTimer
 
 STEPS, GLOBAL_ROWS, SEQ, MICRO = 3, 24, 16, 2
 
 
 def train(model_dir: Path, name: str, d) -> dict:
-    cfg: Config = from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": str(model_dir),
-                             "strategy": name, "precision": "fp32", "lr": 2e-5, "weight_decay": 0.1,
-                             "max_grad_norm": 1.0, "vocab_parallel": "off"})
+    cfg: Config = settle(from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": str(model_dir),
+                                    "strategy": name, "precision": "fp32", "lr": 2e-5, "weight_decay": 0.1,
+                                    "max_grad_norm": 1.0, "vocab_parallel": "off", "lr_schedule": "constant"}))
     strategy = make_strategy(cfg.model, d, torch.float32)
     hf_config = AutoConfig.from_pretrained(model_dir)
     strategy.build(hf_config)
     strategy.load_weights(model_dir)
     loss_fn = strategy.loss()
     optimizer = build_optimizer(strategy.param_groups(cfg.optim.weight_decay), cfg)
+    update = Update(optimizer, build_scheduler(optimizer, cfg, STEPS), cfg.optim.max_grad_norm)
+    timer = PhaseTimer(d.device)
     rows = GLOBAL_ROWS // d.world_size
     gen = torch.Generator().manual_seed(0)
     losses, norms = [], []
     for _ in range(STEPS):
         ids = torch.randint(0, hf_config.vocab_size, (GLOBAL_ROWS, SEQ), generator=gen)
         mine = ids[d.rank * rows:(d.rank + 1) * rows].numpy()
-        total = torch.zeros(())
-        for i, micro in enumerate(np.array_split(mine, MICRO)):
-            with strategy.gradient_sync(i == MICRO - 1):
-                loss = loss_fn(make_batch(micro, None, d.device), GLOBAL_ROWS * (SEQ - 1))
-                loss.backward()
-            total += loss.detach()
-        norm = strategy.clip_grad_norm(cfg.optim.max_grad_norm)
-        dist.all_reduce(total)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(total.item() / d.world_size)
-        norms.append(norm.item())
+        result = train_step(strategy, loss_fn, np.array_split(mine, MICRO),
+                            lambda part: make_batch(part, None, d.device), GLOBAL_ROWS * (SEQ - 1), update, timer)
+        assert result.applied
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
     params = {k: full(v) for k, v in strategy.state_dict()["model"].items()}
     padding = [f.shard[f.valid:].abs().max().item() if f.valid < f.shard_numel else 0.0
                for f in getattr(strategy, "flats", [])]

@@ -14,7 +14,7 @@ from pipeline.config import ModelConfig
 from pipeline.data.batches import count_targets, make_batch
 from pipeline.dist.runtime import init_distributed
 from pipeline.model.loss import CausalLMLoss
-from pipeline.strategies import make_strategy
+from pipeline.strategies.registry import make_strategy
 
 
 def build(model_dir: Path, d, vocab_parallel: bool) -> tuple[torch.nn.Module, CausalLMLoss]:

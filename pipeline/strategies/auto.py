@@ -1,0 +1,63 @@
+"""--strategy auto, and the memory plan of every run: which strategy fits and moves the fewest bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from pipeline.config import Config
+from pipeline.dist.launch import detect as detect_launch
+from pipeline.strategies.memory import GIB, Estimate, Shape, device_bytes
+from pipeline.strategies.registry import estimate, settle, traffic_bytes, workload
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The strategy a run uses, what one rank is estimated to need under it, and what it may use."""
+
+    config: Config
+    """The run's config with --strategy auto (and so --sharding auto) resolved."""
+    estimate: Estimate
+    budget: int
+    """Bytes per rank: --memory-gb, or the device's."""
+    reason: str
+    """Why --strategy auto chose as it did ("" when the strategy was given)."""
+
+
+def plan_memory(cfg: Config, hf_config, device: str) -> MemoryPlan:
+    """Resolve --strategy auto and estimate the peak memory per rank; cfg itself is left as it is. No collective:
+    every rank computes the same from the same config, launch environment and hardware."""
+    launch = detect_launch()
+    # before joining; a launcher that does not say how many ranks share this host: plan as if all of them do
+    world, local_world, local_rank = launch.world_size, launch.local_world_size or launch.world_size, launch.local_rank
+    m, shape = cfg.model, Shape.of(hf_config)
+    budget = int(m.memory_gb * GIB) if m.memory_gb else device_bytes(device, local_world, local_rank)
+    reason = ""
+    if m.strategy == "auto":
+        chosen, reason = choose(cfg, shape, budget, device, world, local_world)
+        cfg = replace(cfg, model=replace(m, strategy=chosen))
+    cfg = settle(cfg)
+    return MemoryPlan(cfg, estimate(shape, workload(cfg, device, world, local_world)), budget, reason)
+
+
+def choose(cfg: Config, shape: Shape, budget: int, device: str, world: int, local_world: int) -> tuple[str, str]:
+    """--strategy auto: of ddp and fsdp2, the one that moves fewer bytes per step (ddp on a tie: it has no gather
+    copies), among those whose estimated peak fits the budget; fsdp2 when the settings given need it, or on one rank.
+    Checked against the four strategies by bench/strategy_auto.py (BENCHMARKS.md section 11)."""
+    m = cfg.model
+    if m.sharding not in ("auto", "NO_SHARD") or m.cpu_offload or m.vocab_parallel == "on":
+        return "fsdp2", "fsdp2: the settings given (sharding, CPU offload or vocabulary parallelism) need it"
+    if world == 1:
+        # Nothing to communicate either way; fsdp2's chunked loss keeps the full-width logits out of memory, which
+        # let one H100 train Llama-3.2-1B at batch 8 x 2048 where the model's own loss ran out (BENCHMARKS.md 6).
+        return "fsdp2", "fsdp2: one rank moves nothing, and fsdp2's chunked loss never builds full-width logits"
+    ddp, fsdp2 = (workload(replace(cfg, model=replace(m, strategy=s, sharding=sh)), device, world, local_world)
+                  for s, sh in (("ddp", "NO_SHARD"), ("fsdp2", "FULL_SHARD")))
+    need = estimate(shape, ddp).total
+    if need > budget:
+        return "fsdp2", (f"fsdp2: a whole replica would need {need / GIB:.2f} GiB per rank, more than "
+                         f"{budget / GIB:.2f} GiB")
+    moved = {"ddp": traffic_bytes(shape, ddp), "fsdp2": traffic_bytes(shape, fsdp2)}
+    pick = "ddp" if moved["ddp"] <= moved["fsdp2"] else "fsdp2"
+    other = "fsdp2" if pick == "ddp" else "ddp"
+    return pick, (f"{pick}: a whole replica fits ({need / GIB:.2f} of {budget / GIB:.2f} GiB per rank) and {pick} "
+                  f"moves {moved[pick] / 2**20:.0f} MiB per step per rank, {other} {moved[other] / 2**20:.0f} MiB")

@@ -1,0 +1,114 @@
+"""The strategies by name, and what is asked of them by name before any model exists: the config they accept, its
+--sharding resolved, their memory estimate and traffic, the knobs they ignore, their out-of-memory hints."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+
+from pipeline.config import Config, ModelConfig, flag
+from pipeline.dist.runtime import Dist, compute_dtype
+from pipeline.errors import UserError
+from pipeline.model.transforms import ModelTransform
+from pipeline.strategies.base import Strategy
+from pipeline.strategies.ddp import DDP
+from pipeline.strategies.fsdp1 import FSDP1
+from pipeline.strategies.fsdp2 import FSDP2
+from pipeline.strategies.manual import ManualZeRO3
+from pipeline.strategies.memory import Estimate, Shape, Workload
+from pipeline.strategies.memory import estimate as estimate_with
+
+STRATEGIES: dict[str, type[Strategy]] = {"fsdp2": FSDP2, "fsdp1": FSDP1, "ddp": DDP, "manual": ManualZeRO3}
+"""Every strategy --strategy names (auto chooses among them): a new one is registered here."""
+KNOB_DEFAULTS = {name: ModelConfig.__dataclass_fields__[name].default
+                 for name in ("auto_wrap", "min_params", "backward_prefetch", "forward_prefetch", "limit_all_gathers",
+                              "use_orig_params")}
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    return STRATEGIES[name]
+
+
+def make_strategy(cfg: ModelConfig, d: Dist, dtype: torch.dtype,
+                  transforms: Sequence[ModelTransform] = ()) -> Strategy:
+    """The strategy --strategy names, for this (settled) config."""
+    return STRATEGIES[cfg.strategy](cfg, d, dtype, transforms)
+
+
+def _those_that(accept) -> str:
+    """The strategies a predicate accepts, as "a, b or c"."""
+    names = [name for name, cls in STRATEGIES.items() if accept(cls)]
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+
+
+def check(cfg: Config) -> None:
+    """Combinations the chosen strategy cannot run, each refused in one line naming what would. Read-only; nothing
+    to check under --strategy auto, which takes fsdp2 whenever the settings given need it."""
+    m = cfg.model
+    if m.strategy == "auto":
+        return
+    cls, name = STRATEGIES[m.strategy], f"--strategy {m.strategy}"
+    if m.sharding != "auto" and m.sharding not in cls.SHARDINGS:
+        raise UserError(f"{name} {cls.LAYOUT}; --sharding {m.sharding} needs --strategy "
+                        f"{_those_that(lambda c: m.sharding in c.SHARDINGS)}")
+    if m.cpu_offload and not cls.CPU_OFFLOAD:
+        raise UserError(f"{name} cannot offload to the CPU; --cpu-offload needs --strategy "
+                        f"{_those_that(lambda c: c.CPU_OFFLOAD)}")
+    if m.vocab_parallel == "on" and not cls.VOCAB_PARALLEL:
+        raise UserError(f"--vocab-parallel on needs --strategy {_those_that(lambda c: c.VOCAB_PARALLEL)}, got {name}")
+    for key in cls.UNSUPPORTED:
+        if getattr(m, key):
+            raise UserError(f"{name} does not support {flag(key)} yet; use --strategy fsdp2")
+    cls.check(cfg)
+
+
+def settle(cfg: Config) -> Config:
+    """The config checked against its strategy, with --sharding auto resolved for a named strategy: a new Config,
+    the given one unchanged. (--strategy auto is resolved by auto.plan_memory, which needs the model's shape.)"""
+    check(cfg)
+    m = cfg.model
+    if m.strategy == "auto" or m.sharding != "auto":
+        return cfg
+    return replace(cfg, model=replace(m, sharding=STRATEGIES[m.strategy].DEFAULT_SHARDING))
+
+
+def uses_vocab_parallel(m: ModelConfig) -> bool:
+    """--vocab-parallel resolved for a settled config."""
+    return m.strategy in STRATEGIES and STRATEGIES[m.strategy].uses_vocab_parallel(m)
+
+
+def workload(cfg: Config, device: str, world_size: int, local_world_size: int) -> Workload:
+    """The workload of a settled config (its strategy and sharding chosen) on this launch."""
+    m = cfg.model
+    dtype = compute_dtype(m.precision, torch.device(device))
+    return Workload(m.strategy, m.sharding, world_size, local_world_size, dtype.itemsize, cfg.train.batch_size,
+                    cfg.data.seq_length, cfg.train.grad_accum, m.activation_checkpointing, uses_vocab_parallel(m),
+                    m.cpu_offload, device)
+
+
+def estimate(shape: Shape, work: Workload) -> Estimate:
+    """Peak bytes per rank for one optimizer step of this workload (pipeline/strategies/memory.py)."""
+    return estimate_with(shape, work, STRATEGIES[work.strategy])
+
+
+def traffic_bytes(shape: Shape, work: Workload) -> int:
+    """Bytes one rank sends per optimizer step under the workload's strategy (pipeline/strategies/traffic.py)."""
+    return STRATEGIES[work.strategy].traffic_bytes(shape, work)
+
+
+def ignored_knobs(cfg: ModelConfig) -> list[str]:
+    """The FSDP1 knobs set away from their defaults that the chosen strategy does not apply, as "--flag value"."""
+    honoured = STRATEGIES[cfg.strategy].honoured_knobs(cfg)
+    return [f"{flag(k)} {('on' if v else 'off') if isinstance(v, bool) else v}" for k, default in KNOB_DEFAULTS.items()
+            if k not in honoured and (v := getattr(cfg, k)) != default]
+
+
+def out_of_memory_hints(cfg: Config) -> str:
+    """What to change when a step does not fit."""
+    hints = ["a smaller --batch-size (with --grad-accum to keep the global batch)"]
+    if not cfg.model.activation_checkpointing:
+        hints.append("--activation-checkpointing on")
+    hints += STRATEGIES[cfg.model.strategy].memory_hints(cfg.model)
+    return f"try {', '.join(hints)}"

@@ -1,0 +1,74 @@
+"""The token cache of a run's data, as the training processes meet it: the first rank of each node builds it (or
+finds it) under a file lock while the others poll for it, with no collective, so no timeout however long a build
+takes; `--prepare-only` builds it and exits."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from pipeline.config import Config
+from pipeline.data.token_cache import Blocks, ensure_token_cache, open_blocks, token_cache_dir
+from pipeline.dist.launch import Launch
+from pipeline.dist.runtime import Dist
+from pipeline.errors import UserError
+from pipeline.train.preflight import Plan
+from pipeline.train.telemetry import log
+
+
+def cache_path(cfg: Config, plan: Plan) -> Path:
+    root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.run.save_dir) / "token_cache"
+    return token_cache_dir(root, plan.fingerprint["dataset"], plan.model_dir, plan.spec)
+
+
+def ensure_blocks(cfg: Config, plan: Plan, builder: bool) -> tuple[str, Path]:
+    """The token cache of this run's data: ("hit" | "built" | "waited", its path). The builder (one process per
+    node) builds it under a file lock; the others poll for it. No collective, so no timeout however long it takes."""
+    path = cache_path(cfg, plan)
+    status = ensure_token_cache(plan.dataset, plan.tokenizer, plan.spec, cfg.data.num_proc or os.cpu_count() or 1,
+                                path, builder)
+    return status, path
+
+
+def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks:
+    """Every rank memory-maps the token cache its node's first rank built (or found)."""
+    status, path = ensure_blocks(cfg, plan, d.is_local_main)
+    if d.is_main:
+        log.info("token cache %s: %s", status, path)
+        log_cache_meta(path)
+    blocks = open_blocks(path)
+    global_batch = d.world_size * cfg.train.batch_size * cfg.train.grad_accum
+    if len(blocks.train) < global_batch:
+        raise UserError(f"the dataset gives {len(blocks.train)} training blocks of {cfg.data.seq_length} tokens, "
+                        f"fewer than one global batch ({d.world_size} processes x batch {cfg.train.batch_size} x "
+                        f"grad accum {cfg.train.grad_accum} = {global_batch}); use more data or a smaller "
+                        "--seq-length, --batch-size or --grad-accum")
+    return blocks
+
+
+def prepare_only(cfg: Config, plan: Plan, launch: Launch) -> int:
+    """--prepare-only: the token cache and nothing else (no process group, no GPU)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    builder = launch.local_rank == 0
+    status, path = ensure_blocks(cfg, plan, builder)
+    meta = json.loads((path / "meta.json").read_text())
+    if builder:
+        print(f"token cache {status}: {path}: {meta['train_blocks']} training and {meta['val_blocks']} validation "
+              f"blocks of {meta['seq_length']} tokens; the same command without --prepare-only trains on it",
+              flush=True)
+    return 0
+
+
+def log_cache_meta(path: Path) -> None:
+    """What the cache holds: conversations kept, truncated and dropped, and the share of tokens trained."""
+    meta = json.loads((path / "meta.json").read_text())
+    if "conversations" in meta:
+        counts = ", ".join(f"{k} {v}" for k, v in meta["conversations"].items() if v)
+        log.info("conversations: %s; %d blocks of them, %d of text", counts, meta["chat_blocks"], meta["text_blocks"])
+    if meta.get("flags"):
+        total = meta["blocks"] * (meta["seq_length"] - 1)
+        log.info("%d of %d tokens (%.1f%%) are targets of the loss", meta["targets"], total,
+                 100 * meta["targets"] / max(total, 1))

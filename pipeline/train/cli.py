@@ -1,0 +1,87 @@
+"""fsdp1.py's command line: the config resolved and checked, preflight, the process group and liveness, the run, and
+its failures mapped to one line (exit 2) or a clean stop's exit code."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pipeline import config as config_mod
+from pipeline.config import Config
+from pipeline.dist.launch import detect as detect_launch
+from pipeline.dist.liveness import PeerWatch, is_collective_failure, watch_parent
+from pipeline.dist.runtime import Dist, init_distributed
+from pipeline.errors import UserError
+from pipeline.strategies.registry import out_of_memory_hints, settle
+from pipeline.train.blocks import prepare_only
+from pipeline.train.preflight import Plan, preflight
+from pipeline.train.rundir import open_run_dir
+from pipeline.train.signals import Interrupted, StopRequest
+from pipeline.train.telemetry import log
+from pipeline.train.trainer import Trainer
+
+
+def run(cfg: Config, d: Dist, plan: Plan) -> Trainer:
+    """Set up the run directory and logs, then train."""
+    cfg = open_run_dir(cfg, d, plan)
+    StopRequest.install()
+    trainer = Trainer(cfg, d, plan)
+    trainer.fit()
+    dist.barrier()  # no rank tears the group down while another still has collectives in flight
+    if d.is_main:
+        log.info("done: model %s, metrics %s, plot %s, log %s", cfg.run_dir / "hf", cfg.run_dir / "metrics.jsonl",
+                 cfg.run_dir / "loss.png", cfg.run_dir / "train.log")
+    return trainer
+
+
+def out_of_memory_message(cfg: Config, d: Dist) -> str:
+    """What to change when a step does not fit (NCCL reports the same failure as an 'unhandled cuda error')."""
+    return (f"rank {d.rank} ran out of {d.device.type.upper()} memory at batch {cfg.train.batch_size} x seq "
+            f"{cfg.data.seq_length}; {out_of_memory_hints(cfg)}; the last complete checkpoint (if any) resumes with "
+            "the same command")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """fsdp1.py: resolve the config, check everything cheap, then join the process group and train."""
+    cfg = settle(config_mod.resolve(argv))
+    launch = detect_launch()  # a launcher's missing variable is one line before any heavy work
+    plan = preflight(cfg)
+    cfg = plan.config  # --strategy auto resolved
+    if cfg.data.prepare_only:
+        return prepare_only(cfg, plan, launch)
+    d = init_distributed(timedelta(seconds=cfg.run.collective_timeout_s))
+    watch_parent()
+    peers = PeerWatch(d, cfg.run.peer_timeout_s).start()
+    try:
+        code = train_or_stop(cfg, d, plan, peers)
+    except BaseException as exc:
+        if not is_collective_failure(exc):  # this rank's own failure, not the echo of another's
+            peers.stop(failure=(str(exc).strip() or type(exc).__name__).splitlines()[0][:300])
+        dist.destroy_process_group()
+        raise
+    peers.stop()
+    dist.barrier()  # every rank's heartbeat has stopped before any rank (one may host the store) exits
+    dist.destroy_process_group()
+    return code
+
+
+def train_or_stop(cfg: Config, d: Dist, plan: Plan, peers: PeerWatch) -> int:
+    """run(), its clean stop as an exit code, and its failures as one line where we can say what happened."""
+    try:
+        run(cfg, d, plan)
+    except Interrupted as stop:
+        return 128 + stop.signum
+    except torch.OutOfMemoryError:
+        raise UserError(out_of_memory_message(cfg, d)) from None
+    except RuntimeError as exc:
+        if not is_collective_failure(exc):
+            raise
+        if "out of memory" in str(exc):  # NCCL's report of a CUDA OOM
+            raise UserError(out_of_memory_message(cfg, d)) from None
+        # Most often a peer died: the heartbeat names it and ends the process; a launcher that is already
+        # stopping us (another worker failed on this node) needs no wait
+        peers.wait_for_verdict(give_up=lambda: StopRequest.signum != 0)
+        raise
+    return 0

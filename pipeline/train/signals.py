@@ -1,0 +1,28 @@
+"""Signals: SIGTERM/SIGINT are noted by the handler and acted on at the next step boundary, where every rank agrees;
+the run then saves a checkpoint and stops with `Interrupted`."""
+
+from __future__ import annotations
+
+import signal
+
+
+class Interrupted(Exception):
+    """SIGTERM/SIGINT: a checkpoint was saved and the run stopped cleanly."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopRequest:
+    """Set by the signal handler; acted on at the next step boundary, where all ranks agree on it."""
+
+    signum = 0
+
+    @classmethod
+    def install(cls) -> None:
+        def handler(signum, _frame):
+            cls.signum = signum
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, handler)

@@ -1,0 +1,89 @@
+"""One optimizer step over its micro-batches, and the decision every rank takes alike on whether to apply it: the
+one step function of the Trainer (and of tests/helpers/strategy_steps.py, which compares the strategies through it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pipeline.data.batches import Batch
+from pipeline.model.loss import CausalLMLoss
+from pipeline.strategies.base import Strategy
+from pipeline.train.telemetry import PhaseTimer
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Mean over every rank's tokens."""
+    grad_norm: float
+    """Global norm before clipping."""
+    applied: bool
+    """False when the loss or gradient norm was not finite on some rank: the update was skipped."""
+    targets: int
+    """Tokens in the loss this step, over every rank."""
+
+
+@dataclass
+class Update:
+    """What applies a step: the optimizer, the schedule and the clipping norm (0: measure only)."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    max_norm: float
+    before: Callable[[], None] = lambda: None
+    """Called just before an update is applied (an async checkpoint's copy must be complete by then)."""
+
+
+def train_step(strategy: Strategy, loss_fn: CausalLMLoss, micro: Sequence[np.ndarray],
+               make_batch: Callable[[np.ndarray], Batch], targets: int, update: Update, timer: PhaseTimer
+               ) -> StepResult:
+    """One optimizer step over the micro-batches micro (each made by make_batch), applied only when the loss and
+    gradient norm are finite on every rank. Collectives inside: every rank calls it."""
+    strategy.comm_seconds()  # time_ms.comm counts this step's collectives, not evaluation's or a save's
+    total = torch.zeros((), device=strategy.dist.device)
+    with timer.phase("total"):
+        for i, idx in enumerate(micro):
+            with timer.phase("data"):
+                batch = make_batch(idx)
+            # reduce gradients only on the last micro-step; earlier ones accumulate locally
+            with strategy.gradient_sync(i == len(micro) - 1):
+                with timer.phase("forward"):
+                    # each micro-batch's summed loss over the whole step's targets: their sum is the token mean
+                    loss = loss_fn(batch, targets)
+                with timer.phase("backward"):
+                    loss.backward()
+            total += loss.detach()
+        with timer.phase("update"):
+            norm = strategy.clip_grad_norm(update.max_norm or math.inf)
+            result = agree(total, norm, targets, strategy.dist.world_size)
+            if result.applied:
+                update.before()
+                update.optimizer.step()
+                strategy.after_optimizer_step()
+                update.scheduler.step()
+            update.optimizer.zero_grad(set_to_none=True)
+    comm = strategy.comm_seconds()
+    if comm is not None:
+        timer.add("comm", comm * 1000)
+    timer.step_done()
+    return result
+
+
+def agree(loss: torch.Tensor, norm: torch.Tensor, targets: int, world_size: int) -> StepResult:
+    """The step's global mean loss and gradient norm, and whether to apply it: one all-reduce (every rank must reach
+    it) and one host sync per step, since every rank must take the same decision before stepping. The norm is
+    already global (the clipping's collective), so only the loss is summed, beside a count of the ranks that saw a
+    non-finite value."""
+    norm = norm.float().to(loss.device)
+    bad = (~torch.isfinite(loss) | ~torch.isfinite(norm)).float()
+    summed = torch.stack([loss.float(), bad])
+    dist.all_reduce(summed)  # SUM: gloo has no AVG
+    loss_sum, bad_ranks, local_norm = torch.cat([summed, norm.reshape(1)]).tolist()
+    return StepResult(loss_sum / world_size, local_norm, bad_ranks == 0 and math.isfinite(loss_sum), targets)
