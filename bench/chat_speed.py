@@ -38,7 +38,8 @@ from common import (
 
 def conversations(work: Path, copies: int) -> Path:
     """A DATA-HF dataset of the bundled conversations, copies times over, once per folder."""
-    from pipeline.prep.corpus import CorpusConfig, build_dataset, extract_file
+    from pipeline.prep.corpus import CorpusConfig, build_dataset
+    from pipeline.prep.extract import extract_file
 
     out = work / f"chats-x{copies}"
     if out.exists():

@@ -29,7 +29,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.prep.corpus import CorpusConfig, SkipFile, build_dataset, decode, list_files  # noqa: E402
+from pipeline.prep.corpus import CorpusConfig, build_dataset, list_files  # noqa: E402
+from pipeline.prep.extract import SkipFile, decode  # noqa: E402
 
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _AS = {".json": ".json", ".yaml": ".yaml", ".yml": ".yml", ".txt": ".txt", ".md": ".md", ".rst": ".md"}

@@ -49,6 +49,8 @@ def test_shipped_profiles_are_the_four_documented():
         (["--batch-size", "two"], "--batch-size must be an int, got 'two'"),
         (["--compile", "maybe"], "--compile must be on or off, got 'maybe'"),
         (["--val-fraction", "0.7"], "--val-fraction must be in [0, 0.5), got 0.7"),
+        (["--precision", "fp16"], "--precision fp16 is not supported: nothing scales the loss, so small gradients "
+         "would underflow to zero; use --precision bf16 (Ampere or newer GPUs) or fp32"),
         (["--experiment-name", "a/b"], "--experiment-name must be a plain folder name, got 'a/b'"),
         (["--vocab-parallel", "on", "--sharding", "NO_SHARD"],
          "--vocab-parallel on needs --sharding FULL_SHARD or SHARD_GRAD_OP, got NO_SHARD"),
@@ -137,3 +139,29 @@ def test_every_flag_takes_kebab_and_snake_case(script):
     expected = vars(parser.parse_args(kebab))
     assert vars(parser.parse_args(snake)) == expected == vars(parser.parse_args(mixed))
     assert any(v not in (None, False) for v in expected.values())
+
+
+def test_settling_a_config_returns_a_new_one_and_changes_nothing_given():
+    import dataclasses
+
+    cfg = from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": "m", "strategy": "ddp"})
+    assert cfg.model.sharding == "auto"  # validation never rewrites a value
+    settled = settle(cfg)
+    assert settled.model.sharding == "NO_SHARD" and cfg.model.sharding == "auto"
+    assert settle(settled) == settled
+    assert dataclasses.replace(settled.model, strategy="fsdp1").sharding == "NO_SHARD"  # no check rewrites it back
+    auto = from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": "m", "strategy": "auto"})
+    assert settle(auto) == auto  # auto waits for the model's shape (strategies/auto.plan_memory)
+
+
+def test_the_resume_guard_covers_every_field_of_the_fingerprint(tmp_path):
+    from pipeline.train.preflight import check_fingerprint
+
+    saved = {"model_name": "m", "seq_length": 128, "a_field_added_later": 1}
+    check_fingerprint(tmp_path, saved, dict(saved))
+    for key in saved:
+        with pytest.raises(UserError) as err:
+            check_fingerprint(tmp_path, saved, {**saved, key: "changed"})
+        assert str(err.value).startswith(f"refusing to resume {tmp_path}: {key} was ")
+    with pytest.raises(UserError, match="a_field_added_later was 1 and is now None"):
+        check_fingerprint(tmp_path, saved, {"model_name": "m", "seq_length": 128})

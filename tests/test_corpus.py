@@ -11,7 +11,8 @@ import pytest
 from conftest import ROOT, run_script
 
 from pipeline.errors import UserError
-from pipeline.prep.corpus import REPORT, CorpusConfig, build_dataset, split_paragraphs, strings_in
+from pipeline.prep.corpus import REPORT, CorpusConfig, build_dataset
+from pipeline.prep.extract import split_paragraphs, strings_in
 
 
 def write(root: Path, rel: str, content: str | bytes) -> None:

@@ -70,3 +70,25 @@ def test_the_trainer_reaches_the_model_only_through_the_strategy():
     source = (PACKAGE / "train" / "trainer.py").read_text()
     for private in ("fully_shard", "FSDPModule", "get_state_dict", "set_requires_gradient_sync"):
         assert private not in source, private
+
+
+def test_no_module_imports_a_private_module_of_a_dependency():
+    """A private module (a dotted path with a part starting with "_") may move in any release: pipeline/ reaches its
+    dependencies through their public API only."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.name}: {n}" for n in names
+                      if any(part.startswith("_") and part != "__future__" for part in n.split("."))]
+    assert found == []
+
+
+def test_every_room_is_a_package_and_no_module_is_over_500_lines():
+    rooms = {p.parent for p in PACKAGE.rglob("*.py")} - {PACKAGE}
+    assert {r.name for r in rooms} == {"prep", "data", "model", "dist", "strategies", "train", "tools"}
+    assert all((r / "__init__.py").exists() for r in rooms)
+    long = {p.relative_to(PACKAGE).as_posix(): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert long == {}

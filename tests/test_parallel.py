@@ -45,19 +45,6 @@ def test_vocab_parallel_head_matches_the_hf_loss_and_gradients(tmp_path, tiny_mo
     assert worst < 1e-5 * max(1.0, r["grad_scale"]), r["grad_max_diff"]
 
 
-@pytest.fixture
-def group_of_one(monkeypatch):
-    """This pytest process as a gloo group of one (the env it sets is restored afterwards)."""
-    from pipeline.dist.runtime import free_port, init_distributed
-
-    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(key, value)
-    d = init_distributed()
-    yield d
-    torch.distributed.destroy_process_group()
-
-
 def load_sharded(model_dir: Path, d) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from transformers import AutoConfig

@@ -126,11 +126,16 @@ def test_knobs_a_strategy_does_not_apply_are_named():
     assert ignored_knobs(ModelConfig(model_name="m", strategy="manual")) == []  # defaults are never named
 
 
-def test_the_private_fsdp2_interfaces_the_comm_timing_subclasses_still_exist():
-    """pipeline/strategies/fsdp2.py subclasses these (the one private import there): if torch moves them, this names
-    the cause before any run fails."""
+def test_the_timed_collectives_implement_the_whole_fsdp2_interface():
+    """pipeline/strategies/fsdp2.py implements FSDP2's AllGather/ReduceScatter by shape, without importing the private
+    module that defines them: if torch changes the interface (or moves it), this names the cause; a run that imports
+    the strategy never breaks on it."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-    assert AllGather.__abstractmethods__ == ReduceScatter.__abstractmethods__ == {"allocate", "__call__"}
+    from pipeline.strategies.fsdp2 import TimedAllGather, TimedReduceScatter
+
+    for ours, theirs in ((TimedAllGather, AllGather), (TimedReduceScatter, ReduceScatter)):
+        assert theirs.__abstractmethods__ == {"allocate", "__call__"}
+        assert all(name in ours.__dict__ or name in ours.__mro__[1].__dict__ for name in theirs.__abstractmethods__)
     assert callable(FSDPModule.set_custom_all_gather) and callable(FSDPModule.set_custom_reduce_scatter)

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from pipeline.errors import ArgumentParser, UserError
-from pipeline.prep.corpus import SUPPORTED, SkipFile, extract_file
+from pipeline.prep.extract import SUPPORTED, SkipFile, extract_file
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
