@@ -8,7 +8,7 @@ DEMO := demo
 DEMO_MODEL := local/tiny-llama
 export HF_HOME := $(CURDIR)/$(DEMO)/hf_home
 
-.PHONY: demo test smoke lint bench bench-chat bench-gpu clean-demo
+.PHONY: demo test test-fast smoke lint bench bench-chat bench-gpu clean-demo
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ demo: $(STAMP)
 # tests; before them 12:28 with two workers, 15:13 serially)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# The edit-run loop: the tests that start no process (tests/conftest.py marks the others slow)
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
 
 # Every strategy a few steps with a checkpoint and a resume, through the experiments harness
 smoke: $(STAMP)

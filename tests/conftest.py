@@ -137,3 +137,39 @@ def group_of_one(monkeypatch):
     import torch
 
     torch.distributed.destroy_process_group()
+
+
+PROCESS_STARTS = ("torchrun(", "run_script(", "subprocess.", "Popen(", "script(")
+"""What starting a real process looks like in a test's code (its own, its module's helpers, its fixtures')."""
+
+
+def _sources(func, module, depth: int = 2) -> list[str]:
+    """func's source and, depth levels down, that of the module-level functions it names."""
+    import inspect
+
+    try:
+        found = [inspect.getsource(func)]
+    except (OSError, TypeError):
+        return []
+    if depth:
+        for name in getattr(getattr(func, "__code__", None), "co_names", ()):
+            helper = getattr(module, name, None)
+            if inspect.isfunction(helper) and helper.__module__ == module.__name__:
+                found += _sources(helper, module, depth - 1)
+    return found
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Marks `slow` every test that starts a process (directly, through its module's helpers or a fixture), so `make
+    test-fast` (`-m "not slow"`) runs the in-process ones; the full suite runs both."""
+    here = sys.modules[__name__]
+    for item in items:
+        module = item.module
+        code = _sources(item.function, module)
+        for name in item.fixturenames:  # the module's own fixtures, then the shared ones here
+            owner = module if hasattr(module, name) else here
+            fixture = getattr(owner, name, None)
+            if fixture is not None:
+                code += _sources(getattr(fixture, "__wrapped__", fixture), owner)
+        if any(start in text for text in code for start in PROCESS_STARTS):
+            item.add_marker(pytest.mark.slow)

@@ -1,4 +1,6 @@
 import json
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -74,32 +76,40 @@ FP16_REFUSED = ("--precision fp16 is not supported: nothing scales the loss, so 
                 "zero; use --precision bf16 (Ampere or newer GPUs) or fp32")
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["-d", "{t}/missing", "-m", "local/tiny"], "--dataset-name {t}/missing does not exist"),
-        (["-d", "{data}", "-m", "local/absent"], "model local/absent is not in the offline cache; on this machine "
-         "run: python MODEL_DOWNLOAD.py --model-name local/absent (add --source DIR if offline)"),
-        (["-d", "{data}", "-m", "local/tiny", "--seq-length", "4096"], "--seq-length 4096 is above the model's "
-         "limit (max_position_embeddings 2048)"),
-        (["-d", "{data}", "-m", "local/tiny", "--seq-length", "2048", "-b", "64"], "the dataset gives 41 training "
-         "blocks of 2048 tokens, fewer than one global batch (1 processes x batch 64 x grad accum 1 = 64); use "
-         "more data or a smaller --seq-length, --batch-size or --grad-accum"),
-        (["-d", "{t}/empty", "-m", "local/tiny"], "--dataset-name {t}/empty is empty"),
-        (["-d", "{data}", "-m", "local/tiny", "--precision", "fp16"], FP16_REFUSED),
-        (["-d", "{data}", "-m", "local/tiny", "--profile", "tiny"], "unknown profile 'tiny'; known profiles: "
-         "cpu_debug, large_scale, multi_node, single_node"),
-    ],
-)
-def test_bad_arguments_are_one_line(tmp_path, train_env, args, message):
+PREFLIGHT_REFUSALS = [
+    (["-d", "{t}/missing", "-m", "local/tiny"], "--dataset-name {t}/missing does not exist"),
+    (["-d", "{data}", "-m", "local/absent"], "model local/absent is not in the offline cache; on this machine "
+     "run: python MODEL_DOWNLOAD.py --model-name local/absent (add --source DIR if offline)"),
+    (["-d", "{data}", "-m", "local/tiny", "--seq-length", "4096"], "--seq-length 4096 is above the model's "
+     "limit (max_position_embeddings 2048)"),
+    (["-d", "{t}/empty", "-m", "local/tiny"], "--dataset-name {t}/empty is empty"),
+    (["-d", "{data}", "-m", "local/tiny", "--precision", "fp16"], FP16_REFUSED),
+    (["-d", "{data}", "-m", "local/tiny", "--profile", "tiny"], "unknown profile 'tiny'; known profiles: "
+     "cpu_debug, large_scale, multi_node, single_node"),
+]
+
+
+def test_bad_arguments_are_one_line(tmp_path, train_env):
+    """Every refusal before the process group, checked in one process (tests/helpers/preflight_errors.py runs
+    fsdp1.py's checks); then one refusal after it (too little data for a global batch) as the user sees it."""
     import datasets
 
     datasets.Dataset.from_dict({"text": []}).save_to_disk(str(tmp_path / "empty"))
     fmt = {"t": tmp_path, "data": train_env["dataset"]}
-    proc = run_script("fsdp1.py", "-e", "bad", "--save-dir", tmp_path / "out", *(a.format(**fmt) for a in args),
-                      env=train_env["env"])
+    argvs = [["-e", "bad", "--save-dir", str(tmp_path / "out"), *(a.format(**fmt) for a in args)]
+             for args, _ in PREFLIGHT_REFUSALS]
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "preflight_errors.py")], cwd=ROOT,
+                          input=json.dumps(argvs), capture_output=True, text=True,
+                          env={**train_env["env"], "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [json.loads(line) for line in proc.stdout.splitlines()] == \
+        [message.format(**fmt) for _, message in PREFLIGHT_REFUSALS]
+    proc = run_script("fsdp1.py", "-e", "bad", "--save-dir", tmp_path / "out", "-d", train_env["dataset"], "-m",
+                      "local/tiny", "--seq-length", "2048", "-b", "64", env=train_env["env"])
     assert proc.returncode == 2
-    assert proc.stderr.splitlines()[-1] == "error: " + message.format(**fmt)
+    assert proc.stderr.splitlines()[-1] == (
+        "error: the dataset gives 41 training blocks of 2048 tokens, fewer than one global batch (1 processes x "
+        "batch 64 x grad accum 1 = 64); use more data or a smaller --seq-length, --batch-size or --grad-accum")
     assert "Traceback" not in proc.stderr
 
 
@@ -137,15 +147,16 @@ def test_out_of_memory_hints_name_only_what_applies():
 
     from pipeline.config import from_flat
     from pipeline.dist.runtime import Dist
+    from pipeline.strategies.registry import settle
     from pipeline.train.cli import out_of_memory_message
 
     d = Dist(rank=1, world_size=2, local_rank=1, local_world_size=2, device=torch.device("cuda", 1))
     base = {"experiment_name": "x", "dataset_name": "d", "model_name": "m", "batch_size": 8, "seq_length": 2048,
             "vocab_parallel": "off"}
-    assert out_of_memory_message(from_flat(base), d) == (
+    assert out_of_memory_message(settle(from_flat(base)), d) == (
         "rank 1 ran out of CUDA memory at batch 8 x seq 2048; try a smaller --batch-size (with --grad-accum to keep "
         "the global batch), --activation-checkpointing on, --vocab-parallel auto (no full-width logits); the last "
         "complete checkpoint (if any) resumes with the same command")
-    hybrid = out_of_memory_message(from_flat({**base, "sharding": "HYBRID_SHARD", "activation_checkpointing": True}),
-                                   d)
+    hybrid = out_of_memory_message(settle(from_flat({**base, "sharding": "HYBRID_SHARD",
+                                                     "activation_checkpointing": True})), d)
     assert "try a smaller --batch-size (with --grad-accum to keep the global batch); the last" in hybrid
