@@ -10,7 +10,7 @@ the first step. Peak memory is the largest peak RSS of a worker process, sampled
     .venv/bin/python bench/train_speed.py --repeats 3
     .venv/bin/python bench/train_speed.py --preset smollm2-135m --seq 256 --steps 10 --discard 3 --repeats 1
 
---preset trains a real model's shape instead (pipeline.prep.tiny's presets, random weights) and writes its own table,
+--preset trains a real model's shape instead (pipeline.tiny presets, random weights) and writes its own table,
 train_speed_PRESET_PRECISION; --precision bf16 is autocast over fp32 weights on both sides; --strategy is passed to
 fsdp1.py (default: its own default).
 """

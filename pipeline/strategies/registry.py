@@ -33,8 +33,11 @@ def strategy_class(name: str) -> type[Strategy]:
 
 def make_strategy(cfg: ModelConfig, d: Dist, dtype: torch.dtype,
                   transforms: Sequence[ModelTransform] = ()) -> Strategy:
-    """The strategy --strategy names, for this (settled) config."""
-    return STRATEGIES[cfg.strategy](cfg, d, dtype, transforms)
+    """The strategy --strategy names, for this config (its --sharding auto resolved, in a copy, if not yet)."""
+    cls = STRATEGIES[cfg.strategy]
+    if cfg.sharding == "auto":
+        cfg = replace(cfg, sharding=cls.DEFAULT_SHARDING)
+    return cls(cfg, d, dtype, transforms)
 
 
 def _those_that(accept) -> str:

@@ -350,7 +350,8 @@ def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[Strategy, Path]:
         raise UserError(f"--checkpoint {checkpoint} is not a complete checkpoint (no {TRAINER} or .metadata)")
     model_name = json.loads((checkpoint / TRAINER).read_text())["fingerprint"]["model_name"]
     model_dir = resolve_model_dir(model_name)
-    config = ModelConfig(model_name=model_name, precision="fp32", strategy="fsdp2", vocab_parallel="off")
+    config = ModelConfig(model_name=model_name, precision="fp32", strategy="fsdp2", sharding="FULL_SHARD",
+                         vocab_parallel="off")
     strategy = make_strategy(config, d, torch.float32)
     strategy.build(AutoConfig.from_pretrained(model_dir))
     state = strategy.state_dict()
