@@ -2,7 +2,7 @@
 
 Each model trains a few steps under fsdp2, fsdp1, ddp and manual (2 ranks, fp32, CPU; steady-state seconds per
 step: the median interval after --discard steps, and each rank's peak memory, glibc as it comes); auto's choice is
-what `pipeline.strategies.plan_memory` resolves for the same flags and launch. Cases: the head-heavy 2-layer model
+what `pipeline.strategies.auto.plan_memory` resolves for the same flags and launch. Cases: the head-heavy 2-layer model
 with Llama 3's 128k vocabulary; SmolLM2-135M's shape with this machine's memory; the same model on a device of
 --small-device-gb (passed as --memory-gb: the budget auto plans for), where a whole replica no longer fits.
 Rewrites the strategy_auto table of BENCHMARKS.md.

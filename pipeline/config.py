@@ -195,12 +195,8 @@ class ModelConfig(Section):
                                          "GPUs) or fp32")
         _check(self.min_params >= 1, f"--min-params must be at least 1, got {self.min_params}")
         _check(self.memory_gb >= 0, f"--memory-gb must be >= 0, got {self.memory_gb}")
-        # what a strategy accepts is the strategy's to say (pipeline/strategies/registry.check); sharding auto is
-        # resolved there, never here
-        _check(self.vocab_parallel != "on" or self.sharding in (*VOCAB_PARALLEL_SHARDINGS, "auto"),
-               f"--vocab-parallel on needs --sharding FULL_SHARD or SHARD_GRAD_OP, got {self.sharding}")
-        _check(self.vocab_parallel != "on" or not self.cpu_offload,
-               "--vocab-parallel on cannot be combined with --cpu-offload (the head would stay on the GPU)")
+        # what a strategy accepts, and so --vocab-parallel on, is the strategies' to say (registry.check); --sharding
+        # auto is resolved there (settle), never here
 
 
 @dataclass

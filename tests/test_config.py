@@ -64,6 +64,8 @@ def test_shipped_profiles_are_the_four_documented():
          "--strategy fsdp2 or fsdp1"),
         (["--strategy", "fsdp1", "--vocab-parallel", "on"], "--vocab-parallel on needs --strategy fsdp2, got "
          "--strategy fsdp1"),
+        (["--strategy", "ddp", "--sharding", "NO_SHARD", "--vocab-parallel", "on"], "--vocab-parallel on needs "
+         "--strategy fsdp2, got --strategy ddp"),  # the strategy first: its sharding is not what to change
         (["--strategy", "manual", "--compile"], "--strategy manual does not support --compile yet; use --strategy "
          "fsdp2"),
         (["--strategy", "fsdp1", "--use-orig-params", "off", "--compile"],

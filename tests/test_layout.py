@@ -92,3 +92,15 @@ def test_every_room_is_a_package_and_no_module_is_over_500_lines():
     long = {p.relative_to(PACKAGE).as_posix(): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 500}
     assert long == {}
+
+
+def test_the_light_commands_do_not_load_the_distributed_wrappers():
+    """The experiments harness loads no torch, and MODEL_DOWNLOAD's module no FSDP or DCP, until they need them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pipeline.tools.experiments; assert 'torch' not in sys.modules; "
+            "import pipeline.prep.hub, pipeline.data.dataset; "
+            "assert not {'torch.distributed.fsdp', 'torch.distributed.checkpoint'} & set(sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -19,7 +19,6 @@ from pathlib import Path
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import sha256_file, write_text_atomic
 from pipeline.strategies.memory import GIB, Estimate, Shape, Workload
-from pipeline.strategies.registry import estimate
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
@@ -257,6 +256,8 @@ def memory_rows(config, gpus: tuple[int, ...] = (1, 2, 4, 8)) -> list[tuple[str,
     """pipeline.strategies.memory's estimate per GPU for what MODEL_DOWNLOAD.py's table shows: fsdp2 (FULL_SHARD, the
     vocabulary-parallel head) on each number of GPUs, then ddp (the same on any number), at bf16 compute, batch 1 x
     seq 2048 (or the model's limit), activation checkpointing on."""
+    from pipeline.strategies.registry import estimate  # the strategies' terms: loads the wrappers, only for the table
+
     shape, seq = Shape.of(config), table_seq(config)
     rows = [(f"fsdp2, {n} GPU{'s' if n > 1 else ''}", estimate(shape, Workload(
         "fsdp2", "FULL_SHARD", n, n, 2, 1, seq, activation_checkpointing=True, vocab_parallel=True)))

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from pipeline.config import Config, ModelConfig, flag
+from pipeline.config import VOCAB_PARALLEL_SHARDINGS, Config, ModelConfig, flag
 from pipeline.dist.runtime import Dist, compute_dtype
 from pipeline.errors import UserError
 from pipeline.model.transforms import ModelTransform
@@ -47,11 +47,24 @@ def _those_that(accept) -> str:
 
 
 def check(cfg: Config) -> None:
-    """Combinations the chosen strategy cannot run, each refused in one line naming what would. Read-only; nothing
-    to check under --strategy auto, which takes fsdp2 whenever the settings given need it."""
+    """Combinations the chosen strategy cannot run, each refused in one line naming what would. Read-only. Under
+    --strategy auto only what no strategy runs is refused: auto takes fsdp2 whenever the settings given need it."""
     m = cfg.model
-    if m.strategy == "auto":
-        return
+    if m.strategy != "auto":
+        _check_facts(cfg)
+    if m.vocab_parallel == "on":  # after the strategy's facts: a strategy without it is named first
+        if m.sharding not in (*VOCAB_PARALLEL_SHARDINGS, "auto"):
+            raise UserError(f"--vocab-parallel on needs --sharding FULL_SHARD or SHARD_GRAD_OP, got {m.sharding}")
+        if m.cpu_offload:
+            raise UserError("--vocab-parallel on cannot be combined with --cpu-offload (the head would stay on the "
+                            "GPU)")
+    if m.strategy != "auto":
+        STRATEGIES[m.strategy].check(cfg)
+
+
+def _check_facts(cfg: Config) -> None:
+    """What the named strategy's class attributes refuse."""
+    m = cfg.model
     cls, name = STRATEGIES[m.strategy], f"--strategy {m.strategy}"
     if m.sharding != "auto" and m.sharding not in cls.SHARDINGS:
         raise UserError(f"{name} {cls.LAYOUT}; --sharding {m.sharding} needs --strategy "
@@ -64,7 +77,6 @@ def check(cfg: Config) -> None:
     for key in cls.UNSUPPORTED:
         if getattr(m, key):
             raise UserError(f"{name} does not support {flag(key)} yet; use --strategy fsdp2")
-    cls.check(cfg)
 
 
 def settle(cfg: Config) -> Config:

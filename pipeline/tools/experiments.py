@@ -26,7 +26,6 @@ from typing import Any
 from pipeline.config import from_flat, load_profile, save
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import read_yaml, write_text_atomic
-from pipeline.strategies.registry import settle
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = ROOT / "fsdp1.py"
@@ -82,6 +81,8 @@ def materialise(spec: Path, out: Path, launcher: str) -> list[Experiment]:
     base, experiments = read_spec(spec)
     launch = launcher_argv(launcher)
     out = out.resolve()
+    from pipeline.strategies.registry import settle  # the strategies import torch: only once configs are written
+
     configs = {}
     for name, overrides in experiments.items():
         try:

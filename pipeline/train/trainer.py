@@ -217,7 +217,7 @@ class Trainer:
         self.model.train()
         while self.step < self.total_steps:
             if self.boundary():
-                self.stop()
+                self.stop(telemetry)
             if not self.sampler.has_next():  # epoch boundary: checkpoint the start of the next epoch
                 self.sampler.start_epoch(self.sampler.epoch + 1)
                 self.save()
@@ -252,9 +252,10 @@ class Trainer:
         self.ckpt.finish_if_done(all_done=flags[1].item() == 0)
         return bool(flags[0].item())
 
-    def stop(self) -> None:
+    def stop(self, telemetry: Telemetry) -> None:
         saved = self.save(sync=True)
         self.ckpt.wait()
+        telemetry.close()  # the bar ends (and the plot is drawn) before the message; the `with` then closes nothing
         where = f"checkpoint {self.ckpt.root / step_name(self.step)} saved" if saved else \
             f"the last good checkpoint is {self.last_checkpoint()}"
         log.warning("stopped by signal at step %d; %s; rerun the same command to resume", self.step, where)
