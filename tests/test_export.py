@@ -1,4 +1,6 @@
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -50,3 +52,33 @@ def test_exported_model_equals_the_trained_one(train_env, tmp_path, model):
         assert {fh.get_slice(k).get_dtype() for k in fh.keys()} == {"BF16"}  # noqa: SIM118
         assert ("lm_head.weight" in fh.keys()) is not tied  # noqa: SIM118
     assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.bfloat16
+
+
+def test_an_export_never_replaces_a_folder_it_did_not_write(tmp_path):
+    """--out must be new, empty or a previous export: a user's files or a run folder are refused in one line, before
+    any process group, and left as they were."""
+    from pipeline.errors import UserError
+    from pipeline.train.export import check_replaceable
+
+    previous = tmp_path / "previous"
+    previous.mkdir()
+    for name in ("config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "tokenizer.json"):
+        (previous / name).write_text("{}")
+    check_replaceable(previous, "--out")
+    check_replaceable(tmp_path / "new", "--out")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(UserError) as err:
+        check_replaceable(run, "--out")
+    assert str(err.value) == (f"--out {run} holds what an export does not write (checkpoints/, metrics.jsonl); "
+                              "refusing to replace it: choose a new folder, or empty this one")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    proc = subprocess.run([sys.executable, "-m", "pipeline.export", "--checkpoint", tmp_path / "nowhere", "--out",
+                           mine], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == (
+        f"error: --out {mine} holds what an export does not write (notes.txt); refusing to replace it: choose a new "
+        "folder, or empty this one")
+    assert (mine / "notes.txt").read_text() == "keep me" and [p.name for p in mine.iterdir()] == ["notes.txt"]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from pipeline.dist.runtime import DTYPES, Dist, init_distributed
-from pipeline.errors import ArgumentParser
+from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import replace_dir
 from pipeline.model.weights import INDEX
 from pipeline.prep.hub import TOKENIZER_FILES
@@ -56,11 +56,33 @@ RUN_TEMPLATE = "chat_template.jinja"
 """A run trained with --chat-template keeps the template in its folder under this name, for every later export."""
 
 
+EXPORT_FILES = frozenset({INDEX, "config.json", "generation_config.json", *TOKENIZER_FILES})
+"""What an export writes besides its *.safetensors: a folder holding anything else is not ours to replace."""
+
+
+def check_replaceable(out: Path, flag: str) -> None:
+    """Refuse, in one line, an output folder that holds anything an export does not write (a user's files, a run
+    folder): replacing it would delete them. Absent, empty or a previous export is fine. Reads the folder only, the
+    same on every rank, so every rank refuses alike."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"{flag} {out} is a file, not a folder; choose a new folder for the export")
+    foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir()
+                     if p.is_dir() or (p.name not in EXPORT_FILES and not p.name.endswith(".safetensors")))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise UserError(f"{flag} {out} holds what an export does not write ({shown}); refusing to replace it: "
+                        "choose a new folder, or empty this one")
+
+
 def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dtype, d: Dist,
                  chat_template: str = "") -> None:
     """Write the model (distributed, any world size) to out in Hugging Face format, with the base model's tokenizer
     files and, when given, chat_template (instead of the base model's). A collective: every rank calls it. A tied
-    weight is stored once, under the embedding; from_pretrained re-ties."""
+    weight is stored once, under the embedding; from_pretrained re-ties. A folder at out that is not a previous
+    export is refused before anything is written (check_replaceable)."""
+    check_replaceable(out, "the export folder")
     sd = {k: v.detach().to(dtype) for k, v in strategy.state_dict()["model"].items()}
     work = out.with_name(f".{out.name}.partial")
     scratch = work / "dcp"  # DCP's writer: per-rank files, then the consolidated ones; only the latter are kept
@@ -98,13 +120,15 @@ def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dt
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(description="Export a training checkpoint to a Hugging Face model folder.")
     p.add_argument("--checkpoint", required=True, type=Path, help="RUN/checkpoints/step-NNNNNNNN")
-    p.add_argument("--out", required=True, type=Path, help="output folder (replaced once the export is complete)")
+    p.add_argument("--out", required=True, type=Path, help="output folder: new, empty or a previous export (replaced "
+                   "once the export is complete); a folder holding anything else is refused")
     p.add_argument("--export-dtype", default="auto", choices=("auto", *DTYPES), help="default: the base model's")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_replaceable(args.out, "--out")  # before any process group or model: nothing the user has is touched
     d = init_distributed()
     try:
         strategy, model_dir = load_checkpoint_model(args.checkpoint, d)

@@ -26,6 +26,7 @@ from pipeline.model.weights import read_index
 from pipeline.prep.hub import resolve_model_dir
 from pipeline.strategies.auto import MemoryPlan, plan_memory
 from pipeline.train.checkpoint import read_state
+from pipeline.train.export import check_replaceable
 
 
 @dataclass
@@ -107,6 +108,8 @@ def preflight(cfg: Config) -> Plan:
     spec = BlockSpec(cfg.data.seq_length, cfg.data.val_fraction, cfg.run.seed, chats, cfg.data.train_on,
                      cfg.data.chat_date, cfg.data.chat_template and tokenizer.chat_template, cfg.data.document_mask)
     fingerprint = run_fingerprint(cfg, model_dir, hf_config, dataset, spec)
+    for folder in ("hf", "best") if cfg.run.save_best else ("hf",):  # what the run replaces at its end: refused now
+        check_replaceable(cfg.run_dir / folder, f"the run's export folder {folder}/:")
     state = read_state(cfg.run_dir)
     if state and not cfg.run.no_resume:
         check_fingerprint(cfg.run_dir, state["fingerprint"], fingerprint)
