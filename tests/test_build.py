@@ -76,3 +76,56 @@ def test_a_skipped_step_reports_the_global_norm_and_every_rank_skips_it(tmp_path
     got = json.loads(out.read_text())
     assert got["skipped"] == [{"applied": False, "grad_norm": 3.0}] * 2
     assert got["finite"] == [{"applied": True, "grad_norm": 3.0, "loss": 1.5}] * 2
+
+
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16}),
+}
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory) -> dict:
+    """Tiny random models of two families, saved as save_pretrained saves them (Gemma3: a scaled embedding, a
+    non-persistent buffer no file holds)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    root, out = tmp_path_factory.mktemp("families"), {}
+    for family, (config_class, extra) in FAMILIES.items():
+        config = getattr(transformers, config_class)(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, **extra)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(root / family)
+        out[family] = root / family
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_every_strategy_trains_the_model_from_pretrained_gives(family, name, family_models, group_of_one):
+    """Every buffer (persistent or not) equals from_pretrained's after the meta build and load, and the first loss
+    is the model's own on the same batch, under every strategy (fsdp2 with its default --vocab-parallel auto)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.strategies.base import plain_name
+
+    model_dir = family_models[family]
+    cfg = settle(from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": str(model_dir),
+                            "strategy": name, "precision": "fp32"}))
+    strategy = make_strategy(cfg.model, group_of_one, torch.float32)
+    strategy.build(AutoConfig.from_pretrained(model_dir))
+    strategy.load_weights(model_dir)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    expected = dict(reference.named_buffers())
+    got = {plain_name(n): b for n, b in strategy.module.named_buffers()}
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(got[key].cpu(), value), key
+    rows = np.random.default_rng(1).integers(0, 512, size=(2, 16))
+    batch = make_batch(rows, None, group_of_one.device)
+    with torch.no_grad():
+        ours = strategy.loss()(batch, 2 * 15).item()
+        theirs = reference(input_ids=batch.input_ids, labels=batch.labels).loss.item()
+    assert ours == pytest.approx(theirs, abs=1e-5)

@@ -1,7 +1,7 @@
 """What the pipeline needs to know about a Hugging Face causal LM's structure, through its public API only.
 
-Building on the meta device, finding the decoder layers, which weights are tied, and recomputing the buffers a
-checkpoint does not hold. Every strategy, the weight loader, the checkpointer and MODEL_DOWNLOAD's check use these,
+Building on the meta device (with the buffers a checkpoint does not hold computed), finding the decoder layers,
+which weights are tied. Every strategy, the weight loader, the checkpointer and MODEL_DOWNLOAD's check use these,
 so a model whose structure they cannot read fails here, with its class named, and nowhere else.
 """
 
@@ -14,11 +14,29 @@ from pipeline.errors import UserError
 
 
 def meta_model(hf_config, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The model of hf_config on the meta device: its structure, no memory."""
+    """The model of hf_config with its parameters on the meta device (its structure, no memory) and its buffers
+    computed on the CPU (compute_buffers)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+    compute_buffers(model)
+    return model
+
+
+def compute_buffers(model: nn.Module) -> None:
+    """Every buffer of a meta-device model as from_pretrained gives it where no file holds it (rotary frequencies, an
+    embedding scale, ...), on the CPU, by transformers' own initialisation of the family (`initialize_weights`), not by
+    a list of ours: the parameters are marked initialised so it only fills the buffers. Small tensors; the strategies
+    copy them into the materialised model (Strategy.restore_buffers), since to_empty leaves buffers uninitialised."""
+    for param in model.parameters():
+        param._is_hf_initialized = True  # transformers' flag: its init helpers leave these alone
+    for name, buf in list(model.named_buffers()):
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        owner.register_buffer(leaf, torch.empty_like(buf, device="cpu"),
+                              persistent=leaf not in owner._non_persistent_buffers_set)
+    model.initialize_weights()
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -74,14 +92,3 @@ def param_counts(model: nn.Module) -> tuple[int, int]:
     if head is not None and head.weight is embed.weight:
         return total, total
     return total, total - embed.weight.numel()
-
-
-def reset_rotary(model: nn.Module, device: torch.device) -> None:
-    """Recompute non-persistent buffers (rotary inv_freq): materialising with to_empty leaves them uninitialised
-    memory, and no weight file or checkpoint holds them."""
-    for module in model.modules():
-        if "RotaryEmbedding" in type(module).__name__:
-            with torch.device(device):
-                fresh = type(module)(module.config)
-            for name, buf in fresh.named_buffers(recurse=False):
-                module.register_buffer(name, buf, persistent=False)

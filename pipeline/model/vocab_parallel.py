@@ -22,6 +22,21 @@ from torch import nn
 from pipeline.dist.collectives import all_gather_flat, reduce_scatter_flat
 
 IGNORE = -100
+LOGIT_TERMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+"""Config keys of terms some families apply to the logits (Gemma's soft-capping, Cohere's and Granite's scales): the
+vocabulary-parallel head computes plain logits, so a model that sets one of them cannot use it."""
+
+
+def unsupported_terms(model: nn.Module) -> str:
+    """Why the vocabulary-parallel embedding and head would compute another function than the model's own ("" when
+    they would not): an input embedding whose forward does more than a lookup (Gemma's scale by sqrt(hidden)), or a
+    term on the logits."""
+    embed = model.get_input_embeddings()
+    if type(embed).forward is not nn.Embedding.forward:
+        return f"its input embedding ({type(embed).__name__}) does more than a lookup"
+    config = model.config
+    terms = [k for k in LOGIT_TERMS if getattr(config, k, None) not in (None, 0, 1, 1.0)]
+    return f"its config sets {', '.join(terms)} on the logits" if terms else ""
 CHUNK_ELEMENTS = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}
 """Logits per chunk by device type. CPU: 16M (64 MB in fp32); fewer, larger chunks were faster (each chunk re-reads
 and re-writes the head's gradient): 0.68 s/step at 16M against 0.75 at 8M and 1.08 at 2M, in a 2-rank training

@@ -32,6 +32,16 @@ from pipeline.model.weights import load_weights
 from pipeline.strategies.memory import Shape, Workload
 from pipeline.strategies.traffic import replicated_bytes, sharded_bytes
 
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+"""What wrappers insert into a module's name (FSDP1, torch's checkpoint wrapper, torch.compile)."""
+
+
+def plain_name(name: str) -> str:
+    """A parameter's or buffer's name in the unwrapped model."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
 
 class Strategy(ABC):
     """One way of spreading a model, its gradients and its optimizer state over the ranks.
@@ -73,6 +83,8 @@ class Strategy(ABC):
         self.num_params = self.num_matmul_params = 0
         self.shapes: dict[str, torch.Size] = {}
         """Every parameter's name and shape in the unwrapped model (tied weights once)."""
+        self.buffers: dict[str, torch.Tensor] = {}
+        """Every buffer's value (CPU) as transformers initialises it, by its name in the unwrapped model."""
 
     # ---- facts, read from the config before any model exists
 
@@ -148,6 +160,7 @@ class Strategy(ABC):
         self.record(model)
         self.checkpoint_and_compile(model)
         self._model = self.wrap(model)
+        self.restore_buffers()
         return self._model
 
     def record(self, model: nn.Module) -> None:
@@ -157,6 +170,16 @@ class Strategy(ABC):
         self.partners = tied_partners(model)
         self.num_params, self.num_matmul_params = param_counts(model)
         self.shapes = {name: p.shape for name, p in model.named_parameters()}
+        self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+
+    def restore_buffers(self) -> None:
+        """Every buffer of the materialised model set to its value from record() (modeling.compute_buffers: what
+        from_pretrained gives): to_empty leaves them uninitialised memory, and no weight file or checkpoint holds the
+        non-persistent ones. Persistent ones are then overwritten by the weights or the checkpoint, as in
+        from_pretrained."""
+        with torch.no_grad():
+            for name, buf in self.module.named_buffers():
+                buf.copy_(self.buffers[plain_name(name)])
 
     def checkpoint_and_compile(self, model: nn.Module) -> None:
         """--activation-checkpointing (non-reentrant, per decoder layer) and --compile (each decoder layer), before

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.config import ModelConfig
 from pipeline.model.loss import CausalLMLoss
-from pipeline.model.modeling import reset_rotary, retie
+from pipeline.model.modeling import retie
 from pipeline.strategies.base import Strategy
 from pipeline.strategies.memory import Shape, Workload
 from pipeline.strategies.traffic import replicated_bytes
@@ -88,7 +88,6 @@ class DDP(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         model.to_empty(device=self.dist.device)
         retie(model)
-        reset_rotary(model, self.dist.device)
         cuda = self.dist.device.type == "cuda"
         # init_sync=False: rank 0's weights are uninitialised memory until load_weights or a checkpoint fills every
         # rank alike, so broadcasting them would only cost time. gradient_as_bucket_view: the gradients are views

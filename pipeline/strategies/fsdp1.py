@@ -25,8 +25,8 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from pipeline.config import Config
 from pipeline.dist.runtime import build_mesh
 from pipeline.errors import UserError
-from pipeline.model.modeling import decoder_layers, reset_rotary, retie
-from pipeline.strategies.base import Strategy
+from pipeline.model.modeling import decoder_layers, retie
+from pipeline.strategies.base import Strategy, plain_name
 
 
 def size_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, *, min_params: int,
@@ -75,7 +75,6 @@ class FSDP1(Strategy):
             limit_all_gathers=cfg.limit_all_gathers,
             use_orig_params=cfg.use_orig_params,
         )
-        reset_rotary(wrapped, device)
         return wrapped
 
     def _materialize(self, module: nn.Module) -> None:
@@ -100,7 +99,7 @@ class FSDP1(Strategy):
         # is a matrix comes from the unwrapped model's shapes, by name (FSDP1 inserts its wrapper's attribute)
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():
-            shape = self.shapes.get(name.replace("_fsdp_wrapped_module.", ""), ())
+            shape = self.shapes.get(plain_name(name), ())
             (decay if len(shape) >= 2 else no_decay).append(p)
         return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 

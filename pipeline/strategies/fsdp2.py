@@ -13,6 +13,7 @@ streams and a host clock would time the launch, so none is installed.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 import torch.distributed as dist
@@ -24,10 +25,13 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from pipeline.config import VOCAB_PARALLEL_SHARDINGS, ModelConfig
 from pipeline.dist.collectives import CommClock, all_gather_flat, reduce_scatter_flat
 from pipeline.dist.runtime import build_mesh
+from pipeline.errors import UserError
 from pipeline.model.loss import CausalLMLoss
-from pipeline.model.modeling import decoder_layers, reset_rotary
-from pipeline.model.vocab_parallel import VocabParallelEmbedding
+from pipeline.model.modeling import decoder_layers
+from pipeline.model.vocab_parallel import VocabParallelEmbedding, unsupported_terms
 from pipeline.strategies.base import Strategy
+
+log = logging.getLogger("pipeline")  # the run's logger (pipeline/train/telemetry.py sets its handlers)
 
 
 class _Timed:
@@ -93,15 +97,29 @@ class FSDP2(Strategy):
         return [*(["--vocab-parallel auto (no full-width logits)"] if vocab else []), *super().memory_hints(m)]
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        self.vocab_parallel = self._vocab_parallel_for(model)
         self.mesh = build_mesh(self.cfg.sharding, self.dist)
-        self.vocab_parallel = self.uses_vocab_parallel(self.cfg)
         self._shard(model)
         if self.dist.device.type == "cpu":
             self._time_collectives(model)
         # the shards' memory (host memory with CPU offload), uninitialised until loaded
         model.to_empty(device="cpu" if self.cfg.cpu_offload else self.dist.device)
-        reset_rotary(model, self.dist.device)
         return model
+
+    def _vocab_parallel_for(self, model: nn.Module) -> bool:
+        """--vocab-parallel for this model: off, with the reason logged, where the model's forward has a term the
+        vocabulary-parallel path does not compute (it would train another function than the one exported); refused
+        in one line when asked for with on. The same on every rank, before any collective."""
+        if not self.uses_vocab_parallel(self.cfg):
+            return False
+        why = unsupported_terms(model)
+        if why and self.cfg.vocab_parallel == "on":
+            raise UserError(f"--vocab-parallel on cannot train {type(model).__name__}: {why}; use --vocab-parallel "
+                            "auto or off")
+        if why and self.dist.is_main:
+            log.warning("vocabulary-parallel head off for %s: %s (the model's own embedding and loss are used)",
+                        type(model).__name__, why)
+        return not why
 
     def _shard(self, model: nn.Module) -> None:
         """fully_shard each decoder layer and the root.

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from pipeline.dist.collectives import CommClock, all_gather_flat, reduce_scatter_flat
 from pipeline.dist.runtime import build_mesh
-from pipeline.model.modeling import decoder_layers, reset_rotary
+from pipeline.model.modeling import decoder_layers
 from pipeline.model.weights import read_weights
 from pipeline.strategies.base import Strategy
 
@@ -257,7 +257,6 @@ class ManualZeRO3(Strategy):
         model.register_forward_pre_hook(root.pre_forward)
         self.flats = [flat for unit in self.units for flat in unit.flats]
         model.to_empty(device=self.dist.device)  # the buffers; the parameters now live in the flats
-        reset_rotary(model, self.dist.device)
         return model
 
     def _unit(self, model: nn.Module, scope: nn.Module, claimed: set[str], reshard: bool) -> Unit:
