@@ -46,8 +46,8 @@ demo: $(STAMP)
 	@echo "  chat run:            $(DEMO)/outputs/chat (try it: $(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf)"
 
 # Two pytest workers, one test file each at a time (module fixtures stay shared): most of a test's time is process
-# start-up and checkpoint I/O, so two overlap on 2 cores (measured 2026-11-24 on this project's 2-core machine: 9:23;
-# the same suite before the rooms refactor, 8:43 there; 17:52 on the slower machine of earlier sessions)
+# start-up and checkpoint I/O, so two overlap on 2 cores (measured 2026-11-24 on this project's 2-core machine:
+# 8:37-9:23; the same suite before the rooms refactor, 8:43 there; 17:52 on the slower machine of earlier sessions)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
