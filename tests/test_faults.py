@@ -40,6 +40,23 @@ def test_damaged_and_incomplete_checkpoints(train_env, tmp_path):
     assert json.loads((run / "state.json").read_text())["checkpoints"] == ["step-00000010", "step-00000015"]
 
 
+def test_a_lost_or_emptied_state_json_is_rebuilt_and_nothing_complete_is_thrown_away(train_env, tmp_path):
+    """state.json is a pointer: gone, the resume guard still holds (the fingerprint comes from the newest checkpoint);
+    emptied, the rerun resumes from the newest complete checkpoint instead of starting over on top of it."""
+    run = tmp_path / "r"
+    assert train(train_env, tmp_path, "--max-steps", 10).returncode == 0  # checkpoints at steps 5 and 10
+    (run / "state.json").unlink()
+    guarded = train(train_env, tmp_path, "--max-steps", 15, "--seed", "1")
+    assert guarded.returncode != 0
+    assert f"error: refusing to resume {run}: seed was 0 and is now 1;" in guarded.stderr, guarded.stderr[-2000:]
+    (run / "state.json").write_text("")
+    resumed = train(train_env, tmp_path, "--max-steps", 15)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"{run / 'state.json'} is empty or unreadable: rebuilt from the checkpoints" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "at step 10" in resumed.stdout
+    assert json.loads((run / "state.json").read_text())["checkpoints"] == ["step-00000010", "step-00000015"]
+
+
 def test_write_failure_on_one_rank_keeps_the_previous_checkpoint(train_env, tmp_path):
     run = tmp_path / "r"
     assert train(train_env, tmp_path, "--max-steps", 5).returncode == 0

@@ -6,8 +6,9 @@ trainer.json (counters, sampler, LR schedule, fingerprint), rng-RANK.json (per-r
 
 A checkpoint counts only once RUN/state.json names it. state.json is written last, by rank 0, after every rank has
 finished writing and the manifest is on disk (temporary file, fsync, rename, fsync of the directory), so a crash at
-any moment leaves the previous checkpoint as the newest complete one. Old checkpoints are deleted only after a
-newer one is complete.
+any moment leaves the previous checkpoint as the newest complete one. state.json is a pointer: lost, emptied or
+unreadable, it is rebuilt from the checkpoints that carry a manifest (read_state). Old checkpoints are deleted only
+after a newer one is complete.
 """
 
 from __future__ import annotations
@@ -54,13 +55,47 @@ def write_json_atomic(path: Path, obj: object) -> None:
 
 
 def read_state(run_dir: Path) -> dict | None:
+    """RUN/state.json, the pointer to the run's complete checkpoints; rebuilt from the checkpoints themselves when it
+    is missing, empty or unreadable (rebuild_state), so a lost pointer never makes complete checkpoints look
+    incomplete (to be pruned, or overwritten by a fresh start that skips the resume guard). None: nothing complete."""
+    state = _parse_state(run_dir / STATE)
+    return state if state is not None else rebuild_state(run_dir)
+
+
+def state_problem(run_dir: Path) -> str:
+    """What is wrong with RUN/state.json while complete checkpoints exist ("" when nothing): for the log."""
     path = run_dir / STATE
-    if not path.exists():
-        return None
+    if _parse_state(path) is not None or rebuild_state(run_dir) is None:
+        return ""
+    return f"{path} is {'missing' if not path.exists() else 'empty or unreadable'}"
+
+
+def _parse_state(path: Path) -> dict | None:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        state = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        raise UserError(f"{path} is unreadable; restore it or pass --resume-from step-N") from None
+        return None
+    keys = ("step", "path", "checkpoints", "fingerprint")
+    return state if isinstance(state, dict) and all(k in state for k in keys) else None
+
+
+def rebuild_state(run_dir: Path) -> dict | None:
+    """state.json as the checkpoints on disk say it: complete are those with a manifest.json, which rank 0 writes
+    only once every rank's files are on disk (resume still verifies their checksums); the newest one's trainer.json
+    gives the step, counters and fingerprint. Which steps were skipped as non-finite is not recoverable."""
+    root = run_dir / CHECKPOINTS
+    done = sorted(p.name for p in root.glob("step-*") if (p / MANIFEST).is_file() and (p / TRAINER).is_file()) \
+        if root.is_dir() else []
+    for name in reversed(done):
+        try:
+            trainer = json.loads((root / name / TRAINER).read_text(encoding="utf-8"))
+            return {"step": int(trainer["step"]), "epoch": int(trainer["sampler"]["epoch"]),
+                    "samples_seen": int(trainer["samples_seen"]), "path": f"{CHECKPOINTS}/{name}",
+                    "checkpoints": done[:done.index(name) + 1], "fingerprint": trainer["fingerprint"],
+                    "skipped_steps": {}}
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a damaged trainer.json: the next older checkpoint
+    return None
 
 
 def file_digest(path: Path) -> str:

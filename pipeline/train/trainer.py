@@ -26,7 +26,7 @@ from pipeline.model.transforms import transforms_for
 from pipeline.strategies.memory import GIB
 from pipeline.strategies.registry import ignored_knobs, make_strategy, out_of_memory_hints
 from pipeline.train.blocks import prepare_blocks
-from pipeline.train.checkpoint import Checkpointer, step_name
+from pipeline.train.checkpoint import Checkpointer, state_problem, step_name
 from pipeline.train.export import export_dtype, export_model
 from pipeline.train.optim import build_optimizer, build_scheduler
 from pipeline.train.preflight import Plan
@@ -166,6 +166,9 @@ class Trainer:
         """Fill the model: from the newest complete checkpoint (or --resume-from), verified file by file, without
         opening the base model's weights; else from the base model. Collective."""
         if self.dist.is_main:
+            if problem := state_problem(self.run_dir):
+                log.warning("%s: rebuilt from the checkpoints that carry a manifest (newest: %s)", problem,
+                            self.ckpt.newest())
             for name in self.ckpt.incomplete():
                 log.warning("ignoring incomplete checkpoint %s (removed once a newer one is complete)", name)
         path = self.ckpt.choose(self.cfg.run.resume_from)
