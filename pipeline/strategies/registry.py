@@ -27,17 +27,17 @@ KNOB_DEFAULTS = {name: ModelConfig.__dataclass_fields__[name].default
                               "use_orig_params")}
 
 
-def strategy_class(name: str) -> type[Strategy]:
-    return STRATEGIES[name]
+def with_sharding(m: ModelConfig) -> ModelConfig:
+    """m with --sharding auto resolved for its named strategy (a copy; m itself when there is nothing to resolve)."""
+    if m.strategy == "auto" or m.sharding != "auto":
+        return m
+    return replace(m, sharding=STRATEGIES[m.strategy].DEFAULT_SHARDING)
 
 
 def make_strategy(cfg: ModelConfig, d: Dist, dtype: torch.dtype,
                   transforms: Sequence[ModelTransform] = ()) -> Strategy:
     """The strategy --strategy names, for this config (its --sharding auto resolved, in a copy, if not yet)."""
-    cls = STRATEGIES[cfg.strategy]
-    if cfg.sharding == "auto":
-        cfg = replace(cfg, sharding=cls.DEFAULT_SHARDING)
-    return cls(cfg, d, dtype, transforms)
+    return STRATEGIES[cfg.strategy](with_sharding(cfg), d, dtype, transforms)
 
 
 def _those_that(accept) -> str:
@@ -83,10 +83,8 @@ def settle(cfg: Config) -> Config:
     """The config checked against its strategy, with --sharding auto resolved for a named strategy: a new Config,
     the given one unchanged. (--strategy auto is resolved by auto.plan_memory, which needs the model's shape.)"""
     check(cfg)
-    m = cfg.model
-    if m.strategy == "auto" or m.sharding != "auto":
-        return cfg
-    return replace(cfg, model=replace(m, sharding=STRATEGIES[m.strategy].DEFAULT_SHARDING))
+    m = with_sharding(cfg.model)
+    return cfg if m is cfg.model else replace(cfg, model=m)
 
 
 def uses_vocab_parallel(m: ModelConfig) -> bool:
