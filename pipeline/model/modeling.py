@@ -14,14 +14,11 @@ from pipeline.errors import UserError
 
 
 def meta_model(hf_config, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The model of hf_config with its parameters on the meta device (its structure, no memory) and its buffers
-    computed on the CPU (compute_buffers)."""
+    """The model of hf_config on the meta device: its structure, no memory (compute_buffers gives its buffers)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
-    compute_buffers(model)
-    return model
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
 
 
 def compute_buffers(model: nn.Module) -> None:

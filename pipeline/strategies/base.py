@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from pipeline.config import Config, ModelConfig
 from pipeline.dist.runtime import Dist
 from pipeline.model.loss import CausalLMLoss
-from pipeline.model.modeling import decoder_layers, meta_model, param_counts, tied_keys, tied_partners
+from pipeline.model.modeling import compute_buffers, decoder_layers, meta_model, param_counts, tied_keys, tied_partners
 from pipeline.model.transforms import ModelTransform
 from pipeline.model.weights import load_weights
 from pipeline.strategies.memory import Shape, Workload
@@ -155,6 +155,7 @@ class Strategy(ABC):
         Every strategy takes the same path: the meta model, the model transforms, activation checkpointing and
         compile, then the strategy's wrap."""
         model = meta_model(hf_config)
+        compute_buffers(model)  # here, not in meta_model: MODEL_DOWNLOAD's check reads only the structure
         for transform in self.transforms:
             transform.apply(model)
         self.record(model)

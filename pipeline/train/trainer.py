@@ -103,8 +103,6 @@ class Trainer:
         self.loss = self.strategy.loss()
         self.optimizer = build_optimizer(self.strategy.param_groups(cfg.optim.weight_decay), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
-        # an async checkpoint's copy of the weights and states must be complete before an update changes them
-        self.update = Update(self.optimizer, self.scheduler, cfg.optim.max_grad_norm, lambda: self.ckpt.staged())
         self.step, self.samples_seen, self.best_val = 0, 0, math.inf
         self.bad_steps, self.skipped_since_save = 0, 0
         self.timer = PhaseTimer(d.device)
@@ -112,6 +110,8 @@ class Trainer:
         self.peak = peak_flops(d.device)
         async_ckpt = cfg.run.async_ckpt == "on" or (cfg.run.async_ckpt == "auto" and d.device.type == "cuda")
         self.ckpt = Checkpointer(self.run_dir, d, cfg.train.keep_last, async_ckpt, plan.fingerprint)
+        # an async checkpoint's copy of the weights and states must be complete before an update changes them
+        self.update = Update(self.optimizer, self.scheduler, cfg.optim.max_grad_norm, self.ckpt.staged)
         self.resumed_from = self.resume()
         log.info("model %s: %s parameters, %s compute, %s %s; %d train / %d val blocks of %d tokens; global batch "
                  "%d blocks; step %d of %d", type(self.strategy.module).__name__, f"{self.strategy.num_params:,}",
