@@ -292,7 +292,7 @@ class Checkpointer:
             state["checkpoints"].remove(step_name(step))
             if Path(state["path"]).name == step_name(step):
                 if not state["checkpoints"]:
-                    (self.run_dir / STATE).unlink()
+                    (self.run_dir / STATE).unlink(missing_ok=True)  # a rebuilt state may have no file
                     return
                 state["path"] = f"{CHECKPOINTS}/{state['checkpoints'][-1]}"
             write_json_atomic(self.run_dir / STATE, state)
