@@ -32,6 +32,7 @@ Schedule = Literal["cosine", "linear", "constant"]
 AutoOnOff = Literal["auto", "on", "off"]
 ExportDtype = Literal["auto", "bf16", "fp16", "fp32"]
 TrainOn = Literal["assistant", "last", "all"]
+AttnImplementation = Literal["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"]
 VOCAB_PARALLEL_SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP")
 """The shardings the vocabulary-parallel head works with (a 1-D mesh)."""
 SHORT_FLAGS = {"experiment_name": "-e", "dataset_name": "-d", "model_name": "-m", "batch_size": "-b"}
@@ -153,6 +154,11 @@ class ModelConfig(Section):
     """Recompute each decoder layer's activations in backward: less memory, about a third more compute."""
     compile: bool = False
     """torch.compile each decoder layer."""
+    attn_implementation: AttnImplementation = "auto"
+    """The attention kernel, as transformers names it; auto: transformers' own default for the family (what
+    from_pretrained gives: sdpa where the family supports it, eager for Gemma2, whose attention soft-caps its
+    scores). Packed documents are kept apart by their position ids under every one. A kernel the family refuses is
+    one line naming those it accepts."""
     strategy: StrategyName = "fsdp2"
     """How the model is spread over the ranks: fsdp2 (fully_shard), fsdp1 (FullyShardedDataParallel, with the
     --auto-wrap, --backward-prefetch, --forward-prefetch, --limit-all-gathers and --use-orig-params knobs), ddp

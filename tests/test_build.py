@@ -80,7 +80,16 @@ def test_a_skipped_step_reports_the_global_norm_and_every_rank_skips_it(tmp_path
 
 FAMILIES = {
     "llama": ("LlamaConfig", {}),
+    "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "mistral": ("MistralConfig", {"sliding_window": 8}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "phi3": ("Phi3Config", {"pad_token_id": 0}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16}),
     "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3-moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "decoder_sparse_step": 1}),
 }
 
 
@@ -95,7 +104,7 @@ def family_models(tmp_path_factory) -> dict:
     for family, (config_class, extra) in FAMILIES.items():
         config = getattr(transformers, config_class)(
             vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, **extra)
+            num_key_value_heads=2, max_position_embeddings=256, **{"tie_word_embeddings": False, **extra})
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(root / family)
         out[family] = root / family

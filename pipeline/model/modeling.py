@@ -12,13 +12,45 @@ from torch import nn
 
 from pipeline.errors import UserError
 
+TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe")
+"""The model_type of every family the suite trains end to end (prep/tiny.FAMILIES; README, "Model families")."""
 
-def meta_model(hf_config, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The model of hf_config on the meta device: its structure, no memory (compute_buffers gives its buffers)."""
+
+def untested_family(config) -> str:
+    """Why the suite does not vouch for this model's family ("" when it is one it trains)."""
+    model_type = getattr(config, "model_type", "")
+    if model_type in TESTED_MODEL_TYPES:
+        return ""
+    return f"model_type {model_type!r} is not one of the families the suite trains ({', '.join(TESTED_MODEL_TYPES)})"
+
+
+ATTENTION_SUPPORT = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
+                     "flash_attention_2": "_supports_flash_attn"}
+"""transformers' class flags saying which attention kernels a family implements (eager: every family)."""
+
+
+def meta_model(hf_config, dtype: torch.dtype = torch.float32, attn_implementation: str = "auto") -> nn.Module:
+    """The model of hf_config on the meta device: its structure, no memory (compute_buffers gives its buffers).
+    attn_implementation "auto" leaves the choice to transformers (what from_pretrained gives); a kernel the family
+    or this machine refuses is one line naming the ones the family accepts."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+        if attn_implementation == "auto":
+            return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        try:
+            return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
+        except (ValueError, ImportError) as exc:
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+            why = str(exc).split(". ")[0].strip()
+            raise UserError(f"--attn-implementation {attn_implementation}: {type(model).__name__} refuses it ({why});"
+                            f" it accepts {', '.join(accepted_attention(model))}") from None
+
+
+def accepted_attention(model: nn.Module) -> list[str]:
+    """The attention kernels the model's family implements, by transformers' own flags (a kernel may still need
+    its package installed)."""
+    return ["eager", *(name for name, flag in ATTENTION_SUPPORT.items() if getattr(model, flag, False))]
 
 
 def compute_buffers(model: nn.Module) -> None:
@@ -82,10 +114,20 @@ def retie(model: nn.Module) -> None:
 
 def param_counts(model: nn.Module) -> tuple[int, int]:
     """(parameters, parameters that take part in a matrix product per token) of an unwrapped model (a tied weight
-    counted once). The second leaves out an input embedding that is only looked up; a tied embedding is also the LM
-    head (a 2 x vocab x hidden product per token), so it counts."""
+    counted once). The second leaves out an input embedding that is only looked up (a tied embedding is also the LM
+    head, a 2 x vocab x hidden product per token, so it counts) and, in a mixture of experts, the experts a token
+    is not routed to: fused expert weights ([experts, ...], transformers 5's layout) count num_experts_per_tok of
+    their experts."""
     total = sum(p.numel() for p in model.parameters())
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if head is not None and head.weight is embed.weight:
-        return total, total
-    return total, total - embed.weight.numel()
+    matmul = total if head is not None and head.weight is embed.weight else total - embed.weight.numel()
+    return total, matmul - idle_expert_params(model)
+
+
+def idle_expert_params(model: nn.Module) -> int:
+    """Parameters of the experts one token is not routed to (0 for a dense model)."""
+    top_k = getattr(model.config, "num_experts_per_tok", None)
+    if not top_k:
+        return 0
+    return sum(p.numel() * (p.shape[0] - top_k) // p.shape[0] for name, p in model.named_parameters()
+               if p.ndim == 3 and ".experts." in f".{name}")

@@ -210,35 +210,34 @@ def verify(model_dir: Path) -> ModelReport:
     import torch
     from transformers import AutoConfig
 
-    from pipeline.model.modeling import meta_model, tied_partners
-    from pipeline.model.weights import read_index
+    from pipeline.model.modeling import meta_model
+    from pipeline.model.naming import WeightNames
+    from pipeline.model.weight_files import read_index
 
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:
         raise UserError(f"{model_dir}/config.json cannot be read as a model config ({exc})") from None
     index = read_index(model_dir)
-    tensors = {name: (e.shape, str(e.torch_dtype or e.dtype).removeprefix("torch.")) for name, e in index.items()}
     disk = sum(path.stat().st_size for path in {e.path for e in index.values()})
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, config.dtype or "float32")
     model = meta_model(config, dtype)
-    # tied weights (lm_head -> embed_tokens with tie_word_embeddings) are stored once, under either name
-    tied = tied_partners(model)
+    names = WeightNames(model)  # tied weights stored once under either name; per-expert tensors joined
     expected = model.state_dict()
-    for name, tensor in expected.items():
-        if name not in tensors:
-            if tied.get(name) in tensors:
-                continue
-            raise UserError(f"tensor {name} is missing from the weights in {model_dir}")
-        shape, st_dtype = tensors[name]
+    sources = names.sources(index, expected, model_dir)
+    for name, src in sources.items():
+        tensor, shape = expected[name], src.shape(config)
         if shape != list(tensor.shape):
             raise UserError(f"tensor {name} has shape {shape} in the weights but the config implies "
                             f"{list(tensor.shape)}")
+        st_dtype = str(src.entry.torch_dtype or src.entry.dtype).removeprefix("torch.")
         if st_dtype != str(tensor.dtype).removeprefix("torch."):
             raise UserError(f"tensor {name} is {st_dtype} in the weights but the config says "
                             f"{str(tensor.dtype).removeprefix('torch.')}")
+    used = {n for src in sources.values() for group in src.names.values() for n in group}
+    used |= {n for n in index if names.partners.get(n) in sources}
     return ModelReport(type(model).__name__, sum(p.numel() for p in model.parameters()),
-                       str(dtype).removeprefix("torch."), disk, config, sorted(set(tensors) - set(expected)))
+                       str(dtype).removeprefix("torch."), disk, config, sorted(set(index) - used))
 
 
 # ------------------------------------------------------------------------------------------------ memory estimate

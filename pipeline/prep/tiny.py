@@ -2,6 +2,7 @@
 
     python -m pipeline.tiny --out DIR [--corpus examples/raw] [--tied|--untied] [--layers 2] [--hidden 64] [--seed 0]
     python -m pipeline.tiny --out DIR --preset llama-3.2-1b      # a real model's shape, for benchmarks
+    python -m pipeline.tiny --out DIR --family mixtral           # another family in miniature (FAMILIES)
 
 The weights are random: the model exists to exercise every code path (sharded loading, tied embeddings, training,
 checkpoints, export) on a CPU in seconds, not to produce useful text. Deterministic given the arguments (a preset
@@ -13,8 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast
 
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.prep.extract import SUPPORTED, SkipFile, extract_file
@@ -102,6 +104,45 @@ PRESETS = {
 shapes the benchmarks train: the tokenizer's ids are a subset of the vocabulary."""
 
 
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "mistral": ("MistralConfig", {"sliding_window": 8}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "phi3": ("Phi3Config", {}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
+                                "tie_word_embeddings": True}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
+                                    "tie_word_embeddings": True}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3-moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "decoder_sparse_step": 1}),
+}
+"""The families the suite trains (README, "Model families"), as transformers' config class and what each needs
+beyond the common miniature shape (family_config): what sets the family apart is kept (Gemma's scaled embedding and
+soft-capping, sliding windows, QK norms, 4 experts of which 2 per token)."""
+
+
+def family_config(family: str, vocab_size: int, bos_id: int, eos_id: int) -> PretrainedConfig:
+    """A 2-layer, hidden-64 config of a family of FAMILIES (grouped-query attention: 4 heads, 2 KV heads)."""
+    if family not in FAMILIES:
+        raise UserError(f"unknown --family {family!r}; known: {', '.join(FAMILIES)}")
+    config_class, extra = FAMILIES[family]
+    common = {"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+              "tie_word_embeddings": False, "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id,
+              "dtype": "float32"}
+    return getattr(transformers, config_class)(**{**common, **extra})
+
+
+def build_family(out: Path, family: str, corpus: Path = DEFAULT_CORPUS, *, seed: int = 0) -> Path:
+    """A tiny random-weight model of a family, saved as save_pretrained saves it, with the bundled tokenizer."""
+    tokenizer = train_tokenizer(corpus_texts(corpus), 1024)
+    config = family_config(family, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
+    return save_random(out, config, tokenizer, seed)
+
+
 def build_preset(out: Path, preset: str, corpus: Path = DEFAULT_CORPUS, *, seed: int = 0) -> Path:
     """A random-weight model with a preset's real config, in its file dtype, and the bundled tokenizer; returns out.
     Built on the GPU when there is one (a 1B model's random init takes minutes on two CPU cores)."""
@@ -126,13 +167,13 @@ def build_tiny(out: Path, corpus: Path = DEFAULT_CORPUS, *, tied: bool = True, l
     return save_random(out, config, tokenizer, seed)
 
 
-def save_random(out: Path, config: LlamaConfig, tokenizer: PreTrainedTokenizerFast, seed: int,
+def save_random(out: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerFast, seed: int,
                 device: str = "cpu") -> Path:
-    """A LlamaForCausalLM of config with seeded random weights in the config's dtype, and the tokenizer, saved to
+    """The causal LM of config with seeded random weights in the config's dtype, and the tokenizer, saved to
     out (safetensors); returns out."""
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(config.dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
     # an Instruct model ends its turns with <|eot_id|>: generation stops there as well as at EOS
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(EOT)]
     out.mkdir(parents=True, exist_ok=True)
@@ -153,9 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="a real model's config instead of the tiny one (--layers, --hidden and --tied ignored)")
+    p.add_argument("--family", choices=list(FAMILIES), default=None,
+                   help="a tiny model of another family (2 layers, hidden 64; --layers, --hidden, --tied ignored)")
     args = p.parse_args(argv)
     if not args.corpus.is_dir():
         raise UserError(f"--corpus {args.corpus} does not exist or is not a directory")
+    if args.family:
+        out = build_family(args.out, args.family, args.corpus, seed=args.seed)
+        print(f"tiny {args.family} (random weights) written to {out}")
+        return 0
     if args.preset:
         out = build_preset(args.out, args.preset, args.corpus, seed=args.seed)
         print(f"{args.preset} shape (random weights) written to {out}")

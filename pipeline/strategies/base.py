@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
 from pipeline.config import Config, ModelConfig
 from pipeline.dist.runtime import Dist
 from pipeline.model.loss import CausalLMLoss
-from pipeline.model.modeling import compute_buffers, decoder_layers, meta_model, param_counts, tied_keys, tied_partners
+from pipeline.model.modeling import compute_buffers, decoder_layers, meta_model, param_counts, tied_keys
+from pipeline.model.naming import WeightNames
 from pipeline.model.transforms import ModelTransform
 from pipeline.model.weights import load_weights
 from pipeline.strategies.memory import Shape, Workload
@@ -78,8 +79,9 @@ class Strategy(ABC):
         """The plain Hugging Face model inside whatever wrapper (config, embeddings, structure)."""
         self.tied: dict[str, str] = {}
         """{lm_head key: embedding key} when the model ties them (modeling.tied_keys)."""
-        self.partners: dict[str, str] = {}
-        """Both names of a tied weight, each to the other (modeling.tied_partners): files store it under either."""
+        self.names: WeightNames | None = None
+        """How the model's tensors are named in a weight folder (tied weights under either name, per-expert MoE
+        tensors): naming.WeightNames, read from the unwrapped model."""
         self.num_params = self.num_matmul_params = 0
         self.shapes: dict[str, torch.Size] = {}
         """Every parameter's name and shape in the unwrapped model (tied weights once)."""
@@ -154,7 +156,7 @@ class Strategy(ABC):
 
         Every strategy takes the same path: the meta model, the model transforms, activation checkpointing and
         compile, then the strategy's wrap."""
-        model = meta_model(hf_config)
+        model = meta_model(hf_config, attn_implementation=self.cfg.attn_implementation)
         compute_buffers(model)  # here, not in meta_model: MODEL_DOWNLOAD's check reads only the structure
         for transform in self.transforms:
             transform.apply(model)
@@ -168,7 +170,7 @@ class Strategy(ABC):
         """The unwrapped model's tied names, parameter counts and shapes, before any wrapper changes them."""
         self.module = model
         self.tied = tied_keys(model)
-        self.partners = tied_partners(model)
+        self.names = WeightNames(model)
         self.num_params, self.num_matmul_params = param_counts(model)
         self.shapes = {name: p.shape for name, p in model.named_parameters()}
         self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
@@ -229,7 +231,7 @@ class Strategy(ABC):
 
     def load_weights(self, model_dir: Path) -> None:
         """The base model's weights from its safetensors, each rank reading only what it holds. A collective."""
-        load_weights(self.model, model_dir, self.partners)
+        load_weights(self.model, model_dir, self.names)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients to max_norm (inf: measure only); the global norm as a plain tensor on the device, the

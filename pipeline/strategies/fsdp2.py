@@ -27,7 +27,7 @@ from pipeline.dist.collectives import CommClock, all_gather_flat, reduce_scatter
 from pipeline.dist.runtime import build_mesh
 from pipeline.errors import UserError
 from pipeline.model.loss import CausalLMLoss
-from pipeline.model.modeling import decoder_layers
+from pipeline.model.modeling import decoder_layers, untested_family
 from pipeline.model.vocab_parallel import VocabParallelEmbedding, unsupported_terms
 from pipeline.strategies.base import Strategy
 
@@ -113,6 +113,8 @@ class FSDP2(Strategy):
         if not self.uses_vocab_parallel(self.cfg):
             return False
         why = unsupported_terms(model)
+        if not why and self.cfg.vocab_parallel == "auto":  # only where the suite checked it computes the model's loss
+            why = untested_family(model.config)
         if why and self.cfg.vocab_parallel == "on":
             raise UserError(f"--vocab-parallel on cannot train {type(model).__name__}: {why}; use --vocab-parallel "
                             "auto or off")

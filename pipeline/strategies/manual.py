@@ -314,7 +314,7 @@ class ManualZeRO3(Strategy):
     # ---- weights and checkpoints, in FSDP2's layout
 
     def load_weights(self, model_dir) -> None:
-        rows = read_weights(self.state_dict()["model"], model_dir, self.partners)
+        rows = read_weights(self.state_dict()["model"], model_dir, self.names)
         self._load_model(rows)
 
     def state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict:

@@ -28,10 +28,13 @@ CUDA_CONTEXT_BYTES = GIB
 
 @dataclass(frozen=True)
 class Shape:
-    """Parameter counts of a Llama-style decoder, from its config alone (no model built)."""
+    """Parameter counts of a Llama-style decoder, from its config alone (no model built). A mixture of experts
+    (num_experts_per_tok in the config: Mixtral, Qwen3-MoE) holds every expert's parameters, and a token's
+    activations are those of the experts it is routed to."""
 
     hidden: int
     intermediate: int
+    """Width of the MLP activations per token: the MLP's intermediate size, or experts-per-token x an expert's."""
     kv: int
     """Width of the key (and of the value) projection: KV heads x head dim."""
     layers: int
@@ -52,6 +55,11 @@ class Shape:
         if getattr(config, "attention_bias", False):
             attn += q + 2 * kv_width + hidden
         mlp = 3 * hidden * inter + (2 * inter + hidden if getattr(config, "mlp_bias", False) else 0)
+        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+        if experts and getattr(config, "num_experts_per_tok", None):  # every expert held; top-k of them per token
+            each = getattr(config, "moe_intermediate_size", None) or inter
+            mlp = experts * 3 * hidden * each + experts * hidden  # the experts and the router
+            inter = config.num_experts_per_tok * each
         return cls(hidden, inter, kv_width, layers, config.vocab_size,
                    bool(getattr(config, "tie_word_embeddings", False)), attn + mlp + 2 * hidden)
 

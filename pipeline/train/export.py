@@ -12,6 +12,7 @@ destination and renamed into place.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -23,7 +24,8 @@ import torch.distributed.checkpoint as dcp
 from pipeline.dist.runtime import DTYPES, Dist, init_distributed
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import replace_dir
-from pipeline.model.weights import INDEX
+from pipeline.model.naming import to_file_layout
+from pipeline.model.weight_files import INDEX, read_header
 from pipeline.prep.hub import TOKENIZER_FILES
 from pipeline.strategies.base import Strategy
 from pipeline.train.checkpoint import load_checkpoint_model
@@ -98,12 +100,9 @@ def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dt
         for f in [*scratch.glob("*.safetensors"), *scratch.glob(INDEX)]:
             os.replace(f, work / f.name)
         shutil.rmtree(scratch)
-        files = sorted(p.name for p in work.glob("*.safetensors"))
-        if len(files) > 1 and not (work / INDEX).exists():
-            names = {i: f for i, f in enumerate(files, 1)}
-            index = {"metadata": {}, "weight_map": {k: names[i] for k, i in mapping.items()}}
-            (work / INDEX).write_text(json.dumps(index, indent=2))
         model = strategy.module
+        in_file_layout(work, model)
+        write_index(work)
         config = model.config.__class__.from_dict(model.config.to_dict())
         config.dtype = dtype
         config.save_pretrained(work)
@@ -115,6 +114,30 @@ def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dt
             (work / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
         replace_dir(work, out)
     dist.barrier()
+
+
+def in_file_layout(folder: Path, model) -> None:
+    """Rewrite, file by file, the consolidated files whose tensors save_pretrained would name or split otherwise
+    (fused MoE experts back to one tensor per expert, renamed blocks): the layout from_pretrained, older
+    transformers and vLLM read. Decided from the headers; a file that needs it is read whole (at most FILE_BYTES)."""
+    from safetensors.torch import load_file, save_file
+
+    for path in sorted(folder.glob("*.safetensors")):
+        shapes = {name: torch.empty(e.shape, device="meta") for name, e in read_header(path).items()}
+        if set(to_file_layout(model, shapes)) == set(shapes):
+            continue
+        save_file(to_file_layout(model, load_file(path)), path, metadata={"format": "pt"})
+
+
+def write_index(folder: Path) -> None:
+    """model.safetensors.index.json from the weight files' headers (replacing DCP's): from_pretrained finds files
+    named other than model.safetensors only through it."""
+    files = sorted(folder.glob("*.safetensors"))
+    headers = {path.name: read_header(path) for path in files}
+    total = sum(math.prod(e.shape) * torch.empty((), dtype=e.torch_dtype).element_size()
+                for header in headers.values() for e in header.values())
+    weight_map = {name: file for file, header in headers.items() for name in sorted(header)}
+    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
 def build_parser() -> ArgumentParser:

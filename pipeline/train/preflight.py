@@ -22,7 +22,8 @@ from pipeline.data.dataset import (
     tokenizer_fingerprint,
 )
 from pipeline.errors import UserError
-from pipeline.model.weights import read_index
+from pipeline.model.modeling import meta_model
+from pipeline.model.weight_files import read_index
 from pipeline.prep.hub import resolve_model_dir
 from pipeline.strategies.auto import MemoryPlan, plan_memory
 from pipeline.train.checkpoint import read_state
@@ -102,6 +103,8 @@ def preflight(cfg: Config) -> Plan:
     if limit is not None and cfg.data.seq_length > limit:
         raise UserError(f"--seq-length {cfg.data.seq_length} is above the model's limit "
                         f"(max_position_embeddings {limit})")
+    if cfg.model.attn_implementation != "auto":  # a kernel the family refuses: one line, before any weight is read
+        meta_model(hf_config, attn_implementation=cfg.model.attn_implementation)
     dataset = load_text_dataset(cfg.data.dataset_name)
     chats = bool(conversation_rows(dataset).any())
     tokenizer = load_tokenizer(cfg, model_dir, chats)

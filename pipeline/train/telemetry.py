@@ -138,7 +138,8 @@ def memory_in_use(device: torch.device) -> int:
 
 def flops_per_token(config, num_matmul_params: int, seq_length: int) -> float:
     """Training FLOPs per token (forward and backward), as torchtitan and PaLM count them: 6 x the parameters of
-    the matrix products (the LM head included) + 12 x layers x heads x head_dim x seq_length for attention."""
+    the matrix products (the LM head included; of a mixture of experts, the experts a token is routed to:
+    modeling.param_counts) + 12 x layers x heads x head_dim x seq_length for attention."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
     return 6 * num_matmul_params + attention

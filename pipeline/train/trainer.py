@@ -22,6 +22,7 @@ from pipeline.data.batches import Batch, count_targets, make_batch
 from pipeline.data.sampler import BlockSampler
 from pipeline.dist.runtime import Dist, compute_dtype
 from pipeline.errors import UserError
+from pipeline.model.modeling import untested_family
 from pipeline.model.transforms import transforms_for
 from pipeline.strategies.memory import GIB
 from pipeline.strategies.registry import ignored_knobs, make_strategy, out_of_memory_hints
@@ -121,6 +122,8 @@ class Trainer:
     def log_plan(self) -> None:
         """Rank 0: the strategy (and why, when auto chose it), knobs it ignores, and the memory estimate."""
         mem, cfg = self.plan.memory, self.cfg.model
+        if why := untested_family(self.plan.hf_config):
+            log.warning("%s; attempting it", why)
         if mem.reason:
             log.info("--strategy auto chose %s", mem.reason)
         if ignored := ignored_knobs(cfg):
