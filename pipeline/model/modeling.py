@@ -7,6 +7,8 @@ so a model whose structure they cannot read fails here, with its class named, an
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -35,13 +37,14 @@ def meta_model(hf_config, dtype: torch.dtype = torch.float32, attn_implementatio
     or this machine refuses is one line naming the ones the family accepts."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    with torch.device("meta"):  # on a copy: transformers sets the kernel (even a refused one) on the config it is given
         if attn_implementation == "auto":
-            return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+            return AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=dtype)
         try:
-            return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)
+            return AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=dtype,
+                                                    attn_implementation=attn_implementation)
         except (ValueError, ImportError) as exc:
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=dtype)
             why = str(exc).split(". ")[0].strip()
             raise UserError(f"--attn-implementation {attn_implementation}: {type(model).__name__} refuses it ({why});"
                             f" it accepts {', '.join(accepted_attention(model))}") from None

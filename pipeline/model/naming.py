@@ -141,9 +141,9 @@ class WeightNames:
         unused = sorted(set(found) - set(self.keys) - set(self.partners))
         if not unused:
             return f"tensor {key} is missing from the weights in {where}"
-        shown = found[unused[0]].names
-        return (f"tensor {key} of the model is not in the weights in {where}, which hold {len(unused)} tensors under "
-                f"names the model does not use (e.g. {next(iter(shown.values()))[0]}): a naming mismatch that "
+        files = [n for name in unused for group in found[name].names.values() for n in group]
+        return (f"tensor {key} of the model is not in the weights in {where}, which hold {len(files)} tensors under "
+                f"names the model does not use (e.g. {files[0]}): a naming mismatch that "
                 f"transformers' conversion rules for model_type {self.config.model_type} do not cover; convert the "
                 "checkpoint with the transformers version that wrote it, or load and save_pretrained it with this one")
 

@@ -1,0 +1,240 @@
+"""Model families: tiny models of each family the README lists (pipeline/prep/tiny.FAMILIES), saved as save_pretrained
+saves them, through import, training on two ranks, resume, and export; the naming rules, attention kernels and
+parameter counts they need. (tests/test_build.py compares every family's buffers and first loss with transformers'
+own under every strategy.)"""
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, losses, torchrun
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pipeline.config import ModelConfig
+from pipeline.errors import UserError
+from pipeline.model.modeling import TESTED_MODEL_TYPES, meta_model, param_counts, untested_family
+from pipeline.model.naming import WeightNames
+from pipeline.model.weight_files import read_header, read_index
+from pipeline.model.weights import read_tensor
+from pipeline.prep.hub import import_local, verify
+from pipeline.prep.tiny import FAMILIES, build_family, family_config
+from pipeline.strategies.memory import Shape
+from pipeline.strategies.registry import make_strategy
+
+MECHANISMS = ("gemma2", "gemma3", "mixtral", "qwen3-moe")
+"""The families with something of their own for the trainer to get right (eager attention and soft-capping, a scaled
+embedding, per-expert tensors): every strategy question is asked of them on two ranks; the others train once."""
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {family: build_family(root / family, family) for family in FAMILIES}
+
+
+def header_names(folder: Path) -> set[str]:
+    return {name for path in folder.glob("*.safetensors") for name in read_header(path)}
+
+
+def test_the_tested_model_types_are_the_families_the_suite_builds():
+    assert set(TESTED_MODEL_TYPES) == {family_config(f, 1024, 0, 1).model_type for f in FAMILIES}
+    assert untested_family(family_config("mixtral", 1024, 0, 1)) == ""
+    config = AutoConfig.for_model("olmo", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2)
+    assert untested_family(config).startswith("model_type 'olmo' is not one of the families the suite trains (llama,")
+
+
+def test_transformers_conversion_rules_are_still_where_naming_reads_them():
+    """naming.py is the one reader of transformers' conversion rules (not in its documented API)."""
+    from transformers import conversion_mapping, core_model_loading
+
+    assert callable(conversion_mapping.get_model_conversion_mapping)
+    for name in ("WeightConverter", "WeightRenaming", "MergeModulelist", "Concatenate", "rename_source_key",
+                 "revert_weight_conversion", "dot_natural_key"):
+        assert hasattr(core_model_loading, name), name
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_imports_and_verifies(family, families, tmp_path):
+    """MODEL_DOWNLOAD's check on the meta device: every model tensor found under the file's names (per-expert
+    tensors joined by transformers' rules), none of the file's left over."""
+    report = verify(families[family])
+    assert report.unexpected == []
+    assert report.num_params == param_counts(meta_model(report.config))[0]
+    snapshot = import_local(families[family], f"local/{family}", "main", tmp_path / "hub")
+    assert verify(snapshot).model_class == report.model_class
+
+
+def test_moe_checkpoints_name_experts_one_by_one_and_a_rank_reads_only_its_experts(families):
+    folder = families["mixtral"]
+    names = header_names(folder)
+    assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in names
+    model = meta_model(AutoConfig.from_pretrained(folder))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in model.state_dict()
+    source = WeightNames(model).sources(read_index(folder), ["model.layers.0.mlp.experts.gate_up_proj"],
+                                        folder)["model.layers.0.mlp.experts.gate_up_proj"]
+    read = []
+
+    def reading(entry):
+        read.append(entry.start)
+        return torch.zeros(entry.shape)
+
+    assert list(source.assemble(reading, model.config, (2, 4)).shape) == [2, 256, 64]
+    starts = {e.start: (pattern, i) for pattern, entries in source.parts.items() for i, e in enumerate(entries)}
+    assert sorted(starts[s][1] for s in read) == [2, 2, 3, 3]  # w1 and w3 of experts 2 and 3 only
+    rows = source.assemble(read_tensor, model.config)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert torch.equal(rows, reference.model.layers[0].mlp.experts.gate_up_proj.detach())
+
+
+def test_a_naming_mismatch_names_both_sides(families, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "renamed"
+    folder.mkdir()
+    for f in families["mixtral"].iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(folder / "model.safetensors")
+    save_file({k.replace("block_sparse_moe", "moe_block"): v for k, v in tensors.items()},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError) as err:
+        verify(folder)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("tensor model.layers.0.mlp.gate.weight of the model is not in the weights in ")
+    assert "which hold 26 tensors under names the model does not use (e.g. model.layers.0.moe_block.experts.0.w2" \
+           ".weight): a naming mismatch that transformers' conversion rules for model_type mixtral do not cover" \
+           in message
+
+
+def test_attention_kernel_auto_is_transformers_default_and_a_refused_one_is_one_line():
+    gemma2, llama = family_config("gemma2", 1024, 0, 1), family_config("llama", 1024, 0, 1)
+    assert meta_model(gemma2).config._attn_implementation == "eager"  # soft-capped scores: no sdpa in transformers
+    assert meta_model(llama).config._attn_implementation == "sdpa"
+    assert meta_model(llama, attn_implementation="eager").config._attn_implementation == "eager"
+    with pytest.raises(UserError, match=r"^--attn-implementation sdpa: Gemma2ForCausalLM refuses it \("
+                                        r"Gemma2ForCausalLM does not support an attention implementation through "
+                                        r"torch\.nn\.functional\.scaled_dot_product_attention yet\); it accepts "
+                                        r"eager, flex_attention, flash_attention_2$"):
+        meta_model(gemma2, attn_implementation="sdpa")
+    assert gemma2._attn_implementation is None  # the refused kernel is not left on the user's config
+
+
+def test_eager_and_sdpa_train_the_same_loss(families, group_of_one):
+    """The kernel changes how attention is computed, not what: the first loss is the same to 1e-5."""
+    from pipeline.data.batches import make_batch
+
+    got = {}
+    for kernel in ("eager", "sdpa"):
+        cfg = ModelConfig(model_name=str(families["llama"]), precision="fp32", strategy="ddp", sharding="NO_SHARD",
+                          attn_implementation=kernel)
+        strategy = make_strategy(cfg, group_of_one, torch.float32)
+        strategy.build(AutoConfig.from_pretrained(families["llama"]))
+        strategy.load_weights(families["llama"])
+        batch = make_batch(np.random.default_rng(0).integers(0, 1024, size=(2, 32)), None, group_of_one.device)
+        with torch.no_grad():
+            got[kernel] = strategy.loss()(batch, 2 * 31).item()
+    assert got["eager"] == pytest.approx(got["sdpa"], abs=1e-5)
+
+
+def test_moe_counts_the_experts_a_token_is_routed_to():
+    """MFU's FLOPs and the memory estimate: every expert is held, 2 of 4 compute per token."""
+    config = family_config("mixtral", 1024, 0, 1)
+    total, active = param_counts(meta_model(config))
+    experts = 2 * 4 * 3 * 64 * 128  # layers x experts x (w1, w2, w3) x hidden x intermediate
+    assert total == Shape.of(config).num_params == 353_088
+    assert active == total - 1024 * 64 - experts // 2
+    assert Shape.of(config).intermediate == 2 * 128
+
+
+# ---- on two ranks, through the user's commands
+
+
+def train(env: dict, root: Path, model: str, *extra: object) -> dict[int, float]:
+    args = ["-d", env["dataset"], "-m", model, "--save-dir", root, "--config", ROOT / "configs" / "demo.yaml",
+            "--log-freq", "1", "--eval-freq", "0", "--ckpt-freq", "2", "--lr-schedule", "constant",
+            "--warmup-steps", "0", *extra]
+    proc = torchrun(2, ROOT / "fsdp1.py", *args, env=env["env"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def family_env(train_env, families, tmp_path_factory) -> dict:
+    """train_env's datasets with every family imported into its own HF_HOME as local/FAMILY."""
+    hf = tmp_path_factory.mktemp("family_hf")
+    for family, folder in families.items():
+        import_local(folder, f"local/{family}", "main", hf / "hub")
+    return {**train_env, "env": {**train_env["env"], "HF_HOME": str(hf)}}
+
+
+def checkpoint_logits(checkpoint: Path, model_dir: Path, d) -> torch.Tensor:
+    """Logits of a training checkpoint's model (loaded as pipeline.export loads it) for fixed inputs."""
+    import torch.distributed.checkpoint as dcp
+
+    cfg = ModelConfig(model_name=str(model_dir), precision="fp32", strategy="fsdp2", sharding="FULL_SHARD",
+                      vocab_parallel="off")
+    strategy = make_strategy(cfg, d, torch.float32)
+    strategy.build(AutoConfig.from_pretrained(model_dir))
+    state = strategy.state_dict()
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    strategy.load_state_dict(state)
+    with torch.no_grad():
+        return strategy.model(input_ids=torch.arange(64).reshape(2, 32)).logits
+
+
+def exported_logits(folder: Path) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return model(input_ids=torch.arange(64).reshape(2, 32)).logits
+
+
+@pytest.mark.parametrize("family", MECHANISMS)
+def test_family_resumes_bitwise_exports_what_it_trained_and_ddp_agrees(family, family_env, families, tmp_path,
+                                                                       group_of_one):
+    """fsdp2 stopped at step 2 (--max-steps 2) and rerun to step 4 resumes from its checkpoint and gives the
+    uninterrupted run's losses bit for bit (tests/test_resume.py kills runs for real); ddp's agree to 1e-5; the
+    export, in save_pretrained's layout, computes the checkpoint's logits."""
+    model = f"local/{family}"
+    train(family_env, tmp_path, model, "-e", "r", "--max-steps", "2")
+    resumed = train(family_env, tmp_path, model, "-e", "r", "--max-steps", "4")
+    assert "resumed from" in resumed.stderr + resumed.stdout
+    train(family_env, tmp_path, model, "-e", "ref", "--max-steps", "4")
+    train(family_env, tmp_path, model, "-e", "ddp", "--max-steps", "4", "--strategy", "ddp")
+    run, ref, ddp = (losses(tmp_path / name) for name in ("r", "ref", "ddp"))
+    assert run == ref and sorted(run) == [1, 2, 3, 4]
+    assert ddp == pytest.approx(ref, abs=1e-5)
+    assert header_names(tmp_path / "r" / "hf") == header_names(families[family])
+    torch.testing.assert_close(exported_logits(tmp_path / "r" / "hf"),
+                               checkpoint_logits(tmp_path / "r" / "checkpoints" / "step-00000004", families[family],
+                                                 group_of_one), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in MECHANISMS and not f.startswith("llama")])
+def test_dense_family_trains_on_two_ranks_and_exports_what_it_trained(family, family_env, families, tmp_path,
+                                                                      group_of_one):
+    """The dense families whose forward is Llama's in its parts (the suite's Llama runs cover resume for them)."""
+    train(family_env, tmp_path, f"local/{family}", "-e", "r", "--max-steps", "2")
+    assert sorted(losses(tmp_path / "r")) == [1, 2]
+    assert header_names(tmp_path / "r" / "hf") == header_names(families[family])
+    torch.testing.assert_close(exported_logits(tmp_path / "r" / "hf"),
+                               checkpoint_logits(tmp_path / "r" / "checkpoints" / "step-00000002", families[family],
+                                                 group_of_one), rtol=0, atol=0)
+
+
+def test_an_export_index_lists_every_tensor_once(families, tmp_path):
+    from pipeline.train.export import write_index
+
+    folder = tmp_path / "two"
+    folder.mkdir()
+    (folder / "model-00001-of-00001.safetensors").write_bytes((families["qwen3"] / "model.safetensors").read_bytes())
+    write_index(folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == header_names(families["qwen3"])
+    assert set(index["weight_map"].values()) == {"model-00001-of-00001.safetensors"}
+    with open(folder / "model-00001-of-00001.safetensors", "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+    assert index["metadata"]["total_size"] == (folder / "model-00001-of-00001.safetensors").stat().st_size - 8 - n
