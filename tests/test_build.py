@@ -13,6 +13,7 @@ from transformers import AutoConfig, PreTrainedModel
 from pipeline.config import from_flat
 from pipeline.data.batches import make_batch
 from pipeline.model.transforms import ModelTransform
+from pipeline.prep.tiny import FAMILIES, family_config
 from pipeline.strategies.registry import STRATEGIES, make_strategy, settle
 from pipeline.train.optim import build_optimizer, build_scheduler
 from pipeline.train.step import Update, train_step
@@ -78,34 +79,16 @@ def test_a_skipped_step_reports_the_global_norm_and_every_rank_skips_it(tmp_path
     assert got["finite"] == [{"applied": True, "grad_norm": 3.0, "loss": 1.5}] * 2
 
 
-FAMILIES = {
-    "llama": ("LlamaConfig", {}),
-    "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
-    "mistral": ("MistralConfig", {"sliding_window": 8}),
-    "qwen2": ("Qwen2Config", {}),
-    "qwen3": ("Qwen3Config", {"head_dim": 16}),
-    "phi3": ("Phi3Config", {"pad_token_id": 0}),
-    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16}),
-    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16}),
-    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "qwen3-moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
-                                     "moe_intermediate_size": 32, "decoder_sparse_step": 1}),
-}
-
-
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory) -> dict:
-    """Tiny random models of two families, saved as save_pretrained saves them (Gemma3: a scaled embedding, a
-    non-persistent buffer no file holds)."""
-    import transformers
+    """Tiny random models of every family the README lists (prep/tiny.FAMILIES), saved as save_pretrained saves
+    them (Gemma: a scaled embedding, a non-persistent buffer no file holds; MoE: one tensor per expert)."""
     from transformers import AutoModelForCausalLM
 
     root, out = tmp_path_factory.mktemp("families"), {}
-    for family, (config_class, extra) in FAMILIES.items():
-        config = getattr(transformers, config_class)(
-            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, **{"tie_word_embeddings": False, **extra})
+    for family in FAMILIES:
         torch.manual_seed(0)
+        config = family_config(family, 512, 0, 1)
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(root / family)
         out[family] = root / family
     return out
