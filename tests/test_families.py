@@ -123,10 +123,15 @@ def test_attention_kernel_auto_is_transformers_default_and_a_refused_one_is_one_
     assert gemma2._attn_implementation is None  # the refused kernel is not left on the user's config
 
 
-def test_eager_and_sdpa_train_the_same_loss(families, group_of_one):
-    """The kernel changes how attention is computed, not what: the first loss is the same to 1e-5."""
+def test_eager_and_sdpa_train_the_same_loss_and_keep_packed_documents_apart(families, group_of_one):
+    """The kernel changes how attention is computed, not what: the first loss is the same to 1e-5, for plain rows
+    and for rows packing two documents (position ids restarting mid-row), where both see the documents apart."""
+    from pipeline.data import packing
     from pipeline.data.batches import make_batch
 
+    ids = np.random.default_rng(0).integers(0, 1024, size=(2, 32))
+    flags = np.full(ids.shape, packing.TRAIN)
+    flags[:, [0, 20]] |= packing.START
     got = {}
     for kernel in ("eager", "sdpa"):
         cfg = ModelConfig(model_name=str(families["llama"]), precision="fp32", strategy="ddp", sharding="NO_SHARD",
@@ -134,10 +139,17 @@ def test_eager_and_sdpa_train_the_same_loss(families, group_of_one):
         strategy = make_strategy(cfg, group_of_one, torch.float32)
         strategy.build(AutoConfig.from_pretrained(families["llama"]))
         strategy.load_weights(families["llama"])
-        batch = make_batch(np.random.default_rng(0).integers(0, 1024, size=(2, 32)), None, group_of_one.device)
         with torch.no_grad():
-            got[kernel] = strategy.loss()(batch, 2 * 31).item()
-    assert got["eager"] == pytest.approx(got["sdpa"], abs=1e-5)
+            for packed in (False, True):
+                batch = make_batch(ids, flags if packed else None, group_of_one.device)
+                targets = int((batch.labels[:, 1:] != -100).sum())
+                got[kernel, packed] = strategy.loss()(batch, targets).item()
+            row, pos = torch.tensor(ids[:1]), torch.tensor(packing.positions(flags[:1]))
+            second = strategy.module(input_ids=row, position_ids=pos, use_cache=False).logits[0, 20:]  # as trained
+            alone = strategy.module(input_ids=row[:, 20:]).logits[0]
+        torch.testing.assert_close(second, alone, rtol=0, atol=1e-5)  # the second document does not see the first
+    assert got["eager", False] == pytest.approx(got["sdpa", False], abs=1e-5)
+    assert got["eager", True] == pytest.approx(got["sdpa", True], abs=1e-5)
 
 
 def test_moe_counts_the_experts_a_token_is_routed_to():

@@ -39,6 +39,8 @@ class CausalLMLoss:
     def __call__(self, batch: Batch, num_items: float) -> torch.Tensor:
         """Loss of the batch over num_items targets. A collective in the vocabulary-parallel path: every rank calls it
         with the same shapes."""
+        # use_cache=False, never left to the default: with a cache transformers no longer finds packed documents from
+        # the restarting position ids (masking_utils), and each document would attend to the ones before it
         if not self.vocab_parallel:
             device = batch.input_ids.device.type
             autocast = torch.autocast(device, self.autocast) if self.autocast else contextlib.nullcontext()
