@@ -250,3 +250,29 @@ def test_an_export_index_lists_every_tensor_once(families, tmp_path):
     with open(folder / "model-00001-of-00001.safetensors", "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
     assert index["metadata"]["total_size"] == (folder / "model-00001-of-00001.safetensors").stat().st_size - 8 - n
+
+
+def test_the_report_names_moe_routing_and_an_untested_family():
+    from pipeline.prep.hub import family_lines
+
+    assert family_lines(family_config("qwen3-moe", 1024, 0, 1)) == [
+        "mixture of experts: 4 experts, 2 per token (every expert is held; activations, and MFU in training, count "
+        "those a token is routed to)"]
+    assert family_lines(family_config("llama", 1024, 0, 1)) == []
+    olmo = AutoConfig.for_model("olmo", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2)
+    assert family_lines(olmo) == [f"warning: {untested_family(olmo)}; fsdp1.py attempts it"]
+
+
+def test_an_untested_family_trains_without_the_vocabulary_parallel_head_under_auto(group_of_one):
+    """Its loss is then the model's own forward: nothing the suite has not checked stands between them."""
+    olmo = AutoConfig.for_model("olmo", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2)
+    llama = family_config("llama", 64, 0, 1)
+    built = {}
+    for name, config in (("olmo", olmo), ("llama", llama)):
+        strategy = make_strategy(ModelConfig(model_name="x", precision="fp32", strategy="fsdp2",
+                                             sharding="FULL_SHARD"), group_of_one, torch.float32)
+        strategy.build(config)
+        built[name] = strategy.vocab_parallel
+    assert built == {"olmo": False, "llama": True}

@@ -283,6 +283,20 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
+def family_lines(config) -> list[str]:
+    """What the report says of the model's family: a mixture of experts' routing, an untested family."""
+    from pipeline.model.modeling import untested_family
+
+    lines = []
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts and getattr(config, "num_experts_per_tok", None):
+        lines.append(f"mixture of experts: {experts} experts, {config.num_experts_per_tok} per token (every expert "
+                     "is held; activations, and MFU in training, count those a token is routed to)")
+    if why := untested_family(config):
+        lines.append(f"warning: {why}; fsdp1.py attempts it")
+    return lines
+
+
 def format_report(rep: ModelReport, where: Path, skipped: list[str]) -> str:
     lines = [
         f"model:       {rep.model_class} at {where}",
@@ -299,6 +313,7 @@ def format_report(rep: ModelReport, where: Path, skipped: list[str]) -> str:
         lines.append(f"left out (not needed for training): {', '.join(skipped)}")
     if rep.unexpected:
         lines.append(f"ignored tensors not used by {rep.model_class}: {', '.join(rep.unexpected[:5])}")
+    lines.extend(family_lines(rep.config))
     seq = table_seq(rep.config)
     lines.append(f"estimated peak memory per GPU, full fine-tuning with fsdp1.py (bf16 compute; fp32 master weights, "
                  f"gradients and AdamW states; batch 1 x seq {seq}, --activation-checkpointing on; plus about 1 GiB "
