@@ -165,8 +165,8 @@ def test_moe_counts_the_experts_a_token_is_routed_to():
 # ---- on two ranks, through the user's commands
 
 
-def train(env: dict, root: Path, model: str, *extra: object) -> dict[int, float]:
-    args = ["-d", env["dataset"], "-m", model, "--save-dir", root, "--config", ROOT / "configs" / "demo.yaml",
+def train(env: dict, root: Path, model: str, *extra: object, dataset: str = "dataset"):
+    args = ["-d", env[dataset], "-m", model, "--save-dir", root, "--config", ROOT / "configs" / "demo.yaml",
             "--log-freq", "1", "--eval-freq", "0", "--ckpt-freq", "2", "--lr-schedule", "constant",
             "--warmup-steps", "0", *extra]
     proc = torchrun(2, ROOT / "fsdp1.py", *args, env=env["env"])
@@ -228,8 +228,10 @@ def test_family_resumes_bitwise_exports_what_it_trained_and_ddp_agrees(family, f
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in MECHANISMS and not f.startswith("llama")])
 def test_dense_family_trains_on_two_ranks_and_exports_what_it_trained(family, family_env, families, tmp_path,
                                                                       group_of_one):
-    """The dense families whose forward is Llama's in its parts (the suite's Llama runs cover resume for them)."""
-    train(family_env, tmp_path, f"local/{family}", "-e", "r", "--max-steps", "2")
+    """The dense families whose forward is Llama's in its parts (the suite's Llama runs cover resume for them),
+    fine-tuned on conversations through the chat template their tokenizer carries."""
+    train(family_env, tmp_path, f"local/{family}", "-e", "r", "--max-steps", "2", dataset="chats")
+    assert "conversations: " in (tmp_path / "r" / "train.log").read_text()
     assert sorted(losses(tmp_path / "r")) == [1, 2]
     assert header_names(tmp_path / "r" / "hf") == header_names(families[family])
     torch.testing.assert_close(exported_logits(tmp_path / "r" / "hf"),
