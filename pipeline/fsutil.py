@@ -13,6 +13,7 @@ from typing import Any, BinaryIO
 import yaml
 
 from pipeline.errors import UserError
+from pipeline.yaml_bounds import YamlBoundsError, check_bounds
 
 
 def hash_file(path: Path, digest) -> str:
@@ -61,11 +62,19 @@ def replace_dir(new: Path, target: Path) -> None:
 
 
 def read_yaml(path: Path, what: str) -> Any:
-    """The YAML document of a file the user named (`what`: its flag), with one clear line when it cannot be read."""
+    """The YAML document of a file the user named (`what`: its flag), with one clear line when it cannot be read,
+    and refused in one line beyond yaml_bounds' limits (a deep nesting or an alias bomb would crash or exhaust the
+    loader)."""
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        check_bounds(text)
+        return yaml.safe_load(text)
     except OSError:
         raise UserError(f"{what} {path} cannot be read") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{what} {path} is not UTF-8 text") from None
+    except YamlBoundsError as exc:
+        raise UserError(f"{what} {path} is refused: {exc}") from None
     except yaml.YAMLError as exc:
         raise UserError(f"{what} {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
 

@@ -169,3 +169,18 @@ def test_the_resume_guard_covers_every_field_of_the_fingerprint(tmp_path):
         assert str(err.value).startswith(f"refusing to resume {tmp_path}: {key} was ")
     with pytest.raises(UserError, match="a_field_added_later was 1 and is now None"):
         check_fingerprint(tmp_path, saved, {"model_name": "m", "seq_length": 128})
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("lr: " + "[" * 100_000 + "]" * 100_000, "it is nested deeper than 100 levels"),
+    ("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True)),
+     "it expands to more than 2,000,000 nodes through its aliases"),
+])
+def test_a_hostile_config_file_is_one_line_before_the_loader_sees_it(tmp_path, text, why):
+    """A depth-100,000 config was a 2,997-line RecursionError, an alias bomb 4 GB of memory in 88 s."""
+    hostile = tmp_path / "hostile.yaml"
+    hostile.write_text(text)
+    with pytest.raises(UserError) as err:
+        resolve([*REQUIRED, "--config", str(hostile)])
+    assert str(err.value) == f"--config {hostile} is refused: {why}"

@@ -172,6 +172,8 @@ def test_bad_files_are_reported_and_good_text_kept(tmp_path):
     write(data, "empty.txt", "")
     write(data, "blank.md", "  \n\n")
     write(data, "deep.json", "[" * 100_000 + "]" * 100_000)
+    write(data, "deep.yaml", "[" * 100_000 + "]" * 100_000)  # the C loader's stack overflows: SIGSEGV, not skipped
+    write(data, "bomb.yaml", BOMB)
     write(data, "numbers.json", "[1, 2, 3]")
     write(data, "allbad.jsonl", "{x\n{y\n")
     write(data, "table.csv", "a,b\n")
@@ -184,11 +186,17 @@ def test_bad_files_are_reported_and_good_text_kept(tmp_path):
         "invalid_jsonl": ["allbad.jsonl"],
         "invalid_yaml": ["broken.yaml"],
         "no_text": ["numbers.json"],
-        "too_deeply_nested": ["deep.json"],
+        "too_deeply_nested": ["deep.json", "deep.yaml"],
+        "alias_expansion": ["bomb.yaml"],
         "undecodable": ["latin.md"],
         "unsupported_type": ["table.csv"],
     }
     assert report["bad_jsonl_lines"] == {"count": 1, "where": ["mixed.jsonl:2"]}
+
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True))
+"""342 bytes of aliases naming aliases: 9^9 (387M) strings once expanded."""
 
 
 def test_yaml_tags_cannot_run_code(tmp_path):

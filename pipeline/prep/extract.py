@@ -11,12 +11,13 @@ from pathlib import Path
 import yaml
 
 from pipeline.prep import conversations
+from pipeline.yaml_bounds import PARSER, YamlBoundsError, check_bounds
 
 TEXT_TYPES = (".txt", ".md")
 SUPPORTED = (*TEXT_TYPES, ".json", ".jsonl", ".yaml", ".yml")
 ROW_CHARS = 1_000_000
 """Plain-text files larger than this are cut into rows of about this many characters at paragraph boundaries."""
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # SafeLoader family only: no tag can run code
+_YAML_LOADER = PARSER  # SafeLoader family only: no tag can run code
 
 
 class SkipFile(Exception):
@@ -125,6 +126,12 @@ def _json_rows(text: str) -> Extracted:
 
 
 def _yaml_rows(text: str) -> Extracted:
+    try:  # before the loader: a deep list kills it with SIGSEGV, an alias bomb fills memory (yaml_bounds)
+        check_bounds(text)
+    except YamlBoundsError as exc:
+        raise SkipFile(exc.reason) from None
+    except yaml.YAMLError:
+        raise SkipFile("invalid_yaml") from None
     docs = _parse(lambda t: list(yaml.load_all(t, Loader=_YAML_LOADER)), text, "invalid_yaml")
     return Extracted(rows=[row for row in ("\n".join(strings_in(d)) for d in docs) if row])
 
