@@ -185,15 +185,9 @@ def family_env(train_env, families, tmp_path_factory) -> dict:
 
 def checkpoint_logits(checkpoint: Path, model_dir: Path, d) -> torch.Tensor:
     """Logits of a training checkpoint's model (loaded as pipeline.export loads it) for fixed inputs."""
-    import torch.distributed.checkpoint as dcp
+    from pipeline.train.checkpoint import checkpoint_model
 
-    cfg = ModelConfig(model_name=str(model_dir), precision="fp32", strategy="fsdp2", sharding="FULL_SHARD",
-                      vocab_parallel="off")
-    strategy = make_strategy(cfg, d, torch.float32)
-    strategy.build(AutoConfig.from_pretrained(model_dir))
-    state = strategy.state_dict()
-    dcp.load(state, checkpoint_id=str(checkpoint))
-    strategy.load_state_dict(state)
+    strategy = checkpoint_model(checkpoint, model_dir, d)
     with torch.no_grad():
         return strategy.model(input_ids=torch.arange(64).reshape(2, 32)).logits
 

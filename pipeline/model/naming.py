@@ -8,7 +8,7 @@ save_pretrained); this module is the one place that reads them, so the loader, M
 agree with from_pretrained by construction, never by a table of ours.
 
 The rules live in `transformers.conversion_mapping` and `transformers.core_model_loading`: not underscore-private,
-but not in transformers' documented API either, so they are imported here only (tests/test_build.py checks they
+but not in transformers' documented API either, so they are imported here only (tests/test_families.py checks they
 still exist).
 """
 
@@ -55,8 +55,6 @@ class Source:
     parts: dict[str, list[TensorEntry]] = field(default_factory=dict)
     """The converter's source pattern -> the file tensors it matched, in transformers' order (experts by number);
     a plain tensor: {"": [its entry]}."""
-    names: dict[str, list[str]] = field(default_factory=dict)
-    """The file names of parts, in the same order."""
     converter: object | None = None
 
     @property
@@ -123,7 +121,6 @@ class WeightNames:
             model_name, pattern = self._model_name(file_name)
             src = found.setdefault(model_name, Source())
             src.parts.setdefault(pattern or "", []).append(index[file_name])
-            src.names.setdefault(pattern or "", []).append(file_name)
             if pattern is not None:
                 src.converter = by_pattern[pattern]
         out: dict[str, Source] = {}
@@ -141,7 +138,7 @@ class WeightNames:
         unused = sorted(set(found) - set(self.keys) - set(self.partners))
         if not unused:
             return f"tensor {key} is missing from the weights in {where}"
-        files = [n for name in unused for group in found[name].names.values() for n in group]
+        files = [e.name for name in unused for group in found[name].parts.values() for e in group]
         return (f"tensor {key} of the model is not in the weights in {where}, which hold {len(files)} tensors under "
                 f"names the model does not use (e.g. {files[0]}): a naming mismatch that "
                 f"transformers' conversion rules for model_type {self.config.model_type} do not cover; convert the "

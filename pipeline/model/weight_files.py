@@ -31,6 +31,8 @@ class TensorEntry:
     shape: list[int]
     start: int
     """Byte offset of its data from the start of the file."""
+    name: str = ""
+    """Its name in the file."""
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
@@ -52,7 +54,7 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
                 raise corrupt(path, f"header of {n} bytes in a file of {size}")
             header = json.loads(f.read(n))
         header.pop("__metadata__", None)
-        entries = {name: TensorEntry(path, e["dtype"], list(e["shape"]), 8 + n + e["data_offsets"][0])
+        entries = {name: TensorEntry(path, e["dtype"], list(e["shape"]), 8 + n + e["data_offsets"][0], name)
                    for name, e in header.items()}
         end = 8 + n + max((e["data_offsets"][1] for e in header.values()), default=0)
     except (OSError, struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -81,7 +81,7 @@ class RowSliceReader(dcp.HuggingFaceStorageReader):
                 for req in items:
                     src = self.sources[req.storage_index.fqn]
                     if not self._read_rows(f, src.entry, req, planner):
-                        self._read_mapped(path, src.names[""][0], req, planner)
+                        self._read_mapped(path, src.entry.name, req, planner)
         done: Future = Future()
         done.set_result(None)
         return done

@@ -234,7 +234,7 @@ def verify(model_dir: Path) -> ModelReport:
         if st_dtype != str(tensor.dtype).removeprefix("torch."):
             raise UserError(f"tensor {name} is {st_dtype} in the weights but the config says "
                             f"{str(tensor.dtype).removeprefix('torch.')}")
-    used = {n for src in sources.values() for group in src.names.values() for n in group}
+    used = {e.name for src in sources.values() for group in src.parts.values() for e in group}
     used |= {n for n in index if names.partners.get(n) in sources}
     return ModelReport(type(model).__name__, sum(p.numel() for p in model.parameters()),
                        str(dtype).removeprefix("torch."), disk, config, sorted(set(index) - used))

@@ -376,20 +376,27 @@ class Checkpointer:
 def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[Strategy, Path]:
     """The model of a training checkpoint, distributed over this process group (no optimizer), and the base model's
     folder (config and tokenizer; its weights are not read). A collective."""
-    from transformers import AutoConfig
-
-    from pipeline.config import ModelConfig
     from pipeline.prep.hub import resolve_model_dir
 
     if not (checkpoint / TRAINER).exists() or not (checkpoint / ".metadata").exists():
         raise UserError(f"--checkpoint {checkpoint} is not a complete checkpoint (no {TRAINER} or .metadata)")
     model_name = json.loads((checkpoint / TRAINER).read_text())["fingerprint"]["model_name"]
     model_dir = resolve_model_dir(model_name)
-    config = ModelConfig(model_name=model_name, precision="fp32", strategy="fsdp2", sharding="FULL_SHARD",
+    return checkpoint_model(checkpoint, model_dir, d), model_dir
+
+
+def checkpoint_model(checkpoint: Path, model_dir: Path, d: Dist) -> Strategy:
+    """The model of a complete training checkpoint of the model in model_dir (its config), in fp32 under fsdp2
+    FULL_SHARD, no optimizer. A collective."""
+    from transformers import AutoConfig
+
+    from pipeline.config import ModelConfig
+
+    config = ModelConfig(model_name=str(model_dir), precision="fp32", strategy="fsdp2", sharding="FULL_SHARD",
                          vocab_parallel="off")
     strategy = make_strategy(config, d, torch.float32)
     strategy.build(AutoConfig.from_pretrained(model_dir))
     state = strategy.state_dict()
     dcp.load(state, checkpoint_id=str(checkpoint))
     strategy.load_state_dict(state)
-    return strategy, model_dir
+    return strategy

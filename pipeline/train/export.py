@@ -134,7 +134,7 @@ def write_index(folder: Path) -> None:
     named other than model.safetensors only through it."""
     files = sorted(folder.glob("*.safetensors"))
     headers = {path.name: read_header(path) for path in files}
-    total = sum(math.prod(e.shape) * torch.empty((), dtype=e.torch_dtype).element_size()
+    total = sum(math.prod(e.shape) * e.torch_dtype.itemsize
                 for header in headers.values() for e in header.values())
     weight_map = {name: file for file, header in headers.items() for name in sorted(header)}
     (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
