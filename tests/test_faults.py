@@ -12,7 +12,7 @@ import sys
 import psutil
 import pytest
 import torch
-from conftest import ROOT, losses, run_script, wait_for
+from conftest import ROOT, losses, run_script, torchrun, wait_for
 from test_resume import args, start, train
 
 pytestmark = pytest.mark.slow
@@ -187,3 +187,49 @@ def test_no_worker_outlives_a_killed_launcher(train_env, tmp_path):
     for p in alive:
         p.kill()
     assert not alive, f"workers still running 20 s after the launcher died: {[p.pid for p in alive]}"
+
+
+def fake_checkpoint(run, step: int, *, manifest: bool = True, metadata: bool = True) -> None:
+    """A checkpoint folder as Checkpointer.choose and verify see one, and state.json naming it (no model inside)."""
+    from pipeline.train.checkpoint import MANIFEST, STATE, file_digest, step_name, write_json_atomic
+
+    ckpt = run / "checkpoints" / step_name(step)
+    ckpt.mkdir(parents=True)
+    (ckpt / "__0_0.distcp").write_bytes(bytes(range(256)) * step)
+    if metadata:
+        (ckpt / ".metadata").write_bytes(b"metadata")
+    files = {p.name: {"bytes": p.stat().st_size, "xxh3": file_digest(p)} for p in ckpt.iterdir()}
+    if manifest:
+        write_json_atomic(ckpt / MANIFEST, {"step": step, "files": files})
+    done = sorted(p.name for p in (run / "checkpoints").iterdir())
+    write_json_atomic(run / STATE, {"step": step, "path": f"checkpoints/{step_name(step)}", "checkpoints": done,
+                                    "fingerprint": {}})
+
+
+def test_ranks_that_see_different_checkpoints_refuse_alike_instead_of_one_waiting_on_the_other(tmp_path):
+    """Which checkpoint to resume from, and its check, are agreed: rank 1 alone seeing a damaged or another newest
+    checkpoint (its own copy of --save-dir) used to refuse alone while rank 0 waited in the next collective."""
+    for rank in (0, 1):
+        for case in ("agreed", "newest", "manifest", "resume_from"):
+            run = tmp_path / case / f"rank-{rank}"
+            fake_checkpoint(run, 5)
+            odd = rank == 1 and case != "agreed"
+            if not (odd and case == "newest"):
+                fake_checkpoint(run, 10, manifest=not (odd and case == "manifest"),
+                                metadata=not (odd and case == "resume_from"))
+    cases = {"agreed": "", "newest": "", "manifest": "", "resume_from": "step-00000010"}
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    proc = torchrun(2, ROOT / "tests" / "helpers" / "rank_views.py", tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads((tmp_path / "outcomes.json").read_text())
+    seen = tmp_path / "resume_from" / "rank-1" / "checkpoints" / "step-00000010"
+    assert got["agreed"] == ["ok", "ok"]
+    assert got["resume_from"] == [f"--resume-from step-00000010: {seen} is not a complete checkpoint"] * 2
+    damaged = tmp_path / "manifest" / "rank-1" / "checkpoints" / "step-00000010" / "manifest.json"
+    assert got["manifest"] == [f"checkpoint step-00000010 is damaged: {damaged} is missing: it was not completed; "
+                               "resume from the previous one with --resume-from step-00000005"] * 2
+    for rank, text in enumerate(got["newest"]):
+        assert text == (f"the ranks do not see the same newest checkpoint in "
+                        f"{tmp_path / 'newest' / f'rank-{rank}' / 'checkpoints'} (rank 0: step-00000010, rank 1: "
+                        "step-00000005); every rank must see the same --save-dir (a file system shared by every "
+                        "node, not a copy)")

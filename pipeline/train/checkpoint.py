@@ -259,8 +259,7 @@ class Checkpointer:
         if self.dist.is_main:
             mine += [path / ".metadata", path / TRAINER]
         local = {p.name: {"bytes": p.stat().st_size, "xxh3": file_digest(p)} for p in mine}
-        gathered: list[dict] = [{} for _ in range(self.dist.world_size)]
-        dist.all_gather_object(gathered, local)
+        gathered = self.gather(local)
         if self.dist.is_main:
             files = {k: v for part in gathered for k, v in part.items()}
             write_json_atomic(path / MANIFEST, {"step": step, "files": dict(sorted(files.items()))})
@@ -328,38 +327,52 @@ class Checkpointer:
         return self.run_dir / state["path"] if state else None
 
     def choose(self, resume_from: str) -> Path | None:
-        """The checkpoint to resume from: --resume-from, else the newest complete one, else None."""
+        """The checkpoint to resume from: --resume-from, else the newest complete one, else None. A collective, so
+        that every rank refuses alike or resumes from the same checkpoint: a rank refusing alone, or loading another
+        checkpoint (or none), would leave the others waiting in a collective it never joins."""
+        problem, path = "", None
         if resume_from:
             path = self.root / resume_from
             if not (path / MANIFEST).exists() or not (path / ".metadata").exists():
-                raise UserError(f"--resume-from {resume_from}: {path} is not a complete checkpoint")
-            return path
-        return self.newest()
+                problem = f"--resume-from {resume_from}: {path} is not a complete checkpoint"
+        else:
+            path = self.newest()
+        views = self.gather((problem, path.name if path else ""))
+        if problems := [p for p, _ in views if p]:
+            raise UserError(problems[0])
+        if len({name for _, name in views}) > 1:
+            seen = ", ".join(f"rank {r}: {name or 'none'}" for r, (_, name) in enumerate(views))
+            raise UserError(f"the ranks do not see the same newest checkpoint in {self.root} ({seen}); every rank "
+                            "must see the same --save-dir (a file system shared by every node, not a copy)")
+        return path
 
     def verify(self, path: Path) -> None:
-        """Sizes and checksums of every file in the manifest; the files are split across ranks. A collective."""
-        if not (path / MANIFEST).exists():
-            raise UserError(f"checkpoint {path} has no {MANIFEST}: it was not completed; pass --resume-from with an "
-                            "earlier checkpoint, or --no-resume")
-        manifest = json.loads((path / MANIFEST).read_text())
-        names = sorted(manifest["files"])[self.dist.rank::self.dist.world_size]
+        """Sizes and checksums of every file in the manifest; the files are split across ranks. A collective: every
+        rank raises the same refusal."""
         bad = []
-        for name in names:
-            f, want = path / name, manifest["files"][name]
-            if not f.exists():
-                bad.append(f"{f} is missing")
-            elif f.stat().st_size != want["bytes"]:
-                bad.append(f"{f} is truncated ({f.stat().st_size} of {want['bytes']} bytes)")
-            elif file_digest(f) != want["xxh3"]:
-                bad.append(f"{f} is corrupt (checksum mismatch)")
-        gathered: list[list[str]] = [[] for _ in range(self.dist.world_size)]
-        dist.all_gather_object(gathered, bad)
-        problems = sorted(p for part in gathered for p in part)
-        if problems:
+        if not (path / MANIFEST).exists():
+            bad.append(f"{path / MANIFEST} is missing: it was not completed")
+        else:
+            manifest = json.loads((path / MANIFEST).read_text())
+            for name in sorted(manifest["files"])[self.dist.rank::self.dist.world_size]:
+                f, want = path / name, manifest["files"][name]
+                if not f.exists():
+                    bad.append(f"{f} is missing")
+                elif f.stat().st_size != want["bytes"]:
+                    bad.append(f"{f} is truncated ({f.stat().st_size} of {want['bytes']} bytes)")
+                elif file_digest(f) != want["xxh3"]:
+                    bad.append(f"{f} is corrupt (checksum mismatch)")
+        if problems := sorted(p for part in self.gather(bad) for p in part):
             older = [c for c in (read_state(self.run_dir) or {}).get("checkpoints", []) if c < path.name]
             hint = (f"resume from the previous one with --resume-from {older[-1]}" if older else
                     "no older checkpoint exists; pass --no-resume to start a new run")
             raise UserError(f"checkpoint {path.name} is damaged: {problems[0]}; {hint}")
+
+    def gather(self, mine: object) -> list:
+        """Every rank's `mine`, in rank order. A collective every rank must reach."""
+        views: list = [None] * self.dist.world_size
+        dist.all_gather_object(views, mine)
+        return views
 
     def load(self, path: Path, strategy: Strategy, optimizer) -> dict:
         """Model and optimizer through DCP (resharding to this world size), RNG of this rank; returns trainer.json."""
