@@ -17,4 +17,4 @@ from pipeline.errors import run_cli  # noqa: E402
 from pipeline.train.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, finalize=False)  # it joins a process group: see errors.leave

@@ -3,25 +3,55 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import os
 import sys
+import traceback
 from collections.abc import Callable
+from typing import NoReturn
 
 
 class UserError(Exception):
     """A problem the user can fix (bad path, bad flag, missing model). Printed as one line, exit code 2."""
 
 
-def run_cli(main: Callable[[], int | None]) -> None:
-    """Run a stage's main function, turning UserError into one stderr line and a non-zero exit."""
+def run_cli(main: Callable[[], int | None], *, finalize: bool = True) -> None:
+    """Run a stage's main function, turning UserError into one stderr line and a non-zero exit. finalize=False, for
+    stages that join a process group: leave through leave() however main ends (an unexpected exception prints its
+    traceback first, exit code 1)."""
     try:
         code = main()
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        code = 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        code = 130
+    except SystemExit:  # argparse's --help and usage errors: before any process group exists
+        raise
+    except BaseException:
+        if finalize:
+            raise
+        traceback.print_exc()
+        code = 1
+    if not finalize:
+        leave(code or 0)
     sys.exit(code or 0)
+
+
+def leave(code: int) -> NoReturn:
+    """Exit at once, without interpreter finalization, once the logs, stdout and stderr are flushed. Why: a process
+    group's gloo threads still alive when the interpreter tears itself down (the default group, or one a DDP reducer,
+    a DeviceMesh or an exception's traceback keeps) abort the process ("terminate called without an active
+    exception", pytorch PR 179291) or block it forever, and torchrun then waits on a rank that already said its last
+    line. Hazard: atexit handlers do not run, so whatever must reach the disk is closed before this (the trainer's
+    telemetry, checkpoints and export are)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken pipe: nothing more can be said anyway
+            stream.flush()
+    os._exit(code)
 
 
 class ArgumentParser(argparse.ArgumentParser):

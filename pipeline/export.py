@@ -7,4 +7,4 @@ if __name__ == "__main__":
     from pipeline.errors import run_cli
     from pipeline.train.export import main
 
-    run_cli(main)
+    run_cli(main, finalize=False)  # it joins a process group: see errors.leave

@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:
         if not is_collective_failure(exc):  # this rank's own failure, not the echo of another's
             peers.stop(failure=(str(exc).strip() or type(exc).__name__).splitlines()[0][:300])
-        dist.destroy_process_group()
+        # No destroy_process_group here: another rank may still be inside a collective, and tearing the group down
+        # under it can block this rank (torchtitan#1342). fsdp1.py leaves without finalization (errors.leave).
         raise
     peers.stop()
     dist.barrier()  # every rank's heartbeat has stopped before any rank (one may host the store) exits
