@@ -159,7 +159,7 @@ class ModelConfig(Section):
     from_pretrained gives: sdpa where the family supports it, eager for Gemma2, whose attention soft-caps its
     scores). Packed documents are kept apart by their position ids under every one. A kernel the family refuses is
     one line naming those it accepts."""
-    strategy: StrategyName = "fsdp2"
+    strategy: StrategyName = "auto"
     """How the model is spread over the ranks: fsdp2 (fully_shard), fsdp1 (FullyShardedDataParallel, with the
     --auto-wrap, --backward-prefetch, --forward-prefetch, --limit-all-gathers and --use-orig-params knobs), ddp
     (DistributedDataParallel: a whole replica per rank) or manual (this project's readable ZeRO-3,

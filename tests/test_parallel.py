@@ -52,8 +52,8 @@ def load_sharded(model_dir: Path, d) -> dict[str, torch.Tensor]:
     from pipeline.config import ModelConfig
     from pipeline.strategies.registry import make_strategy
 
-    strategy = make_strategy(ModelConfig(model_name=str(model_dir), precision="fp32", vocab_parallel="off"), d,
-                             torch.float32)
+    strategy = make_strategy(ModelConfig(model_name=str(model_dir), precision="fp32", strategy="fsdp2",
+                                         vocab_parallel="off"), d, torch.float32)
     model = strategy.build(AutoConfig.from_pretrained(model_dir))
     strategy.load_weights(model_dir)
     return {k: v.full_tensor() for k, v in get_model_state_dict(model).items()}
@@ -100,7 +100,7 @@ def test_vocab_parallel_auto_is_on_where_the_sharding_allows_it():
 
     def on(**kw) -> bool:
         return uses_vocab_parallel(settle(from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": "m",
-                                                     **kw})).model)
+                                                     "strategy": "fsdp2", **kw})).model)
 
     assert on() and on(sharding="SHARD_GRAD_OP") and on(vocab_parallel="on")
     assert not on(sharding="HYBRID_SHARD")

@@ -117,7 +117,7 @@ def test_knobs_a_strategy_does_not_apply_are_named():
 
     knobs = {"backward_prefetch": "NONE", "limit_all_gathers": False, "forward_prefetch": True, "auto_wrap": "size",
              "use_orig_params": False, "min_params": 10}
-    assert ignored_knobs(ModelConfig(model_name="m", **knobs)) == [
+    assert ignored_knobs(ModelConfig(model_name="m", strategy="fsdp2", **knobs)) == [
         "--auto-wrap size", "--min-params 10", "--backward-prefetch NONE", "--limit-all-gathers off",
         "--use-orig-params off"]  # FSDP2 applies --forward-prefetch, and prefetches backward as BACKWARD_PRE
     assert ignored_knobs(ModelConfig(model_name="m", strategy="ddp", forward_prefetch=True)) == [

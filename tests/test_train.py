@@ -152,7 +152,7 @@ def test_out_of_memory_hints_name_only_what_applies():
 
     d = Dist(rank=1, world_size=2, local_rank=1, local_world_size=2, device=torch.device("cuda", 1))
     base = {"experiment_name": "x", "dataset_name": "d", "model_name": "m", "batch_size": 8, "seq_length": 2048,
-            "vocab_parallel": "off"}
+            "strategy": "fsdp2", "vocab_parallel": "off"}
     assert out_of_memory_message(settle(from_flat(base)), d) == (
         "rank 1 ran out of CUDA memory at batch 8 x seq 2048; try a smaller --batch-size (with --grad-accum to keep "
         "the global batch), --activation-checkpointing on, --vocab-parallel auto (no full-width logits); the last "

@@ -37,6 +37,8 @@ def with_sharding(m: ModelConfig) -> ModelConfig:
 def make_strategy(cfg: ModelConfig, d: Dist, dtype: torch.dtype,
                   transforms: Sequence[ModelTransform] = ()) -> Strategy:
     """The strategy --strategy names, for this config (its --sharding auto resolved, in a copy, if not yet)."""
+    if cfg.strategy == "auto":  # a programming error, not a user's: preflight resolves auto before any build
+        raise ValueError("make_strategy needs a named strategy: resolve --strategy auto first (auto.plan_memory)")
     return STRATEGIES[cfg.strategy](with_sharding(cfg), d, dtype, transforms)
 
 

@@ -16,7 +16,7 @@ from pipeline.strategies.registry import make_strategy
 def main() -> None:
     model_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
     d = init_distributed()
-    cfg = ModelConfig(model_name=str(model_dir), precision="fp32", vocab_parallel="off")
+    cfg = ModelConfig(model_name=str(model_dir), precision="fp32", strategy="fsdp2", vocab_parallel="off")
     strategy = make_strategy(cfg, d, torch.float32)
     model = strategy.build(AutoConfig.from_pretrained(model_dir))
     strategy.load_weights(model_dir)

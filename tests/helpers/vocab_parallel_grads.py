@@ -18,7 +18,8 @@ from pipeline.strategies.registry import make_strategy
 
 
 def build(model_dir: Path, d, vocab_parallel: bool) -> tuple[torch.nn.Module, CausalLMLoss]:
-    cfg = ModelConfig(model_name=str(model_dir), precision="fp32", vocab_parallel="on" if vocab_parallel else "off")
+    cfg = ModelConfig(model_name=str(model_dir), precision="fp32", strategy="fsdp2",
+                      vocab_parallel="on" if vocab_parallel else "off")
     strategy = make_strategy(cfg, d, torch.float32)
     model = strategy.build(AutoConfig.from_pretrained(model_dir))
     strategy.load_weights(model_dir)
