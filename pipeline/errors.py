@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import logging
 import os
 import sys
@@ -51,6 +52,8 @@ def leave(code: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed or broken pipe: nothing more can be said anyway
             stream.flush()
+    with contextlib.suppress(Exception):  # what C and C++ libraries wrote through stdio (NCCL_DEBUG's lines)
+        ctypes.CDLL(None).fflush(None)
     os._exit(code)
 
 

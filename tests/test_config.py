@@ -184,3 +184,50 @@ def test_a_hostile_config_file_is_one_line_before_the_loader_sees_it(tmp_path, t
     with pytest.raises(UserError) as err:
         resolve([*REQUIRED, "--config", str(hostile)])
     assert str(err.value) == f"--config {hostile} is refused: {why}"
+
+
+STAGE = '''
+import atexit, logging, sys
+from pipeline.errors import UserError, run_cli
+
+def main():
+    logging.basicConfig(filename=sys.argv[2], level=logging.INFO)
+    logging.info("logged")
+    print("printed")  # to a pipe: block-buffered until flushed
+    atexit.register(print, "finalized")
+    kind = sys.argv[1]
+    if kind == "refused":
+        raise UserError("refused")
+    if kind == "crash":
+        raise RuntimeError("crash")
+    if kind == "interrupted":
+        raise KeyboardInterrupt
+    return 0
+
+run_cli(main, finalize=False)
+print("not reached")
+'''
+
+
+@pytest.mark.parametrize("kind, code, stderr", [("ok", 0, ""), ("refused", 2, "error: refused\n"),
+                                                ("interrupted", 130, "interrupted\n"), ("crash", 1, None)])
+def test_a_stage_in_a_process_group_leaves_with_its_code_and_all_it_wrote_but_no_interpreter_teardown(
+        tmp_path, kind, code, stderr):
+    """fsdp1.py's exit (errors.leave): every line printed and logged reaches its file, the exit code is the stage's,
+    and nothing registered for the interpreter's teardown runs (where gloo's threads abort or hang a process)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    (tmp_path / "stage.py").write_text(STAGE)
+    proc = subprocess.run([sys.executable, str(tmp_path / "stage.py"), kind, str(tmp_path / "log")], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert (proc.returncode, proc.stdout) == (code, "printed\n"), proc.stderr
+    if stderr is None:
+        assert proc.stderr.startswith("Traceback (most recent call last):\n") and proc.stderr.endswith(
+            "RuntimeError: crash\n"), proc.stderr
+    else:
+        assert proc.stderr == stderr
+    assert (tmp_path / "log").read_text() == "INFO:root:logged\n"

@@ -206,18 +206,21 @@ def fake_checkpoint(run, step: int, *, manifest: bool = True, metadata: bool = T
                                     "fingerprint": {}})
 
 
-def test_ranks_that_see_different_checkpoints_refuse_alike_instead_of_one_waiting_on_the_other(tmp_path):
-    """Which checkpoint to resume from, and its check, are agreed: rank 1 alone seeing a damaged or another newest
-    checkpoint (its own copy of --save-dir) used to refuse alone while rank 0 waited in the next collective."""
+def test_ranks_that_see_different_things_refuse_alike_instead_of_one_waiting_on_the_other(tmp_path):
+    """Which checkpoint to resume from, its check, and what --strategy auto chose are agreed: rank 1 alone seeing a
+    damaged or another newest checkpoint (its own copy of --save-dir) used to refuse alone while rank 0 waited in the
+    next collective until the timeout; ranks that chose different strategies would build mismatched wrappers."""
     for rank in (0, 1):
-        for case in ("agreed", "newest", "manifest", "resume_from"):
+        for case in ("agreed", "newest", "manifest", "unreadable", "resume_from"):
             run = tmp_path / case / f"rank-{rank}"
             fake_checkpoint(run, 5)
             odd = rank == 1 and case != "agreed"
             if not (odd and case == "newest"):
                 fake_checkpoint(run, 10, manifest=not (odd and case == "manifest"),
                                 metadata=not (odd and case == "resume_from"))
-    cases = {"agreed": "", "newest": "", "manifest": "", "resume_from": "step-00000010"}
+            if odd and case == "unreadable":
+                (run / "checkpoints" / "step-00000010" / "manifest.json").write_text("{not json")
+    cases = {"agreed": "", "newest": "", "manifest": "", "unreadable": "", "resume_from": "step-00000010"}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     proc = torchrun(2, ROOT / "tests" / "helpers" / "rank_views.py", tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -228,6 +231,13 @@ def test_ranks_that_see_different_checkpoints_refuse_alike_instead_of_one_waitin
     damaged = tmp_path / "manifest" / "rank-1" / "checkpoints" / "step-00000010" / "manifest.json"
     assert got["manifest"] == [f"checkpoint step-00000010 is damaged: {damaged} is missing: it was not completed; "
                                "resume from the previous one with --resume-from step-00000005"] * 2
+    unreadable = tmp_path / "unreadable" / "rank-1" / "checkpoints" / "step-00000010" / "manifest.json"
+    assert got["unreadable"][0] == got["unreadable"][1]
+    assert got["unreadable"][0].startswith(f"checkpoint step-00000010 is damaged: {unreadable} or a file it names "
+                                           "cannot be read (JSONDecodeError: ")
+    assert got["strategy"] == ["--strategy auto chose differently on different ranks (rank(s) 0: ddp NO_SHARD; "
+                               "rank(s) 1: fsdp2 FULL_SHARD), whose memory differs; pass --strategy, or --memory-gb "
+                               "with the smallest rank's memory"] * 2
     for rank, text in enumerate(got["newest"]):
         assert text == (f"the ranks do not see the same newest checkpoint in "
                         f"{tmp_path / 'newest' / f'rank-{rank}' / 'checkpoints'} (rank 0: step-00000010, rank 1: "

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch.distributed as dist
+
 from pipeline.config import Config
 from pipeline.dist.launch import detect as detect_launch
+from pipeline.dist.runtime import Dist
+from pipeline.errors import UserError
 from pipeline.strategies.memory import GIB, Estimate, Shape, device_bytes
 from pipeline.strategies.registry import estimate, settle, traffic_bytes, workload
 
@@ -37,6 +41,21 @@ def plan_memory(cfg: Config, hf_config, device: str) -> MemoryPlan:
         cfg = replace(cfg, model=replace(m, strategy=chosen))
     cfg = settle(cfg)
     return MemoryPlan(cfg, estimate(shape, workload(cfg, device, world, local_world)), budget, reason)
+
+
+def check_agreed(cfg: Config, d: Dist) -> None:
+    """Refuse, on every rank, ranks that resolved --strategy auto differently: each plans with its own device's memory
+    before the group exists, so nodes whose memory differs near the boundary would build different wrappers whose
+    collectives never match. A collective every rank must reach."""
+    if d.world_size == 1:
+        return
+    views: list = [None] * d.world_size
+    dist.all_gather_object(views, f"{cfg.model.strategy} {cfg.model.sharding}")
+    if len(set(views)) > 1:
+        seen = "; ".join(f"rank(s) {', '.join(str(r) for r, v in enumerate(views) if v == choice)}: {choice}"
+                         for choice in dict.fromkeys(views))
+        raise UserError(f"--strategy auto chose differently on different ranks ({seen}), whose memory differs; "
+                        "pass --strategy, or --memory-gb with the smallest rank's memory")
 
 
 def choose(cfg: Config, shape: Shape, budget: int, device: str, world: int, local_world: int) -> tuple[str, str]:

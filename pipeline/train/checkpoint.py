@@ -349,24 +349,31 @@ class Checkpointer:
     def verify(self, path: Path) -> None:
         """Sizes and checksums of every file in the manifest; the files are split across ranks. A collective: every
         rank raises the same refusal."""
-        bad = []
-        if not (path / MANIFEST).exists():
-            bad.append(f"{path / MANIFEST} is missing: it was not completed")
-        else:
-            manifest = json.loads((path / MANIFEST).read_text())
-            for name in sorted(manifest["files"])[self.dist.rank::self.dist.world_size]:
-                f, want = path / name, manifest["files"][name]
-                if not f.exists():
-                    bad.append(f"{f} is missing")
-                elif f.stat().st_size != want["bytes"]:
-                    bad.append(f"{f} is truncated ({f.stat().st_size} of {want['bytes']} bytes)")
-                elif file_digest(f) != want["xxh3"]:
-                    bad.append(f"{f} is corrupt (checksum mismatch)")
+        try:
+            bad = self._check_files(path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # raised here alone, the others would wait
+            bad = [f"{path / MANIFEST} or a file it names cannot be read ({type(exc).__name__}: {exc})"]
         if problems := sorted(p for part in self.gather(bad) for p in part):
             older = [c for c in (read_state(self.run_dir) or {}).get("checkpoints", []) if c < path.name]
             hint = (f"resume from the previous one with --resume-from {older[-1]}" if older else
                     "no older checkpoint exists; pass --no-resume to start a new run")
             raise UserError(f"checkpoint {path.name} is damaged: {problems[0]}; {hint}")
+
+    def _check_files(self, path: Path) -> list[str]:
+        """What is wrong with this rank's part of the manifest's files."""
+        if not (path / MANIFEST).exists():
+            return [f"{path / MANIFEST} is missing: it was not completed"]
+        files = json.loads((path / MANIFEST).read_text())["files"]
+        bad = []
+        for name in sorted(files)[self.dist.rank::self.dist.world_size]:
+            f, want = path / name, files[name]
+            if not f.exists():
+                bad.append(f"{f} is missing")
+            elif f.stat().st_size != want["bytes"]:
+                bad.append(f"{f} is truncated ({f.stat().st_size} of {want['bytes']} bytes)")
+            elif file_digest(f) != want["xxh3"]:
+                bad.append(f"{f} is corrupt (checksum mismatch)")
+        return bad
 
     def gather(self, mine: object) -> list:
         """Every rank's `mine`, in rank order. A collective every rank must reach."""

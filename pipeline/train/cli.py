@@ -14,6 +14,7 @@ from pipeline.dist.launch import detect as detect_launch
 from pipeline.dist.liveness import PeerWatch, is_collective_failure, watch_parent
 from pipeline.dist.runtime import Dist, init_distributed
 from pipeline.errors import UserError
+from pipeline.strategies.auto import check_agreed
 from pipeline.strategies.registry import out_of_memory_hints, settle
 from pipeline.train.blocks import prepare_only
 from pipeline.train.preflight import Plan, preflight
@@ -25,6 +26,7 @@ from pipeline.train.trainer import Trainer
 
 def run(cfg: Config, d: Dist, plan: Plan) -> Trainer:
     """Set up the run directory and logs, then train."""
+    check_agreed(cfg, d)
     cfg = open_run_dir(cfg, d, plan)
     StopRequest.install()
     trainer = Trainer(cfg, d, plan)

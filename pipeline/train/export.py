@@ -153,14 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_replaceable(args.out, "--out")  # before any process group or model: nothing the user has is touched
     d = init_distributed()
-    try:
-        strategy, model_dir = load_checkpoint_model(args.checkpoint, d)
-        run_template = args.checkpoint.resolve().parents[1] / RUN_TEMPLATE
-        template = run_template.read_text(encoding="utf-8") if run_template.exists() else ""
-        export_model(strategy, model_dir, args.out, export_dtype(args.export_dtype, strategy.module.config), d,
-                     template)
-        if d.is_main:
-            print(f"exported {args.checkpoint} to {args.out}")
-    finally:
-        dist.destroy_process_group()
+    strategy, model_dir = load_checkpoint_model(args.checkpoint, d)
+    run_template = args.checkpoint.resolve().parents[1] / RUN_TEMPLATE
+    template = run_template.read_text(encoding="utf-8") if run_template.exists() else ""
+    export_model(strategy, model_dir, args.out, export_dtype(args.export_dtype, strategy.module.config), d, template)
+    if d.is_main:
+        print(f"exported {args.checkpoint} to {args.out}")
+    # on success only: after a failure another rank may still be in a collective (pipeline.export leaves without
+    # finalization either way, errors.leave)
+    dist.destroy_process_group()
     return 0

@@ -1,31 +1,41 @@
-"""Run under torchrun with 2 ranks: which checkpoint to resume from (Checkpointer.choose) and its check (verify)
-when the ranks see different files, as ranks on nodes with their own copy of --save-dir would. Rank N reads the run
-folder ROOT/rank-N; for each case named in ROOT/cases.json ({case: --resume-from}), every rank's outcome ("ok" or the
-UserError's text) is gathered and rank 0 writes them to ROOT/outcomes.json.
+"""Run under torchrun with 2 ranks: the refusals every rank must agree on when the ranks see different things.
+Which checkpoint to resume from (Checkpointer.choose) and its check (verify), as ranks on nodes with their own copy
+of --save-dir would: rank N reads the run folder ROOT/CASE/rank-N for each case of ROOT/cases.json ({case:
+--resume-from}). And the strategy --strategy auto resolved (case "strategy": ddp on rank 0, fsdp2 on rank 1, as
+nodes with different memory could). Every rank's outcome ("ok" or the UserError's text) is gathered and rank 0
+writes them to ROOT/outcomes.json.
 
     rank_views.py ROOT
 """
 
 import json
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
+from pipeline.config import from_flat
 from pipeline.dist.runtime import init_distributed
-from pipeline.errors import UserError
+from pipeline.errors import UserError, leave
+from pipeline.strategies.auto import check_agreed
+from pipeline.strategies.registry import settle
 from pipeline.train.checkpoint import Checkpointer
 
 
-def outcome(ckpt: Checkpointer, resume_from: str) -> str:
+def outcome(check: Callable[..., object], *args: object) -> str:
     try:
-        path = ckpt.choose(resume_from)
-        if path is not None:
-            ckpt.verify(path)
+        check(*args)
     except UserError as exc:
         return str(exc)
     return "ok"
+
+
+def resume(ckpt: Checkpointer, resume_from: str) -> None:
+    path = ckpt.choose(resume_from)
+    if path is not None:
+        ckpt.verify(path)
 
 
 def main() -> None:
@@ -35,13 +45,17 @@ def main() -> None:
     outcomes = {}
     for case, resume_from in json.loads((root / "cases.json").read_text()).items():
         ckpt = Checkpointer(root / case / f"rank-{d.rank}", d, 2, False, {})
-        everyone = [None] * d.world_size
-        dist.all_gather_object(everyone, outcome(ckpt, resume_from))
-        outcomes[case] = everyone
+        outcomes[case] = outcome(resume, ckpt, resume_from)
+    cfg = settle(from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": "m",
+                            "strategy": "ddp" if d.rank == 0 else "fsdp2"}))
+    outcomes["strategy"] = outcome(check_agreed, cfg, d)
+    everyone = [None] * d.world_size
+    dist.all_gather_object(everyone, outcomes)
     if d.is_main:
-        (root / "outcomes.json").write_text(json.dumps(outcomes))
+        (root / "outcomes.json").write_text(json.dumps({case: [r[case] for r in everyone] for case in outcomes}))
     dist.barrier()
     dist.destroy_process_group()
+    leave(0)  # as fsdp1.py does: no interpreter teardown with gloo's threads about (errors.leave)
 
 
 if __name__ == "__main__":
