@@ -157,14 +157,17 @@ def machine() -> str:
     import torch
     import transformers
 
-    cpu = "unknown CPU"
+    cpu, flags = "unknown CPU", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == "unknown CPU":
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    # "AMD EPYC" alone names CPUs 3x apart on the same step: the vector units say which (BENCHMARKS.md section 12)
+    cpu += f", {torch.backends.cpu.get_cpu_capability()}" + (", avx512_bf16" if "avx512_bf16" in flags else "")
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     return (f"{platform.machine()}, {os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, {gpu}; Python "

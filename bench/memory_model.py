@@ -28,9 +28,10 @@ CASES: dict[str, tuple[int, list[object]]] = {
     "ddp fp32": (2, ["--strategy", "ddp"]),
     "fsdp2 fp32": (2, ["--strategy", "fsdp2"]),
     "fsdp2 fp32, vocab-parallel off": (2, ["--strategy", "fsdp2", "--vocab-parallel", "off"]),
-    "fsdp2 fp32, activation checkpointing, batch 2": (2, ["--activation-checkpointing", "on", "--batch-size", 2]),
-    "fsdp2 fp32, gradient accumulation 2": (2, ["--grad-accum", 2]),
-    "fsdp2 fp32, SHARD_GRAD_OP": (2, ["--sharding", "SHARD_GRAD_OP"]),
+    "fsdp2 fp32, activation checkpointing, batch 2": (2, ["--strategy", "fsdp2", "--activation-checkpointing", "on",
+                                                          "--batch-size", 2]),
+    "fsdp2 fp32, gradient accumulation 2": (2, ["--strategy", "fsdp2", "--grad-accum", 2]),
+    "fsdp2 fp32, SHARD_GRAD_OP": (2, ["--strategy", "fsdp2", "--sharding", "SHARD_GRAD_OP"]),
     "fsdp1 fp32": (2, ["--strategy", "fsdp1"]),
     "manual fp32": (2, ["--strategy", "manual"]),
 }

@@ -18,6 +18,7 @@ fsdp1.py (default: its own default).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -121,14 +122,16 @@ def main() -> None:
 
 
 def section(args) -> str:
-    return "train_speed_cpu" if not args.preset else f"train_speed_{args.preset}_{args.precision}"
+    name = "train_speed_cpu" if not args.preset else f"train_speed_{args.preset}_{args.precision}"
+    return name if args.world == 2 else f"{name}_{args.world}ranks"
 
 
 def command(args) -> str:
+    world = f" --world {args.world}" if args.world != 2 else ""
     if not args.preset:
-        return f"--repeats {args.repeats}"
+        return f"--repeats {args.repeats}{world}"
     flags = f"--preset {args.preset} --precision {args.precision} --seq {args.seq} --batch {args.batch} --steps " \
-            f"{args.steps} --discard {args.discard} --repeats {args.repeats}"
+            f"{args.steps} --discard {args.discard} --repeats {args.repeats}{world}"
     return flags + (f" --strategy {args.strategy}" if args.strategy else "")
 
 
@@ -137,6 +140,17 @@ def preset_model(work: Path, preset: str) -> Path:
 
     out = work / preset
     return out if (out / "config.json").exists() else build_preset(out, preset)
+
+
+def crowded(args, share: float, ours: float) -> str:
+    """More ranks than cores: each rank's share runs on a fraction of a core, so the floor is the share times the
+    ranks per core (the bare worker measures one rank alone on a core)."""
+    cores = os.cpu_count() or 1
+    if args.world <= cores:
+        return ""
+    floor = share * args.world / cores
+    return (f" With {args.world} ranks on {cores} cores the floor is the share times {args.world / cores:g} ranks per "
+            f"core, {floor:.3f} s: **{floor / ours:.2f}** of it.")
 
 
 def report(args, model: Path, ours: list[dict], hf: list[dict], bare: list[dict], bare_thp: list[dict]) -> None:
@@ -178,9 +192,10 @@ def report(args, model: Path, ours: list[dict], hf: list[dict], bare: list[dict]
                 f"{statistics.median(share_thp) / med['ours']:.2f}"]]),
         "",
         "Fraction of the bare limit (share / our step, target 0.9), against the same allocator setting: "
-        f"**{statistics.median(share_thp) / med['ours']:.2f}**.",
+        f"**{statistics.median(share_thp) / med['ours']:.2f}**." + crowded(args, statistics.median(share_thp),
+                                                                         med["ours"]),
         "",
-        bar_chart(section(args), "CPU training step, 2 gloo ranks (s/step, lower is better)",
+        bar_chart(section(args), f"CPU training step, {args.world} gloo ranks (s/step, lower is better)",
                   ["fsdp1.py", "HF Trainer", "bare limit (stock)", "bare limit (huge pages)"],
                   [med["ours"], med["hf"], statistics.median(share), statistics.median(share_thp)], "s/step",
                   [(min(step["ours"]), max(step["ours"])), (min(step["hf"]), max(step["hf"])),
