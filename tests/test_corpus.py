@@ -293,3 +293,39 @@ def test_cli_prints_summary(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"saved 1 rows (6 characters) from 1 files to {tmp_path / 'out'} in ")
     assert f"report: {tmp_path / 'out' / REPORT}" in proc.stdout
+
+
+HOLD = """import sys
+from pathlib import Path
+from pipeline.folder_lock import beside, hold
+assert hold(beside(Path(sys.argv[1])), sys.argv[2]) == ""
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+def hold_lock(folder: Path, what: str) -> subprocess.Popen:
+    """Another process holding folder's lock as `what` does, until it is killed; returns once it holds it."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder), what], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def test_a_second_data_hf_on_a_save_dir_being_written_is_refused_and_a_dead_writers_lock_is_taken(tmp_path):
+    import socket
+
+    write(tmp_path, "data/a.txt", "hello\n")
+    save = tmp_path / "out"
+    first = hold_lock(save, "DATA-HF.py")
+    refused = run_script("DATA-HF.py", "--data_folder", tmp_path / "data", "--save_dir", save)
+    assert refused.returncode == 2
+    assert refused.stderr.startswith(f"error: --save_dir {save} is being written by DATA-HF.py (pid {first.pid} on "
+                                     f"{socket.gethostname()}, since "), refused.stderr
+    assert refused.stderr.endswith("; wait for it to end, or choose another --save_dir\n")
+    assert not save.exists()
+    first.kill()  # a writer that died: the kernel dropped its lock
+    first.wait()
+    done = run_script("DATA-HF.py", "--data_folder", tmp_path / "data", "--save_dir", save)
+    assert done.returncode == 0, done.stderr
+    assert len(datasets.load_from_disk(str(save))) == 1

@@ -243,3 +243,31 @@ def test_ranks_that_see_different_things_refuse_alike_instead_of_one_waiting_on_
                         f"{tmp_path / 'newest' / f'rank-{rank}' / 'checkpoints'} (rank 0: step-00000010, rank 1: "
                         "step-00000005); every rank must see the same --save-dir (a file system shared by every "
                         "node, not a copy)")
+
+
+def test_a_second_job_on_a_run_folder_in_use_is_refused_before_writing_and_a_killed_jobs_lock_is_taken(
+        train_env, tmp_path):
+    import re
+    import socket
+
+    run = tmp_path / "r"
+    first = start(train_env, tmp_path, "--max-steps", 1000)
+    wait_for(lambda: (run / "state.json").exists(), first)  # a checkpoint to resume from once it is killed
+    log_before = (run / "train.log").read_text()
+    second = train(train_env, tmp_path, "--max-steps", 1000)
+    assert second.returncode != 0
+    pattern = (rf"error: {re.escape(str(run))} is in use by fsdp1\.py \(pid \d+ on {re.escape(socket.gethostname())}, "
+               r"since [0-9-]+ [0-9:]+\); wait for it to end \(rerunning the same command then resumes\), or give "
+               r"this run another --experiment-name\n")
+    assert re.search(pattern, second.stderr), second.stderr[-3000:]
+    assert (run / "train.log").read_text().startswith(log_before)  # the second job wrote nothing there
+    assert (run / "train.log").read_text().count("run directory") == 1
+    workers = psutil.Process(first.pid).children(recursive=True)
+    for proc in [psutil.Process(first.pid), *workers]:  # the kernel drops a killed job's lock: the rerun takes it
+        proc.kill()
+    first.wait()
+    psutil.wait_procs(workers, timeout=30)
+    last = json.loads((run / "state.json").read_text())["step"]
+    again = train(train_env, tmp_path, "--max-steps", last + 1)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"at step {last}" in again.stdout and max(losses(run)) == last + 1

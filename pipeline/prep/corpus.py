@@ -24,6 +24,7 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from pipeline.errors import ArgumentParser, UserError
+from pipeline.folder_lock import beside, locked
 from pipeline.fsutil import refuse_inside, replace_dir
 from pipeline.prep.extract import SUPPORTED, Row, SkipFile, extract_file
 from pipeline.prep.organize import MANIFEST
@@ -54,6 +55,10 @@ class CorpusConfig:
             raise UserError(f"--data_folder {self.data_folder} does not exist or is not a directory")
         refuse_inside(self.save_dir, "--save_dir", self.data_folder, "--data_folder",
                       "a later run would read the dataset back as input")
+        self.check_target()
+
+    def check_target(self) -> None:
+        """What is at save_dir now may be replaced: nothing, or a saved dataset with --overwrite."""
         if self.save_dir.exists():
             if not self.overwrite:
                 raise UserError(f"--save_dir {self.save_dir} already exists; pass --overwrite to replace it")
@@ -293,12 +298,22 @@ def write_layout(folder: Path, shards: list[Path]) -> None:
 
 
 def build_dataset(cfg: CorpusConfig) -> dict:
-    """Extract, save atomically to cfg.save_dir, and return the report (also saved as prep_report.json)."""
+    """Extract, save atomically to cfg.save_dir, and return the report (also saved as prep_report.json). Another
+    DATA-HF writing the same save_dir at the same time is refused in one line."""
     start = time.perf_counter()
     files, sizes, pre_skipped = list_files(cfg.data_folder)
     if not files:
         raise UserError(f"--data_folder {cfg.data_folder} holds no {'/'.join(SUPPORTED)} files")
     cfg.save_dir.parent.mkdir(parents=True, exist_ok=True)
+    with locked(beside(cfg.save_dir), "DATA-HF.py") as holder:
+        if holder:
+            raise UserError(f"--save_dir {cfg.save_dir} is being written by {holder}; wait for it to end, or choose "
+                            "another --save_dir")
+        cfg.check_target()  # again, now that no other run can write it: one may have finished since the first check
+        return _build_locked(cfg, files, sizes, pre_skipped, start)
+
+
+def _build_locked(cfg: CorpusConfig, files: list[str], sizes: list[int], pre_skipped: dict, start: float) -> dict:
     _clean_stale_partials(cfg.save_dir)
     work = cfg.save_dir.parent / f".{cfg.save_dir.name}.partial-{os.getpid()}"
     work.mkdir()

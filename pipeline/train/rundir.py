@@ -10,10 +10,15 @@ import torch.distributed as dist
 from pipeline import config as config_mod
 from pipeline.config import Config
 from pipeline.dist.runtime import Dist, check_shared_dir
+from pipeline.errors import UserError
+from pipeline.folder_lock import hold
 from pipeline.fsutil import write_text_atomic
 from pipeline.train.export import RUN_TEMPLATE
 from pipeline.train.preflight import Plan
 from pipeline.train.telemetry import log, setup_logging
+
+LOCK = ".lock"
+"""RUN/.lock: held by rank 0 of the job training in the folder (pipeline/folder_lock.py)."""
 
 
 def new_run_name(cfg: Config, d: Dist) -> Config:
@@ -30,12 +35,23 @@ def new_run_name(cfg: Config, d: Dist) -> Config:
     return replace(cfg, run=replace(cfg.run, experiment_name=box[0], no_resume=False))
 
 
+def lock_run_dir(cfg: Config, d: Dist) -> None:
+    """Rank 0 holds the run folder's lock until it exits; another job on the same folder (a second submission, a
+    rerun while the first still runs) is refused on every rank, before it writes anything there. A collective."""
+    busy = [hold(cfg.run_dir / LOCK, "fsdp1.py") if d.is_main else ""]
+    dist.broadcast_object_list(busy, src=0)
+    if busy[0]:
+        raise UserError(f"{cfg.run_dir} is in use by {busy[0]}; wait for it to end (rerunning the same command then "
+                        "resumes), or give this run another --experiment-name")
+
+
 def open_run_dir(cfg: Config, d: Dist, plan: Plan) -> Config:
     """Create (or reopen) the run folder on storage every rank sees, start its log, and record the config and chat
     template. Returns the config with the run's final name. A collective."""
     if cfg.run.no_resume:
         cfg = new_run_name(cfg, d)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    lock_run_dir(cfg, d)
     check_shared_dir(cfg.run_dir, d, "--save-dir")
     setup_logging(cfg.run_dir, d.rank)
     if d.is_main:
