@@ -47,8 +47,8 @@ demo: $(STAMP)
 
 # Two pytest workers, one test file each at a time (module fixtures stay shared): most of a test's time is process
 # start-up and checkpoint I/O, so two overlap on 2 cores (measured 2026-11-24 on this project's 2-core machine:
-# 11:54 with the model-family matrix of tests/test_families.py, 8:29-9:23 before it; 17:52 on the slower machine of
-# earlier sessions)
+# 10:53 with --strategy auto as the default, on an AVX-512 EPYC; 11:54 with the model-family matrix of
+# tests/test_families.py, 8:29-9:23 before it; 17:52 on the slower machine of earlier sessions)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
