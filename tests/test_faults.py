@@ -273,3 +273,24 @@ def test_a_second_job_on_a_run_folder_in_use_is_refused_before_writing_and_a_kil
     resume = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"resume"' in x][-1]
     assert resume["from_step"] == last, again.stdout[-3000:]
     assert json.loads((run / "state.json").read_text())["step"] == last + 1
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_on_every_rank_before_training(train_env, tmp_path):
+    """A damaged token cache (or one from a tokenizer with more tokens than the model has rows) used to train at
+    ln(vocab) with a zero gradient and exit 0: the vocabulary-parallel head embeds an unknown id as zeros."""
+    import numpy as np
+
+    assert train(train_env, tmp_path, "--max-steps", 1).returncode == 0
+    vocab = json.loads((tmp_path / "r" / "hf" / "config.json").read_text())["vocab_size"]
+    cache = next((tmp_path / "token_cache").glob("*/train.npy"))
+    ids = np.load(cache, mmap_mode="r+")
+    ids[3, 7] = vocab + 5
+    ids.flush()
+    del ids
+    refused = train(train_env, tmp_path, "--max-steps", 2)
+    assert refused.returncode != 0
+    message = (f"error: the token cache {cache.parent} holds token id {vocab + 5} (in train block 3) but the model has "
+               f"{vocab} embedding rows: the cache is damaged or was built with another tokenizer; delete "
+               f"{cache.parent} to rebuild it\n")
+    assert message in refused.stderr, refused.stderr[-3000:]
+    assert json.loads((tmp_path / "r" / "state.json").read_text())["step"] == 1  # nothing trained on it

@@ -90,6 +90,25 @@ def open_blocks(path: Path) -> Blocks:
     return Blocks(load("train.npy"), load("val.npy"), path, load("train_flags.npy"), load("val_flags.npy"))
 
 
+def beyond_vocabulary(blocks: Blocks, vocab: int, part: int, parts: int) -> str:
+    """The first token id in part `part` of `parts` of the blocks (train, then val; contiguous rows) that the model
+    has no embedding row for, as one line ("" when none). Such an id is not an error anywhere downstream: the
+    vocabulary-parallel head finds its row on no rank and embeds it as zeros, so a run trains at ln(vocab) with a
+    zero gradient and exits 0. A scan of the memory-mapped blocks, COPY_BLOCKS rows at a time."""
+    for name, ids in (("train", blocks.train), ("val", blocks.val)):
+        if ids is None:
+            continue
+        lo, hi = len(ids) * part // parts, len(ids) * (part + 1) // parts
+        for start in range(lo, hi, COPY_BLOCKS):
+            rows = np.asarray(ids[start:min(start + COPY_BLOCKS, hi)])
+            if rows.size and int(rows.max()) >= vocab:
+                row = start + int(np.flatnonzero(rows.max(axis=1) >= vocab)[0])
+                return (f"the token cache {blocks.path} holds token id {int(ids[row].max())} (in {name} block {row}) "
+                        f"but the model has {vocab} embedding rows: the cache is damaged or was built with another "
+                        f"tokenizer; delete {blocks.path} to rebuild it")
+    return ""
+
+
 def split_blocks(n_blocks: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Sorted (train, val) block indices from a seeded permutation; one val block at least when n >= 2."""
     n_val = round(n_blocks * val_fraction)

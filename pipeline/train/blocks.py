@@ -10,8 +10,10 @@ import os
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
 from pipeline.config import Config
-from pipeline.data.token_cache import Blocks, ensure_token_cache, open_blocks, token_cache_dir
+from pipeline.data.token_cache import Blocks, beyond_vocabulary, ensure_token_cache, open_blocks, token_cache_dir
 from pipeline.dist.launch import Launch
 from pipeline.dist.runtime import Dist
 from pipeline.errors import UserError
@@ -40,6 +42,7 @@ def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks:
         log.info("token cache %s: %s", status, path)
         log_cache_meta(path)
     blocks = open_blocks(path)
+    check_vocabulary(blocks, plan, d)
     global_batch = d.world_size * cfg.train.batch_size * cfg.train.grad_accum
     if len(blocks.train) < global_batch:
         raise UserError(f"the dataset gives {len(blocks.train)} training blocks of {cfg.data.seq_length} tokens, "
@@ -47,6 +50,18 @@ def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks:
                         f"grad accum {cfg.train.grad_accum} = {global_batch}); use more data or a smaller "
                         "--seq-length, --batch-size or --grad-accum")
     return blocks
+
+
+def check_vocabulary(blocks: Blocks, plan: Plan, d: Dist) -> None:
+    """Every token id has an embedding row; each rank scans its share of the blocks (the cache is read once in all)
+    and every rank refuses alike. A collective every rank must reach. Cost: BENCHMARKS.md section 14."""
+    vocab = getattr(plan.hf_config, "vocab_size", None)
+    if not vocab:
+        return
+    problems: list = [None] * d.world_size
+    dist.all_gather_object(problems, beyond_vocabulary(blocks, vocab, d.rank, d.world_size))
+    if found := [p for p in problems if p]:
+        raise UserError(found[0])
 
 
 def prepare_only(cfg: Config, plan: Plan, launch: Launch) -> int:
