@@ -12,7 +12,7 @@ import sys
 import psutil
 import pytest
 import torch
-from conftest import ROOT, losses, run_script, torchrun, wait_for
+from conftest import ROOT, events, losses, run_script, torchrun, wait_for
 from test_resume import args, start, train
 
 pytestmark = pytest.mark.slow
@@ -270,8 +270,7 @@ def test_a_second_job_on_a_run_folder_in_use_is_refused_before_writing_and_a_kil
     last = json.loads((run / "state.json").read_text())["step"]
     again = train(train_env, tmp_path, "--max-steps", last + 1)
     assert again.returncode == 0, again.stderr[-3000:]
-    resume = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"resume"' in x][-1]
-    assert resume["from_step"] == last, again.stdout[-3000:]
+    assert events(run, "resume")[-1]["from_step"] == last, again.stdout[-3000:]
     assert json.loads((run / "state.json").read_text())["step"] == last + 1
 
 

@@ -90,11 +90,17 @@ def attempt_store(launch: launch_mod.Launch, timeout: timedelta) -> dist.Store |
     return dist.PrefixStore(f"fsdp1/attempt-{attempt}/", agent)
 
 
+def gather_objects(mine: object) -> list:
+    """Every rank's `mine` (picklable), in rank order: how ranks agree on what each saw, so that a refusal is raised
+    on all of them or none. A collective every rank must reach."""
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, mine)
+    return views
+
+
 def ranks_on_this_host() -> int:
     """Ranks sharing this host name (for launchers that do not say): one all-gather every rank must reach."""
-    hosts = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
-    return hosts.count(socket.gethostname())
+    return gather_objects(socket.gethostname()).count(socket.gethostname())
 
 
 def check_shared_dir(path: Path, d: Dist, flag: str) -> None:
@@ -111,8 +117,7 @@ def check_shared_dir(path: Path, d: Dist, flag: str) -> None:
         seen = probe.read_text() == token[0]
     except OSError:
         seen = False
-    views = [None] * d.world_size
-    dist.all_gather_object(views, (seen, socket.gethostname()))
+    views = gather_objects((seen, socket.gethostname()))
     if d.is_main:
         probe.unlink()
     blind = [r for r, (ok, _) in enumerate(views) if not ok]

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch.distributed as dist
-
 from pipeline.config import Config
 from pipeline.dist.launch import detect as detect_launch
-from pipeline.dist.runtime import Dist
+from pipeline.dist.runtime import Dist, gather_objects
 from pipeline.errors import UserError
 from pipeline.strategies.memory import GIB, Estimate, Shape, device_bytes
 from pipeline.strategies.registry import estimate, settle, traffic_bytes, workload
@@ -49,8 +47,7 @@ def check_agreed(cfg: Config, d: Dist) -> None:
     collectives never match. A collective every rank must reach."""
     if d.world_size == 1:
         return
-    views: list = [None] * d.world_size
-    dist.all_gather_object(views, f"{cfg.model.strategy} {cfg.model.sharding}")
+    views = gather_objects(f"{cfg.model.strategy} {cfg.model.sharding}")
     if len(set(views)) > 1:
         seen = "; ".join(f"rank(s) {', '.join(str(r) for r, v in enumerate(views) if v == choice)}: {choice}"
                          for choice in dict.fromkeys(views))

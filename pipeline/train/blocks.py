@@ -10,12 +10,10 @@ import os
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
-
 from pipeline.config import Config
 from pipeline.data.token_cache import Blocks, beyond_vocabulary, ensure_token_cache, open_blocks, token_cache_dir
 from pipeline.dist.launch import Launch
-from pipeline.dist.runtime import Dist
+from pipeline.dist.runtime import Dist, gather_objects
 from pipeline.errors import UserError
 from pipeline.train.preflight import Plan
 from pipeline.train.telemetry import log
@@ -58,9 +56,7 @@ def check_vocabulary(blocks: Blocks, plan: Plan, d: Dist) -> None:
     vocab = getattr(plan.hf_config, "vocab_size", None)
     if not vocab:
         return
-    problems: list = [None] * d.world_size
-    dist.all_gather_object(problems, beyond_vocabulary(blocks, vocab, d.rank, d.world_size))
-    if found := [p for p in problems if p]:
+    if found := [p for p in gather_objects(beyond_vocabulary(blocks, vocab, d.rank, d.world_size)) if p]:
         raise UserError(found[0])
 
 

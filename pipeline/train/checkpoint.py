@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from pipeline.dist.liveness import is_collective_failure
-from pipeline.dist.runtime import Dist
+from pipeline.dist.runtime import Dist, gather_objects
 from pipeline.errors import UserError
 from pipeline.fsutil import hash_file, write_text_atomic
 from pipeline.strategies.base import Strategy
@@ -259,7 +259,7 @@ class Checkpointer:
         if self.dist.is_main:
             mine += [path / ".metadata", path / TRAINER]
         local = {p.name: {"bytes": p.stat().st_size, "xxh3": file_digest(p)} for p in mine}
-        gathered = self.gather(local)
+        gathered = gather_objects(local)
         if self.dist.is_main:
             files = {k: v for part in gathered for k, v in part.items()}
             write_json_atomic(path / MANIFEST, {"step": step, "files": dict(sorted(files.items()))})
@@ -337,7 +337,7 @@ class Checkpointer:
                 problem = f"--resume-from {resume_from}: {path} is not a complete checkpoint"
         else:
             path = self.newest()
-        views = self.gather((problem, path.name if path else ""))
+        views = gather_objects((problem, path.name if path else ""))
         if problems := [p for p, _ in views if p]:
             raise UserError(problems[0])
         if len({name for _, name in views}) > 1:
@@ -353,7 +353,7 @@ class Checkpointer:
             bad = self._check_files(path)
         except (OSError, ValueError, KeyError, TypeError) as exc:  # raised here alone, the others would wait
             bad = [f"{path / MANIFEST} or a file it names cannot be read ({type(exc).__name__}: {exc})"]
-        if problems := sorted(p for part in self.gather(bad) for p in part):
+        if problems := sorted(p for part in gather_objects(bad) for p in part):
             older = [c for c in (read_state(self.run_dir) or {}).get("checkpoints", []) if c < path.name]
             hint = (f"resume from the previous one with --resume-from {older[-1]}" if older else
                     "no older checkpoint exists; pass --no-resume to start a new run")
@@ -374,12 +374,6 @@ class Checkpointer:
             elif file_digest(f) != want["xxh3"]:
                 bad.append(f"{f} is corrupt (checksum mismatch)")
         return bad
-
-    def gather(self, mine: object) -> list:
-        """Every rank's `mine`, in rank order. A collective every rank must reach."""
-        views: list = [None] * self.dist.world_size
-        dist.all_gather_object(views, mine)
-        return views
 
     def load(self, path: Path, strategy: Strategy, optimizer) -> dict:
         """Model and optimizer through DCP (resharding to this world size), RNG of this rank; returns trainer.json."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from pipeline.config import from_flat
-from pipeline.dist.runtime import init_distributed
+from pipeline.dist.runtime import gather_objects, init_distributed
 from pipeline.errors import UserError, leave
 from pipeline.strategies.auto import check_agreed
 from pipeline.strategies.registry import settle
@@ -49,8 +49,7 @@ def main() -> None:
     cfg = settle(from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": "m",
                             "strategy": "ddp" if d.rank == 0 else "fsdp2"}))
     outcomes["strategy"] = outcome(check_agreed, cfg, d)
-    everyone = [None] * d.world_size
-    dist.all_gather_object(everyone, outcomes)
+    everyone = gather_objects(outcomes)
     if d.is_main:
         (root / "outcomes.json").write_text(json.dumps({case: [r[case] for r in everyone] for case in outcomes}))
     dist.barrier()
