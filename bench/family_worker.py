@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from pipeline.config import from_flat
 from pipeline.data.batches import make_batch
 from pipeline.dist.runtime import init_distributed
+from pipeline.errors import run_cli
 from pipeline.strategies.registry import STRATEGIES, make_strategy, settle
 
 
@@ -49,4 +50,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, finalize=False)  # it joins a process group: see errors.leave

@@ -91,4 +91,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from pipeline.errors import run_cli
+
+    run_cli(main, finalize=False)  # it joins a process group: see errors.leave

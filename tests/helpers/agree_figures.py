@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.dist.runtime import init_distributed
+from pipeline.errors import run_cli
 from pipeline.train.step import agree
 
 
@@ -32,4 +33,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, finalize=False)  # it joins a process group: see errors.leave

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.dist.runtime import init_distributed
+from pipeline.errors import run_cli
 from pipeline.train.checkpoint import load_checkpoint_model
 
 
@@ -26,4 +27,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, finalize=False)  # it joins a process group: see errors.leave

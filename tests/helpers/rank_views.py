@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from pipeline.config import from_flat
 from pipeline.dist.runtime import gather_objects, init_distributed
-from pipeline.errors import UserError, leave
+from pipeline.errors import UserError, run_cli
 from pipeline.strategies.auto import check_agreed
 from pipeline.strategies.registry import settle
 from pipeline.train.checkpoint import Checkpointer
@@ -54,8 +54,7 @@ def main() -> None:
         (root / "outcomes.json").write_text(json.dumps({case: [r[case] for r in everyone] for case in outcomes}))
     dist.barrier()
     dist.destroy_process_group()
-    leave(0)  # as fsdp1.py does: no interpreter teardown with gloo's threads about (errors.leave)
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, finalize=False)  # it joins a process group: see errors.leave

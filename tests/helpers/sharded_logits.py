@@ -10,6 +10,7 @@ from transformers import AutoConfig
 
 from pipeline.config import ModelConfig
 from pipeline.dist.runtime import init_distributed
+from pipeline.errors import run_cli
 from pipeline.strategies.registry import make_strategy
 
 
@@ -34,4 +35,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, finalize=False)  # it joins a process group: see errors.leave

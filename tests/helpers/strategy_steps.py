@@ -7,7 +7,6 @@ and gradient norms per step and the final parameters (full tensors) to OUT.json 
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from transformers import AutoConfig
 from pipeline.config import Config, from_flat
 from pipeline.data.batches import make_batch
 from pipeline.dist.runtime import init_distributed
+from pipeline.errors import run_cli
 from pipeline.strategies.registry import make_strategy, settle
 from pipeline.train.optim import build_optimizer, build_scheduler
 from pipeline.train.step import Update, train_step
@@ -73,13 +73,7 @@ def main() -> None:
     # an active exception")
     dist.barrier()
     dist.destroy_process_group()
-    # and leaves without interpreter finalization: the strategies still hold the gloo backend (meshes, FSDP and
-    # DDP state), whose worker threads, destroyed during finalization with tensors in hand, aborted the process once
-    # more in a suite run after the barrier (the failure pytorch/pytorch#179291 describes); the results are written
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, finalize=False)  # it joins a process group: see errors.leave

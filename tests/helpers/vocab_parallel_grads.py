@@ -2,7 +2,6 @@
 the vocabulary-parallel head; and an evaluation-style loss with padding rows. Rank 0 writes them as JSON."""
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from pipeline.config import ModelConfig
 from pipeline.data.batches import count_targets, make_batch
 from pipeline.dist.runtime import init_distributed
+from pipeline.errors import run_cli
 from pipeline.model.loss import CausalLMLoss
 from pipeline.strategies.registry import make_strategy
 
@@ -66,12 +66,7 @@ def main() -> None:
                                    "tied": [hf["tied"], vp["tied"]], "world": d.world_size}))
     dist.barrier()  # no rank tears the group down while another still has collectives in flight
     dist.destroy_process_group()
-    # Skip C++ static destructors: twice in ~6 full runs a rank aborted at interpreter exit ("terminate called
-    # without an active exception", SIGABRT) after everything here had finished; the result is already on disk
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, finalize=False)  # it joins a process group: see errors.leave
