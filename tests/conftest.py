@@ -116,12 +116,22 @@ def wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group of a run started with start_new_session=True, and reap it."""
+    """SIGKILL a run started with start_new_session=True and everything under it: its process group, and torchrun's
+    workers, which torchrun starts in sessions of their own (left alone they would run on until they notice the
+    launcher is gone, still writing the run folder and holding its lock). Returns once every one of them is gone."""
+    import contextlib
     import os
     import signal
 
+    import psutil
+
+    tree = psutil.Process(proc.pid).children(recursive=True)
     os.killpg(proc.pid, signal.SIGKILL)
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
     proc.wait()
+    psutil.wait_procs(tree, timeout=30)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import sys
 import psutil
 import pytest
 import torch
-from conftest import ROOT, events, losses, run_script, torchrun, wait_for
+from conftest import ROOT, events, kill_tree, losses, run_script, torchrun, wait_for
 from test_resume import args, start, train
 
 pytestmark = pytest.mark.slow
@@ -262,11 +262,7 @@ def test_a_second_job_on_a_run_folder_in_use_is_refused_before_writing_and_a_kil
     assert re.search(pattern, second.stderr), second.stderr[-3000:]
     assert (run / "train.log").read_text().startswith(log_before)  # the second job wrote nothing there
     assert (run / "train.log").read_text().count("run directory") == 1
-    workers = psutil.Process(first.pid).children(recursive=True)
-    for proc in [psutil.Process(first.pid), *workers]:  # the kernel drops a killed job's lock: the rerun takes it
-        proc.kill()
-    first.wait()
-    psutil.wait_procs(workers, timeout=30)
+    kill_tree(first)  # the kernel drops a killed job's lock: the rerun takes it
     last = json.loads((run / "state.json").read_text())["step"]
     again = train(train_env, tmp_path, "--max-steps", last + 1)
     assert again.returncode == 0, again.stderr[-3000:]
