@@ -33,6 +33,7 @@ AutoOnOff = Literal["auto", "on", "off"]
 ExportDtype = Literal["auto", "bf16", "fp16", "fp32"]
 TrainOn = Literal["assistant", "last", "all"]
 AttnImplementation = Literal["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"]
+Adapter = Literal["none", "lora", "dora"]
 VOCAB_PARALLEL_SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP")
 """The shardings the vocabulary-parallel head works with (a 1-D mesh)."""
 SHORT_FLAGS = {"experiment_name": "-e", "dataset_name": "-d", "model_name": "-m", "batch_size": "-b"}
@@ -85,6 +86,9 @@ class RunConfig(Section):
     """dtype of the exported Hugging Face model (auto: the base model's)."""
     save_best: bool = False
     """Also export the model with the best validation loss to RUN/best/."""
+    merge_export: bool = True
+    """With --adapter: also export the base model with the adapter merged into its weights to RUN/hf/ (off: only
+    the adapter, RUN/adapter/)."""
     collective_timeout_s: float = 3600.0
     """Seconds a collective may wait for the slowest rank before the run fails (the process group's timeout).
     Waiting for the token cache is not a collective: a long build never hits it."""
@@ -193,9 +197,29 @@ class ModelConfig(Section):
     vocab_parallel: AutoOnOff = "auto"
     """Keep the embedding and LM head sharded by vocabulary rows (never gathered) and compute the loss in chunks
     without full-width logits (auto: on with FULL_SHARD or SHARD_GRAD_OP and no CPU offload, on CPU and GPU)."""
+    adapter: Adapter = "none"
+    """Train low-rank adapters on a frozen base instead of every weight: lora, or dora (LoRA with a learned
+    magnitude per output row); none: full fine-tuning. The base stays in the compute dtype with no gradient or
+    optimizer state; checkpoints hold the adapter only; the run exports RUN/adapter/ (PEFT's format) and, with
+    --merge-export on, the merged model to RUN/hf/."""
+    lora_rank: int = 16
+    """--adapter: the rank r of each adapter's two matrices (A: r x in, B: out x r)."""
+    lora_alpha: float = 32.0
+    """--adapter: the adapter's output is scaled by alpha / rank."""
+    lora_dropout: float = 0.0
+    """--adapter: dropout on the adapter's input, in training only."""
+    lora_targets: str = ""
+    """--adapter: the linear layers that get an adapter, as a comma-separated list of module names (q_proj,v_proj)
+    matched against the end of each module's path; empty: every linear layer of the decoder blocks except a mixture
+    of experts' router."""
 
     def check(self) -> None:
         _check(bool(self.model_name), "--model-name (-m) is required")
+        _check(self.lora_rank >= 1, f"--lora-rank must be at least 1, got {self.lora_rank}")
+        _check(self.lora_alpha > 0, f"--lora-alpha must be > 0, got {self.lora_alpha}")
+        _check(0 <= self.lora_dropout < 1, f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        _check(all(t.strip() for t in self.lora_targets.split(",")) or not self.lora_targets,
+               f"--lora-targets must be a comma-separated list of module names, got {self.lora_targets!r}")
         _check(self.precision != "fp16", "--precision fp16 is not supported: nothing scales the loss, so small "
                                          "gradients would underflow to zero; use --precision bf16 (Ampere or newer "
                                          "GPUs) or fp32")

@@ -68,6 +68,14 @@ def test_shipped_profiles_are_the_four_documented():
          "--strategy fsdp2, got --strategy ddp"),  # the strategy first: its sharding is not what to change
         (["--strategy", "manual", "--compile"], "--strategy manual does not support --compile yet; use --strategy "
          "fsdp2"),
+        (["--adapter", "lora", "--strategy", "fsdp1"], "--strategy fsdp1 does not train adapters; --adapter lora "
+         "needs --strategy fsdp2 or ddp"),
+        (["--adapter", "dora", "--strategy", "manual"], "--strategy manual does not train adapters; --adapter dora "
+         "needs --strategy fsdp2 or ddp"),
+        (["--lora-rank", "0"], "--lora-rank must be at least 1, got 0"),
+        (["--lora-dropout", "1"], "--lora-dropout must be in [0, 1), got 1.0"),
+        (["--lora-targets", "q_proj,,v_proj"], "--lora-targets must be a comma-separated list of module names, got "
+         "'q_proj,,v_proj'"),
         (["--strategy", "fsdp1", "--use-orig-params", "off", "--compile"],
          "--compile under --strategy fsdp1 needs --use-orig-params on"),
         (["--strategy", "fsdp1", "--use-orig-params", "off", "--weight-decay", "0.1"],

@@ -94,10 +94,13 @@ class WeightNames:
     """The naming rules of one model (any wrapper of it keeps the same names): tied weights stored under either
     name, and transformers' renamings and converters."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, base_name: Callable[[str], str | None] = lambda name: name):
         self.config = model.config
         self.partners = tied_partners(model)
-        self.keys = dict.fromkeys(model.state_dict())
+        self.base_name = base_name
+        """A tensor's name in the model -> its name in the base model's files, None for one no file holds (an
+        adapter's; Strategy.base_name)."""
+        self.keys = dict.fromkeys(k for k in map(base_name, model.state_dict()) if k is not None)
         self.prefix = model.base_model_prefix
         self.renamings, self.converters = _rules(model)
 
@@ -124,12 +127,15 @@ class WeightNames:
             if pattern is not None:
                 src.converter = by_pattern[pattern]
         out: dict[str, Source] = {}
-        for key in wanted:
+        for wanted_key in wanted:
+            key = self.base_name(wanted_key)
+            if key is None:
+                continue
             if key in found:
-                out[key] = found[key]
+                out[wanted_key] = found[key]
             elif self.partners.get(key) in found:
                 if self.partners[key] not in out:
-                    out[key] = found[self.partners[key]]
+                    out[wanted_key] = found[self.partners[key]]
             else:
                 raise UserError(self._missing(key, found, where))
         return out

@@ -1,37 +1,39 @@
 """Model transforms: changes made to the model in the one build step (`Strategy.build`), on the meta device, after
 the model is built and before activation checkpointing, compile and the strategy's wrap, as torchtitan's model
-converters are. Adapters (issue 29), float8 (issue 32) and per-family fixes (issue 28) are transforms: none of them
-needs to know how the model is then distributed, and every strategy applies them at the same point.
+converters are. Adapters (pipeline/model/adapters.py), float8 (issue 32) and per-family fixes are transforms: none
+of them needs to know how the model is then distributed, and every strategy applies them at the same point.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from torch import nn
-
-from pipeline.config import ModelConfig
 
 
 class ModelTransform:
-    """One change to the model: `apply` before it is distributed; `after_optimizer_step` after each applied step
-    (float8's scales, say), on every rank."""
+    """One change to the model: `apply` before it is distributed; the hooks after, on every rank."""
 
     name = "transform"
+    freezes_base = False
+    """Whether it trains only parameters of its own (adapters): checkpoints then hold only the trainable ones, and
+    the base weights are read from the model folder on every start, a resume included."""
 
     def apply(self, model: nn.Module) -> None:
         """Change the meta-device model in place (replace modules, freeze parameters, add buffers)."""
         raise NotImplementedError
 
+    def base_name(self, name: str) -> str | None:
+        """The name under which the base model's weight files hold the transformed model's tensor `name`; None for a
+        tensor of the transform's own, which no weight file holds. The name itself by default."""
+        return name
+
+    def after_base_weights(self, model: nn.Module) -> None:
+        """Runs once the base weights are loaded into the distributed model (a checkpoint may then overwrite what it
+        holds): the initial values of parameters no weight file holds. Nothing by default."""
+
     def after_optimizer_step(self, model: nn.Module) -> None:
         """Runs after every applied optimizer step, with the unwrapped model; nothing by default."""
 
-
-TRANSFORMS: dict[str, Callable[[ModelConfig], ModelTransform | None]] = {}
-"""name -> the transform a config asks for, or None when it asks for none; applied in this order. Empty until the
-adapter, float8 and family issues register theirs."""
-
-
-def transforms_for(cfg: ModelConfig) -> list[ModelTransform]:
-    """The transforms a config asks for, in the order they apply."""
-    return [t for make in TRANSFORMS.values() if (t := make(cfg)) is not None]
+    def export_state(self, state: dict) -> dict:
+        """The distributed model's state dict (this rank's shards) as the model without this transform names and
+        holds it, for the Hugging Face export; unchanged by default. A collective where it gathers."""
+        return state

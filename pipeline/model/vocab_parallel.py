@@ -77,11 +77,12 @@ def _sum_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
 
 
 def head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-              group: dist.ProcessGroup | None, with_grads: bool, num_items: float):
+              group: dist.ProcessGroup | None, with_grads: bool, num_items: float, weight_grad: bool = True):
     """Summed cross-entropy of all rows of h against labels, over num_items, with the vocabulary split across the
     group, this rank holding rows [vocab_start, vocab_start + len(w)) of it; with the gradients of h (this rank's
     vocabulary share only: the caller sums them over ranks) and of w. One collective per chunk: every rank must run
-    the same number of chunks, so every rank passes the same number of rows."""
+    the same number of chunks, so every rank passes the same number of rows. weight_grad False: no gradient of w (a
+    frozen head, under adapters: a vocabulary x hidden product per chunk saved)."""
     world = _world(group)
     rows, v_local = h.shape[0], w.shape[0]
     valid = labels != IGNORE
@@ -91,7 +92,7 @@ def head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_star
     target = torch.where(mine, target, 0)
     w_c = w.to(h.dtype)
     grad_h = torch.empty_like(h) if with_grads else None
-    grad_w = torch.zeros_like(w, dtype=torch.float32) if with_grads else None
+    grad_w = torch.zeros_like(w, dtype=torch.float32) if with_grads and weight_grad else None
     total = torch.zeros((), dtype=torch.float64, device=h.device)
     step = max(1, CHUNK_ELEMENTS.get(h.device.type, CHUNK_ELEMENTS["cpu"]) // max(v_local, 1))
     for a in range(0, rows, step):
@@ -115,6 +116,8 @@ def head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_star
             z.scatter_add_(1, target[a:b, None], (mine[a:b] / -count).to(z.dtype)[:, None])
             d = z.to(h.dtype)
             torch.mm(d, w_c, out=grad_h[a:b])
+            if grad_w is None:
+                continue
             if d.dtype == grad_w.dtype:
                 grad_w.addmm_(d.t(), h[a:b])
             else:
@@ -127,16 +130,17 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_local, w_local, labels, vocab_start, group, num_items):
+        weight_grad = ctx.needs_input_grad[1]
         loss, grad_h, grad_w = head_pass(gather_rows(h_local, group), w_local, labels, vocab_start, group, True,
-                                         num_items)
+                                         num_items, weight_grad)
         # every rank's tokens got gradient from every rank's vocabulary share: sum, keep this rank's rows
-        ctx.save_for_backward(_sum_rows(grad_h, group), grad_w.to(w_local.dtype))
+        ctx.save_for_backward(_sum_rows(grad_h, group), *([grad_w.to(w_local.dtype)] if weight_grad else []))
         return loss
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out, grad_w * grad_out, None, None, None, None
+        grad_h, *grad_w = ctx.saved_tensors
+        return grad_h * grad_out, grad_w[0] * grad_out if grad_w else None, None, None, None, None
 
 
 class _VocabParallelLookup(torch.autograd.Function):

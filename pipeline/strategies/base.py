@@ -68,6 +68,8 @@ class Strategy(ABC):
     UNSUPPORTED: tuple[str, ...] = ()
     """Boolean config keys it refuses when on."""
     PREFETCHED_LAYERS = 2
+    ADAPTERS = False
+    """Whether it trains --adapter lora/dora (a frozen base beside trainable adapters in one wrapped unit)."""
     """Gathered decoder layers at the forward's peak under FULL_SHARD: the one in use and the one prefetched."""
 
     def __init__(self, cfg: ModelConfig, d: Dist, dtype: torch.dtype, transforms: Sequence[ModelTransform] = ()):
@@ -170,10 +172,22 @@ class Strategy(ABC):
         """The unwrapped model's tied names, parameter counts and shapes, before any wrapper changes them."""
         self.module = model
         self.tied = tied_keys(model)
-        self.names = WeightNames(model)
+        self.names = WeightNames(model, self.base_name)
         self.num_params, self.num_matmul_params = param_counts(model)
         self.shapes = {name: p.shape for name, p in model.named_parameters()}
         self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+
+    @property
+    def freezes_base(self) -> bool:
+        """Whether a transform trains only parameters of its own (adapters) on a frozen base."""
+        return any(t.freezes_base for t in self.transforms)
+
+    def base_name(self, name: str) -> str | None:
+        """A tensor's name in the base model's weight files (None: a transform's own, in no weight file)."""
+        for transform in self.transforms:
+            if (name := transform.base_name(name)) is None:
+                return None
+        return name
 
     def restore_buffers(self) -> None:
         """Every buffer of the materialised model set to its value from record() (modeling.compute_buffers: what
@@ -230,8 +244,11 @@ class Strategy(ABC):
     # ---- shared by the torch.distributed wrappers (DCP's state-dict API understands all of them)
 
     def load_weights(self, model_dir: Path) -> None:
-        """The base model's weights from its safetensors, each rank reading only what it holds. A collective."""
+        """The base model's weights from its safetensors, each rank reading only what it holds, then the initial
+        values of what no weight file holds (the transforms'). A collective."""
         load_weights(self.model, model_dir, self.names)
+        for transform in self.transforms:
+            transform.after_base_weights(self.model)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients to max_norm (inf: measure only); the global norm as a plain tensor on the device, the
@@ -250,18 +267,31 @@ class Strategy(ABC):
         return {**state_dict, **{head: state_dict[embed] for head, embed in self.tied.items() if embed in state_dict}}
 
     def state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
-        """{"model": ..., and "optim": ... with an optimizer}: this rank's shards under the plain model's names, as
-        DCP saves them; also the buffers dcp.load fills before load_state_dict."""
+        """{"model": ..., and "optim": ... with an optimizer}: what a checkpoint holds, this rank's shards under the
+        plain model's names, as DCP saves them; also the buffers dcp.load fills before load_state_dict. On a frozen
+        base (adapters) the trainable parameters only: the base is read from the model folder."""
         self.release()  # shards, never a gathered root
+        options = StateDictOptions(ignore_frozen_params=self.freezes_base)
         if optimizer is None:
-            return {"model": self.without_aliases(get_model_state_dict(self.model))}
-        model_sd, optim_sd = get_state_dict(self.model, optimizer)
+            return {"model": self.without_aliases(get_model_state_dict(self.model, options=options))}
+        model_sd, optim_sd = get_state_dict(self.model, optimizer, options=options)
         return {"model": self.without_aliases(model_sd), "optim": optim_sd}
+
+    def export_state(self) -> dict:
+        """Every weight of the model as the Hugging Face export writes it (this rank's shards): the transforms'
+        export_state applied in reverse order (adapters merged into their base weights), tied aliases left out. A
+        collective where a transform gathers."""
+        self.release()
+        state = get_model_state_dict(self.model)
+        for transform in reversed(self.transforms):
+            state = transform.export_state(state)
+        return self.without_aliases(state)
 
     def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Put what dcp.load filled into state (from state_dict) into the model and optimizer."""
-        # strict=False: a tied lm_head is filled through its embedding (one shared parameter)
-        options = StateDictOptions(strict=False)
+        # strict=False: a tied lm_head is filled through its embedding (one shared parameter), and on a frozen base
+        # the checkpoint holds the trainable parameters only
+        options = StateDictOptions(strict=False, ignore_frozen_params=self.freezes_base)
         model_sd = self.with_aliases(state["model"])
         if optimizer is None:
             set_model_state_dict(self.model, model_sd, options=options)

@@ -60,6 +60,7 @@ class DDP(Strategy):
     DEFAULT_SHARDING = "NO_SHARD"
     LAYOUT = "replicates the whole model on every rank"
     CPU_OFFLOAD = False
+    ADAPTERS = True
     clock: BucketClock | None = None
 
     @classmethod

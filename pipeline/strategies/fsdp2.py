@@ -76,6 +76,7 @@ class FSDP2(Strategy):
     """Times the collectives (CPU only)."""
 
     VOCAB_PARALLEL = True
+    ADAPTERS = True
 
     @classmethod
     def uses_vocab_parallel(cls, m: ModelConfig) -> bool:
@@ -148,11 +149,12 @@ class FSDP2(Strategy):
             fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
             return
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-        weight = nn.Parameter(distribute_tensor(embed.weight, mesh, [Shard(0)]))
+        # frozen stays frozen (adapters train on a frozen embedding and head)
+        weight = nn.Parameter(distribute_tensor(embed.weight, mesh, [Shard(0)]), embed.weight.requires_grad)
         if head.weight is embed.weight:
             head.weight = weight
         else:
-            head.weight = nn.Parameter(distribute_tensor(head.weight, mesh, [Shard(0)]))
+            head.weight = nn.Parameter(distribute_tensor(head.weight, mesh, [Shard(0)]), head.weight.requires_grad)
         model.set_input_embeddings(VocabParallelEmbedding(weight, embed.padding_idx, mesh.get_group()))
         fully_shard(model.base_model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload,
                     ignored_params={weight, head.weight})

@@ -21,6 +21,7 @@ from pipeline.model.vocab_parallel import CHUNK_ELEMENTS
 
 GIB = 1024**3
 STATE_BYTES_PER_PARAM = 16
+FP32_BYTES = 4
 """fp32 master weight, fp32 gradient and AdamW's two fp32 moments per parameter."""
 CUDA_CONTEXT_BYTES = GIB
 """What the CUDA context and NCCL take on a GPU outside the caching allocator (about 0.5-1 GiB): kept free."""
@@ -42,6 +43,9 @@ class Shape:
     tied: bool
     layer_params: int
     """Parameters of one decoder layer."""
+    linears: tuple[tuple[str, int, int], ...] = ()
+    """(name, in, out) of each linear layer of a decoder block an adapter can target (Llama's names; a mixture of
+    experts' fused experts are not linear layers)."""
 
     @classmethod
     def of(cls, config) -> Shape:
@@ -55,13 +59,31 @@ class Shape:
         if getattr(config, "attention_bias", False):
             attn += q + 2 * kv_width + hidden
         mlp = 3 * hidden * inter + (2 * inter + hidden if getattr(config, "mlp_bias", False) else 0)
+        linears = (("q_proj", hidden, q), ("k_proj", hidden, kv_width), ("v_proj", hidden, kv_width),
+                   ("o_proj", q, hidden))
         experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
         if experts and getattr(config, "num_experts_per_tok", None):  # every expert held; top-k of them per token
             each = getattr(config, "moe_intermediate_size", None) or inter
             mlp = experts * 3 * hidden * each + experts * hidden  # the experts and the router
             inter = config.num_experts_per_tok * each
+        else:
+            linears += (("gate_proj", hidden, inter), ("up_proj", hidden, inter), ("down_proj", inter, hidden))
         return cls(hidden, inter, kv_width, layers, config.vocab_size,
-                   bool(getattr(config, "tie_word_embeddings", False)), attn + mlp + 2 * hidden)
+                   bool(getattr(config, "tie_word_embeddings", False)), attn + mlp + 2 * hidden, linears)
+
+    def adapter_params(self, work: Workload) -> int:
+        """Trainable parameters of the workload's adapter: r x (in + out) per adapted linear layer (DoRA: + out, its
+        magnitude), in every block; 0 without one."""
+        if work.adapter == "none":
+            return 0
+        named = {t.strip() for t in work.lora_targets.split(",")} if work.lora_targets else None
+        per_layer = sum(work.lora_rank * (i + o) + (o if work.adapter == "dora" else 0)
+                        for name, i, o in self.linears if named is None or name in named)
+        return self.layers * per_layer
+
+    def trainable_params(self, work: Workload) -> int:
+        """What the optimizer updates: every parameter, or an adapter's alone."""
+        return self.adapter_params(work) if work.adapter != "none" else self.num_params
 
     @property
     def root_params(self) -> int:
@@ -92,6 +114,10 @@ class Workload:
     vocab_parallel: bool = False
     cpu_offload: bool = False
     device: str = "cuda"
+    adapter: str = "none"
+    """--adapter: none (every parameter trains), lora or dora (a frozen base in the compute dtype)."""
+    lora_rank: int = 16
+    lora_targets: str = ""
 
 
 @dataclass(frozen=True)
@@ -172,8 +198,17 @@ def estimate(shape: Shape, work: Workload, terms: StrategyTerms) -> Estimate:
         activations = shape.layers * tokens * shape.hidden * c + layer_activation_bytes(shape, tokens, c)
     else:
         activations = shape.layers * layer_activation_bytes(shape, tokens, c)
+    logits = logits_bytes(shape, work, tokens, shards)
+    if work.adapter != "none":
+        # a frozen base in the compute dtype (no gradient, no state); the adapter's fp32 weights, gradients and
+        # moments, which the strategy shards like the base; the gathered units as under full fine-tuning, but no
+        # autocast cache (the base already is in the compute dtype)
+        base, adapter = held * c, 0 if work.cpu_offload else shape.adapter_params(work) // shards
+        copies = terms.copy_bytes(shape, work) if shards > 1 else 0
+        return Estimate(base + 12 * adapter, FP32_BYTES * shape.adapter_params(work), copies, activations, logits,
+                        base + STATE_BYTES_PER_PARAM * adapter)
     return Estimate(12 * held, terms.gradient_bytes(shape, work), terms.copy_bytes(shape, work), activations,
-                    logits_bytes(shape, work, tokens, shards), STATE_BYTES_PER_PARAM * held)
+                    logits, STATE_BYTES_PER_PARAM * held)
 
 
 def logits_bytes(shape: Shape, work: Workload, tokens: int, shards: int) -> int:

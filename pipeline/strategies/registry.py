@@ -76,6 +76,9 @@ def _check_facts(cfg: Config) -> None:
                         f"{_those_that(lambda c: c.CPU_OFFLOAD)}")
     if m.vocab_parallel == "on" and not cls.VOCAB_PARALLEL:
         raise UserError(f"--vocab-parallel on needs --strategy {_those_that(lambda c: c.VOCAB_PARALLEL)}, got {name}")
+    if m.adapter != "none" and not cls.ADAPTERS:
+        raise UserError(f"{name} does not train adapters; --adapter {m.adapter} needs --strategy "
+                        f"{_those_that(lambda c: c.ADAPTERS)}")
     for key in cls.UNSUPPORTED:
         if getattr(m, key):
             raise UserError(f"{name} does not support {flag(key)} yet; use --strategy fsdp2")
@@ -100,7 +103,7 @@ def workload(cfg: Config, device: str, world_size: int, local_world_size: int) -
     dtype = compute_dtype(m.precision, torch.device(device))
     return Workload(m.strategy, m.sharding, world_size, local_world_size, dtype.itemsize, cfg.train.batch_size,
                     cfg.data.seq_length, cfg.train.grad_accum, m.activation_checkpointing, uses_vocab_parallel(m),
-                    m.cpu_offload, device)
+                    m.cpu_offload, device, m.adapter, m.lora_rank, m.lora_targets)
 
 
 def estimate(shape: Shape, work: Workload) -> Estimate:

@@ -18,8 +18,9 @@ def ring(w: Workload) -> float:
 
 
 def replicated_bytes(shape: Shape, w: Workload) -> int:
-    """A whole replica per rank (DDP, NO_SHARD): one all-reduce of the fp32 gradients, at the sync step."""
-    return int(2 * ring(w) * FP32 * shape.num_params)
+    """A whole replica per rank (DDP, NO_SHARD): one all-reduce of the fp32 gradients (an adapter's alone), at the
+    sync step."""
+    return int(2 * ring(w) * FP32 * shape.trainable_params(w))
 
 
 def sharded_bytes(shape: Shape, w: Workload) -> int:
@@ -30,7 +31,8 @@ def sharded_bytes(shape: Shape, w: Workload) -> int:
     # layers are gathered for the forward and again for the backward unless kept (SHARD_GRAD_OP); the root stays
     # gathered from its forward to its backward. Gathers happen every micro-step, the reduce-scatter once
     gathers = (2 if w.sharding in ("FULL_SHARD", "HYBRID_SHARD") else 1) * body + root
-    moved = w.grad_accum * w.compute_bytes * gathers + FP32 * (body + root)
+    reduced = shape.adapter_params(w) if w.adapter != "none" else body + root  # gradients: trained ones only
+    moved = w.grad_accum * w.compute_bytes * gathers + FP32 * reduced
     if w.vocab_parallel:
         # every rank's hidden states and embeddings cross the vocabulary shards: two gathers and two reduce-scatters
         # of (world x tokens x hidden) per micro-step

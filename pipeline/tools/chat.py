@@ -2,6 +2,7 @@
 
     python -m pipeline.chat outputs/RUN/hf --prompt "What is 2 plus 3?"     # one reply, then exit
     python -m pipeline.chat outputs/RUN/hf                                   # interactive; an empty line ends it
+    python -m pipeline.chat outputs/RUN/adapter --prompt "Hi"                # an adapter on its base model
 """
 
 from __future__ import annotations
@@ -15,18 +16,38 @@ from pipeline.errors import ArgumentParser, UserError
 
 
 def load(model_dir: Path):
-    """(model, tokenizer) of a model folder (an export, or any Hugging Face folder), ready to generate."""
+    """(model, tokenizer) of a model folder (an export, or any Hugging Face folder) or of a PEFT adapter folder
+    (RUN/adapter: its base model, resolved like --model-name, with the adapter on it), ready to generate."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not (model_dir / "config.json").exists():
-        raise UserError(f"{model_dir} is not a model folder (no config.json); pass RUN/hf or RUN/best")
+    adapter = (model_dir / "adapter_config.json").exists()
+    if not adapter and not (model_dir / "config.json").exists():
+        raise UserError(f"{model_dir} is not a model folder (no config.json) nor an adapter folder (no "
+                        "adapter_config.json); pass RUN/hf, RUN/adapter or RUN/best")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if not tokenizer.chat_template:
         raise UserError(f"{model_dir} has no chat template; train with --chat-template FILE.jinja (it is exported "
                         "with the model) or use an Instruct model")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
-    return model, tokenizer
+    model = _with_adapter(model_dir) if adapter else AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+    return model.to(device).eval(), tokenizer
+
+
+def _with_adapter(adapter_dir: Path):
+    """The base model an adapter folder names (a hub id in the offline cache, or a folder), the adapter on it."""
+    import json
+    import warnings
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.prep.hub import resolve_model_dir
+
+    base = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))["base_model_name_or_path"]
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_dir(base), dtype="auto")
+    with warnings.catch_warnings():  # peft asks transformers a deprecated question (is_gradient_checkpointing)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return PeftModel.from_pretrained(model, adapter_dir)
 
 
 @torch.inference_mode()
@@ -54,7 +75,8 @@ def _lines():
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description="Chat with a trained model through its chat template.")
-    p.add_argument("model_dir", type=Path, help="a model folder: RUN/hf, RUN/best, or any Hugging Face folder")
+    p.add_argument("model_dir", type=Path, help="a model folder (RUN/hf, RUN/best, any Hugging Face folder) or an "
+                   "adapter folder (RUN/adapter)")
     p.add_argument("--prompt", help="one user message: print the reply and exit (default: interactive)")
     p.add_argument("--system", help="a system message before the conversation")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -387,29 +387,34 @@ class Checkpointer:
         return json.loads((path / TRAINER).read_text())
 
 
-def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[Strategy, Path]:
-    """The model of a training checkpoint, distributed over this process group (no optimizer), and the base model's
-    folder (config and tokenizer; its weights are not read). A collective."""
+def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[Strategy, Path, dict]:
+    """The model of a training checkpoint, distributed over this process group (no optimizer), the base model's
+    folder (config and tokenizer; its weights are read only under an adapter checkpoint) and the run's fingerprint.
+    A collective."""
     from pipeline.prep.hub import resolve_model_dir
 
     if not (checkpoint / TRAINER).exists() or not (checkpoint / ".metadata").exists():
         raise UserError(f"--checkpoint {checkpoint} is not a complete checkpoint (no {TRAINER} or .metadata)")
-    model_name = json.loads((checkpoint / TRAINER).read_text())["fingerprint"]["model_name"]
-    model_dir = resolve_model_dir(model_name)
-    return checkpoint_model(checkpoint, model_dir, d), model_dir
+    fingerprint = json.loads((checkpoint / TRAINER).read_text())["fingerprint"]
+    model_dir = resolve_model_dir(fingerprint["model_name"])
+    return checkpoint_model(checkpoint, model_dir, d, fingerprint.get("adapter", {})), model_dir, fingerprint
 
 
-def checkpoint_model(checkpoint: Path, model_dir: Path, d: Dist) -> Strategy:
+def checkpoint_model(checkpoint: Path, model_dir: Path, d: Dist, adapter: dict | None = None) -> Strategy:
     """The model of a complete training checkpoint of the model in model_dir (its config), in fp32 under fsdp2
-    FULL_SHARD, no optimizer. A collective."""
+    FULL_SHARD, no optimizer. adapter: the run's adapter settings (preflight.adapter_settings) when it trained
+    adapters, which the checkpoint holds alone: the base weights are then read from model_dir. A collective."""
     from transformers import AutoConfig
 
     from pipeline.config import ModelConfig
+    from pipeline.model.registry import transforms_for
 
     config = ModelConfig(model_name=str(model_dir), precision="fp32", strategy="fsdp2", sharding="FULL_SHARD",
-                         vocab_parallel="off")
-    strategy = make_strategy(config, d, torch.float32)
+                         vocab_parallel="off", **(adapter or {}))
+    strategy = make_strategy(config, d, torch.float32, transforms_for(config, torch.float32))
     strategy.build(AutoConfig.from_pretrained(model_dir))
+    if strategy.freezes_base:
+        strategy.load_weights(model_dir)
     state = strategy.state_dict()
     dcp.load(state, checkpoint_id=str(checkpoint))
     strategy.load_state_dict(state)

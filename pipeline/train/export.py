@@ -11,6 +11,7 @@ destination and renamed into place.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -21,9 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from pipeline.config import Config
 from pipeline.dist.runtime import DTYPES, Dist, init_distributed
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import replace_dir
+from pipeline.model.adapters import LowRankAdapter
 from pipeline.model.naming import to_file_layout
 from pipeline.model.weight_files import INDEX, read_header
 from pipeline.prep.hub import TOKENIZER_FILES
@@ -58,7 +61,9 @@ RUN_TEMPLATE = "chat_template.jinja"
 """A run trained with --chat-template keeps the template in its folder under this name, for every later export."""
 
 
-EXPORT_FILES = frozenset({INDEX, "config.json", "generation_config.json", *TOKENIZER_FILES})
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+"""What PEFT's save_pretrained writes for an adapter (and an adapter export here)."""
+EXPORT_FILES = frozenset({INDEX, "config.json", "generation_config.json", *TOKENIZER_FILES, *ADAPTER_FILES})
 """What an export writes besides its *.safetensors: a folder holding anything else is not ours to replace."""
 
 
@@ -85,7 +90,7 @@ def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dt
     weight is stored once, under the embedding; from_pretrained re-ties. A folder at out that is not a previous
     export is refused before anything is written (check_replaceable)."""
     check_replaceable(out, "the export folder")
-    sd = {k: v.detach().to(dtype) for k, v in strategy.state_dict()["model"].items()}
+    sd = {k: v.detach().to(dtype) for k, v in strategy.export_state().items()}
     work = out.with_name(f".{out.name}.partial")
     scratch = work / "dcp"  # DCP's writer: per-rank files, then the consolidated ones; only the latter are kept
     if d.is_main:
@@ -106,14 +111,70 @@ def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dt
         config = model.config.__class__.from_dict(model.config.to_dict())
         config.dtype = dtype
         config.save_pretrained(work)
-        for name in (*TOKENIZER_FILES, "generation_config.json"):
-            if (model_dir / name).exists():
-                shutil.copyfile(model_dir / name, work / name)
-        if chat_template:
-            (work / "chat_template.json").unlink(missing_ok=True)
-            (work / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+        copy_tokenizer(model_dir, work, chat_template)
         replace_dir(work, out)
     dist.barrier()
+
+
+def copy_tokenizer(model_dir: Path, work: Path, chat_template: str) -> None:
+    """The base model's tokenizer and generation files into an export, its chat template replaced by chat_template
+    when given."""
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
+        if (model_dir / name).exists():
+            shutil.copyfile(model_dir / name, work / name)
+    if chat_template:
+        (work / "chat_template.json").unlink(missing_ok=True)
+        (work / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+
+
+def adapter_of(strategy: Strategy) -> LowRankAdapter | None:
+    """The model's adapter transform, if it trains one."""
+    return next((t for t in strategy.transforms if isinstance(t, LowRankAdapter)), None)
+
+
+def export_adapter(strategy: Strategy, model_dir: Path, out: Path, base_model: str, d: Dist,
+                   chat_template: str = "") -> None:
+    """Write the model's adapter to out in PEFT's format (adapter_config.json naming base_model,
+    adapter_model.safetensors with every LoRA tensor whole and 2-D, the tokenizer files): what
+    PeftModel.from_pretrained, vLLM and TGI read. A collective (the adapter is gathered into rank 0's host memory, one
+    tensor at a time); built beside out and renamed into place, and a folder at out that is not a previous export is
+    refused (check_replaceable)."""
+    from safetensors.torch import save_file
+
+    check_replaceable(out, "the adapter folder")
+    adapter = adapter_of(strategy)
+    tensors = adapter.adapter_state(strategy.model, strategy.module)
+    if d.is_main:
+        work = out.with_name(f".{out.name}.partial")
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        save_file(tensors, work / "adapter_model.safetensors", metadata={"format": "pt"})
+        config = copy.deepcopy(adapter.peft_config)
+        config.base_model_name_or_path, config.inference_mode = base_model, True
+        config.save_pretrained(work)
+        copy_tokenizer(model_dir, work, chat_template)
+        replace_dir(work, out)
+    dist.barrier()
+
+
+def run_exports(cfg: Config, *, best: bool = False) -> dict[str, str]:
+    """The folders of RUN the run's end writes (best: those --save-best writes), each to what it holds: "model" (hf/,
+    adapters merged into it) and, for an adapter run, "adapter" (adapter/; alone when --merge-export is off)."""
+    adapter = cfg.model.adapter != "none"
+    kinds = (["model"] if not adapter or cfg.run.merge_export else []) + (["adapter"] if adapter else [])
+    names = {"model": "best" if best else "hf", "adapter": "best-adapter" if best else "adapter"}
+    return {names[kind]: kind for kind in kinds}
+
+
+def export_run(strategy: Strategy, cfg: Config, model_dir: Path, d: Dist, chat_template: str, *,
+               best: bool = False) -> None:
+    """The run's exports (run_exports) from the model as it is now. A collective."""
+    for name, kind in run_exports(cfg, best=best).items():
+        if kind == "adapter":
+            export_adapter(strategy, model_dir, cfg.run_dir / name, cfg.model.model_name, d, chat_template)
+        else:
+            export_model(strategy, model_dir, cfg.run_dir / name,
+                         export_dtype(cfg.run.export_dtype, strategy.module.config), d, chat_template)
 
 
 def in_file_layout(folder: Path, model) -> None:
@@ -141,24 +202,40 @@ def write_index(folder: Path) -> None:
 
 
 def build_parser() -> ArgumentParser:
-    p = ArgumentParser(description="Export a training checkpoint to a Hugging Face model folder.")
+    p = ArgumentParser(description="Export a training checkpoint to a Hugging Face model folder, and an adapter "
+                       "checkpoint's adapter to a PEFT adapter folder.")
     p.add_argument("--checkpoint", required=True, type=Path, help="RUN/checkpoints/step-NNNNNNNN")
-    p.add_argument("--out", required=True, type=Path, help="output folder: new, empty or a previous export (replaced "
-                   "once the export is complete); a folder holding anything else is refused")
+    p.add_argument("--out", type=Path, help="the model's folder (an adapter run's: the base with the adapter merged "
+                   "into it): new, empty or a previous export (replaced once the export is complete); a folder "
+                   "holding anything else is refused")
+    p.add_argument("--adapter-out", type=Path, help="an adapter run's checkpoint: the adapter's folder in PEFT's "
+                   "format (adapter_config.json, adapter_model.safetensors, the tokenizer files)")
     p.add_argument("--export-dtype", default="auto", choices=("auto", *DTYPES), help="default: the base model's")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    check_replaceable(args.out, "--out")  # before any process group or model: nothing the user has is touched
+    if args.out is None and args.adapter_out is None:
+        raise UserError("nothing to export: give --out (the model) and/or --adapter-out (an adapter run's adapter)")
+    # before any process group or model: nothing the user has is touched
+    for folder, flag in ((args.out, "--out"), (args.adapter_out, "--adapter-out")):
+        if folder is not None:
+            check_replaceable(folder, flag)
     d = init_distributed()
-    strategy, model_dir = load_checkpoint_model(args.checkpoint, d)
+    strategy, model_dir, fingerprint = load_checkpoint_model(args.checkpoint, d)
+    if args.adapter_out is not None and adapter_of(strategy) is None:
+        raise UserError(f"--adapter-out: {args.checkpoint} is a full fine-tuning checkpoint, with no adapter; export "
+                        "it with --out")
     run_template = args.checkpoint.resolve().parents[1] / RUN_TEMPLATE
     template = run_template.read_text(encoding="utf-8") if run_template.exists() else ""
-    export_model(strategy, model_dir, args.out, export_dtype(args.export_dtype, strategy.module.config), d, template)
+    if args.out is not None:
+        export_model(strategy, model_dir, args.out, export_dtype(args.export_dtype, strategy.module.config), d,
+                     template)
+    if args.adapter_out is not None:
+        export_adapter(strategy, model_dir, args.adapter_out, fingerprint["model_name"], d, template)
     if d.is_main:
-        print(f"exported {args.checkpoint} to {args.out}")
+        print(f"exported {args.checkpoint} to {' and '.join(str(f) for f in (args.out, args.adapter_out) if f)}")
     # on success only: after a failure another rank may still be in a collective (pipeline.export leaves without
     # finalization either way, errors.leave)
     dist.destroy_process_group()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import Config
+from pipeline.config import Config, ModelConfig
 from pipeline.data.dataset import (
     BlockSpec,
     conversation_rows,
@@ -22,12 +22,13 @@ from pipeline.data.dataset import (
     tokenizer_fingerprint,
 )
 from pipeline.errors import UserError
+from pipeline.model.adapters import chosen_targets
 from pipeline.model.modeling import meta_model
 from pipeline.model.weight_files import read_index
 from pipeline.prep.hub import resolve_model_dir
 from pipeline.strategies.auto import MemoryPlan, plan_memory
 from pipeline.train.checkpoint import read_state
-from pipeline.train.export import check_replaceable
+from pipeline.train.export import check_replaceable, run_exports
 
 
 @dataclass
@@ -60,7 +61,15 @@ def run_fingerprint(cfg: Config, model_dir: Path, hf_config, dataset, spec: Bloc
         "tokenizer": tokenizer_fingerprint(model_dir)[:16],
         "dataset": dataset_fingerprint(dataset),
         **spec.key(),
+        **({"adapter": adapter_settings(cfg.model)} if cfg.model.adapter != "none" else {}),
     }
+
+
+def adapter_settings(m: ModelConfig) -> dict:
+    """What defines an adapter run's adapters: guarded on resume, and what pipeline.export rebuilds them from (a
+    full fine-tuning run's fingerprint has no such field, so runs from before adapters existed still resume)."""
+    return {"adapter": m.adapter, "lora_rank": m.lora_rank, "lora_alpha": m.lora_alpha,
+            "lora_dropout": m.lora_dropout, "lora_targets": m.lora_targets}
 
 
 def check_fingerprint(run_dir: Path, saved: dict, current: dict) -> None:
@@ -105,18 +114,23 @@ def preflight(cfg: Config) -> Plan:
                         f"(max_position_embeddings {limit})")
     if cfg.model.attn_implementation != "auto":  # a kernel the family refuses: one line, before any weight is read
         meta_model(hf_config, attn_implementation=cfg.model.attn_implementation)
+    if cfg.model.adapter != "none":  # --lora-targets naming no linear layer: one line, before any weight is read
+        chosen_targets(meta_model(hf_config), cfg.model.lora_targets)
     dataset = load_text_dataset(cfg.data.dataset_name)
     chats = bool(conversation_rows(dataset).any())
     tokenizer = load_tokenizer(cfg, model_dir, chats)
     spec = BlockSpec(cfg.data.seq_length, cfg.data.val_fraction, cfg.run.seed, chats, cfg.data.train_on,
                      cfg.data.chat_date, cfg.data.chat_template and tokenizer.chat_template, cfg.data.document_mask)
     fingerprint = run_fingerprint(cfg, model_dir, hf_config, dataset, spec)
-    for folder in ("hf", "best") if cfg.run.save_best else ("hf",):  # what the run replaces at its end: refused now
+    exports = {**run_exports(cfg), **(run_exports(cfg, best=True) if cfg.run.save_best else {})}
+    for folder in exports:  # what the run replaces at its end: refused now
         check_replaceable(cfg.run_dir / folder, f"the run's export folder {folder}/:")
     state = read_state(cfg.run_dir)
     if state and not cfg.run.no_resume:
         check_fingerprint(cfg.run_dir, state["fingerprint"], fingerprint)
-    else:  # a fresh start loads the base weights: their headers now, before any process waits on another
+    if not state or cfg.run.no_resume or cfg.model.adapter != "none":
+        # the base weights are read (a fresh start; every start of an adapter run): their headers now, before any
+        # process waits on another
         read_index(model_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return Plan(model_dir, hf_config, dataset, tokenizer, spec, fingerprint, plan_memory(cfg, hf_config, device))

@@ -23,12 +23,12 @@ from pipeline.data.sampler import BlockSampler
 from pipeline.dist.runtime import Dist, compute_dtype
 from pipeline.errors import UserError
 from pipeline.model.modeling import untested_family
-from pipeline.model.transforms import transforms_for
+from pipeline.model.registry import transforms_for
 from pipeline.strategies.memory import GIB
 from pipeline.strategies.registry import ignored_knobs, make_strategy, out_of_memory_hints
 from pipeline.train.blocks import prepare_blocks
 from pipeline.train.checkpoint import Checkpointer, state_problem, step_name
-from pipeline.train.export import export_dtype, export_model
+from pipeline.train.export import export_run, run_exports
 from pipeline.train.optim import build_optimizer, build_scheduler
 from pipeline.train.preflight import Plan
 from pipeline.train.signals import Interrupted, StopRequest
@@ -94,7 +94,7 @@ class Trainer:
         self.sampler = BlockSampler(len(self.blocks.train), cfg.run.seed, d.world_size, d.rank,
                                     cfg.train.batch_size, cfg.train.grad_accum)
         self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.sampler.steps_per_epoch
-        self.strategy = make_strategy(cfg.model, d, self.dtype, transforms_for(cfg.model))
+        self.strategy = make_strategy(cfg.model, d, self.dtype, transforms_for(cfg.model, self.dtype))
         if d.is_main:
             self.log_plan()
         # what the process holds before the model exists: the estimate covers what comes above it
@@ -176,9 +176,10 @@ class Trainer:
                 log.warning("ignoring incomplete checkpoint %s (removed once a newer one is complete)", name)
         path = self.ckpt.choose(self.cfg.run.resume_from)
         started = time.perf_counter()
-        if path is None:
+        if path is None or self.strategy.freezes_base:  # adapters: the checkpoint holds them, not the base
             self.strategy.load_weights(self.plan.model_dir)
             log.info("loaded the base weights from %s in %.2f s", self.plan.model_dir, time.perf_counter() - started)
+        if path is None:
             return None
         self.ckpt.verify(path)
         self.load_state_dict(self.ckpt.load(path, self.strategy, self.optimizer))
@@ -204,8 +205,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------- loop
 
     def fit(self) -> None:
-        if self.step >= self.total_steps and (self.run_dir / "hf").exists():
-            log.info("run already complete at step %d: %s", self.step, self.run_dir / "hf")
+        final = self.run_dir / next(iter(run_exports(self.cfg)))
+        if self.step >= self.total_steps and final.exists():
+            log.info("run already complete at step %d: %s", self.step, final)
             return
         # closed (and the losses plotted, unless the run crashed) however the loop ends, before any message
         with Telemetry(self.run_dir, self.dist.is_main, self.total_steps, self.step) as telemetry:
@@ -216,7 +218,8 @@ class Trainer:
             telemetry.event("memory", self.step, strategy=self.cfg.model.strategy, sharding=self.cfg.model.sharding,
                             estimate_gb=mem.estimate.gib(), budget_gb=round(mem.budget / GIB, 3))
             self.loop(telemetry)
-        log.info("exported the model to %s", self.run_dir / "hf")
+        log.info("exported the %s to %s", " and ".join(run_exports(self.cfg).values()),
+                 " and ".join(str(self.run_dir / name) for name in run_exports(self.cfg)))
 
     def loop(self, telemetry: Telemetry) -> None:
         window = Window()
@@ -247,9 +250,7 @@ class Trainer:
         self.evaluate(telemetry)
         self.save()
         self.ckpt.wait()
-        export_model(self.strategy, self.plan.model_dir, self.run_dir / "hf",
-                     export_dtype(self.cfg.run.export_dtype, self.plan.hf_config), self.dist,
-                     self.plan.spec.chat_template)
+        export_run(self.strategy, self.cfg, self.plan.model_dir, self.dist, self.plan.spec.chat_template)
 
     def boundary(self) -> bool:
         """One small all-reduce per step: did any rank get a signal, and has every rank finished its async save?"""
@@ -366,8 +367,8 @@ class Trainer:
         telemetry.human({"global_step": self.step, "eval_loss": round(loss, 5), "eval_ppl": round(ppl, 3)})
         if self.cfg.run.save_best and loss < self.best_val:
             self.best_val = loss
-            export_model(self.strategy, self.plan.model_dir, self.run_dir / "best",
-                         export_dtype(self.cfg.run.export_dtype, self.plan.hf_config), self.dist,
-                         self.plan.spec.chat_template)
-            log.info("best validation loss so far (%.5f): exported to %s", loss, self.run_dir / "best")
+            export_run(self.strategy, self.cfg, self.plan.model_dir, self.dist, self.plan.spec.chat_template,
+                       best=True)
+            log.info("best validation loss so far (%.5f): exported to %s", loss,
+                     " and ".join(str(self.run_dir / name) for name in run_exports(self.cfg, best=True)))
         return loss

@@ -1,0 +1,194 @@
+"""Low-rank adapters (LoRA, DoRA) as a model transform: peft's layers injected into the meta model before it is
+distributed, the base frozen in the compute dtype, the adapters in fp32.
+
+peft owns the format vLLM, TGI and `PeftModel.from_pretrained` read, so its layers are used as they are, through
+its public `inject_adapter_in_model` (the model keeps its class and its names, `q_proj.base_layer.weight` beside
+`q_proj.lora_A.default.weight`): applied before sharding it trains under fully_shard and DDP alike (fully_shard
+shards every adapter matrix by rows, as it shards the base weight). What peft cannot do on a sharded model is done
+here by rows: initialising the adapters after to_empty, and merging them into the base without gathering a weight
+(B's rows and a DoRA magnitude's are sharded like the base weight's, and A is r x in: small).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from pipeline.config import ModelConfig
+from pipeline.errors import UserError
+from pipeline.model.modeling import decoder_layers
+from pipeline.model.transforms import ModelTransform
+
+ADAPTER_NAME = "default"
+"""peft's name for the one adapter a model carries (`lora_A.default.weight`); its files leave it out."""
+LORA_KEY = re.compile(rf"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_magnitude_vector)\.{ADAPTER_NAME}\.weight$")
+BASE_LAYER = ".base_layer"
+"""What peft inserts into the name of a wrapped layer's own parameters (q_proj.base_layer.weight)."""
+PEFT_PREFIX = "base_model.model."
+"""The prefix PeftModel gives every key of adapter_model.safetensors."""
+
+
+def plain_key(name: str) -> str:
+    """A parameter's name in the model without adapters (q_proj.base_layer.weight -> q_proj.weight): the name a
+    weight folder and an export use."""
+    return name.replace(BASE_LAYER + ".", ".")
+
+
+def is_adapter_key(name: str) -> bool:
+    return LORA_KEY.match(name) is not None
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter or state-dict tensor (a DTensor's local shard, else the tensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def default_targets(model: nn.Module) -> list[str]:
+    """The leaf names of every linear layer in the decoder blocks (q_proj, ..., down_proj), a mixture of experts'
+    router left out (it picks experts; an adapter there changes the routing, not the experts)."""
+    experts = getattr(model.config, "num_local_experts", None) or getattr(model.config, "num_experts", None)
+    names = {name.rsplit(".", 1)[-1] for layer in decoder_layers(model) for name, m in layer.named_modules()
+             if isinstance(m, nn.Linear) and not (experts and m.out_features == experts)}
+    return sorted(names)
+
+
+def chosen_targets(model: nn.Module, asked: str) -> list[str]:
+    """--lora-targets resolved: the default, or the names given, each of which must name a linear layer of the
+    decoder blocks (one line listing those that do)."""
+    available = default_targets(model)
+    if not asked:
+        return available
+    wanted = [t.strip() for t in asked.split(",")]
+    linear = {name for layer in decoder_layers(model) for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+    missing = [t for t in wanted if not any(n == t or n.endswith("." + t) for n in linear)]
+    if missing:
+        raise UserError(f"--lora-targets {', '.join(missing)}: no linear layer of {type(model).__name__}'s decoder "
+                        f"blocks is named so; its linear layers are {', '.join(available)}")
+    return sorted(set(wanted))
+
+
+class LowRankAdapter(ModelTransform):
+    """LoRA (or DoRA) on the chosen linear layers; everything else frozen in the compute dtype."""
+
+    name = "adapter"
+    freezes_base = True
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        self.cfg, self.dtype = cfg, dtype
+        self.scaling = cfg.lora_alpha / cfg.lora_rank
+        self.peft_config = None
+        """peft's LoraConfig as injected (target_modules as the leaf names)."""
+
+    def apply(self, model: nn.Module) -> None:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        self.peft_config = LoraConfig(r=self.cfg.lora_rank, lora_alpha=self.cfg.lora_alpha,
+                                      lora_dropout=self.cfg.lora_dropout, use_dora=self.cfg.adapter == "dora",
+                                      target_modules=chosen_targets(model, self.cfg.lora_targets), bias="none",
+                                      task_type="CAUSAL_LM")
+        inject_adapter_in_model(self.peft_config, model, adapter_name=ADAPTER_NAME)
+        self._freeze_base(model)
+
+    def _freeze_base(self, model: nn.Module) -> None:
+        """Every parameter but the adapters' frozen, in the compute dtype: no gradient, no optimizer state, no fp32
+        master copy. A tied weight is one parameter under two modules: converted once, set in both."""
+        adapters = {id(p) for name, p in model.named_parameters() if is_adapter_key(name)}
+        converted: dict[int, nn.Parameter] = {}
+        for module in model.modules():
+            for leaf, param in list(module._parameters.items()):
+                if param is None or id(param) in adapters:
+                    continue
+                if id(param) not in converted:
+                    converted[id(param)] = nn.Parameter(param.detach().to(self.dtype), requires_grad=False)
+                module._parameters[leaf] = converted[id(param)]
+
+    def base_name(self, name: str) -> str | None:
+        return None if is_adapter_key(name) else plain_key(name)
+
+    # ---- after the base weights are loaded: the adapters' initial values, as peft gives them
+
+    def after_base_weights(self, model: nn.Module) -> None:
+        """Initialise the adapters of the distributed model, as peft does: A Kaiming-uniform (from a generator
+        seeded with torch's seed, so every rank and every strategy draws the same matrix), B zero (so the model
+        starts as the base), a DoRA magnitude the norm of each row of the base weight. Each rank writes only its
+        own rows; no collective."""
+        sd = get_model_state_dict(model)  # this rank's shards, sharing storage with the parameters
+        generator = torch.Generator().manual_seed(torch.initial_seed())
+        with torch.no_grad():
+            for key in sorted(sd):
+                found = LORA_KEY.match(key)
+                if found is None:
+                    continue
+                target = local(sd[key])
+                if found["part"] == "lora_B":
+                    target.zero_()
+                elif found["part"] == "lora_A":
+                    full = torch.empty(sd[key].shape, dtype=torch.float32)
+                    nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
+                    target.copy_(self._my_rows(full, sd[key]))
+                else:
+                    base = local(sd[f"{found['module']}{BASE_LAYER}.weight"]).float()
+                    target.copy_(torch.linalg.norm(base, dim=1))
+
+    @staticmethod
+    def _my_rows(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The part of full this rank holds of a tensor laid out like `like` (no communication: src_data_rank None
+        slices the local copy)."""
+        if not isinstance(like, DTensor):
+            return full
+        return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+    # ---- export
+
+    def export_state(self, state: dict) -> dict:
+        """The model's state dict (this rank's shards) with every adapter merged into its base weight, under the
+        names of the model without adapters. Row by row: W + scaling x B @ A (DoRA: each row then rescaled to its
+        magnitude), with A gathered whole (r x in, one all-gather per adapted layer on every rank, in the same
+        order) and W, B and the magnitude as sharded."""
+        merged = {}
+        for key in sorted(state):
+            if is_adapter_key(key):
+                continue
+            module = key.removesuffix(f"{BASE_LAYER}.weight")
+            if module == key or f"{module}.lora_A.{ADAPTER_NAME}.weight" not in state:
+                merged[plain_key(key)] = state[key]
+                continue
+            merged[plain_key(key)] = self._merged(state, module)
+        return merged
+
+    def _merged(self, state: dict, module: str) -> torch.Tensor:
+        weight = state[f"{module}{BASE_LAYER}.weight"]
+        a = state[f"{module}.lora_A.{ADAPTER_NAME}.weight"]
+        a = (a.full_tensor() if isinstance(a, DTensor) else a).float()  # a collective under fully_shard
+        rows = local(weight).float() + self.scaling * (local(state[f"{module}.lora_B.{ADAPTER_NAME}.weight"]).float()
+                                                       @ a.to(local(weight).device))
+        magnitude = state.get(f"{module}.lora_magnitude_vector.{ADAPTER_NAME}.weight")
+        if magnitude is not None:
+            rows = rows * (local(magnitude).float() / torch.linalg.norm(rows, dim=1))[:, None]
+        if isinstance(weight, DTensor):
+            return DTensor.from_local(rows, weight.device_mesh, weight.placements, run_check=False,
+                                      shape=weight.shape, stride=weight.stride())
+        return rows
+
+    def adapter_state(self, model: nn.Module, module: nn.Module) -> dict:
+        """The adapter as PeftModel.save_pretrained writes it (`base_model.model.<path>.lora_A.weight`, every tensor
+        whole and 2-D, DoRA's magnitude 1-D as peft keeps it), on rank 0 only (empty elsewhere). A collective: the
+        adapters are gathered whole, one tensor at a time, into rank 0's host memory. module: the unwrapped model."""
+        from peft import get_peft_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        full = {k: v for k, v in get_model_state_dict(model, options=options).items() if is_adapter_key(k)}
+        if not full:
+            return {}
+        peft_sd = get_peft_model_state_dict(module, state_dict=full, adapter_name=ADAPTER_NAME)
+        return {PEFT_PREFIX + k: v.contiguous() for k, v in peft_sd.items()}
+
+
+def adapter_transform(cfg: ModelConfig, dtype: torch.dtype) -> LowRankAdapter | None:
+    """The adapter --adapter asks for, or None for full fine-tuning."""
+    return None if cfg.adapter == "none" else LowRankAdapter(cfg, dtype)

@@ -1,0 +1,202 @@
+"""Adapters (LoRA, DoRA): the model starts as the base, only adapters train, checkpoints hold them alone and resume
+bitwise (also on another world size and strategy), and the exports load in peft and transformers."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import ROOT, losses, run_script, torchrun
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pipeline.config import ModelConfig
+from pipeline.model.adapters import is_adapter_key
+from pipeline.model.registry import transforms_for
+from pipeline.strategies.registry import make_strategy
+
+TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
+
+def built(model_dir: Path, d, adapter: str, strategy: str = "fsdp2"):
+    cfg = ModelConfig(model_name=str(model_dir), precision="fp32", strategy=strategy, sharding="auto",
+                      vocab_parallel="off", adapter=adapter, lora_rank=4, lora_alpha=8)
+    s = make_strategy(cfg, d, torch.float32, transforms_for(cfg, torch.float32))
+    s.build(AutoConfig.from_pretrained(model_dir))
+    s.load_weights(model_dir)
+    return s
+
+
+@pytest.mark.parametrize("adapter", ["lora", "dora"])
+def test_an_adapter_starts_as_the_base_and_merges_and_saves_as_peft_does(group_of_one, tiny_models, tmp_path,
+                                                                         adapter):
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    model_dir = tiny_models["tied"]
+    s = built(model_dir, group_of_one, adapter)  # fsdp2 on one rank: every tensor a DTensor of one shard
+    ids = torch.randint(0, 400, (2, 24))
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ours, theirs = s.model(input_ids=ids).logits, base(input_ids=ids).logits
+    if adapter == "lora":
+        assert torch.equal(ours, theirs)  # B = 0: exactly the base
+    else:
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)  # magnitude / norm = 1, up to rounding
+    trainable = {n for n, p in s.model.named_parameters() if p.requires_grad}
+    assert trainable and all(is_adapter_key(n) for n in trainable)
+    assert {n.split(".")[-4] for n in trainable if ".lora_A." in n} == set(TARGETS)
+    # make the adapter do something, then merge it: ours by rows, peft's merge_and_unload on the whole model
+    with torch.no_grad():
+        for name, p in s.model.named_parameters():
+            if ".lora_B." in name or "magnitude" in name:
+                p.to_local().add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))).mul(0.05))
+    saved = s.transforms[0].adapter_state(s.model, s.module)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                                 use_dora=adapter == "dora", task_type="CAUSAL_LM"))
+    peft_model.save_pretrained(tmp_path / "peft")  # the names and shapes peft writes
+    written = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in written.items()}
+    assert all(v.ndim == 2 for k, v in saved.items() if "lora_A" in k or "lora_B" in k)
+    result = set_peft_model_state_dict(peft_model, saved)
+    assert not result.unexpected_keys
+    merged = peft_model.merge_and_unload().state_dict()
+    exported = {k: v.full_tensor() for k, v in s.export_state().items()}
+    assert set(exported) == set(merged) - {"lm_head.weight"}  # tied: stored once, under the embedding
+    for key, value in exported.items():
+        torch.testing.assert_close(value, merged[key], rtol=0, atol=2e-6, msg=key)
+
+
+# ------------------------------------------------------------------------------------------ real runs, 2 ranks
+
+def args(data: Path, root: Path, *extra: object) -> list[str]:
+    return ["-e", "r", "-d", str(data), "-m", "local/tiny", "--save-dir", str(root), "--config",
+            str(ROOT / "configs" / "demo.yaml"), "--log-freq", "1", "--eval-freq", "0", "--ckpt-freq", "6",
+            "--keep-last", "3", "--lr-schedule", "constant", "--max-steps", "18", "-b", "2", "--lora-rank", "4",
+            *map(str, extra)]
+
+
+def train(env: dict, data: Path, root: Path, *extra: object, nproc: int = 2):
+    a = args(data, root, *extra)
+    proc = run_script("fsdp1.py", *a, env=env["env"]) if nproc == 1 else \
+        torchrun(nproc, ROOT / "fsdp1.py", *a, env=env["env"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def adapter_tensors(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(run / "adapter" / "adapter_model.safetensors")
+
+
+def model_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.fixture(scope="module")
+def lora_run(train_env, tmp_path_factory) -> Path:
+    """18 steps of LoRA (rank 4, every linear layer of the blocks) under fsdp2 on 2 ranks, checkpoints every 6."""
+    root = tmp_path_factory.mktemp("lora")
+    train(train_env, train_env["dataset"], root, "--adapter", "lora", "--strategy", "fsdp2")
+    return root / "r"
+
+
+def test_lora_checkpoints_hold_the_adapter_alone_and_every_rank_s_rows_resume_bitwise(train_env, lora_run, tmp_path):
+    metadata = dcp.FileSystemReader(str(lora_run / "checkpoints" / "step-00000006")).read_metadata()
+    model_keys = {k.removeprefix("model.") for k in metadata.state_dict_metadata if k.startswith("model.")}
+    assert model_keys and all(is_adapter_key(k) for k in model_keys)  # no frozen weight in any checkpoint
+    assert len(model_keys) == 2 * 2 * len(TARGETS)  # A and B of 7 layers in each of 2 blocks
+    # a rerun from step 6 trains 7..18 again: every rank's rows of every adapter must come back (accelerate#4206
+    # lost all but rank 0's), so the losses and the adapter trained are those of the uninterrupted run
+    shutil.copytree(lora_run, tmp_path / "r")
+    again = train(train_env, train_env["dataset"], tmp_path, "--adapter", "lora", "--strategy", "fsdp2",
+                  "--resume-from", "step-00000006")
+    assert "resumed from" in again.stdout
+    assert losses(tmp_path / "r") == losses(lora_run)
+    reference, resumed = adapter_tensors(lora_run), adapter_tensors(tmp_path / "r")
+    assert all(torch.equal(reference[k], resumed[k]) for k in reference)
+
+
+def test_lora_resumes_on_another_world_size_and_strategy(train_env, lora_run, tmp_path):
+    data = train_env["dataset"]
+    train(train_env, data, tmp_path, "--adapter", "lora", "--strategy", "fsdp2", "--max-steps", 6)
+    train(train_env, data, tmp_path, "--adapter", "lora", "--max-steps", 12, "-b", 4, nproc=1)  # same global batch
+    train(train_env, data, tmp_path, "--adapter", "lora", "--strategy", "ddp")
+    got, expected = losses(tmp_path / "r"), losses(lora_run)
+    assert sorted(got) == sorted(expected) == list(range(1, 19))
+    for step in expected:  # resharded between legs: equal up to the reduction order
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+    reference, chained = adapter_tensors(lora_run), adapter_tensors(tmp_path / "r")
+    for key in reference:
+        torch.testing.assert_close(chained[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_lora_exports_a_peft_adapter_and_a_merged_model_that_agree(train_env, tiny_models, lora_run, tmp_path):
+    from peft import PeftModel
+
+    config = json.loads((lora_run / "adapter" / "adapter_config.json").read_text())
+    assert (config["base_model_name_or_path"], config["r"], config["peft_type"]) == ("local/tiny", 4, "LORA")
+    assert sorted(config["target_modules"]) == TARGETS
+    assert (lora_run / "adapter" / "tokenizer.json").exists()
+    base = model_tensors(tiny_models["tied"])
+    for key, value in adapter_tensors(lora_run).items():  # whole and 2-D (peft#3251: 1-D or empty breaks vLLM)
+        module, part = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
+        out_features, in_features = base[f"{module}.weight"].shape
+        assert value.shape == ((4, in_features) if part == "A.weight" else (out_features, 4)), key
+    merged = model_tensors(lora_run / "hf")
+    assert set(merged) == set(base)
+    for key in base:  # only the adapted layers changed
+        assert torch.equal(merged[key], base[key]) == (key.rsplit(".", 2)[-2] not in TARGETS), key
+    ids = torch.randint(0, 400, (2, 32))
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(tiny_models["tied"], dtype=torch.float32)
+        with_adapter = PeftModel.from_pretrained(plain, lora_run / "adapter")(input_ids=ids).logits
+        exported = AutoModelForCausalLM.from_pretrained(lora_run / "hf", dtype=torch.float32)(input_ids=ids).logits
+    torch.testing.assert_close(with_adapter, exported, rtol=0, atol=1e-5)
+    # pipeline.export of the last checkpoint writes the same two folders
+    out = torchrun(2, "-m", "pipeline.export", "--checkpoint", lora_run / "checkpoints" / "step-00000018",
+                     "--out", tmp_path / "hf", "--adapter-out", tmp_path / "adapter", env=train_env["env"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    again = model_tensors(tmp_path / "hf")
+    assert all(torch.equal(again[k], merged[k]) for k in merged)
+    assert all(torch.equal(v, adapter_tensors(lora_run)[k]) for k, v in adapter_tensors(tmp_path).items())
+
+
+def test_a_rerun_that_changes_the_adapter_is_refused_and_a_target_that_names_nothing_too(train_env, lora_run,
+                                                                                            tmp_path):
+    shutil.copytree(lora_run, tmp_path / "r")
+    changed = run_script("fsdp1.py", *args(train_env["dataset"], tmp_path, "--adapter", "lora", "--lora-rank", 8),
+                         env=train_env["env"])
+    assert changed.returncode == 2
+    assert (f"refusing to resume {tmp_path / 'r'}: adapter was {{'adapter': 'lora', 'lora_rank': 4, 'lora_alpha': "
+            "32.0, 'lora_dropout': 0.0, 'lora_targets': ''} and is now {'adapter': 'lora', 'lora_rank': 8, "
+            "'lora_alpha': 32.0, 'lora_dropout': 0.0, 'lora_targets': ''}") in changed.stderr
+    nothing = run_script("fsdp1.py", *args(train_env["dataset"], tmp_path / "new", "--adapter", "lora",
+                                           "--lora-targets", "q_proj,qkv_proj"), env=train_env["env"])
+    assert nothing.returncode == 2
+    assert ("--lora-targets qkv_proj: no linear layer of LlamaForCausalLM's decoder blocks is named so; its linear "
+            f"layers are {', '.join(TARGETS)}") in nothing.stderr
+
+
+def test_dora_on_conversations_under_ddp_resumes_bitwise_and_exports(train_env, tiny_models, tmp_path):
+    from peft import PeftModel
+
+    chats = train_env["chats"]
+    train(train_env, chats, tmp_path / "a", "--adapter", "dora", "--strategy", "ddp", "--max-steps", 12)
+    shutil.copytree(tmp_path / "a" / "r", tmp_path / "b" / "r")
+    shutil.rmtree(tmp_path / "b" / "r" / "hf")
+    train(train_env, chats, tmp_path / "b", "--adapter", "dora", "--strategy", "ddp", "--max-steps", 12,
+          "--resume-from", "step-00000006", "--merge-export", "off")
+    assert losses(tmp_path / "b" / "r") == losses(tmp_path / "a" / "r")
+    assert not (tmp_path / "b" / "r" / "hf").exists()  # --merge-export off: the adapter alone
+    assert all(torch.equal(v, adapter_tensors(tmp_path / "b" / "r")[k])
+               for k, v in adapter_tensors(tmp_path / "a" / "r").items())
+    magnitudes = [k for k in adapter_tensors(tmp_path / "a" / "r") if k.endswith("lora_magnitude_vector")]
+    assert len(magnitudes) == 2 * len(TARGETS)
+    ids = torch.randint(0, 400, (2, 32))
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(tiny_models["tied"], dtype=torch.float32)
+        with_adapter = PeftModel.from_pretrained(plain, tmp_path / "a" / "r" / "adapter")(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "r" / "hf", dtype=torch.float32)
+        exported = merged(input_ids=ids).logits
+    torch.testing.assert_close(with_adapter, exported, rtol=0, atol=1e-5)
