@@ -34,6 +34,9 @@ CASES: dict[str, tuple[int, list[object]]] = {
     "fsdp2 fp32, SHARD_GRAD_OP": (2, ["--strategy", "fsdp2", "--sharding", "SHARD_GRAD_OP"]),
     "fsdp1 fp32": (2, ["--strategy", "fsdp1"]),
     "manual fp32": (2, ["--strategy", "manual"]),
+    "fsdp2 fp32, LoRA r16": (2, ["--strategy", "fsdp2", "--adapter", "lora"]),
+    "ddp fp32, LoRA r16": (2, ["--strategy", "ddp", "--adapter", "lora"]),
+    "fsdp2 fp32, DoRA r16": (2, ["--strategy", "fsdp2", "--adapter", "dora"]),
 }
 
 

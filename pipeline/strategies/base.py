@@ -84,7 +84,9 @@ class Strategy(ABC):
         self.names: WeightNames | None = None
         """How the model's tensors are named in a weight folder (tied weights under either name, per-expert MoE
         tensors): naming.WeightNames, read from the unwrapped model."""
-        self.num_params = self.num_matmul_params = 0
+        self.num_params = self.num_matmul_params = self.num_trainable = 0
+        self.num_frozen_matmul = 0
+        """Parameters of the matrix products that train no gradient of their own (a frozen base under adapters)."""
         self.shapes: dict[str, torch.Size] = {}
         """Every parameter's name and shape in the unwrapped model (tied weights once)."""
         self.buffers: dict[str, torch.Tensor] = {}
@@ -174,6 +176,9 @@ class Strategy(ABC):
         self.tied = tied_keys(model)
         self.names = WeightNames(model, self.base_name)
         self.num_params, self.num_matmul_params = param_counts(model)
+        self.num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        if self.freezes_base:  # every frozen parameter of a matrix product (the LM head's, a tied one's too)
+            self.num_frozen_matmul = self.num_matmul_params - self.num_trainable
         self.shapes = {name: p.shape for name, p in model.named_parameters()}
         self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
 

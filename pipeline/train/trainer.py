@@ -107,15 +107,17 @@ class Trainer:
         self.step, self.samples_seen, self.best_val = 0, 0, math.inf
         self.bad_steps, self.skipped_since_save = 0, 0
         self.timer = PhaseTimer(d.device)
-        self.flops_per_token = flops_per_token(plan.hf_config, self.strategy.num_matmul_params, cfg.data.seq_length)
+        self.flops_per_token = flops_per_token(plan.hf_config, self.strategy.num_matmul_params, cfg.data.seq_length,
+                                               self.strategy.num_frozen_matmul)
         self.peak = peak_flops(d.device)
         async_ckpt = cfg.run.async_ckpt == "on" or (cfg.run.async_ckpt == "auto" and d.device.type == "cuda")
         self.ckpt = Checkpointer(self.run_dir, d, cfg.train.keep_last, async_ckpt, plan.fingerprint)
         # an async checkpoint's copy of the weights and states must be complete before an update changes them
         self.update = Update(self.optimizer, self.scheduler, cfg.optim.max_grad_norm, self.ckpt.staged)
         self.resumed_from = self.resume()
-        log.info("model %s: %s parameters, %s compute, %s %s; %d train / %d val blocks of %d tokens; global batch "
-                 "%d blocks; step %d of %d", type(self.strategy.module).__name__, f"{self.strategy.num_params:,}",
+        log.info("model %s: %s parameters (%s trainable), %s compute, %s %s; %d train / %d val blocks of %d tokens; "
+                 "global batch %d blocks; step %d of %d", type(self.strategy.module).__name__,
+                 f"{self.strategy.num_params:,}", f"{self.strategy.num_trainable:,}",
                  self.dtype, cfg.model.strategy, cfg.model.sharding, len(self.blocks.train), len(self.blocks.val),
                  cfg.data.seq_length, self.sampler.global_batch, self.step, self.total_steps)
 
