@@ -38,12 +38,19 @@ demo: $(STAMP)
 	$(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf --prompt "How do I make soup?" --max-new-tokens 32
 	$(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf --prompt "What is 12 plus 30?" --max-new-tokens 32
 	@echo
+	@echo "== LoRA: adapters on the frozen base, the same conversations; chat with the adapter on its base"
+	rm -rf $(DEMO)/outputs/chat-lora
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 fsdp1.py -e chat-lora --save-dir $(DEMO)/outputs \
+		-d $(DEMO)/hf_datasets/chats -m $(DEMO_MODEL) --config configs/demo_lora.yaml
+	$(PY) -m pipeline.chat $(DEMO)/outputs/chat-lora/adapter --prompt "How do I make soup?" --max-new-tokens 32
+	@echo
 	@echo "demo outputs:"
 	@echo "  splits + manifest:   $(DEMO)/splits/manifest.jsonl"
 	@echo "  Arrow dataset:       $(DEMO)/hf_datasets/corpus (report: prep_report.json inside it)"
 	@echo "  tiny model (random): $(DEMO)/tiny-llama, imported as $(DEMO_MODEL) into $(HF_HOME)"
 	@echo "  training run:        $(DEMO)/outputs/demo (metrics.jsonl, loss.png, train.log, checkpoints/, hf/)"
 	@echo "  chat run:            $(DEMO)/outputs/chat (try it: $(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf)"
+	@echo "  LoRA run:            $(DEMO)/outputs/chat-lora (adapter/ in PEFT's format, hf/ merged)"
 
 # Two pytest workers, one test file each at a time (module fixtures stay shared): most of a test's time is process
 # start-up and checkpoint I/O, so two overlap on 2 cores (measured 2026-11-24 on this project's 2-core machine:

@@ -241,7 +241,9 @@ def memory_plan(model: Path, world: int, *flags: object):
     from pipeline import config as config_mod
     from pipeline.strategies.auto import plan_memory
 
-    os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), LOCAL_RANK="0")
+    # rank 0 of a plain env launch (launch.detect refuses a partial one): nothing here joins a group
+    os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), LOCAL_RANK="0", RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     cfg = config_mod.resolve(["-e", "plan", "-d", "unused", "-m", str(model), *map(str, flags)])
     plan = plan_memory(cfg, AutoConfig.from_pretrained(model), "cpu")
     return plan.config, plan
