@@ -286,8 +286,10 @@ class Strategy(ABC):
         """Every weight of the model as the Hugging Face export writes it (this rank's shards): the transforms'
         export_state applied in reverse order (adapters merged into their base weights), tied aliases left out. A
         collective where a transform gathers."""
+        # every weight: the checkpoint's state dict, unless a transform froze the base out of it (strategies that
+        # take no such transform, manual, keep their own state_dict)
         self.release()
-        state = get_model_state_dict(self.model)
+        state = self.state_dict()["model"] if not self.freezes_base else get_model_state_dict(self.model)
         for transform in reversed(self.transforms):
             state = transform.export_state(state)
         return self.without_aliases(state)
