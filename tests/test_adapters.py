@@ -1,10 +1,12 @@
 """Adapters (LoRA, DoRA): the model starts as the base, only adapters train, checkpoints hold them alone and resume
 bitwise (also on another world size and strategy), and the exports load in peft and transformers."""
 
+import copy
 import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -13,8 +15,10 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.config import ModelConfig
-from pipeline.model.adapters import is_adapter_key
+from pipeline.data.batches import make_batch
+from pipeline.model.adapters import is_adapter_key, local
 from pipeline.model.registry import transforms_for
+from pipeline.prep.tiny import FAMILIES
 from pipeline.strategies.registry import make_strategy
 
 TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
@@ -66,6 +70,38 @@ def test_an_adapter_starts_as_the_base_and_merges_and_saves_as_peft_does(group_o
     assert set(exported) == set(merged) - {"lm_head.weight"}  # tied: stored once, under the embedding
     for key, value in exported.items():
         torch.testing.assert_close(value, merged[key], rtol=0, atol=2e-6, msg=key)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_every_family_trains_the_loss_peft_gives_with_the_same_adapter(family, strategy, family_models,
+                                                                       group_of_one):
+    """With a nonzero adapter, the trainer's loss on a batch equals peft's own model (from_pretrained's base with the
+    adapter we save loaded into it), for every family; a mixture of experts' router is never adapted."""
+    from peft import get_peft_model, set_peft_model_state_dict
+
+    model_dir = family_models[family]
+    s = built(model_dir, group_of_one, "lora", strategy)
+    adapter = s.transforms[0]
+    experts = getattr(s.module.config, "num_local_experts", None) or getattr(s.module.config, "num_experts", None)
+    adapted = [m for m in s.module.modules() if hasattr(m, "lora_A")]
+    assert adapted and not any(experts and m.base_layer.out_features == experts for m in adapted)
+    with torch.no_grad():
+        for name, p in s.model.named_parameters():
+            if ".lora_B." in name:
+                local(p).copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))).mul(0.05))
+    reference = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                               copy.deepcopy(adapter.peft_config))
+    assert not set_peft_model_state_dict(reference, adapter.adapter_state(s.model, s.module)).unexpected_keys
+    batch = make_batch(np.random.default_rng(1).integers(0, 512, size=(2, 16)), None, group_of_one.device)
+    with torch.no_grad():
+        ours = s.loss()(batch, 2 * 15).item()
+        theirs = reference(input_ids=batch.input_ids, labels=batch.labels).loss.item()
+        base = reference.get_base_model()
+        with reference.disable_adapter():
+            plain = base(input_ids=batch.input_ids, labels=batch.labels).loss.item()
+    assert ours == pytest.approx(theirs, abs=1e-5)
+    assert abs(ours - plain) > 1e-4  # the adapter took part
 
 
 # ------------------------------------------------------------------------------------------ real runs, 2 ranks

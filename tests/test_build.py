@@ -13,7 +13,7 @@ from transformers import AutoConfig, PreTrainedModel
 from pipeline.config import from_flat
 from pipeline.data.batches import make_batch
 from pipeline.model.transforms import ModelTransform
-from pipeline.prep.tiny import FAMILIES, family_config
+from pipeline.prep.tiny import FAMILIES
 from pipeline.strategies.registry import STRATEGIES, make_strategy, settle
 from pipeline.train.optim import build_optimizer, build_scheduler
 from pipeline.train.step import Update, train_step
@@ -77,21 +77,6 @@ def test_a_skipped_step_reports_the_global_norm_and_every_rank_skips_it(tmp_path
     got = json.loads(out.read_text())
     assert got["skipped"] == [{"applied": False, "grad_norm": 3.0}] * 2
     assert got["finite"] == [{"applied": True, "grad_norm": 3.0, "loss": 1.5}] * 2
-
-
-@pytest.fixture(scope="module")
-def family_models(tmp_path_factory) -> dict:
-    """Tiny random models of every family the README lists (prep/tiny.FAMILIES), saved as save_pretrained saves
-    them (Gemma: a scaled embedding, a non-persistent buffer no file holds; MoE: one tensor per expert)."""
-    from transformers import AutoModelForCausalLM
-
-    root, out = tmp_path_factory.mktemp("families"), {}
-    for family in FAMILIES:
-        torch.manual_seed(0)
-        config = family_config(family, 512, 0, 1)
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(root / family)
-        out[family] = root / family
-    return out
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

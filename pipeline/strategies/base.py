@@ -68,9 +68,9 @@ class Strategy(ABC):
     UNSUPPORTED: tuple[str, ...] = ()
     """Boolean config keys it refuses when on."""
     PREFETCHED_LAYERS = 2
+    """Gathered decoder layers at the forward's peak under FULL_SHARD: the one in use and the one prefetched."""
     ADAPTERS = False
     """Whether it trains --adapter lora/dora (a frozen base beside trainable adapters in one wrapped unit)."""
-    """Gathered decoder layers at the forward's peak under FULL_SHARD: the one in use and the one prefetched."""
 
     def __init__(self, cfg: ModelConfig, d: Dist, dtype: torch.dtype, transforms: Sequence[ModelTransform] = ()):
         self.cfg, self.dist, self.dtype = cfg, d, dtype
@@ -85,8 +85,6 @@ class Strategy(ABC):
         """How the model's tensors are named in a weight folder (tied weights under either name, per-expert MoE
         tensors): naming.WeightNames, read from the unwrapped model."""
         self.num_params = self.num_matmul_params = self.num_trainable = 0
-        self.num_frozen_matmul = 0
-        """Parameters of the matrix products that train no gradient of their own (a frozen base under adapters)."""
         self.shapes: dict[str, torch.Size] = {}
         """Every parameter's name and shape in the unwrapped model (tied weights once)."""
         self.buffers: dict[str, torch.Tensor] = {}
@@ -170,6 +168,12 @@ class Strategy(ABC):
         self.restore_buffers()
         return self._model
 
+    @property
+    def num_frozen_matmul(self) -> int:
+        """Parameters of the matrix products that train no gradient of their own (a frozen base under adapters: the
+        LM head's, a tied one's too)."""
+        return self.num_matmul_params - self.num_trainable if self.freezes_base else 0
+
     def record(self, model: nn.Module) -> None:
         """The unwrapped model's tied names, parameter counts and shapes, before any wrapper changes them."""
         self.module = model
@@ -177,8 +181,6 @@ class Strategy(ABC):
         self.names = WeightNames(model, self.base_name)
         self.num_params, self.num_matmul_params = param_counts(model)
         self.num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        if self.freezes_base:  # every frozen parameter of a matrix product (the LM head's, a tied one's too)
-            self.num_frozen_matmul = self.num_matmul_params - self.num_trainable
         self.shapes = {name: p.shape for name, p in model.named_parameters()}
         self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
 

@@ -21,8 +21,8 @@ from pipeline.model.vocab_parallel import CHUNK_ELEMENTS
 
 GIB = 1024**3
 STATE_BYTES_PER_PARAM = 16
-FP32_BYTES = 4
 """fp32 master weight, fp32 gradient and AdamW's two fp32 moments per parameter."""
+FP32_BYTES = 4
 CUDA_CONTEXT_BYTES = GIB
 """What the CUDA context and NCCL take on a GPU outside the caching allocator (about 0.5-1 GiB): kept free."""
 

@@ -8,9 +8,7 @@ B(W-1)/W, an all-reduce twice that. Where collectives block the step (gloo on CP
 
 from __future__ import annotations
 
-from pipeline.strategies.memory import Shape, Workload
-
-FP32 = 4
+from pipeline.strategies.memory import FP32_BYTES, Shape, Workload
 
 
 def ring(w: Workload) -> float:
@@ -20,7 +18,7 @@ def ring(w: Workload) -> float:
 def replicated_bytes(shape: Shape, w: Workload) -> int:
     """A whole replica per rank (DDP, NO_SHARD): one all-reduce of the fp32 gradients (an adapter's alone), at the
     sync step."""
-    return int(2 * ring(w) * FP32 * shape.trainable_params(w))
+    return int(2 * ring(w) * FP32_BYTES * shape.trainable_params(w))
 
 
 def sharded_bytes(shape: Shape, w: Workload) -> int:
@@ -32,7 +30,7 @@ def sharded_bytes(shape: Shape, w: Workload) -> int:
     # gathered from its forward to its backward. Gathers happen every micro-step, the reduce-scatter once
     gathers = (2 if w.sharding in ("FULL_SHARD", "HYBRID_SHARD") else 1) * body + root
     reduced = shape.adapter_params(w) if w.adapter != "none" else body + root  # gradients: trained ones only
-    moved = w.grad_accum * w.compute_bytes * gathers + FP32 * reduced
+    moved = w.grad_accum * w.compute_bytes * gathers + FP32_BYTES * reduced
     if w.vocab_parallel:
         # every rank's hidden states and embeddings cross the vocabulary shards: two gathers and two reduce-scatters
         # of (world x tokens x hidden) per micro-step

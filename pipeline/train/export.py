@@ -83,6 +83,19 @@ def check_replaceable(out: Path, flag: str) -> None:
                         "choose a new folder, or empty this one")
 
 
+def partial_dir(out: Path) -> Path:
+    """Where an export to out is built, beside it, before replace_dir renames it into place."""
+    return out.with_name(f".{out.name}.partial")
+
+
+def fresh_partial(out: Path) -> Path:
+    """partial_dir(out), emptied of what a killed export left there."""
+    work = partial_dir(out)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    return work
+
+
 def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dtype, d: Dist,
                  chat_template: str = "") -> None:
     """Write the model (distributed, any world size) to out in Hugging Face format, with the base model's tokenizer
@@ -91,11 +104,11 @@ def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dt
     export is refused before anything is written (check_replaceable)."""
     check_replaceable(out, "the export folder")
     sd = {k: v.detach().to(dtype) for k, v in strategy.export_state().items()}
-    work = out.with_name(f".{out.name}.partial")
+    work = partial_dir(out)
     scratch = work / "dcp"  # DCP's writer: per-rank files, then the consolidated ones; only the latter are kept
     if d.is_main:
-        shutil.rmtree(work, ignore_errors=True)
-        scratch.mkdir(parents=True)
+        fresh_partial(out)
+        scratch.mkdir()
     dist.barrier()
     mapping = _file_index(sd, dtype)
     writer = dcp.HuggingFaceStorageWriter(str(scratch), fqn_to_index_mapping=mapping, save_distributed=True,
@@ -145,9 +158,7 @@ def export_adapter(strategy: Strategy, model_dir: Path, out: Path, base_model: s
     adapter = adapter_of(strategy)
     tensors = adapter.adapter_state(strategy.model, strategy.module)
     if d.is_main:
-        work = out.with_name(f".{out.name}.partial")
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
+        work = fresh_partial(out)
         save_file(tensors, work / "adapter_model.safetensors", metadata={"format": "pt"})
         config = copy.deepcopy(adapter.peft_config)
         config.base_model_name_or_path, config.inference_mode = base_model, True
