@@ -33,7 +33,7 @@ AutoOnOff = Literal["auto", "on", "off"]
 ExportDtype = Literal["auto", "bf16", "fp16", "fp32"]
 TrainOn = Literal["assistant", "last", "all"]
 AttnImplementation = Literal["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"]
-Adapter = Literal["none", "lora", "dora"]
+Adapter = Literal["none", "lora", "dora", "qlora"]
 VOCAB_PARALLEL_SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP")
 """The shardings the vocabulary-parallel head works with (a 1-D mesh)."""
 SHORT_FLAGS = {"experiment_name": "-e", "dataset_name": "-d", "model_name": "-m", "batch_size": "-b"}
@@ -198,9 +198,10 @@ class ModelConfig(Section):
     """Keep the embedding and LM head sharded by vocabulary rows (never gathered) and compute the loss in chunks
     without full-width logits (auto: on with FULL_SHARD or SHARD_GRAD_OP and no CPU offload, on CPU and GPU)."""
     adapter: Adapter = "none"
-    """Train low-rank adapters on a frozen base instead of every weight: lora, or dora (LoRA with a learned
-    magnitude per output row); none: full fine-tuning. The base stays in the compute dtype with no gradient or
-    optimizer state; checkpoints hold the adapter only; the run exports RUN/adapter/ (PEFT's format) and, with
+    """Train low-rank adapters on a frozen base instead of every weight: lora, dora (LoRA with a learned
+    magnitude per output row), or qlora (LoRA on a base whose adapted linear layers are held in 4-bit NF4);
+    none: full fine-tuning. The base stays in the compute dtype with no gradient or optimizer state; checkpoints
+    hold the adapter only; the run exports RUN/adapter/ (PEFT's format) and, with
     --merge-export on, the merged model to RUN/hf/."""
     lora_rank: int = 16
     """--adapter: the rank r of each adapter's two matrices (A: r x in, B: out x r)."""
@@ -220,6 +221,9 @@ class ModelConfig(Section):
         _check(0 <= self.lora_dropout < 1, f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         _check(all(t.strip() for t in self.lora_targets.split(",")) or not self.lora_targets,
                f"--lora-targets must be a comma-separated list of module names, got {self.lora_targets!r}")
+        _check(not (self.adapter == "qlora" and self.cpu_offload), "--adapter qlora does not take --cpu-offload "
+               "(its base is already 4-bit, and NF4 weights are not moved between host and device); use --adapter lora "
+               "with --cpu-offload")
         _check(self.precision != "fp16", "--precision fp16 is not supported: nothing scales the loss, so small "
                                          "gradients would underflow to zero; use --precision bf16 (Ampere or newer "
                                          "GPUs) or fp32")

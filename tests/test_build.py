@@ -86,7 +86,7 @@ def test_every_strategy_trains_the_model_from_pretrained_gives(family, name, fam
     is the model's own on the same batch, under every strategy (fsdp2 with its default --vocab-parallel auto)."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.strategies.base import plain_name
+    from pipeline.model.modeling import plain_name
 
     model_dir = family_models[family]
     cfg = settle(from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": str(model_dir),

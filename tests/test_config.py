@@ -72,6 +72,9 @@ def test_shipped_profiles_are_the_four_documented():
          "needs --strategy fsdp2 or ddp"),
         (["--adapter", "dora", "--strategy", "manual"], "--strategy manual does not train adapters; --adapter dora "
          "needs --strategy fsdp2 or ddp"),
+        (["--adapter", "qlora", "--strategy", "fsdp2", "--cpu-offload"], "--adapter qlora does not take "
+         "--cpu-offload (its base is already 4-bit, and NF4 weights are not moved between host and device); use "
+         "--adapter lora with --cpu-offload"),
         (["--lora-rank", "0"], "--lora-rank must be at least 1, got 0"),
         (["--lora-dropout", "1"], "--lora-dropout must be in [0, 1), got 1.0"),
         (["--lora-targets", "q_proj,,v_proj"], "--lora-targets must be a comma-separated list of module names, got "
@@ -124,7 +127,7 @@ def test_choices_come_from_the_type_hints_and_are_checked_once():
                                     "vocab_parallel": ("auto", "on", "off"),
                                     "attn_implementation": ("auto", "sdpa", "eager", "flex_attention",
                                                             "flash_attention_2"),
-                                    "adapter": ("none", "lora", "dora")}
+                                    "adapter": ("none", "lora", "dora", "qlora")}
     assert choices(RunConfig) == {"async_ckpt": ("auto", "on", "off"), "export_dtype": ("auto", "bf16", "fp16",
                                                                                          "fp32")}
     with pytest.raises(UserError, match=r"^--sharding must be one of auto, FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "

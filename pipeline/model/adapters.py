@@ -11,8 +11,10 @@ here by rows: initialising the adapters after to_empty, and merging them into th
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -21,7 +23,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
-from pipeline.model.modeling import decoder_layers
+from pipeline.model import nf4
+from pipeline.model.modeling import decoder_layers, plain_named_parameters
 from pipeline.model.transforms import ModelTransform
 
 ADAPTER_NAME = "default"
@@ -83,6 +86,8 @@ class LowRankAdapter(ModelTransform):
         self.scaling = cfg.lora_alpha / cfg.lora_rank
         self.peft_config = None
         """peft's LoraConfig as injected (target_modules as the leaf names)."""
+        self.quantized: dict[str, torch.Size] = {}
+        """QLoRA: the base weights held in NF4, by state-dict name, with their shapes."""
 
     def apply(self, model: nn.Module) -> None:
         from peft import LoraConfig, inject_adapter_in_model
@@ -93,6 +98,8 @@ class LowRankAdapter(ModelTransform):
                                       task_type="CAUSAL_LM")
         inject_adapter_in_model(self.peft_config, model, adapter_name=ADAPTER_NAME)
         self._freeze_base(model)
+        if self.cfg.adapter == "qlora":
+            self._quantize_base(model)
 
     def _freeze_base(self, model: nn.Module) -> None:
         """Every parameter but the adapters' frozen, in the compute dtype: no gradient, no optimizer state, no fp32
@@ -106,6 +113,31 @@ class LowRankAdapter(ModelTransform):
                 if id(param) not in converted:
                     converted[id(param)] = nn.Parameter(param.detach().to(self.dtype), requires_grad=False)
                 module._parameters[leaf] = converted[id(param)]
+
+    def _quantize_base(self, model: nn.Module) -> None:
+        """QLoRA: the adapted layers' base weights in NF4 on the meta device (pipeline/model/nf4.py); every other
+        weight (embedding, head, norms, layers without an adapter) stays in the compute dtype."""
+        for name, module in model.named_modules():
+            if name.endswith(BASE_LAYER) and isinstance(module, nn.Linear):
+                module.weight = nn.Parameter(nf4.quantized_meta(module.weight), requires_grad=False)
+                self.quantized[f"{name}.weight"] = module.weight.shape
+
+    def held_back(self) -> set[str]:
+        return set(self.quantized)
+
+    def load_base(self, model: nn.Module, read: Callable[[dict], None]) -> None:
+        """QLoRA: each adapted layer's base weight read by rows into a compute-dtype buffer and quantized into its
+        NF4 parameter, one decoder layer at a time (the whole base never stands in bf16). A collective: the same
+        reads and gathers on every rank, in the same order."""
+        if not self.quantized:
+            return
+        params = dict(plain_named_parameters(model))
+        for _, group in itertools.groupby(sorted(self.quantized, key=layer_order), key=lambda k: layer_order(k)[0]):
+            keys = list(group)
+            staging = {key: staging_like(params[key], self.dtype) for key in keys}
+            read(staging)
+            for key in keys:
+                nf4.fill(params[key], local(staging[key]))
 
     def base_name(self, name: str) -> str | None:
         return None if is_adapter_key(name) else plain_key(name)
@@ -165,8 +197,9 @@ class LowRankAdapter(ModelTransform):
         weight = state[f"{module}{BASE_LAYER}.weight"]
         a = state[f"{module}.lora_A.{ADAPTER_NAME}.weight"]
         a = (a.full_tensor() if isinstance(a, DTensor) else a).float()  # a collective under fully_shard
-        rows = local(weight).float() + self.scaling * (local(state[f"{module}.lora_B.{ADAPTER_NAME}.weight"]).float()
-                                                       @ a.to(local(weight).device))
+        base = nf4.dequantized(weight) if f"{module}{BASE_LAYER}.weight" in self.quantized else local(weight)
+        rows = base.float() + self.scaling * (local(state[f"{module}.lora_B.{ADAPTER_NAME}.weight"]).float()
+                                                       @ a.to(base.device))
         magnitude = state.get(f"{module}.lora_magnitude_vector.{ADAPTER_NAME}.weight")
         if magnitude is not None:
             rows = rows * (local(magnitude).float() / torch.linalg.norm(rows, dim=1))[:, None]
@@ -187,6 +220,22 @@ class LowRankAdapter(ModelTransform):
             return {}
         peft_sd = get_peft_model_state_dict(module, state_dict=full, adapter_name=ADAPTER_NAME)
         return {PEFT_PREFIX + k: v.contiguous() for k, v in peft_sd.items()}
+
+
+def layer_order(key: str) -> tuple[int, str]:
+    """Sorts state-dict names by decoder layer (the index after `.layers.`), then by name."""
+    found = re.search(r"\.layers\.(\d+)\.", key)
+    return (int(found[1]) if found else -1, key)
+
+
+def staging_like(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised plain tensor of param's shape in dtype, laid out as param (a DTensor with its mesh and
+    placements, holding this rank's rows), for the weight reader to fill."""
+    if not isinstance(param, DTensor):
+        return torch.empty(param.shape, dtype=dtype, device=param.device)
+    rows = torch.empty(param.to_local().shape, dtype=dtype, device=param.device)
+    return DTensor.from_local(rows, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
 
 
 def adapter_transform(cfg: ModelConfig, dtype: torch.dtype) -> LowRankAdapter | None:

@@ -8,9 +8,11 @@ so a model whose structure they cannot read fails here, with its class named, an
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.errors import UserError
 
@@ -134,3 +136,21 @@ def idle_expert_params(model: nn.Module) -> int:
         return 0
     return sum(p.numel() * (p.shape[0] - top_k) // p.shape[0] for name, p in model.named_parameters()
                if p.ndim == 3 and ".experts." in f".{name}")
+
+
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+"""What wrappers insert into a module's name (FSDP1, torch's checkpoint wrapper, torch.compile)."""
+
+
+def plain_name(name: str) -> str:
+    """A parameter's or buffer's name in the unwrapped model."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def plain_named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """The parameters of a distributed model (DDP's `module.` left out) under their names in the unwrapped one."""
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    for name, param in inner.named_parameters():
+        yield plain_name(name), param

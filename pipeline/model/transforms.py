@@ -6,6 +6,8 @@ of them needs to know how the model is then distributed, and every strategy appl
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
 
@@ -25,6 +27,16 @@ class ModelTransform:
         """The name under which the base model's weight files hold the transformed model's tensor `name`; None for a
         tensor of the transform's own, which no weight file holds. The name itself by default."""
         return name
+
+    def held_back(self) -> set[str]:
+        """Base weights (state-dict names) this transform keeps in a form of its own (NF4) and loads itself in
+        load_base: left out of the plain load. None by default."""
+        return set()
+
+    def load_base(self, model: nn.Module, read: Callable[[dict], None]) -> None:
+        """Load the held_back weights: read(staging) fills a dict of plain tensors (DTensors laid out as the
+        parameters are) from the model folder, each rank reading only its rows. A collective where it reads; nothing
+        by default."""
 
     def after_base_weights(self, model: nn.Module) -> None:
         """Runs once the base weights are loaded into the distributed model (a checkpoint may then overwrite what it

@@ -143,10 +143,10 @@ def read_weights(state_dict: dict, model_dir: Path, names: WeightNames) -> dict:
     return {key: state_dict[key] for key in sources}
 
 
-def load_weights(model: nn.Module, model_dir: Path, names: WeightNames) -> None:
+def load_weights(model: nn.Module, model_dir: Path, names: WeightNames, skip: set[str] = frozenset()) -> None:
     """Fill a distributed model (any torch.distributed wrapping whose state dict DCP understands) from safetensors;
-    every rank reads only the slices it owns."""
-    sd = get_model_state_dict(model)
+    every rank reads only the slices it owns. skip: state-dict names left out (a transform loads them itself)."""
+    sd = {k: v for k, v in get_model_state_dict(model).items() if k not in skip}
     wanted = read_weights(sd, model_dir, names)
     # a tied weight under both of its names, both the tensor read (FSDP1 looks for both; it is one parameter)
     wanted.update({name: wanted[other] for name, other in names.partners.items() if name in sd and other in wanted})

@@ -269,6 +269,12 @@ def memory_rows(config, gpus: tuple[int, ...] = (1, 2, 4, 8)) -> list[tuple[str,
         "fsdp2", "FULL_SHARD", n, n, 2, 1, seq, vocab_parallel=True, **lora))) for n in (gpus[0], gpus[-1])]
     rows.append(("LoRA r16, ddp, any number", estimate(shape, Workload("ddp", "NO_SHARD", max(gpus), max(gpus), 2, 1,
                                                                         seq, **lora))))
+    # --adapter qlora: the adapted weights in NF4 (fsdp2 needs 2 or more shards for them)
+    qlora = {**lora, "adapter": "qlora"}
+    rows.append((f"QLoRA r16, fsdp2, {gpus[-1]} GPUs", estimate(shape, Workload(
+        "fsdp2", "FULL_SHARD", gpus[-1], gpus[-1], 2, 1, seq, vocab_parallel=True, **qlora))))
+    rows.append(("QLoRA r16, ddp, any number", estimate(shape, Workload("ddp", "NO_SHARD", max(gpus), max(gpus), 2,
+                                                                         1, seq, **qlora))))
     return rows
 
 
@@ -322,13 +328,14 @@ def format_report(rep: ModelReport, where: Path, skipped: list[str]) -> str:
     lines.extend(family_lines(rep.config))
     seq = table_seq(rep.config)
     lines.append(f"estimated peak memory per GPU with fsdp1.py (bf16 compute; full fine-tuning: fp32 master weights, "
-                 f"gradients and AdamW states; LoRA: a frozen bf16 base, fp32 adapters; batch 1 x seq {seq}, "
+                 f"gradients and AdamW states; LoRA: a frozen bf16 base, fp32 adapters; QLoRA: the adapted weights in "
+                 f"NF4; batch 1 x seq {seq}, "
                  "--activation-checkpointing on; plus about 1 GiB of CUDA context):")
-    lines.append(f"  {'strategy, GPUs':<25} {'weights+AdamW':>13} {'gradients':>9} {'bf16 copies':>11} "
+    lines.append(f"  {'strategy, GPUs':<26} {'weights+AdamW':>13} {'gradients':>9} {'bf16 copies':>11} "
                  f"{'activations':>11} {'logits':>7} {'AdamW step':>10} {'peak':>9}")
     for label, e in memory_rows(rep.config):
         g = e.gib()
-        lines.append(f"  {label:<25} {g['weights']:>13.2f} {g['gradients']:>9.2f} {g['copies']:>11.2f} "
+        lines.append(f"  {label:<26} {g['weights']:>13.2f} {g['gradients']:>9.2f} {g['copies']:>11.2f} "
                      f"{g['activations']:>11.2f} {g['logits']:>7.2f} {g['update']:>10.2f} {g['total']:>5.2f} GiB")
     lines.append("  (GiB; the peak is the larger of the end of the forward, the first five columns together, and the "
                  "AdamW step)")

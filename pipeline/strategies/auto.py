@@ -62,6 +62,8 @@ def choose(cfg: Config, shape: Shape, budget: int, device: str, world: int, loca
     m = cfg.model
     if m.sharding not in ("auto", "NO_SHARD") or m.cpu_offload or m.vocab_parallel == "on":
         return "fsdp2", "fsdp2: the settings given (sharding, CPU offload or vocabulary parallelism) need it"
+    if world == 1 and m.adapter == "qlora":
+        return "ddp", "ddp: fsdp2 on one rank cannot rebuild the NF4 weights of --adapter qlora"
     if world == 1:
         # Nothing to communicate either way; fsdp2's chunked loss keeps the full-width logits out of memory, which
         # let one H100 train Llama-3.2-1B at batch 8 x 2048 where the model's own loss ran out (BENCHMARKS.md 6).

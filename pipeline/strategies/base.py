@@ -26,22 +26,19 @@ from torch.distributed.checkpoint.state_dict import (
 from pipeline.config import Config, ModelConfig
 from pipeline.dist.runtime import Dist
 from pipeline.model.loss import CausalLMLoss
-from pipeline.model.modeling import compute_buffers, decoder_layers, meta_model, param_counts, tied_keys
+from pipeline.model.modeling import (
+    compute_buffers,
+    decoder_layers,
+    meta_model,
+    param_counts,
+    plain_name,
+    tied_keys,
+)
 from pipeline.model.naming import WeightNames
 from pipeline.model.transforms import ModelTransform
-from pipeline.model.weights import load_weights
+from pipeline.model.weights import load_weights, read_weights
 from pipeline.strategies.memory import Shape, Workload
 from pipeline.strategies.traffic import replicated_bytes, sharded_bytes
-
-WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-"""What wrappers insert into a module's name (FSDP1, torch's checkpoint wrapper, torch.compile)."""
-
-
-def plain_name(name: str) -> str:
-    """A parameter's or buffer's name in the unwrapped model."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 class Strategy(ABC):
@@ -126,10 +123,14 @@ class Strategy(ABC):
         c = work.compute_bytes
         if cls.shards(work) == 1:  # replicating: every unit already whole, cast to the compute dtype when it differs
             return shape.num_params * c if c < 4 else 0
-        root = 0 if work.vocab_parallel else shape.root_params
-        if work.sharding == "SHARD_GRAD_OP":  # ZeRO-2: every layer stays gathered from its forward to its backward
-            return (root + shape.layers * shape.layer_params) * c
-        return (root + cls.PREFETCHED_LAYERS * shape.layer_params) * c  # ZeRO-3: the root stays gathered
+        root = 0 if work.vocab_parallel else shape.root_params  # the root stays gathered
+        return (root + cls.gathered_layers(shape, work) * shape.layer_params) * c
+
+    @classmethod
+    def gathered_layers(cls, shape: Shape, work: Workload) -> int:
+        """Decoder layers gathered whole at the forward's peak: every one under SHARD_GRAD_OP (ZeRO-2: kept from
+        its forward to its backward), else the one in use and those prefetched."""
+        return shape.layers if work.sharding == "SHARD_GRAD_OP" else cls.PREFETCHED_LAYERS
 
     @classmethod
     def traffic_bytes(cls, shape: Shape, work: Workload) -> int:
@@ -253,8 +254,10 @@ class Strategy(ABC):
     def load_weights(self, model_dir: Path) -> None:
         """The base model's weights from its safetensors, each rank reading only what it holds, then the initial
         values of what no weight file holds (the transforms'). A collective."""
-        load_weights(self.model, model_dir, self.names)
+        held = set().union(*(t.held_back() for t in self.transforms))
+        load_weights(self.model, model_dir, self.names, skip=held)
         for transform in self.transforms:
+            transform.load_base(self.model, lambda staging: read_weights(staging, model_dir, self.names))
             transform.after_base_weights(self.model)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

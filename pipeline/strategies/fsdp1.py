@@ -25,8 +25,8 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from pipeline.config import Config
 from pipeline.dist.runtime import build_mesh
 from pipeline.errors import UserError
-from pipeline.model.modeling import decoder_layers, retie
-from pipeline.strategies.base import Strategy, plain_name
+from pipeline.model.modeling import decoder_layers, plain_name, retie
+from pipeline.strategies.base import Strategy
 
 
 def size_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, *, min_params: int,

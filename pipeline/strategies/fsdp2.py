@@ -26,6 +26,7 @@ from pipeline.config import VOCAB_PARALLEL_SHARDINGS, ModelConfig
 from pipeline.dist.collectives import CommClock, all_gather_flat, reduce_scatter_flat
 from pipeline.dist.runtime import build_mesh
 from pipeline.errors import UserError
+from pipeline.model import nf4
 from pipeline.model.loss import CausalLMLoss
 from pipeline.model.modeling import decoder_layers, untested_family
 from pipeline.model.vocab_parallel import VocabParallelEmbedding, unsupported_terms
@@ -100,12 +101,24 @@ class FSDP2(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         self.vocab_parallel = self._vocab_parallel_for(model)
         self.mesh = build_mesh(self.cfg.sharding, self.dist)
+        if self.cfg.adapter == "qlora":
+            self._check_nf4(model)
         self._shard(model)
         if self.dist.device.type == "cpu":
             self._time_collectives(model)
         # the shards' memory (host memory with CPU offload), uninitialised until loaded
         model.to_empty(device="cpu" if self.cfg.cpu_offload else self.dist.device)
         return model
+
+    def _check_nf4(self, model: nn.Module) -> None:
+        """QLoRA's NF4 weights must split into whole blocks per shard, and there must be shards: with one rank,
+        FSDP2 skips the all-gather that rebuilds torchao's NF4 tensor and fails in the first forward. One line,
+        the same on every rank, before any collective."""
+        shards = self.mesh.size(-1)
+        if shards == 1:
+            raise UserError("--adapter qlora under --strategy fsdp2 needs its weights sharded over 2 or more ranks "
+                            "(FSDP2 with one shard does not rebuild torchao's NF4 weights); use --strategy ddp or auto")
+        nf4.refuse_layout({name: p.shape for name, p in model.named_parameters() if nf4.is_nf4(p)}, shards)
 
     def _vocab_parallel_for(self, model: nn.Module) -> bool:
         """--vocab-parallel for this model: off, with the reason logged, where the model's forward has a term the

@@ -17,6 +17,7 @@ from typing import Protocol
 import psutil
 import torch
 
+from pipeline.model.nf4 import NF4_BYTES_PER_PARAM
 from pipeline.model.vocab_parallel import CHUNK_ELEMENTS
 
 GIB = 1024**3
@@ -76,10 +77,20 @@ class Shape:
         magnitude), in every block; 0 without one."""
         if work.adapter == "none":
             return 0
-        named = {t.strip() for t in work.lora_targets.split(",")} if work.lora_targets else None
         per_layer = sum(work.lora_rank * (i + o) + (o if work.adapter == "dora" else 0)
-                        for name, i, o in self.linears if named is None or name in named)
+                        for name, i, o in self.adapted_linears(work))
         return self.layers * per_layer
+
+    def quantized_params(self, work: Workload) -> int:
+        """Base parameters held in NF4 (--adapter qlora: those of every adapted linear layer); 0 otherwise."""
+        if work.adapter != "qlora":
+            return 0
+        return self.layers * sum(i * o for name, i, o in self.adapted_linears(work))
+
+    def adapted_linears(self, work: Workload) -> list[tuple[str, int, int]]:
+        """(name, in, out) of the linear layers of a block the workload's adapter targets."""
+        named = {t.strip() for t in work.lora_targets.split(",")} if work.lora_targets else None
+        return [(name, i, o) for name, i, o in self.linears if named is None or name in named]
 
     def trainable_params(self, work: Workload) -> int:
         """What the optimizer updates: every parameter, or an adapter's alone."""
@@ -186,6 +197,9 @@ class StrategyTerms(Protocol):
     def copy_bytes(self, shape: Shape, work: Workload) -> int:
         """Compute-dtype copies of parameters alive at the peak (Estimate.copies)."""
 
+    def gathered_layers(self, shape: Shape, work: Workload) -> int:
+        """Decoder layers gathered whole at the forward's peak (sharded strategies)."""
+
 
 def estimate(shape: Shape, work: Workload, terms: StrategyTerms) -> Estimate:
     """Peak bytes per rank for one optimizer step of this workload, under the strategy whose terms are given
@@ -205,6 +219,14 @@ def estimate(shape: Shape, work: Workload, terms: StrategyTerms) -> Estimate:
         # autocast cache (the base already is in the compute dtype)
         base, adapter = held * c, 0 if work.cpu_offload else shape.adapter_params(work) // shards
         copies = terms.copy_bytes(shape, work) if shards > 1 else 0
+        if quantized := shape.quantized_params(work):
+            # QLoRA: the adapted layers' weights held and gathered as 4-bit codes, and one of them dequantized to
+            # the compute dtype at a time (torchao's F.linear), the largest at the peak
+            saved = c - NF4_BYTES_PER_PARAM
+            base -= int(quantized // shards * saved)
+            if shards > 1:
+                copies -= int(terms.gathered_layers(shape, work) * quantized // shape.layers * saved)
+            copies += max(i * o for _, i, o in shape.adapted_linears(work)) * c
         return Estimate(base + 12 * adapter, FP32_BYTES * shape.adapter_params(work), copies, activations, logits,
                         base + STATE_BYTES_PER_PARAM * adapter)
     return Estimate(12 * held, terms.gradient_bytes(shape, work), terms.copy_bytes(shape, work), activations,

@@ -402,15 +402,19 @@ def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[Strategy, Path, di
 
 def checkpoint_model(checkpoint: Path, model_dir: Path, d: Dist, adapter: dict | None = None) -> Strategy:
     """The model of a complete training checkpoint of the model in model_dir (its config), in fp32 under fsdp2
-    FULL_SHARD, no optimizer. adapter: the run's adapter settings (preflight.adapter_settings) when it trained
-    adapters, which the checkpoint holds alone: the base weights are then read from model_dir. A collective."""
+    FULL_SHARD (ddp for QLoRA on one rank), no optimizer. adapter: the run's adapter settings
+    (preflight.adapter_settings) when it trained adapters, which the checkpoint holds alone: the base weights are
+    then read from model_dir. A collective."""
     from transformers import AutoConfig
 
     from pipeline.config import ModelConfig
     from pipeline.model.registry import transforms_for
 
-    config = ModelConfig(model_name=str(model_dir), precision="fp32", strategy="fsdp2", sharding="FULL_SHARD",
-                         vocab_parallel="off", **(adapter or {}))
+    # fsdp2 on one rank cannot rebuild QLoRA's NF4 weights (FSDP2._check_nf4): ddp there, which holds them whole
+    one_rank_nf4 = (adapter or {}).get("adapter") == "qlora" and d.world_size == 1
+    config = ModelConfig(model_name=str(model_dir), precision="fp32", strategy="ddp" if one_rank_nf4 else "fsdp2",
+                         sharding="NO_SHARD" if one_rank_nf4 else "FULL_SHARD", vocab_parallel="off",
+                         **(adapter or {}))
     strategy = make_strategy(config, d, torch.float32, transforms_for(config, torch.float32))
     strategy.build(AutoConfig.from_pretrained(model_dir))
     if strategy.freezes_base:
