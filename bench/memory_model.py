@@ -37,6 +37,8 @@ CASES: dict[str, tuple[int, list[object]]] = {
     "fsdp2 fp32, LoRA r16": (2, ["--strategy", "fsdp2", "--adapter", "lora"]),
     "ddp fp32, LoRA r16": (2, ["--strategy", "ddp", "--adapter", "lora"]),
     "fsdp2 fp32, DoRA r16": (2, ["--strategy", "fsdp2", "--adapter", "dora"]),
+    "fsdp2 fp32, QLoRA r16": (2, ["--strategy", "fsdp2", "--adapter", "qlora"]),
+    "ddp fp32, QLoRA r16": (2, ["--strategy", "ddp", "--adapter", "qlora"]),
 }
 
 
