@@ -63,9 +63,16 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing (activation recomputation)")
     p.add_argument("--sync-every", type=int, default=1, help="record a step end every N steps")
+    p.add_argument("--lora-rank", type=int, default=0, help="train LoRA of this rank through peft (0: every weight)")
+    p.add_argument("--lora-alpha", type=float, default=32.0)
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
+    if args.lora_rank:  # peft's usual recipe: every linear layer of the blocks
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                                 target_modules="all-linear", task_type="CAUSAL_LM"))
     fsdp = {"fsdp": "full_shard auto_wrap",
             "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True,
                             "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}} if cuda else {}

@@ -12,7 +12,9 @@ the first step. Peak memory is the largest peak RSS of a worker process, sampled
 
 --preset trains a real model's shape instead (pipeline.tiny presets, random weights) and writes its own table,
 train_speed_PRESET_PRECISION; --precision bf16 is autocast over fp32 weights on both sides; --strategy is passed to
-fsdp1.py (default: its own default).
+fsdp1.py (default: its own default); --adapter lora trains LoRA r16 (alpha 32, every linear layer of the blocks) on
+both sides, the HF Trainer through peft's get_peft_model, and leaves the bare-PyTorch limit out (it is full
+fine-tuning's).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from common import (
 
 def ours_flags(args) -> list[object]:
     strategy = ["--strategy", args.strategy] if args.strategy else []
-    return ["--precision", args.precision, *strategy]
+    adapter = ["--adapter", args.adapter, "--lora-rank", 16, "--lora-alpha", 32] if args.adapter != "none" else []
+    return ["--precision", args.precision, *strategy, *adapter]
 
 
 def run_ours(args, work: Path, model: Path, data: Path, name: str) -> dict:
@@ -78,7 +81,8 @@ def run_hf(args, work: Path, model: Path, blocks: Path) -> dict:
     result = work / "hf.json"
     cmd = torchrun_cmd(args.world, BENCH / "hf_worker.py", "--model", model, "--blocks", blocks, "--out", result,
                        "--batch-size", args.batch, "--max-steps", args.steps, "--lr", 3e-4, "--warmup-steps", 5,
-                       *(["--bf16"] if args.precision == "bf16" else []))
+                       *(["--bf16"] if args.precision == "bf16" else []),
+                       *(["--lora-rank", 16, "--lora-alpha", 32] if args.adapter != "none" else []))
     out = launch(cmd, bench_env())
     r = json.loads(result.read_text())
     ends = r["step_end"]
@@ -105,6 +109,7 @@ def main() -> None:
                    "model (--layers and --hidden ignored)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--strategy", default=None, help="fsdp1.py's --strategy (default: its default)")
+    p.add_argument("--adapter", choices=("none", "lora"), default="none", help="LoRA r16 on both sides")
     args = p.parse_args()
     work = args.workdir
     model = build_model(args) if not args.preset else preset_model(work, args.preset)
@@ -115,14 +120,16 @@ def main() -> None:
     for _ in range(args.repeats):
         ours.append(run_ours(args, work, model, data, "ours"))
         hf.append(run_hf(args, work, model, blocks))
-        bare.append(run_bare(args, model, blocks, thp=False))
-        bare_thp.append(run_bare(args, model, blocks, thp=True))
+        if args.adapter == "none":  # the bare limit is full fine-tuning's
+            bare.append(run_bare(args, model, blocks, thp=False))
+            bare_thp.append(run_bare(args, model, blocks, thp=True))
         print(json.dumps({"ours": ours[-1]["steps"], "hf": hf[-1]["steps"]}), flush=True)
     report(args, model, ours, hf, bare, bare_thp)
 
 
 def section(args) -> str:
     name = "train_speed_cpu" if not args.preset else f"train_speed_{args.preset}_{args.precision}"
+    name += f"_{args.adapter}" if args.adapter != "none" else ""
     return name if args.world == 2 else f"{name}_{args.world}ranks"
 
 
@@ -132,7 +139,8 @@ def command(args) -> str:
         return f"--repeats {args.repeats}{world}"
     flags = f"--preset {args.preset} --precision {args.precision} --seq {args.seq} --batch {args.batch} --steps " \
             f"{args.steps} --discard {args.discard} --repeats {args.repeats}{world}"
-    return flags + (f" --strategy {args.strategy}" if args.strategy else "")
+    return flags + (f" --strategy {args.strategy}" if args.strategy else "") + \
+        (f" --adapter {args.adapter}" if args.adapter != "none" else "")
 
 
 def preset_model(work: Path, preset: str) -> Path:
@@ -153,35 +161,11 @@ def crowded(args, share: float, ours: float) -> str:
             f"core, {floor:.3f} s: **{floor / ours:.2f}** of it.")
 
 
-def report(args, model: Path, ours: list[dict], hf: list[dict], bare: list[dict], bare_thp: list[dict]) -> None:
-    tokens = args.world * args.batch * args.seq
-    step, med = step_medians({"ours": ours, "hf": hf})
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model)
-    n_params = cfg.vocab_size * cfg.hidden_size  # embedding (tied: also the lm_head)
-    rows = []
-    for name, label, runs in (("ours", f"fsdp1.py (--strategy {args.strategy or 'default'}: ran "
-                                       f"{ours[0]['strategy']})", ours),
-                              ("hf", f"HF Trainer ({hf[0]['wrapper']}, {hf[0]['distributed']})", hf)):
-        mean = statistics.mean(s for r in runs for s in r["steps"])
-        rows.append([label, spread(step[name]), f"{mean:.3f}", f"{tokens / med[name]:,.0f}",
-                     spread([r["first_step"] for r in runs], 1), spread([r["peak_rss_gb"] for r in runs], 2)])
+def bare_lines(args, step: dict, med: dict, bare: list[dict], bare_thp: list[dict]) -> list[str]:
+    """The bare-PyTorch limit's table, ratio and the chart (full fine-tuning only)."""
     share = [b["share"] for b in bare]
     share_thp = [b["share"] for b in bare_thp]
-    body = "\n".join([
-        f"- Machine: {machine()}.",
-        f"- Command: `.venv/bin/python bench/train_speed.py {command(args)}`"
-        + (" (part of `make bench`)." if not args.preset else "."),
-        f"- Model: Llama, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size:,} "
-        f"(tied; embedding {n_params:,} parameters), random weights. {args.world} gloo processes, batch "
-        f"{args.batch} x seq {args.seq} per rank ({tokens} tokens per step), {args.precision}, AdamW, clipping 1.0, "
-        f"{args.steps} steps per run of which the first {args.discard} are left out.",
-        "",
-        table(["system", "s/step median (min-max of run medians)", "s/step mean", "tokens/s (median)",
-               "launch to first step end, s", "peak RSS per rank, GB"], rows),
-        "",
-        f"Ratio of tokens/s, fsdp1.py / HF Trainer: **{med['hf'] / med['ours']:.2f}** (target 1.25).",
+    return [
         "",
         table(["bare-PyTorch limit of one rank's share (1 thread)", "fwd+bwd s", "clip+AdamW s (all params)",
                "share s", "share / fsdp1.py step"],
@@ -200,7 +184,42 @@ def report(args, model: Path, ours: list[dict], hf: list[dict], bare: list[dict]
                   [med["ours"], med["hf"], statistics.median(share), statistics.median(share_thp)], "s/step",
                   [(min(step["ours"]), max(step["ours"])), (min(step["hf"]), max(step["hf"])),
                    (min(share), max(share)), (min(share_thp), max(share_thp))]),
-    ])
+    ]
+
+
+def report(args, model: Path, ours: list[dict], hf: list[dict], bare: list[dict], bare_thp: list[dict]) -> None:
+    tokens = args.world * args.batch * args.seq
+    step, med = step_medians({"ours": ours, "hf": hf})
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model)
+    n_params = cfg.vocab_size * cfg.hidden_size  # embedding (tied: also the lm_head)
+    rows = []
+    for name, label, runs in (("ours", f"fsdp1.py (--strategy {args.strategy or 'default'}: ran "
+                                       f"{ours[0]['strategy']})", ours),
+                              ("hf", f"HF Trainer ({hf[0]['wrapper']}, {hf[0]['distributed']})", hf)):
+        mean = statistics.mean(s for r in runs for s in r["steps"])
+        rows.append([label, spread(step[name]), f"{mean:.3f}", f"{tokens / med[name]:,.0f}",
+                     spread([r["first_step"] for r in runs], 1), spread([r["peak_rss_gb"] for r in runs], 2)])
+    lines = [
+        f"- Machine: {machine()}.",
+        f"- Command: `.venv/bin/python bench/train_speed.py {command(args)}`"
+        + (" (part of `make bench`)." if not args.preset else "."),
+        f"- Model: Llama, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size:,} "
+        f"(tied; embedding {n_params:,} parameters), random weights. {args.world} gloo processes, batch "
+        f"{args.batch} x seq {args.seq} per rank ({tokens} tokens per step), {args.precision}, AdamW, clipping 1.0, "
+        f"{args.steps} steps per run of which the first {args.discard} are left out"
+        + (", LoRA r16 (alpha 32) on every linear layer of the blocks, the HF Trainer's through peft." if
+           args.adapter != "none" else "."),
+        "",
+        table(["system", "s/step median (min-max of run medians)", "s/step mean", "tokens/s (median)",
+               "launch to first step end, s", "peak RSS per rank, GB"], rows),
+        "",
+        f"Ratio of tokens/s, fsdp1.py / HF Trainer: **{med['hf'] / med['ours']:.2f}** (target 1.25).",
+    ]
+    if bare:
+        lines += bare_lines(args, step, med, bare, bare_thp)
+    body = "\n".join(lines)
     update_section(section(args), body)
     print(body)
 
