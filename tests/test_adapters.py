@@ -255,16 +255,9 @@ def qlora_model(train_env) -> Path:
 
 
 def nf4_reference(model_dir: Path) -> torch.nn.Module:
-    """from_pretrained's model with every linear weight of its blocks replaced by torchao's NF4 of the whole
-    weight, dequantized: the function QLoRA trains on."""
-    _, to_nf4 = nf4.torchao_nf4()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and ".layers." in name:
-                whole = to_nf4(module.weight.detach(), nf4.BLOCK, nf4.scaler_group(module.weight.numel()))
-                module.weight.copy_(whole.get_original_weight())
-    return model
+    """from_pretrained's model with every adapted weight replaced by torchao's NF4 of the whole weight, dequantized:
+    the function QLoRA trains on."""
+    return nf4.roundtrip(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), TARGETS)
 
 
 def test_qlora_holds_the_adapted_weights_in_nf4_and_starts_as_their_dequantized_base(group_of_one, qlora_model):

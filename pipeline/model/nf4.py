@@ -116,3 +116,19 @@ def refuse_layout(weights: dict[str, torch.Size], shards: int) -> None:
         if why:
             raise UserError(f"--adapter qlora cannot hold {name} ({' x '.join(map(str, shape))}) in NF4 over "
                             f"{shards} shards: {why}; use --strategy ddp, another number of ranks, or --adapter lora")
+
+
+def roundtrip(model: torch.nn.Module, targets: list[str]) -> torch.nn.Module:
+    """A plain model (from_pretrained's) with the weight of every linear layer of its decoder blocks named in
+    targets replaced by that weight's NF4, dequantized: the function QLoRA trains its adapters on, to evaluate or
+    compare with. In place; returns the model."""
+    from pipeline.model.modeling import decoder_layers
+
+    _, to_nf4 = torchao_nf4()
+    with torch.no_grad():
+        for layer in decoder_layers(model):
+            for name, module in layer.named_modules():
+                if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+                    whole = to_nf4(module.weight.detach(), BLOCK, scaler_group(module.weight.numel()))
+                    module.weight.copy_(whole.get_original_weight())
+    return model

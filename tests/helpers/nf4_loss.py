@@ -26,13 +26,9 @@ def main() -> None:
     strategy = make_strategy(cfg, d, torch.float32, transforms_for(cfg, torch.float32))
     strategy.build(AutoConfig.from_pretrained(model_dir))
     strategy.load_weights(model_dir)
-    _, to_nf4 = nf4.torchao_nf4()
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    targets = sorted(strategy.transforms[0].peft_config.target_modules)
+    reference = nf4.roundtrip(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), targets)
     with torch.no_grad():
-        for name, module in reference.named_modules():
-            if isinstance(module, torch.nn.Linear) and ".layers." in name:
-                whole = to_nf4(module.weight.detach(), nf4.BLOCK, nf4.scaler_group(module.weight.numel()))
-                module.weight.copy_(whole.get_original_weight())
         ids = torch.arange(48).reshape(2, 24) * 7 % reference.config.vocab_size
         ours = strategy.model(input_ids=ids, labels=ids).loss.item()
         theirs = reference(input_ids=ids, labels=ids).loss.item()
