@@ -1,12 +1,14 @@
-"""Low-rank adapters (LoRA, DoRA) as a model transform: peft's layers injected into the meta model before it is
-distributed, the base frozen in the compute dtype, the adapters in fp32.
+"""Low-rank adapters (LoRA, DoRA, QLoRA) as a model transform: peft's layers injected into the meta model before it
+is distributed, the base frozen in the compute dtype (QLoRA: the adapted layers' weights in NF4, pipeline/model/nf4.py),
+the adapters in fp32.
 
 peft owns the format vLLM, TGI and `PeftModel.from_pretrained` read, so its layers are used as they are, through
 its public `inject_adapter_in_model` (the model keeps its class and its names, `q_proj.base_layer.weight` beside
 `q_proj.lora_A.default.weight`): applied before sharding it trains under fully_shard and DDP alike (fully_shard
 shards every adapter matrix by rows, as it shards the base weight). What peft cannot do on a sharded model is done
 here by rows: initialising the adapters after to_empty, and merging them into the base without gathering a weight
-(B's rows and a DoRA magnitude's are sharded like the base weight's, and A is r x in: small).
+(B's rows and a DoRA magnitude's are sharded like the base weight's, and A is r x in: small); and, for QLoRA,
+filling each rank's rows of the NF4 weights.
 """
 
 from __future__ import annotations
@@ -86,8 +88,8 @@ class LowRankAdapter(ModelTransform):
         self.scaling = cfg.lora_alpha / cfg.lora_rank
         self.peft_config = None
         """peft's LoraConfig as injected (target_modules as the leaf names)."""
-        self.quantized: dict[str, torch.Size] = {}
-        """QLoRA: the base weights held in NF4, by state-dict name, with their shapes."""
+        self.quantized: set[str] = set()
+        """QLoRA: the state-dict names of the base weights held in NF4."""
 
     def apply(self, model: nn.Module) -> None:
         from peft import LoraConfig, inject_adapter_in_model
@@ -120,7 +122,7 @@ class LowRankAdapter(ModelTransform):
         for name, module in model.named_modules():
             if name.endswith(BASE_LAYER) and isinstance(module, nn.Linear):
                 module.weight = nn.Parameter(nf4.quantized_meta(module.weight), requires_grad=False)
-                self.quantized[f"{name}.weight"] = module.weight.shape
+                self.quantized.add(f"{name}.weight")
 
     def held_back(self) -> set[str]:
         return set(self.quantized)
@@ -198,8 +200,8 @@ class LowRankAdapter(ModelTransform):
         a = state[f"{module}.lora_A.{ADAPTER_NAME}.weight"]
         a = (a.full_tensor() if isinstance(a, DTensor) else a).float()  # a collective under fully_shard
         base = nf4.dequantized(weight) if f"{module}{BASE_LAYER}.weight" in self.quantized else local(weight)
-        rows = base.float() + self.scaling * (local(state[f"{module}.lora_B.{ADAPTER_NAME}.weight"]).float()
-                                                       @ a.to(base.device))
+        b = local(state[f"{module}.lora_B.{ADAPTER_NAME}.weight"]).float()
+        rows = base.float() + self.scaling * (b @ a.to(base.device))
         magnitude = state.get(f"{module}.lora_magnitude_vector.{ADAPTER_NAME}.weight")
         if magnitude is not None:
             rows = rows * (local(magnitude).float() / torch.linalg.norm(rows, dim=1))[:, None]
