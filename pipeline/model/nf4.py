@@ -70,16 +70,16 @@ def fill(param: torch.Tensor, rows: torch.Tensor) -> None:
     _, to_nf4 = torchao_nf4()
     target = held_nf4(param)
     group = scaler_group(param.numel())
-    absmax = rows.reshape(-1, BLOCK).abs().amax(dim=1)
+    mine = rows.reshape(-1, BLOCK).abs().amax(dim=1)  # this rank's block maxima
+    every = mine
     if isinstance(param, DTensor):
         blocks = param.numel() // BLOCK
         placements = [Shard(0) if isinstance(p, Shard) else p for p in param.placements]
-        absmax = DTensor.from_local(absmax, param.device_mesh, placements, run_check=False, shape=(blocks,),
-                                    stride=(1,)).full_tensor()
-    mean = absmax.mean()
-    mine = rows.reshape(-1, BLOCK).abs().amax(dim=1) - mean
+        every = DTensor.from_local(mine, param.device_mesh, placements, run_check=False, shape=(blocks,),
+                                   stride=(1,)).full_tensor()
+    mean = every.mean()
     # torchao's double quantization of the scales (NF4Tensor.double_quantize_scalers), with the whole weight's mean
-    grouped = mine.view(-1, group)
+    grouped = (mine - mean).view(-1, group)
     factor = 256 / (2 * grouped.abs().amax(dim=1))
     scalers = (grouped * factor[:, None]).round().clamp(-128, 127).flatten().to(torch.int8)
     codes = to_nf4(rows.contiguous(), BLOCK, group)  # the 4-bit codes depend on each block's own maximum only

@@ -67,7 +67,7 @@ class Strategy(ABC):
     PREFETCHED_LAYERS = 2
     """Gathered decoder layers at the forward's peak under FULL_SHARD: the one in use and the one prefetched."""
     ADAPTERS = False
-    """Whether it trains --adapter lora/dora (a frozen base beside trainable adapters in one wrapped unit)."""
+    """Whether it trains --adapter lora/dora/qlora (a frozen base beside trainable adapters in one wrapped unit)."""
 
     def __init__(self, cfg: ModelConfig, d: Dist, dtype: torch.dtype, transforms: Sequence[ModelTransform] = ()):
         self.cfg, self.dist, self.dtype = cfg, d, dtype

@@ -126,7 +126,8 @@ class Workload:
     cpu_offload: bool = False
     device: str = "cuda"
     adapter: str = "none"
-    """--adapter: none (every parameter trains), lora or dora (a frozen base in the compute dtype)."""
+    """--adapter: none (every parameter trains), lora or dora (a frozen base in the compute dtype), or qlora (the
+    adapted layers' base weights in NF4)."""
     lora_rank: int = 16
     lora_targets: str = ""
 
