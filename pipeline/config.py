@@ -132,6 +132,10 @@ class DataConfig(Section):
     document_mask: bool = False
     """Text rows: restart positions after each EOS and keep attention within each document (conversations always
     are)."""
+    allow_special_tokens_in_data: bool = False
+    """Let a special token's text inside the data (`<|eot_id|>` in a message, `<|end_of_text|>` in a text row) become
+    that token. Off: it is tokenized as text, so user data cannot end a document or forge a chat turn; only the chat
+    template's own markers are special."""
     prepare_only: bool = False
     """Build the token cache (tokenize, pack, split) and exit: no process group, no GPU, so it can run on a CPU node
     before the job (plain python, same arguments); the training run then finds it. A killed build resumes."""

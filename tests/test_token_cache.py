@@ -5,6 +5,7 @@ import io
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,11 +17,12 @@ from pipeline.data.dataset import BlockSpec, load_text_dataset
 
 
 def reference(dataset, model, spec: BlockSpec) -> dict[str, bytes]:
-    """What the cache must hold, computed the plain way: every row's ids and EOS concatenated in memory, cut, split,
-    np.save'd whole."""
+    """What the cache must hold, computed the plain way: every row's ids (a special token's text kept as text unless
+    allowed) and EOS concatenated in memory, cut, split, np.save'd whole."""
     tok = AutoTokenizer.from_pretrained(model)
-    texts = load_text_dataset(str(dataset))["text"]
-    rows = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
+    texts = (load_text_dataset(str(dataset)) if isinstance(dataset, Path) else dataset)["text"]
+    rows = [tok(t, add_special_tokens=False, split_special_tokens=not spec.special_tokens_in_data)["input_ids"]
+            + [tok.eos_token_id] for t in texts]
     ids = np.concatenate([np.asarray(r, np.uint32) for r in rows])
     n = len(ids) // spec.seq_length
     blocks = ids[: n * spec.seq_length].reshape(n, spec.seq_length)
@@ -53,6 +55,26 @@ def test_chunked_build_writes_the_bytes_of_the_whole_corpus_cut_in_memory(tmp_pa
     assert sorted(f.name for f in out.iterdir()) == sorted([*expected, "meta.json"])
     assert {name: (out / name).read_bytes() for name in expected} == expected
     assert not out.with_name("cache.partial").exists()
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_a_special_token_text_in_a_row_stays_text_unless_allowed(tmp_path, tiny_models, allowed):
+    import datasets
+
+    row = "first part <|end_of_text|> second part"
+    ds = datasets.Dataset.from_dict({"text": [row] * 20})
+    spec = BlockSpec(8, 0.0, 0, special_tokens_in_data=allowed)
+    tok = AutoTokenizer.from_pretrained(tiny_models["tied"])
+    token_cache.build_blocks(ds, tok, spec, 1, tmp_path / "cache")
+    expected = reference(ds, tiny_models["tied"], spec)
+    assert {name: (tmp_path / "cache" / name).read_bytes() for name in expected} == expected
+    ids = np.load(tmp_path / "cache" / "train.npy").ravel()
+    ends = np.flatnonzero(ids == tok.eos_token_id)
+    per_row = len(tok(row, add_special_tokens=False, split_special_tokens=not allowed)["input_ids"]) + 1
+    if allowed:  # the text in each row is an EOS too
+        assert len(ends) > len(ids) // per_row
+    else:  # the only EOS is each row's own
+        assert len(ends) == len(ids) // per_row and ((ends + 1) % per_row == 0).all()
 
 
 def llama3_style(tok):

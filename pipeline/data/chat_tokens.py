@@ -6,10 +6,14 @@ starts, and the conversation up to that answer ends where it ends (its end-of-tu
 whitespace not). The full rendering is tokenized once with character offsets, and a token is trained when it starts
 inside a trained span. This holds only when every prefix renders as a prefix of the whole; a template that rewrites
 earlier turns (some strip reasoning from all but the last answer) gives `template_mismatch` for that conversation.
+
+Text is text: a special token's text inside a message (`<|eot_id|><|start_header_id|>assistant` typed by a user) stays
+text, so data cannot forge a turn; only the template's own markers are special tokens.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +38,16 @@ class TemplateMismatch(Exception):
     """A prefix of the conversation does not render as a prefix of the whole."""
 
 
+BLANK = "\ue000"
+"""A private-use character: what special-token texts in contents are replaced by to find the template's own."""
+
+
+def special_texts(tokenizer) -> re.Pattern | None:
+    """The texts of the tokenizer's special tokens as one pattern (longest first), None when it has none."""
+    texts = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True)))) if texts else None
+
+
 def render(tokenizer, messages: list[dict], date: str, **kwargs) -> str:
     """The chat template applied to messages, with today's date pinned (Llama 3.1/3.2 templates print it)."""
     return tokenizer.apply_chat_template(messages, tokenize=False, date_string=date, **kwargs)
@@ -54,8 +68,11 @@ def _assistant_spans(tokenizer, messages: list[dict], date: str, full: str) -> l
     return spans
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], date: str, train_on: str) -> Rendered:
-    """Render, tokenize and mask one conversation; BadConversation or TemplateMismatch when it cannot be."""
+def tokenize_conversation(tokenizer, messages: list[dict], date: str, train_on: str,
+                          keep_as_text: re.Pattern | None = None) -> Rendered:
+    """Render, tokenize and mask one conversation; BadConversation or TemplateMismatch when it cannot be.
+    keep_as_text: the special-token texts (special_texts) that stay text inside message contents; None lets them
+    become special tokens, as the tokenizer does by default."""
     if any(m.get("role") not in ROLES or not isinstance(m.get("content"), str) for m in messages):
         raise BadConversation("malformed_message")
     check(messages)
@@ -63,8 +80,11 @@ def tokenize_conversation(tokenizer, messages: list[dict], date: str, train_on: 
     spans = _assistant_spans(tokenizer, messages, date, full)
     if train_on == "last":
         spans = spans[-1:]
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
-    starts = np.fromiter((a for a, _ in enc["offset_mapping"]), dtype=np.int64, count=len(enc["input_ids"]))
+    if keep_as_text is not None and any(keep_as_text.search(m["content"]) for m in messages):
+        ids, offsets = _contents_as_text(tokenizer, messages, date, full, keep_as_text)
+    else:
+        ids, offsets = _encode(tokenizer, full, split_special=False, at=0)
+    starts = np.asarray(offsets, dtype=np.int64)
     trained = np.full(len(starts), train_on == "all")
     cuts = []
     for a, b in spans:
@@ -72,7 +92,39 @@ def tokenize_conversation(tokenizer, messages: list[dict], date: str, train_on: 
         trained |= inside
         if inside.any():
             cuts.append(int(np.flatnonzero(inside)[-1]) + 1)
-    return Rendered(np.asarray(enc["input_ids"], dtype=np.uint32), trained, sorted(set(cuts)))
+    return Rendered(np.asarray(ids, dtype=np.uint32), trained, sorted(set(cuts)))
+
+
+def _encode(tokenizer, text: str, split_special: bool, at: int) -> tuple[list[int], list[int]]:
+    """Token ids of text and where each starts, counted from `at`."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False,
+                    split_special_tokens=split_special)
+    return enc["input_ids"], [at + a for a, _ in enc["offset_mapping"]]
+
+
+def _contents_as_text(tokenizer, messages: list[dict], date: str, full: str,
+                      keep_as_text: re.Pattern) -> tuple[list[int], list[int]]:
+    """Token ids and starts of full in which only the template's own special tokens are special. They are found by
+    rendering the conversation again with every special-token text in the contents blanked to as many BLANKs; the
+    text between them is tokenized with special tokens split. The tokenizer itself tokenizes the text between two
+    special tokens apart from the rest, so a conversation whose contents hold none gets the ids it always had."""
+    blanked = render(tokenizer, [{**m, "content": keep_as_text.sub(lambda s: BLANK * len(s.group()), m["content"])}
+                                 for m in messages], date)
+    if len(blanked) != len(full):
+        raise TemplateMismatch
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    ids: list[int] = []
+    starts: list[int] = []
+    done = 0
+    enc = tokenizer(blanked, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
+    for token, (a, b) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
+        if token in special:
+            text_ids, text_starts = _encode(tokenizer, full[done:a], split_special=True, at=done)
+            ids += [*text_ids, token]
+            starts += [*text_starts, a]
+            done = b
+    text_ids, text_starts = _encode(tokenizer, full[done:], split_special=True, at=done)
+    return ids + text_ids, starts + text_starts
 
 
 def fit(rendered: Rendered, capacity: int) -> tuple[Rendered | None, str]:

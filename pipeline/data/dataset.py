@@ -99,6 +99,9 @@ class BlockSpec:
     chat_template: str = ""
     """The template text used instead of the model's own ("" for the model's)."""
     document_mask: bool = False
+    special_tokens_in_data: bool = False
+    """A special token's text inside a text row or a message becomes that token (the tokenizer's default); off, it
+    stays text, so data cannot end a document or forge a chat turn."""
 
     @property
     def flagged(self) -> bool:
@@ -115,4 +118,6 @@ class BlockSpec:
                        if self.chat_template else "")
         if self.document_mask:
             key["document_mask"] = True
+        if self.special_tokens_in_data:
+            key["special_tokens_in_data"] = True
         return key

@@ -1,10 +1,10 @@
 """The token cache: a dataset tokenized, packed into fixed-length blocks and split, on disk, shared by every run.
 
-Text rows are tokenized without special tokens, each followed by EOS, concatenated and cut into seq_length-token
-blocks (the tail shorter than a block is dropped). Conversation rows are rendered with the chat template, masked
-(pipeline/data/chat_tokens.py) and packed whole (pipeline/data/packing.py) after the text blocks. Blocks are split into
-train and validation by a seeded permutation and saved as .npy files under a key of everything that defines them
-(`token_cache_dir`), so every later run reuses them memory-mapped.
+Text rows are tokenized without special tokens (a special token's text in a row stays text), each followed by EOS,
+concatenated and cut into seq_length-token blocks (the tail shorter than a block is dropped). Conversation rows are
+rendered with the chat template, masked (pipeline/data/chat_tokens.py) and packed whole (pipeline/data/packing.py)
+after the text blocks. Blocks are split into train and validation by a seeded permutation and saved as .npy files
+under a key of everything that defines them (`token_cache_dir`), so every later run reuses them memory-mapped.
 
 Building is made for corpora of tens of GB:
 - Text is tokenized in chunks of about CHUNK_BYTES with datasets.map(num_proc); each chunk's ids are saved as
@@ -49,7 +49,8 @@ from pipeline.prep.conversations import BadConversation
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
+"""3: special-token texts inside the data stay text (BlockSpec.special_tokens_in_data)."""
 CHUNK_BYTES = 64 * 2**20
 """Text per tokenized chunk: the unit a killed build resumes from, and (times a few) the build's working memory."""
 TOKENIZE_CHARS = 2**18
@@ -182,19 +183,21 @@ def build_lock(path: Path) -> Iterator[None]:
 
 # --- building ---------------------------------------------------------------------------------------------------------
 
-def _tokenize(batch: dict, tokenizer, eos_id: int) -> dict:
+def _tokenize(batch: dict, tokenizer, eos_id: int, split_special: bool) -> dict:
     """A batch of rows -> one row: their ids, each followed by EOS, as one uint32 array. Arrow takes a numpy array
     in one copy, where a list of Python int lists is converted element by element (a quarter of the whole
     tokenize+pack time on the bench). The tokenizer sees at most about TOKENIZE_CHARS at a time (see there); the
-    generator feeds np.fromiter one call's ids at a time."""
-    pieces = [piece for text in batch["text"] for piece in _pieces(text, tokenizer)]
-    return {"input_ids": [np.fromiter(chain.from_iterable(_piece_ids(pieces, tokenizer, eos_id)), dtype=np.uint32)]}
+    generator feeds np.fromiter one call's ids at a time. split_special: a special token's text in a row stays text
+    (`<|end_of_text|>` typed in a document is not the end of it)."""
+    pieces = [piece for text in batch["text"] for piece in _pieces(text, tokenizer, split_special)]
+    ids = _piece_ids(pieces, tokenizer, eos_id, split_special)
+    return {"input_ids": [np.fromiter(chain.from_iterable(ids), dtype=np.uint32)]}
 
 
-def _piece_ids(pieces: list[tuple[str, bool]], tokenizer, eos_id: int) -> Iterator[list[int]]:
+def _piece_ids(pieces: list[tuple[str, bool]], tokenizer, eos_id: int, split_special: bool) -> Iterator[list[int]]:
     """Each piece's ids, EOS after a row's last piece; the freed memory is handed back after each tokenizer call."""
     for call in _calls(pieces):
-        ids = _ids(tokenizer, [text for text, _ in call])
+        ids = _ids(tokenizer, [text for text, _ in call], split_special)
         yield from (row + [eos_id] if last else row for row, (_, last) in zip(ids, call, strict=True))
         del ids
         _release_freed_memory()
@@ -228,11 +231,12 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None)  # the C library the process already has loaded
 
 
-def _ids(tokenizer, texts: list[str]) -> list[list[int]]:
-    return tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+def _ids(tokenizer, texts: list[str], split_special: bool) -> list[list[int]]:
+    return tokenizer(texts, add_special_tokens=False, return_attention_mask=False,
+                     split_special_tokens=split_special)["input_ids"]
 
 
-def _pieces(text: str, tokenizer) -> list[tuple[str, bool]]:
+def _pieces(text: str, tokenizer, split_special: bool) -> list[tuple[str, bool]]:
     """(piece, is the row's last) for one row: the row itself, or a longer row cut at whitespace into pieces of at
     most about TOKENIZE_CHARS whose ids, one after another, are the whole row's. A cut is kept only when the text
     around it tokenizes the same whole and cut (a tokenizer that prefixes every input, as Llama 2's normalizer
@@ -241,7 +245,7 @@ def _pieces(text: str, tokenizer) -> list[tuple[str, bool]]:
     start = 0
     while len(text) - start > TOKENIZE_CHARS:
         cut = _cut_at(text, start + TOKENIZE_CHARS // 2, start + TOKENIZE_CHARS)
-        if cut is None or not _cut_is_exact(tokenizer, text, cut):
+        if cut is None or not _cut_is_exact(tokenizer, text, cut, split_special):
             break
         out.append((text[start:cut], False))
         start = cut
@@ -261,10 +265,10 @@ def _cut_at(text: str, lo: int, hi: int) -> int | None:
     return None
 
 
-def _cut_is_exact(tokenizer, text: str, cut: int) -> bool:
+def _cut_is_exact(tokenizer, text: str, cut: int, split_special: bool) -> bool:
     """Whether CHECK_CHARS either side of cut tokenize to the same ids whole and as two texts."""
     left, right = text[max(0, cut - CHECK_CHARS):cut], text[cut:cut + CHECK_CHARS]
-    whole, first, second = _ids(tokenizer, [left + right, left, right])
+    whole, first, second = _ids(tokenizer, [left + right, left, right], split_special)
     return whole == first + second
 
 
@@ -272,9 +276,11 @@ def _tokenize_chats(batch: dict, tokenizer, spec: BlockSpec) -> dict:
     """Each conversation -> its ids, trained mask (uint8) and status (an index into chat_tokens.STATUS), fitted
     into one block."""
     out: dict[str, list] = {"input_ids": [], "trained": [], "status": []}
+    keep_as_text = None if spec.special_tokens_in_data else chat_tokens.special_texts(tokenizer)
     for messages in batch["messages"]:
         try:
-            rendered = chat_tokens.tokenize_conversation(tokenizer, messages, spec.chat_date, spec.train_on)
+            rendered = chat_tokens.tokenize_conversation(tokenizer, messages, spec.chat_date, spec.train_on,
+                                                         keep_as_text)
             fitted, status = chat_tokens.fit(rendered, spec.seq_length)
         except BadConversation:
             fitted, status = None, "malformed"
@@ -301,7 +307,7 @@ def _rows_per_chunk(text_rows) -> int:
     return max(1, CHUNK_BYTES // per_row)
 
 
-def _tokenized_chunks(text_rows, tokenizer, num_proc: int, work: Path) -> list[Path]:
+def _tokenized_chunks(text_rows, tokenizer, num_proc: int, work: Path, split_special: bool) -> list[Path]:
     """Each chunk of text rows tokenized into work/chunk-NNNNN.npy (flat uint32 ids), skipping those a killed
     build already finished. A progress bar shows rows and throughput."""
     from tqdm import tqdm
@@ -323,12 +329,12 @@ def _tokenized_chunks(text_rows, tokenizer, num_proc: int, work: Path) -> list[P
         for start, path in zip(starts, paths, strict=True):
             stop = min(start + per_chunk, len(text_rows))
             if not path.exists():
-                _tokenize_chunk(text_rows.select(range(start, stop)), tokenizer, num_proc, work, path)
+                _tokenize_chunk(text_rows.select(range(start, stop)), tokenizer, num_proc, work, path, split_special)
             bar.update(stop - start)
     return paths
 
 
-def _tokenize_chunk(rows, tokenizer, num_proc: int, work: Path, out: Path) -> None:
+def _tokenize_chunk(rows, tokenizer, num_proc: int, work: Path, out: Path, split_special: bool) -> None:
     import datasets
 
     for leftover in [*work.glob("*.arrow"), *work.glob("tmp*")]:  # a killed map's partial output
@@ -337,7 +343,8 @@ def _tokenize_chunk(rows, tokenizer, num_proc: int, work: Path, out: Path) -> No
     datasets.disable_progress_bars()  # one bar for the whole build, not one per chunk
     try:
         tokenized = rows.map(_tokenize, remove_columns=rows.column_names,
-                             fn_kwargs={"tokenizer": tokenizer, "eos_id": tokenizer.eos_token_id},
+                             fn_kwargs={"tokenizer": tokenizer, "eos_id": tokenizer.eos_token_id,
+                                        "split_special": split_special},
                              **_map_kwargs(work, "text", num_proc, len(rows)))
         column = tokenized.data.column("input_ids")
         flat = np.concatenate([c.flatten().to_numpy() for c in column.chunks]).astype(np.uint32, copy=False)
@@ -439,7 +446,8 @@ def build_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, out: Path) -> No
     chats = conversation_rows(ds)
     # a hub dataset may have messages and no text column: its rows without a conversation have nothing to train
     text_rows = ds.select(np.flatnonzero(~chats) if "text" in ds.column_names else [])
-    chunks = _tokenized_chunks(text_rows, tokenizer, num_proc, work) if len(text_rows) else []
+    chunks = (_tokenized_chunks(text_rows, tokenizer, num_proc, work, not spec.special_tokens_in_data)
+              if len(text_rows) else [])
     n_tokens = sum(len(np.load(p, mmap_mode="r")) for p in chunks)
     n_text = n_tokens // spec.seq_length
     meta: dict = {"text_tokens": int(n_tokens), "text_blocks": n_text}

@@ -120,7 +120,8 @@ def preflight(cfg: Config) -> Plan:
     chats = bool(conversation_rows(dataset).any())
     tokenizer = load_tokenizer(cfg, model_dir, chats)
     spec = BlockSpec(cfg.data.seq_length, cfg.data.val_fraction, cfg.run.seed, chats, cfg.data.train_on,
-                     cfg.data.chat_date, cfg.data.chat_template and tokenizer.chat_template, cfg.data.document_mask)
+                     cfg.data.chat_date, cfg.data.chat_template and tokenizer.chat_template, cfg.data.document_mask,
+                     cfg.data.allow_special_tokens_in_data)
     fingerprint = run_fingerprint(cfg, model_dir, hf_config, dataset, spec)
     exports = {**run_exports(cfg), **(run_exports(cfg, best=True) if cfg.run.save_best else {})}
     for folder in exports:  # what the run replaces at its end: refused now
