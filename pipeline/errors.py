@@ -5,16 +5,64 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import errno
 import logging
 import os
+import shutil
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import NoReturn
 
 
 class UserError(Exception):
     """A problem the user can fix (bad path, bad flag, missing model). Printed as one line, exit code 2."""
+
+
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+"""What the machine, not our code, refuses a write for: a full disk or quota, a read-only mount, no permission."""
+
+
+def disk_problem(exc: BaseException) -> str:
+    """One line for an OSError in DISK_ERRNOS, naming the path (and for a full disk the space left there); "" for
+    any other exception. Nothing is lost by it: every writer of ours writes to a temporary name and renames."""
+    if not isinstance(exc, OSError) or exc.errno not in DISK_ERRNOS:
+        return ""
+    path = exc.filename or "a file"
+    how = "fix it or choose another output folder, then rerun the same command (what is finished is kept)"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = "no space left on device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
+        return f"cannot write {path}: {what}{_space_left(exc.filename)}; {how}"
+    if exc.errno == errno.EROFS:
+        return f"cannot write {path}: read-only file system; {how}"
+    return f"permission denied on {path}; {how}"
+
+
+def _space_left(filename: str | None) -> str:
+    """" (N MB free of M MB)" for the file system holding filename (its nearest existing folder), else ""."""
+    if not filename:
+        return ""
+    folder = Path(filename).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        usage = shutil.disk_usage(folder)
+    except OSError:
+        return ""
+    return f" ({usage.free / 2**20:,.1f} MB free of {usage.total / 2**20:,.1f} MB there)"
+
+
+@contextlib.contextmanager
+def naming(path: Path | str) -> Iterator[None]:
+    """Writing path: an OSError raised without a file name (ENOSPC comes from write(2) on an open file), or a full or
+    read-only disk's naming another file (shutil.copy names the source), names path, so disk_problem says where."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno is not None and (exc.filename is None or exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)):
+            raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
+        raise
 
 
 def run_cli(main: Callable[[], int | None], *, finalize: bool = True) -> None:
@@ -31,11 +79,15 @@ def run_cli(main: Callable[[], int | None], *, finalize: bool = True) -> None:
         code = 130
     except SystemExit:  # argparse's --help and usage errors: before any process group exists
         raise
-    except BaseException:
-        if finalize:
+    except BaseException as exc:
+        if disk_problem(exc):
+            print(f"error: {disk_problem(exc)}", file=sys.stderr)
+            code = 1
+        elif finalize:
             raise
-        traceback.print_exc()
-        code = 1
+        else:
+            traceback.print_exc()
+            code = 1
     if not finalize:
         leave(code or 0)
     sys.exit(code or 0)

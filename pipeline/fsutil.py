@@ -12,7 +12,7 @@ from typing import Any, BinaryIO
 
 import yaml
 
-from pipeline.errors import UserError
+from pipeline.errors import UserError, naming
 from pipeline.yaml_bounds import YamlBoundsError, check_bounds
 
 
@@ -33,7 +33,7 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
     never a mix, and a crash never leaves a half-written one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as fh:
+        with naming(path), open(tmp, "wb") as fh:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())

@@ -19,6 +19,51 @@ def run_script(script: str, *args: object, env: dict | None = None,
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
 
 
+class SmallDisk:
+    """A tmpfs mounted at path: a disk that really fills (ENOSPC from write(2), as on a full volume)."""
+
+    def __init__(self, path: Path, size: int):
+        self.path = path
+        path.mkdir()
+        mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                               capture_output=True, text=True)
+        if mount.returncode:
+            pytest.skip(f"a small disk needs a tmpfs mount, which this machine refuses ({mount.stderr.strip()})")
+
+    def resize(self, size: int) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(self.path)], check=True)
+
+    def unmount(self) -> None:
+        subprocess.run(["umount", "-l", str(self.path)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MB tmpfs at tmp_path/disk, unmounted afterwards; skipped, saying why, where mounting is not allowed."""
+    disk = SmallDisk(tmp_path / "disk", 2**20)
+    yield disk
+    disk.unmount()
+
+
+HOLD = """import sys
+from pathlib import Path
+from pipeline.folder_lock import beside, hold
+assert hold(beside(Path(sys.argv[1])), sys.argv[2]) == ""
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+def hold_lock(folder: Path, what: str) -> subprocess.Popen:
+    """Another process holding folder's lock as `what` does, until it is killed; returns once it holds it."""
+    import os
+
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder), what], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
 def tree_digest(root: Path) -> dict[str, str]:
     """Relative path -> sha256 (or link target) of everything under root, to prove a tree was not modified."""
     out = {}

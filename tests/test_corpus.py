@@ -8,7 +8,7 @@ from pathlib import Path
 
 import datasets
 import pytest
-from conftest import ROOT, run_script
+from conftest import ROOT, hold_lock, run_script
 
 from pipeline.errors import UserError
 from pipeline.prep.corpus import REPORT, CorpusConfig, build_dataset
@@ -293,23 +293,6 @@ def test_cli_prints_summary(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"saved 1 rows (6 characters) from 1 files to {tmp_path / 'out'} in ")
     assert f"report: {tmp_path / 'out' / REPORT}" in proc.stdout
-
-
-HOLD = """import sys
-from pathlib import Path
-from pipeline.folder_lock import beside, hold
-assert hold(beside(Path(sys.argv[1])), sys.argv[2]) == ""
-print("held", flush=True)
-sys.stdin.readline()
-"""
-
-
-def hold_lock(folder: Path, what: str) -> subprocess.Popen:
-    """Another process holding folder's lock as `what` does, until it is killed; returns once it holds it."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder), what], cwd=ROOT, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.stdout.readline() == "held\n"
-    return proc
 
 
 def test_a_second_data_hf_on_a_save_dir_being_written_is_refused_and_a_dead_writers_lock_is_taken(tmp_path):

@@ -3,15 +3,17 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import run_script, tree_digest
+from conftest import ROOT, hold_lock, kill_tree, run_script, tree_digest, wait_for
 
 from pipeline.errors import UserError
 from pipeline.fsutil import sha256_file
-from pipeline.prep.organize import MANIFEST, OrganizeConfig, organize
+from pipeline.prep.organize import JOURNAL, MANIFEST, OrganizeConfig, organize
 
 
 def make_source(root: Path, n: int = 40, seed: int = 1) -> dict[str, int]:
@@ -173,6 +175,61 @@ def test_refuses_a_foreign_nonempty_destination(tmp_path):
     with pytest.raises(UserError, match="is not empty and holds no manifest.jsonl"):
         organize(OrganizeConfig(src, tmp_path / "mine"))
     assert (tmp_path / "mine" / "thesis.txt").read_text() == "do not lose"
+
+
+def assert_manifest_is_the_disk(dst: Path) -> None:
+    """Every file under dst is a manifest row with its bytes, and nothing else is there (no temporary, no journal,
+    no file of an earlier plan)."""
+    rows = read_manifest(dst)
+    placed = sorted(p.relative_to(dst).as_posix() for p in dst.rglob("*") if p.is_file())
+    assert placed == sorted([MANIFEST, *(r["destination"] for r in rows)])
+    assert all(sha256_file(dst / r["destination"]) == r["sha256"] for r in rows)
+
+
+def test_a_run_that_filled_the_disk_says_so_in_one_line_and_its_rerun_finishes(tmp_path, small_disk):
+    src, dst = tmp_path / "src", small_disk.path / "splits"
+    for i in range(20):
+        (src / f"f{i:02d}.txt").parent.mkdir(exist_ok=True)
+        (src / f"f{i:02d}.txt").write_bytes(random.Random(i).randbytes(100_000))
+    full = run_script("ORGANIZE_DATA.py", "--src_dir", src, "--dst_root", dst, "--num_dirs", 3)
+    assert full.returncode == 1
+    assert full.stderr.startswith(f"error: cannot write {dst}/split_0") and full.stderr.count("\n") == 1
+    assert "no space left on device (0.0 MB free of 1.0 MB there)" in full.stderr
+    assert (dst / JOURNAL).exists() and not (dst / MANIFEST).exists()
+
+    small_disk.resize(8 * 2**20)
+    again = run_script("ORGANIZE_DATA.py", "--src_dir", src, "--dst_root", dst, "--num_dirs", 4)  # a new plan too
+    assert again.returncode == 0, again.stderr
+    assert_manifest_is_the_disk(dst)
+    assert len(read_manifest(dst)) == 20
+
+
+def test_a_killed_run_is_finished_by_its_rerun(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "splits"
+    make_source(src, n=1500)
+    cmd = [sys.executable, str(ROOT / "ORGANIZE_DATA.py"), "--src_dir", str(src), "--dst_root", str(dst)]
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: (dst / JOURNAL).exists() and (dst / JOURNAL).read_text().count("\n") >= 50, proc)
+    kill_tree(proc)
+    assert not (dst / MANIFEST).exists()
+
+    again = run_script(*cmd[1:])
+    assert again.returncode == 0, again.stderr
+    assert ", unchanged 0," not in again.stdout  # the killed run's files were kept, not written again
+    assert_manifest_is_the_disk(dst)
+    assert len(read_manifest(dst)) == 1500
+
+
+def test_a_second_run_on_the_same_destination_is_refused(tmp_path):
+    make_source(tmp_path / "src", n=3)
+    first = hold_lock(tmp_path / "splits", "ORGANIZE_DATA.py")
+    refused = run_script("ORGANIZE_DATA.py", "--src_dir", tmp_path / "src", "--dst_root", tmp_path / "splits")
+    first.kill()
+    first.wait()
+    assert refused.returncode == 2
+    assert refused.stderr.startswith(f"error: --dst_root {tmp_path / 'splits'} is being written by ORGANIZE_DATA.py "
+                                     f"(pid {first.pid} on ") and refused.stderr.count("\n") == 1
+    assert not (tmp_path / "splits").exists()
 
 
 @pytest.mark.parametrize(

@@ -3,12 +3,17 @@
 The source is only ever read. Every file keeps its path relative to the source inside its split, so same-named
 files in different folders never collide. The plan is a pure function of (source contents, num_dirs, seed), so a
 rerun produces the same layout and only writes what is missing or stale.
+
+A run that is killed or fills the disk can be rerun: before anything is placed, the destination gets JOURNAL, and
+each file's row is appended to it before the file is written, so the rerun knows every file a run of ours may have
+left (and removes what the plan no longer wants). The manifest replaces the journal at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import glob
 import hashlib
 import heapq
 import json
@@ -17,12 +22,15 @@ import shutil
 import stat
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-from pipeline.errors import ArgumentParser, UserError
+from pipeline.errors import ArgumentParser, UserError, naming
+from pipeline.folder_lock import beside, locked
 from pipeline.fsutil import refuse_inside, sha256_file, write_text_atomic
 
 MANIFEST = "manifest.jsonl"
+JOURNAL = "manifest.partial.jsonl"
+"""The rows of an unfinished run, one appended before each file is placed; a folder holding it is ours."""
 MODES = ("copy", "hardlink", "symlink")
 
 
@@ -145,6 +153,17 @@ def _place(src: Path, dst: Path, mode: str) -> str:
     """Write dst atomically (temporary name, then rename) so an interrupted run never leaves a partial file."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    try:
+        with naming(dst):
+            used = _place_as(src, tmp, mode)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, dst)
+    return used
+
+
+def _place_as(src: Path, tmp: Path, mode: str) -> str:
     used = mode
     if mode == "symlink":
         os.symlink(src.resolve(), tmp)
@@ -158,22 +177,36 @@ def _place(src: Path, dst: Path, mode: str) -> str:
             used = "copy"
     else:
         shutil.copy2(src, tmp)
-    os.replace(tmp, dst)
     return used
 
 
-def _read_manifest(dst_root: Path) -> list[dict]:
-    path = dst_root / MANIFEST
+def _read_rows(path: Path) -> list[dict]:
+    """The rows of a manifest or journal; a journal's last line may be cut short by a kill, and is then not a row."""
     if not path.exists():
         return []
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return [r for r in rows if isinstance(r, dict) and isinstance(r.get("destination"), str)]
+
+
+def _remove_temporaries(dst_root: Path, rows: list[dict]) -> None:
+    """The temporary files a killed run's _place left beside these destinations."""
+    for row in rows:
+        dst = dst_root / row["destination"]
+        for tmp in dst.parent.glob(f".{glob.escape(dst.name)}.tmp-*") if dst.parent.is_dir() else ():
+            tmp.unlink()
 
 
 def _check_destination(dst_root: Path) -> None:
     if dst_root.exists() and not dst_root.is_dir():
         raise UserError(f"--dst_root {dst_root} exists and is not a directory")
-    if dst_root.is_dir() and any(dst_root.iterdir()) and not (dst_root / MANIFEST).exists():
+    ours = (dst_root / MANIFEST).exists() or (dst_root / JOURNAL).exists()
+    if dst_root.is_dir() and any(dst_root.iterdir()) and not ours:
         raise UserError(f"--dst_root {dst_root} is not empty and holds no {MANIFEST}; "
                         "choose an empty or new folder so nothing of yours is mixed in or overwritten")
 
@@ -182,8 +215,9 @@ def _remove_stale(dst_root: Path, old: list[dict], keep: set[str]) -> int:
     """Delete files an earlier run placed that this plan no longer wants (else a file could appear twice)."""
     removed = 0
     for row in old:
-        if row["destination"] in keep:
-            continue
+        parts = PurePosixPath(row["destination"]).parts
+        if row["destination"] in keep or not parts or parts[0] == "/" or ".." in parts:
+            continue  # kept, or not a path inside dst_root (a damaged row must not delete anything outside it)
         path = dst_root / row["destination"]
         if path.is_symlink() or path.is_file():
             path.unlink()
@@ -211,36 +245,55 @@ class OrganizeResult:
 
 
 def organize(cfg: OrganizeConfig) -> OrganizeResult:
-    """Plan and materialise the splits; returns what was done. Idempotent for unchanged inputs."""
+    """Plan and materialise the splits; returns what was done. Idempotent for unchanged inputs; a run killed part way
+    is finished by the next. Another run writing the same --dst_root is refused in one line."""
     _check_destination(cfg.dst_root)
     scan = scan_source(cfg.src_dir)
     if not scan.files:
         raise UserError(f"--src_dir {cfg.src_dir} holds no readable regular files")
+    cfg.dst_root.parent.mkdir(parents=True, exist_ok=True)
+    with locked(beside(cfg.dst_root), "ORGANIZE_DATA.py") as holder:
+        if holder:
+            raise UserError(f"--dst_root {cfg.dst_root} is being written by {holder}; wait for it to end, or choose "
+                            "another --dst_root")
+        _check_destination(cfg.dst_root)  # again, now that no other run can write it
+        return _organize_locked(cfg, scan)
+
+
+def _organize_locked(cfg: OrganizeConfig, scan: Scan) -> OrganizeResult:
     assignment = plan_splits(scan.files, cfg.num_dirs, cfg.seed)
     cfg.dst_root.mkdir(parents=True, exist_ok=True)
-    old = _read_manifest(cfg.dst_root)
+    manifest = _read_rows(cfg.dst_root / MANIFEST)
+    unfinished = _read_rows(cfg.dst_root / JOURNAL)
+    _remove_temporaries(cfg.dst_root, unfinished)
     rows, written, unchanged, fallbacks = [], 0, 0, 0
     split_bytes = [0] * cfg.num_dirs
-    for f, k in zip(scan.files, assignment, strict=True):
-        src = cfg.src_dir / f.rel
-        sha = sha256_file(src)
-        dest_rel = f"{split_name(k, cfg.num_dirs)}/{f.rel}"
-        dst = cfg.dst_root / dest_rel
-        if _is_current(src, dst, cfg.mode, f.size, sha):
-            unchanged += 1
-        else:
-            if dst.is_symlink() or dst.exists():
-                dst.unlink()
-            fallbacks += _place(src, dst, cfg.mode) != cfg.mode
-            written += 1
-        split_bytes[k] += f.size
-        rows.append({"source": f.rel, "destination": dest_rel, "split": k, "bytes": f.size, "sha256": sha})
-    removed = _remove_stale(cfg.dst_root, old, {r["destination"] for r in rows})
+    # opening creates the journal (appending to a killed run's): the folder is marked ours before any file is placed
+    with open(cfg.dst_root / JOURNAL, "a", encoding="utf-8") as journal:
+        for f, k in zip(scan.files, assignment, strict=True):
+            src = cfg.src_dir / f.rel
+            sha = sha256_file(src)
+            dest_rel = f"{split_name(k, cfg.num_dirs)}/{f.rel}"
+            row = {"source": f.rel, "destination": dest_rel, "split": k, "bytes": f.size, "sha256": sha}
+            dst = cfg.dst_root / dest_rel
+            if _is_current(src, dst, cfg.mode, f.size, sha):
+                unchanged += 1
+            else:
+                journal.write(json.dumps(row, sort_keys=True) + "\n")
+                journal.flush()  # before the file exists; a kill loses no page cache, so no fsync per file
+                if dst.is_symlink() or dst.exists():
+                    dst.unlink()
+                fallbacks += _place(src, dst, cfg.mode) != cfg.mode
+                written += 1
+            split_bytes[k] += f.size
+            rows.append(row)
+    removed = _remove_stale(cfg.dst_root, manifest + unfinished, {r["destination"] for r in rows})
     for k in range(cfg.num_dirs):
         (cfg.dst_root / split_name(k, cfg.num_dirs)).mkdir(exist_ok=True)
     rows.sort(key=lambda r: r["destination"])
-    if rows != old:
+    if rows != manifest:
         _write_manifest(cfg.dst_root, rows)
+    (cfg.dst_root / JOURNAL).unlink()
     return OrganizeResult(rows, written, unchanged, removed, fallbacks, dict(scan.skipped), split_bytes)
 
 
