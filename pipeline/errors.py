@@ -40,7 +40,7 @@ def disk_problem(exc: BaseException) -> str:
 
 
 def _space_left(filename: str | None) -> str:
-    """" (N MB free of M MB)" for the file system holding filename (its nearest existing folder), else ""."""
+    """The space left on the file system holding filename (its nearest existing folder), else ""."""
     if not filename:
         return ""
     folder = Path(filename).absolute()
@@ -50,7 +50,7 @@ def _space_left(filename: str | None) -> str:
         usage = shutil.disk_usage(folder)
     except OSError:
         return ""
-    return f" ({usage.free / 2**20:,.1f} MB free of {usage.total / 2**20:,.1f} MB there)"
+    return f" (its file system has {usage.free / 2**20:,.1f} MB of {usage.total / 2**20:,.1f} MB free now)"
 
 
 @contextlib.contextmanager

@@ -76,6 +76,25 @@ def test_write_failure_on_one_rank_keeps_the_previous_checkpoint(train_env, tmp_
     assert "resumed from" in again.stdout and json.loads((run / "state.json").read_text())["step"] == 10
 
 
+def test_a_checkpoint_that_fills_the_disk_says_so_and_the_rerun_resumes_once_there_is_room(train_env, tmp_path,
+                                                                                           small_disk):
+    small_disk.resize(3 * 2**20)  # step 5's checkpoint (about 2 MB) fits, step 10's does not
+    run = small_disk.path / "r"
+    full = train(train_env, small_disk.path, "--max-steps", 10, "--cache-dir", tmp_path / "cache")
+    assert full.returncode != 0
+    lines = [x for x in full.stderr.splitlines() if x.startswith("error: checkpoint step-00000010")]
+    assert lines, full.stderr[-3000:]
+    assert lines[0].startswith(f"error: checkpoint step-00000010 could not be written: no space left on device in "
+                               f"{run / 'checkpoints'} (0.0 MB free, and the previous checkpoint took "), lines[0]
+    assert lines[0].endswith("the previous checkpoint step-00000005 is intact: rerun the same command to resume "
+                             "from it")
+    assert "/pipeline/" not in full.stderr  # no traceback through our code on any rank (torchrun prints its own)
+    small_disk.resize(64 * 2**20)
+    again = train(train_env, small_disk.path, "--max-steps", 10, "--cache-dir", tmp_path / "cache")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and json.loads((run / "state.json").read_text())["step"] == 10
+
+
 def test_resume_with_another_world_size(train_env, tmp_path):
     # 2 ranks -> 1, the same global batch of 4 blocks; the other way (whole tensors into shards) is
     # test_strategies' ddp -> fsdp2 chain

@@ -194,7 +194,7 @@ def test_a_run_that_filled_the_disk_says_so_in_one_line_and_its_rerun_finishes(t
     full = run_script("ORGANIZE_DATA.py", "--src_dir", src, "--dst_root", dst, "--num_dirs", 3)
     assert full.returncode == 1
     assert full.stderr.startswith(f"error: cannot write {dst}/split_0") and full.stderr.count("\n") == 1
-    assert "no space left on device (0.0 MB free of 1.0 MB there)" in full.stderr
+    assert "no space left on device (its file system has 0.0 MB of 1.0 MB free now)" in full.stderr
     assert (dst / JOURNAL).exists() and not (dst / MANIFEST).exists()
 
     small_disk.resize(8 * 2**20)

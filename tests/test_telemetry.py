@@ -1,8 +1,9 @@
 """What a training window writes: metrics.jsonl, TensorBoard scalars, the loss plot; and the FLOPs count."""
 
 import json
+import shutil
 
-from pipeline.train.telemetry import Telemetry
+from pipeline.train.telemetry import Telemetry, read_metrics
 
 
 def test_events_go_to_jsonl_and_tensorboard_and_the_plot(tmp_path):
@@ -41,3 +42,29 @@ def test_a_failing_run_closes_without_a_plot(tmp_path):
     t.close(plot=False)
     t.close()  # a second close is a no-op, also for the plot
     assert (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "loss.png").exists()
+
+
+def test_a_cut_line_and_garbage_in_metrics_jsonl_lose_no_event_and_the_plot_is_drawn(tmp_path):
+    """A killed run's unended line would swallow the next run's first event; bytes that are not UTF-8 or lines that
+    are not events failed the plot at the end of a finished run."""
+    t = Telemetry(tmp_path, enabled=True, total_steps=4, start_step=0)
+    t.event("train", 1, loss=3.0)
+    t.close()
+    with open(tmp_path / "metrics.jsonl", "ab") as fh:
+        fh.write(b'\xff\xfe garbage\n[1, 2]\n{"event": "train"}\n{"event": "train", "step": 2, "loss": "x"}\n'
+                 b'{"event": "train", "step": 2, "lo')  # what a kill mid-write leaves
+    t = Telemetry(tmp_path, enabled=True, total_steps=4, start_step=2)
+    t.event("train", 3, loss=2.0)
+    t.close()
+    assert [(e["step"], e["loss"]) for e in read_metrics(tmp_path / "metrics.jsonl")] == [(1, 3.0), (2, "x"),
+                                                                                           (3, 2.0)]
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_full_disk_at_the_end_is_a_warning_not_a_second_error(small_disk, caplog):
+    t = Telemetry(small_disk.path, enabled=True, total_steps=4, start_step=0)
+    t.event("train", 1, loss=3.0)
+    (small_disk.path / "filler").write_bytes(b"\0" * (shutil.disk_usage(small_disk.path).free - 4096))
+    t.close()
+    assert f"cannot write {small_disk.path / 'loss.png'}: no space left on device" in caplog.text
+    assert not (small_disk.path / "loss.png").exists() and not list(small_disk.path.glob(".loss.png.tmp-*"))

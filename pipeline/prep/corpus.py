@@ -23,7 +23,7 @@ import datasets
 import pyarrow as pa
 from tqdm import tqdm
 
-from pipeline.errors import ArgumentParser, UserError
+from pipeline.errors import ArgumentParser, UserError, naming
 from pipeline.folder_lock import beside, locked
 from pipeline.fsutil import refuse_inside, replace_dir
 from pipeline.prep.extract import SUPPORTED, Row, SkipFile, extract_file
@@ -310,7 +310,8 @@ def build_dataset(cfg: CorpusConfig) -> dict:
             raise UserError(f"--save_dir {cfg.save_dir} is being written by {holder}; wait for it to end, or choose "
                             "another --save_dir")
         cfg.check_target()  # again, now that no other run can write it: one may have finished since the first check
-        return _build_locked(cfg, files, sizes, pre_skipped, start)
+        with naming(cfg.save_dir):  # a full disk is named as the folder the user chose
+            return _build_locked(cfg, files, sizes, pre_skipped, start)
 
 
 def _build_locked(cfg: CorpusConfig, files: list[str], sizes: list[int], pre_skipped: dict, start: float) -> dict:

@@ -8,6 +8,7 @@ resolves with HF_HUB_OFFLINE=1. Either way only what training needs is taken.
 from __future__ import annotations
 
 import argparse
+import errno
 import fnmatch
 import hashlib
 import json
@@ -82,6 +83,9 @@ def _remote_bytes_needed(model_name: str, revision: str, cache_dir: Path) -> int
 
 def check_disk(path: Path, need: int) -> None:
     path.mkdir(parents=True, exist_ok=True)
+    if not os.access(path, os.W_OK):  # a read-only mount reports 0 bytes free: say what it is instead
+        raise OSError(errno.EROFS if os.statvfs(path).f_flag & os.ST_RDONLY else errno.EACCES, "not writable",
+                      str(path))
     free = shutil.disk_usage(path).free
     if need > free:
         raise UserError(f"not enough disk space in {path}: the model needs {need / GIB:.2f} GiB more, "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import json
 import random
 import shutil
@@ -44,6 +45,8 @@ CHECKPOINTS = "checkpoints"
 STATE = "state.json"
 MANIFEST = "manifest.json"
 TRAINER = "trainer.json"
+NEARLY_FULL = 64 * 2**20
+"""Free bytes below which a failed save is put down to a full disk."""
 
 
 def step_name(step: int) -> str:
@@ -248,8 +251,22 @@ class Checkpointer:
         if lost_peer is not None:  # not this checkpoint's fault: another rank is gone, which the heartbeat names
             raise lost_peer
         first = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in causes)
-        raise UserError(f"checkpoint {step_name(step)} could not be written ({first}); nothing was marked "
+        full = self._no_space(state, [e for _, (e, _) in causes])
+        raise UserError(f"checkpoint {step_name(step)} could not be written{full} ({first}); nothing was marked "
                         f"complete and {previous}") from exc
+
+    def _no_space(self, state: dict | None, causes: list[BaseException]) -> str:
+        """": no space left ..." when the disk is why a save failed. torch's writer reports a full disk as a
+        RuntimeError of its zip container ("unexpected pos"), so an almost empty disk counts as full too."""
+        free = shutil.disk_usage(self.root).free
+        previous = self.run_dir / state["path"] if state else None
+        need = sum(f.stat().st_size for f in previous.iterdir() if f.is_file()) if previous and previous.is_dir() else 0
+        said = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in causes)
+        if not said and free >= max(need, NEARLY_FULL):
+            return ""
+        return (f": no space left on device in {self.root} ({free / 2**20:,.1f} MB free"
+                + (f", and the previous checkpoint took {need / 2**20:,.1f} MB)" if need else ")")
+                + "; free space there (or move --save-dir) first")
 
     def _finalize(self, step: int, info: dict, started: float, stall: float) -> None:
         """Manifest of what every rank wrote, then state.json (rank 0, last), then pruning. A collective."""

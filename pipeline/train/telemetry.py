@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import resource
 import sys
 import time
@@ -21,7 +22,8 @@ from pathlib import Path
 import psutil
 import torch
 
-from pipeline.errors import UserError
+from pipeline.errors import UserError, disk_problem, naming
+from pipeline.fsutil import write_atomic
 from pipeline.strategies.memory import GIB
 from pipeline.train.signals import Interrupted
 
@@ -159,7 +161,7 @@ class Telemetry:
 
     def __init__(self, run_dir: Path, enabled: bool, total_steps: int, start_step: int):
         self.run_dir, self.enabled = run_dir, enabled
-        self.metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if enabled else None  # noqa: SIM115
+        self.metrics = _open_events(run_dir / "metrics.jsonl") if enabled else None
         self.tb = None
         self.bar = None
         if enabled:
@@ -181,8 +183,9 @@ class Telemetry:
         if not self.enabled:
             return
         record = {"event": kind, "step": step, "time": round(time.time(), 3), **fields}
-        self.metrics.write(json.dumps(record) + "\n")
-        self.metrics.flush()
+        with naming(self.run_dir / "metrics.jsonl"):
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
         for key, value in fields.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 self.tb.add_scalar(f"{kind}/{key}", value, step)
@@ -202,22 +205,43 @@ class Telemetry:
         """End the bar and flush the files; plot the losses unless the run is failing. Once."""
         if not self.enabled or self.metrics.closed:
             return
-        self.bar.close()
-        self.tb.close()
-        self.metrics.close()
-        if plot:
+        for closing in [self.bar.close, self.tb.close, self.metrics.close, *([self._plot] if plot else [])]:
+            try:  # what is left of the logs must not hide why the run ends (a full disk fails every write here)
+                closing()
+            except OSError as exc:
+                log.warning("%s", disk_problem(exc) or f"{type(exc).__name__}: {exc}")
+
+    def _plot(self) -> None:
+        with naming(self.run_dir / "loss.png"):
             plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
 
 
+def _open_events(path: Path):
+    """metrics.jsonl for appending. A line a killed run left unended is ended first, so this run's first event is a
+    line of its own instead of the tail of a line no reader can parse."""
+    unended = False
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb") as fh:
+            fh.seek(-1, os.SEEK_END)
+            unended = fh.read(1) != b"\n"
+    events = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the whole run)
+    if unended:
+        events.write("\n")
+    return events
+
+
 def read_metrics(path: Path) -> list[dict]:
-    """A run's metrics.jsonl events. A line cut short by a kill (and the next run's first line appended to it) is
-    left out rather than failing the reader."""
+    """A run's metrics.jsonl events. A line cut short by a kill, or anything else that is not an event (bytes that
+    are not UTF-8, a JSON value that is not an object with a kind and a step), is left out rather than failing the
+    reader."""
     events = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            events.append(json.loads(line))
+            event = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(event, dict) and isinstance(event.get("event"), str) and isinstance(event.get("step"), int):
+            events.append(event)
     return events
 
 
@@ -229,7 +253,7 @@ def plot_losses(metrics: Path, out: Path) -> None:
 
     series: dict[str, tuple[list[int], list[float]]] = {"train": ([], []), "eval": ([], [])}
     for event in read_metrics(metrics):
-        if event["event"] in series:
+        if event["event"] in series and isinstance(event.get("loss"), (int, float)):
             series[event["event"]][0].append(event["step"])
             series[event["event"]][1].append(event["loss"])
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -242,5 +266,5 @@ def plot_losses(metrics: Path, out: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    write_atomic(out, lambda fh: fig.savefig(fh, format="png", dpi=100))
     plt.close(fig)
