@@ -411,13 +411,16 @@ def resolve(argv: list[str] | None = None) -> Config:
 
 
 def from_flat(values: dict[str, Any]) -> Config:
-    """Build a Config from flat keys (unknown keys refused); the checks of every section run here."""
+    """Build a Config from flat keys (unknown keys refused, a None value left at its default); the checks of every
+    section run here."""
     fields = _fields()
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise UserError(f"unknown config key{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
     per_section: dict[str, dict[str, Any]] = {s: {} for s in _SECTION_TYPES}
     for key, value in values.items():
+        if value is None:  # YAML's null (`key:` or `key: null`): no value here, so the default (not the text 'None')
+            continue
         section, f = fields[key]
         per_section[section][key] = _convert(key, kinds(_SECTION_TYPES[section])[key], value)
     return Config(**{s: _SECTION_TYPES[s](**kw) for s, kw in per_section.items()})

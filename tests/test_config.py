@@ -21,6 +21,13 @@ def test_precedence_cli_over_file_over_profile_over_defaults(tmp_path):
     assert cfg.run_dir == Path("outputs/x")
 
 
+def test_a_null_in_a_config_file_is_the_default_not_the_text_none(tmp_path):
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("profile: cpu_debug\nchat_template: null\nseq_length:\nlr: ~\n")
+    cfg = resolve([*REQUIRED, "--config", str(cfg_file)])
+    assert (cfg.data.chat_template, cfg.data.seq_length, cfg.optim.lr) == ("", 1024, resolve(REQUIRED).optim.lr)
+
+
 def test_on_off_flags_and_profile_flag():
     cfg = resolve([*REQUIRED, "--profile", "multi_node", "--compile", "off", "--cpu-offload", "on"])
     assert (cfg.model.sharding, cfg.model.compile, cfg.model.cpu_offload) == ("HYBRID_SHARD", False, True)
