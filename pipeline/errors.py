@@ -69,6 +69,8 @@ def run_cli(main: Callable[[], int | None], *, finalize: bool = True) -> None:
     """Run a stage's main function, turning UserError into one stderr line and a non-zero exit. finalize=False, for
     stages that join a process group: leave through leave() however main ends (an unexpected exception prints its
     traceback first, exit code 1)."""
+    # a file name that is not UTF-8 (a byte Python keeps as a surrogate) is printed escaped instead of failing print
+    sys.stdout.reconfigure(errors="backslashreplace")
     try:
         code = main()
     except UserError as exc:

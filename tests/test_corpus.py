@@ -194,6 +194,18 @@ def test_bad_files_are_reported_and_good_text_kept(tmp_path):
     assert report["bad_jsonl_lines"] == {"count": 1, "where": ["mixed.jsonl:2"]}
 
 
+def test_a_name_that_is_not_utf8_and_a_link_loop_stop_nothing(tmp_path):
+    data = tmp_path / "data"
+    write(data, "good.txt", "keep me\n")
+    (data / os.fsdecode(b"caf\xe9.txt")).write_text("latin-1 name\n")
+    (data / "x").symlink_to(data / "y")
+    (data / "y").symlink_to(data / "x")
+    proc = run_script("DATA-HF.py", "--data_folder", data, "--save_dir", tmp_path / "out", "--num_proc", 2)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert rows_by_source(tmp_path / "out") == {"caf\\xe9.txt": ["latin-1 name\n"], "good.txt": ["keep me\n"]}
+    assert "skipped 2 (not_a_regular_file): x, y" in proc.stdout
+
+
 BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True))
 """342 bytes of aliases naming aliases: 9^9 (387M) strings once expanded."""

@@ -109,6 +109,18 @@ def test_links_loops_and_special_files_are_skipped_and_source_untouched(tmp_path
     assert not any("secret" in p.read_text() for p in dst.rglob("*.txt"))
 
 
+def test_a_name_that_is_not_utf8_is_organized_and_printed_escaped(tmp_path):
+    src = tmp_path / "src"
+    make_source(src, n=3)
+    (src / os.fsdecode(b"caf\xe9.txt")).write_bytes(b"latin-1 name\n")
+    (src / "loop").symlink_to(src / "loop")
+    proc = run_script("ORGANIZE_DATA.py", "--src_dir", src, "--dst_root", tmp_path / "dst", "--num_dirs", 2)
+    assert proc.returncode == 0, proc.stderr
+    assert "organized 4 files" in proc.stdout and "skipped 1 (link_loop): loop" in proc.stdout
+    row = next(r for r in read_manifest(tmp_path / "dst") if r["source"].startswith("caf"))
+    assert (tmp_path / "dst" / row["destination"]).read_bytes() == b"latin-1 name\n"
+
+
 @contextlib.contextmanager
 def unprivileged():
     """As root, run the block as user 65534 (root reads every file whatever its mode); otherwise as is."""

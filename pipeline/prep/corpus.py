@@ -116,6 +116,8 @@ class ShardWriter:
         self.buffered = 0
 
     def add(self, rows: list[Row], source: str) -> None:
+        # a name that is not UTF-8 (its bytes kept as surrogates) cannot be an Arrow string: those bytes escaped
+        source = source.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
         self.rows.extend(rows)
         self.sources.extend([source] * len(rows))
         self.buffered += sum(map(_chars, rows))
@@ -209,7 +211,7 @@ def list_files(data_folder: Path) -> tuple[list[str], list[int], dict[str, list[
                 stack.append(entry.path)
             elif rel == MANIFEST:
                 continue  # ORGANIZE_DATA's own index, not corpus text
-            elif not entry.is_file():
+            elif not _is_file(entry):
                 skipped["not_a_regular_file"].append(rel)
             elif suffix(entry.name) not in SUPPORTED:
                 skipped["unsupported_type"].append(rel)
@@ -217,6 +219,14 @@ def list_files(data_folder: Path) -> tuple[list[str], list[int], dict[str, list[
                 found.append((rel, entry.stat().st_size))
     found.sort()
     return [f for f, _ in found], [s for _, s in found], skipped
+
+
+def _is_file(entry: os.DirEntry) -> bool:
+    """A file, or a link to one; a link loop or a link whose target is unreadable is not."""
+    try:
+        return entry.is_file()
+    except OSError:  # ELOOP, EACCES on the target's folder
+        return False
 
 
 def _clean_stale_partials(save_dir: Path) -> None:

@@ -119,7 +119,7 @@ def scan_source(src_dir: Path) -> Scan:
 
 
 def _tie_key(seed: int, rel: str) -> str:
-    return hashlib.sha256(f"{seed}:{rel}".encode()).hexdigest()
+    return hashlib.sha256(f"{seed}:{rel}".encode("utf-8", "surrogateescape")).hexdigest()  # a name's own bytes
 
 
 def plan_splits(files: list[SourceFile], num_dirs: int, seed: int) -> list[int]:
