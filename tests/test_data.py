@@ -61,3 +61,16 @@ def test_validation_split_is_seeded_and_never_empty():
     assert not (split_blocks(100, 0.05, seed=2)[1] == val).all()
     assert len(split_blocks(10, 0.01, seed=0)[1]) == 1
     assert len(split_blocks(10, 0.0, seed=0)[1]) == 0
+
+
+def test_a_damaged_arrow_file_is_one_line_naming_the_dataset(train_env, tmp_path):
+    import shutil
+
+    from pipeline.data.dataset import load_text_dataset
+
+    shutil.copytree(train_env["dataset"], tmp_path / "ds")
+    arrow = next((tmp_path / "ds").glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size * 3 // 4])  # a copy cut short
+    with pytest.raises(UserError, match=rf"^--dataset-name {tmp_path / 'ds'} cannot be read, its files are damaged "
+                                        r"\(.*\); build it again with DATA-HF.py$"):
+        load_text_dataset(str(tmp_path / "ds"))

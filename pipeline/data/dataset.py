@@ -28,6 +28,11 @@ def load_text_dataset(name: str):
             raise UserError(f"--dataset-name {name} is empty") from None
         except (FileNotFoundError, ValueError) as exc:
             raise UserError(f"--dataset-name {name} is not a dataset saved by DATA-HF.py ({exc})") from None
+        except OSError as exc:  # pyarrow's reader on a truncated or damaged Arrow file (no errno; a disk's has one)
+            if exc.errno is not None:
+                raise
+            raise UserError(f"--dataset-name {name} cannot be read, its files are damaged ({exc}); build it again "
+                            "with DATA-HF.py") from None
         if isinstance(ds, datasets.DatasetDict):
             if "train" not in ds:
                 raise UserError(f"--dataset-name {name} has no 'train' split (splits: {', '.join(ds)})")
