@@ -191,7 +191,13 @@ def _read_rows(path: Path) -> list[dict]:
                 rows.append(json.loads(line))
             except ValueError:
                 continue
-    return [r for r in rows if isinstance(r, dict) and isinstance(r.get("destination"), str)]
+    return [r for r in rows if isinstance(r, dict) and isinstance(r.get("destination"), str) and _inside(r)]
+
+
+def _inside(row: dict) -> bool:
+    """Whether a row's destination is a path inside dst_root: a damaged row must not delete anything outside it."""
+    parts = PurePosixPath(row["destination"]).parts
+    return bool(parts) and parts[0] != "/" and ".." not in parts
 
 
 def _remove_temporaries(dst_root: Path, rows: list[dict]) -> None:
@@ -215,9 +221,8 @@ def _remove_stale(dst_root: Path, old: list[dict], keep: set[str]) -> int:
     """Delete files an earlier run placed that this plan no longer wants (else a file could appear twice)."""
     removed = 0
     for row in old:
-        parts = PurePosixPath(row["destination"]).parts
-        if row["destination"] in keep or not parts or parts[0] == "/" or ".." in parts:
-            continue  # kept, or not a path inside dst_root (a damaged row must not delete anything outside it)
+        if row["destination"] in keep:
+            continue
         path = dst_root / row["destination"]
         if path.is_symlink() or path.is_file():
             path.unlink()
