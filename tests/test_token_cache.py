@@ -124,14 +124,15 @@ def test_long_rows_are_tokenized_in_pieces_to_the_ids_of_the_whole_row(tiny_mode
     sources = [ROOT / "README.md", *sorted((ROOT / "pipeline").glob("*.py"))]
     text = "".join(p.read_text(encoding="utf-8") for p in sources)
     rows = [text, "short row", text[: len(text) // 3]]
-    pieces = [piece for row in rows for piece in token_cache._pieces(row, tok)]
+    pieces = [piece for row in rows for piece in token_cache._pieces(row, tok, True)]
     assert "".join(p for p, _ in pieces) == "".join(rows) and [p for p, last in pieces if last][1] == "short row"
     if style == "prefixed":
         assert pieces == [(row, True) for row in rows]
     elif style != "metaspace":  # SentencePiece's marker keeps the cuts before a space only, which is fine
         assert len(pieces) > len(text) // 2000 and max(len(p) for p, _ in pieces) <= 2000
-    got = token_cache._tokenize({"text": rows}, tok, tok.eos_token_id)["input_ids"][0]
-    whole = [i for row in rows for i in [*tok(row, add_special_tokens=False)["input_ids"], tok.eos_token_id]]
+    got = token_cache._tokenize({"text": rows}, tok, tok.eos_token_id, split_special=True)["input_ids"][0]
+    whole = [i for row in rows
+             for i in [*tok(row, add_special_tokens=False, split_special_tokens=True)["input_ids"], tok.eos_token_id]]
     assert got.tolist() == whole
 
 
