@@ -3,6 +3,8 @@ every stage makes of what the user named (a YAML file read, an output kept out o
 
 from __future__ import annotations
 
+import ctypes
+import glob
 import hashlib
 import os
 import shutil
@@ -53,12 +55,42 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def replace_dir(new: Path, target: Path) -> None:
-    """Rename the finished folder new to target; an existing target is moved aside first and deleted only after."""
+    """Put the finished folder new at target; the old one is deleted only after. Where the file system can, the two
+    are exchanged in one rename (renameat2's RENAME_EXCHANGE: ext4, xfs, btrfs, tmpfs), so no moment leaves target
+    missing. Elsewhere the old one is moved aside first, and a kill between the two renames is undone by the next
+    call for target (restore_replaced)."""
+    restore_replaced(target)
+    if target.exists() and _exchange(new, target):
+        shutil.rmtree(new, ignore_errors=True)  # new now names the old folder
+        return
     old = target.with_name(f".{target.name}.replaced-{os.getpid()}")
     if target.exists():
         os.replace(target, old)
     os.replace(new, target)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def restore_replaced(target: Path) -> None:
+    """Undo what a replace_dir killed between its two renames left: target missing, and the folder it replaced
+    hidden as .NAME.replaced-PID (PID no longer running) is renamed back. Such a folder beside a target that exists
+    was killed after the second rename and is deleted."""
+    for old in target.parent.glob(f".{glob.escape(target.name)}.replaced-*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        if target.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, target)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one rename; False where the C library or the file system cannot (then nothing moved)."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:  # glibc before 2.28, musl
+        return False
+    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE from <fcntl.h> and <linux/fs.h>
+    return renameat2(at_cwd, os.fsencode(a.absolute()), at_cwd, os.fsencode(b.absolute()), exchange) == 0
 
 
 def read_yaml(path: Path, what: str) -> Any:

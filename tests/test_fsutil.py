@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from pipeline import fsutil
 from pipeline.fsutil import replace_dir, sha256_file, write_atomic, write_text_atomic
 from pipeline.train.checkpoint import to_prune
 
@@ -30,7 +31,11 @@ def test_a_failed_atomic_write_keeps_the_old_file_and_removes_the_temporary(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
 
 
-def test_replace_dir_swaps_in_the_new_folder_and_removes_the_old(tmp_path):
+@pytest.mark.parametrize("exchange", [True, False])
+def test_replace_dir_swaps_in_the_new_folder_and_removes_the_old(tmp_path, monkeypatch, exchange):
+    """Both ways: one exchanging rename, and (a file system without RENAME_EXCHANGE) two renames."""
+    if not exchange:
+        monkeypatch.setattr(fsutil, "_exchange", lambda a, b: False)
     target, new = tmp_path / "hf", tmp_path / ".hf.partial"
     target.mkdir()
     (target / "model.safetensors").write_text("old weights")
@@ -43,6 +48,23 @@ def test_replace_dir_swaps_in_the_new_folder_and_removes_the_old(tmp_path):
     fresh.mkdir()
     replace_dir(fresh, tmp_path / "best")  # no previous folder
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "hf"]
+
+
+def test_a_folder_hidden_by_a_replace_killed_between_its_renames_is_restored(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import run_script
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("new text\n")
+    old = tmp_path / f".out.replaced-{gone.stdout.strip()}"  # what the kill left: no out/, the old dataset hidden
+    old.mkdir()
+    (old / "state.json").write_text("{}")
+    again = run_script("DATA-HF.py", "--data_folder", tmp_path / "data", "--save_dir", tmp_path / "out")
+    assert (tmp_path / "out" / "state.json").read_text() == "{}" and not old.exists()  # restored, then refused:
+    assert again.returncode == 2 and "already exists" in again.stderr  # it is a dataset, kept without --overwrite
 
 
 def test_sha256_file_reads_in_blocks(tmp_path):

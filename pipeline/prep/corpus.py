@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from pipeline.errors import ArgumentParser, UserError, naming
 from pipeline.folder_lock import beside, locked
-from pipeline.fsutil import refuse_inside, replace_dir
+from pipeline.fsutil import refuse_inside, replace_dir, restore_replaced
 from pipeline.prep.extract import SUPPORTED, Row, SkipFile, extract_file
 from pipeline.prep.organize import MANIFEST
 
@@ -319,6 +319,7 @@ def build_dataset(cfg: CorpusConfig) -> dict:
         if holder:
             raise UserError(f"--save_dir {cfg.save_dir} is being written by {holder}; wait for it to end, or choose "
                             "another --save_dir")
+        restore_replaced(cfg.save_dir)  # a run killed between replace_dir's two renames hid the dataset it replaced
         cfg.check_target()  # again, now that no other run can write it: one may have finished since the first check
         with naming(cfg.save_dir):  # a full disk is named as the folder the user chose
             return _build_locked(cfg, files, sizes, pre_skipped, start)
