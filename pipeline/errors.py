@@ -82,8 +82,8 @@ def run_cli(main: Callable[[], int | None], *, finalize: bool = True) -> None:
     except SystemExit:  # argparse's --help and usage errors: before any process group exists
         raise
     except BaseException as exc:
-        if disk_problem(exc):
-            print(f"error: {disk_problem(exc)}", file=sys.stderr)
+        if problem := disk_problem(exc):
+            print(f"error: {problem}", file=sys.stderr)
             code = 1
         elif finalize:
             raise

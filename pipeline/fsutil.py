@@ -75,13 +75,18 @@ def restore_replaced(target: Path) -> None:
     hidden as .NAME.replaced-PID (PID no longer running) is renamed back. Such a folder beside a target that exists
     was killed after the second rename and is deleted."""
     for old in target.parent.glob(f".{glob.escape(target.name)}.replaced-*"):
-        pid = old.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+        if not left_by_a_dead_process(old):
             continue
         if target.exists():
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(old, target)
+
+
+def left_by_a_dead_process(path: Path) -> bool:
+    """Whether a NAME-PID work path's process (this machine's) is gone, so what it left may be cleaned up."""
+    pid = path.name.rsplit("-", 1)[-1]
+    return pid.isdigit() and not Path(f"/proc/{pid}").exists()
 
 
 def _exchange(a: Path, b: Path) -> bool:

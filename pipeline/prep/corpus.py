@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from pipeline.errors import ArgumentParser, UserError, naming
 from pipeline.folder_lock import beside, locked
-from pipeline.fsutil import refuse_inside, replace_dir, restore_replaced
+from pipeline.fsutil import left_by_a_dead_process, refuse_inside, replace_dir, restore_replaced
 from pipeline.prep.extract import SUPPORTED, Row, SkipFile, extract_file
 from pipeline.prep.organize import MANIFEST
 
@@ -232,8 +232,7 @@ def _is_file(entry: os.DirEntry) -> bool:
 def _clean_stale_partials(save_dir: Path) -> None:
     """Remove leftovers of runs that were killed (their pid is gone)."""
     for stale in save_dir.parent.glob(f".{save_dir.name}.partial-*"):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if left_by_a_dead_process(stale):
             shutil.rmtree(stale, ignore_errors=True)
 
 

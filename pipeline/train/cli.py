@@ -17,7 +17,7 @@ from pipeline.errors import UserError
 from pipeline.strategies.auto import check_agreed
 from pipeline.strategies.registry import out_of_memory_hints, settle
 from pipeline.train.blocks import prepare_only
-from pipeline.train.export import run_exports
+from pipeline.train.export import described
 from pipeline.train.preflight import Plan, preflight
 from pipeline.train.rundir import open_run_dir
 from pipeline.train.signals import Interrupted, StopRequest
@@ -34,8 +34,7 @@ def run(cfg: Config, d: Dist, plan: Plan) -> Trainer:
     trainer.fit()
     dist.barrier()  # no rank tears the group down while another still has collectives in flight
     if d.is_main:
-        exports = ", ".join(f"{kind} {cfg.run_dir / name}" for name, kind in run_exports(cfg).items())
-        log.info("done: %s, metrics %s, plot %s, log %s", exports, cfg.run_dir / "metrics.jsonl",
+        log.info("done: %s, metrics %s, plot %s, log %s", described(cfg), cfg.run_dir / "metrics.jsonl",
                  cfg.run_dir / "loss.png", cfg.run_dir / "train.log")
     return trainer
 

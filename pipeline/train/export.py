@@ -177,6 +177,11 @@ def run_exports(cfg: Config, *, best: bool = False) -> dict[str, str]:
     return {names[kind]: kind for kind in kinds}
 
 
+def described(cfg: Config, *, best: bool = False) -> str:
+    """The run's exports for the log: "model RUN/hf and adapter RUN/adapter"."""
+    return " and ".join(f"{kind} {cfg.run_dir / name}" for name, kind in run_exports(cfg, best=best).items())
+
+
 def export_run(strategy: Strategy, cfg: Config, model_dir: Path, d: Dist, chat_template: str, *,
                best: bool = False) -> None:
     """The run's exports (run_exports) from the model as it is now. A collective."""

@@ -205,15 +205,12 @@ class Telemetry:
         """End the bar and flush the files; plot the losses unless the run is failing. Once."""
         if not self.enabled or self.metrics.closed:
             return
-        for closing in [self.bar.close, self.tb.close, self.metrics.close, *([self._plot] if plot else [])]:
+        draw = [lambda: plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")] if plot else []
+        for closing in [self.bar.close, self.tb.close, self.metrics.close, *draw]:
             try:  # what is left of the logs must not hide why the run ends (a full disk fails every write here)
                 closing()
             except OSError as exc:
                 log.warning("%s", disk_problem(exc) or f"{type(exc).__name__}: {exc}")
-
-    def _plot(self) -> None:
-        with naming(self.run_dir / "loss.png"):
-            plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
 
 
 def _open_events(path: Path):

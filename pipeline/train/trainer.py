@@ -28,7 +28,7 @@ from pipeline.strategies.memory import GIB
 from pipeline.strategies.registry import ignored_knobs, make_strategy, out_of_memory_hints
 from pipeline.train.blocks import prepare_blocks
 from pipeline.train.checkpoint import Checkpointer, state_problem, step_name
-from pipeline.train.export import export_run, run_exports
+from pipeline.train.export import described, export_run, run_exports
 from pipeline.train.optim import build_optimizer, build_scheduler
 from pipeline.train.preflight import Plan
 from pipeline.train.signals import Interrupted, StopRequest
@@ -220,8 +220,7 @@ class Trainer:
             telemetry.event("memory", self.step, strategy=self.cfg.model.strategy, sharding=self.cfg.model.sharding,
                             estimate_gb=mem.estimate.gib(), budget_gb=round(mem.budget / GIB, 3))
             self.loop(telemetry)
-        log.info("exported the %s to %s", " and ".join(run_exports(self.cfg).values()),
-                 " and ".join(str(self.run_dir / name) for name in run_exports(self.cfg)))
+        log.info("exported the %s", described(self.cfg))
 
     def loop(self, telemetry: Telemetry) -> None:
         window = Window()
@@ -371,6 +370,5 @@ class Trainer:
             self.best_val = loss
             export_run(self.strategy, self.cfg, self.plan.model_dir, self.dist, self.plan.spec.chat_template,
                        best=True)
-            log.info("best validation loss so far (%.5f): exported to %s", loss,
-                     " and ".join(str(self.run_dir / name) for name in run_exports(self.cfg, best=True)))
+            log.info("best validation loss so far (%.5f): exported the %s", loss, described(self.cfg, best=True))
         return loss
