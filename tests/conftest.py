@@ -33,6 +33,9 @@ class SmallDisk:
     def resize(self, size: int) -> None:
         subprocess.run(["mount", "-o", f"remount,size={size}", str(self.path)], check=True)
 
+    def read_only(self) -> None:
+        subprocess.run(["mount", "-o", "remount,ro", str(self.path)], check=True)
+
     def unmount(self) -> None:
         subprocess.run(["umount", "-l", str(self.path)], check=True)
 

@@ -1,3 +1,7 @@
+import hashlib
+import json
+import os
+
 import numpy as np
 import pytest
 
@@ -74,3 +78,52 @@ def test_a_damaged_arrow_file_is_one_line_naming_the_dataset(train_env, tmp_path
     with pytest.raises(UserError, match=rf"^--dataset-name {tmp_path / 'ds'} cannot be read, its files are damaged "
                                         r"\(.*\); build it again with DATA-HF.py$"):
         load_text_dataset(str(tmp_path / "ds"))
+
+
+def test_the_dataset_fingerprint_covers_content_and_is_read_once(tmp_path):
+    import datasets
+
+    from pipeline.data.dataset import DATA_RECORD, dataset_fingerprint, load_text_dataset, size_fingerprint
+
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_dict({"text": ["the gardener measured the wet soil"] * 50}).save_to_disk(str(folder))
+    (arrow,) = folder.glob("*.arrow")
+    old = arrow.stat()
+    os.utime(arrow, ns=(old.st_atime_ns, old.st_mtime_ns - 10**10))  # written long before it is read
+    first = dataset_fingerprint(load_text_dataset(str(folder)))
+    record = json.loads((folder / DATA_RECORD).read_text())
+    assert record[arrow.name]["sha256"] == hashlib.sha256(arrow.read_bytes()).hexdigest()
+    assert dataset_fingerprint(load_text_dataset(str(folder))) == first
+    assert (folder / DATA_RECORD).read_text() == json.dumps(record, indent=1)  # vouched for, not read again
+    legacy = size_fingerprint(load_text_dataset(str(folder)))
+    data = arrow.read_bytes()
+    arrow.write_bytes(data.replace(b"gardener", b"Gardener", 1))  # a same-size edit
+    assert arrow.stat().st_size == old.st_size
+    edited = load_text_dataset(str(folder))
+    assert edited[0]["text"] == "the Gardener measured the wet soil"
+    assert size_fingerprint(edited) == legacy
+    assert dataset_fingerprint(edited) != first
+
+
+def test_a_read_only_dataset_is_fingerprinted_without_a_record(small_disk):
+    import datasets
+
+    from pipeline.data.dataset import DATA_RECORD, dataset_fingerprint, load_text_dataset
+
+    small_disk.resize(8 * 2**20)
+    folder = small_disk.path / "ds"
+    datasets.Dataset.from_dict({"text": ["the gardener measured the wet soil"] * 50}).save_to_disk(str(folder))
+    small_disk.read_only()
+    first = dataset_fingerprint(load_text_dataset(str(folder)))
+    assert dataset_fingerprint(load_text_dataset(str(folder))) == first
+    assert not (folder / DATA_RECORD).exists()
+
+
+def test_the_resume_guard_accepts_a_run_from_before_content_fingerprints(tmp_path):
+    from pipeline.train.preflight import check_fingerprint
+
+    saved = {"model_name": "m", "dataset": "by-size"}
+    check_fingerprint(tmp_path, saved, {"model_name": "m", "dataset": "by-content"}, {"dataset": "by-size"})
+    with pytest.raises(UserError, match="dataset was 'other' and is now 'by-content'"):
+        check_fingerprint(tmp_path, {**saved, "dataset": "other"}, {"model_name": "m", "dataset": "by-content"},
+                          {"dataset": "by-size"})

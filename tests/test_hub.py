@@ -1,4 +1,6 @@
+import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -6,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hub_env, run_script
+from conftest import ROOT, hub_env, run_script
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -51,8 +53,7 @@ def test_import_then_resolve_offline_by_hub_id(tmp_path, tiny_models, kind):
 
 
 def test_reimport_is_idempotent_and_skips_duplicate_formats(tmp_path, tiny_models):
-    src = tmp_path / "src"
-    shutil.copytree(tiny_models["tied"], src)
+    src = aged_copy(tiny_models["tied"], tmp_path / "src")  # the record of its check is then final at once
     (src / "original").mkdir()
     (src / "original" / "consolidated.00.pth").write_bytes(b"pth")
     (src / "pytorch_model.bin").write_bytes(b"bin")
@@ -173,3 +174,91 @@ def test_not_enough_disk_is_refused_with_the_numbers(tmp_path):
     assert str(err.value) == (f"not enough disk space in {tmp_path}: the model needs {(free + 2**40) / 2**30:.2f} "
                               f"GiB more, {free / 2**30:.2f} GiB free; free some space or pass --cache-dir on a "
                               "larger disk")
+
+
+def aged_copy(src: Path, dst: Path) -> Path:
+    """A copy of a model whose files were last written a day ago (as a real download is, long before its check)."""
+    shutil.copytree(src, dst)
+    for f in dst.iterdir():
+        os.utime(f, (f.stat().st_atime - 86400, f.stat().st_mtime - 86400))
+    return dst
+
+
+def flip(path: Path, at: int, n: int = 64) -> None:
+    """n bytes inverted in place, size unchanged (what a bad disk or a bad copy does)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        data = f.read(n)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def preflight_errors(argvs: list[list], env: dict) -> list[str]:
+    """fsdp1.py's preflight for each command line, in one process: its one-line error, or "ok"."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "preflight_errors.py")], cwd=ROOT,
+                          input=json.dumps([[str(a) for a in argv] for argv in argvs]), capture_output=True,
+                          text=True, env={**env, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+def test_damaged_blob_is_refused_by_training_and_repaired_by_import(tmp_path, tiny_models, train_env):
+    src = aged_copy(tiny_models["tied"], tmp_path / "src")
+    hf = tmp_path / "hf"
+    first = import_model(src, "local/tiny", hf)
+    assert first.returncode == 0, first.stderr
+    assert "checked 1 of 1 weight files by content" in first.stdout
+    (snapshot,) = (hf / "hub" / "models--local--tiny" / "snapshots").iterdir()
+    blob = (snapshot / "model.safetensors").resolve()
+    flip(blob, blob.stat().st_size - 200)
+    found = hashlib.sha256(blob.read_bytes()).hexdigest()
+    argv = ["-e", "r", "--save-dir", tmp_path / "out", "-d", train_env["dataset"], "-m", "local/tiny"]
+    assert preflight_errors([argv], hub_env(hf)) == [
+        f"weight file {snapshot / 'model.safetensors'} is damaged: its SHA-256 is {found[:16]}..., the hub's is "
+        f"{blob.name[:16]}...; repair it with python MODEL_DOWNLOAD.py --model-name local/tiny (add --source DIR to "
+        "import it again from a copy)"]
+    again = import_model(src, "local/tiny", hf)
+    assert again.returncode == 0, again.stderr
+    assert "repaired 1 damaged weight file(s): removed and imported again" in again.stdout
+    assert blob.read_bytes() == (src / "model.safetensors").read_bytes()
+    assert preflight_errors([argv], hub_env(hf)) == ["ok"]
+
+
+def test_verify_rereads_blobs_whose_stamp_is_unchanged(tmp_path, tiny_models):
+    src = aged_copy(tiny_models["tied"], tmp_path / "src")
+    hf = tmp_path / "hf"
+    assert import_model(src, "local/tiny", hf).returncode == 0
+    (snapshot,) = (hf / "hub" / "models--local--tiny" / "snapshots").iterdir()
+    blob = (snapshot / "model.safetensors").resolve()
+    st = blob.stat()
+    flip(blob, st.st_size - 200)
+    os.utime(blob, ns=(st.st_atime_ns, st.st_mtime_ns))  # bit rot: size and time as they were
+    plain = run_script("MODEL_DOWNLOAD.py", "--model-name", "local/tiny", env=hub_env(hf))
+    assert plain.returncode == 0 and "checked 0 of 1 weight files by content" in plain.stdout
+    offline = run_script("MODEL_DOWNLOAD.py", "--model-name", "local/tiny", "--verify", env=hub_env(hf))
+    assert offline.returncode == 2
+    assert offline.stderr.startswith(f"error: weight file {snapshot / 'model.safetensors'} is damaged: its SHA-256 is ")
+    assert offline.stderr.endswith("; it was removed, and the hub cannot be reached to fetch it again: import a copy "
+                                   "with python MODEL_DOWNLOAD.py --model-name local/tiny --source DIR\n")
+    repaired = run_script("MODEL_DOWNLOAD.py", "--model-name", "local/tiny", "--source", src, "--verify",
+                          env=hub_env(hf))
+    assert repaired.returncode == 0, repaired.stderr
+    assert blob.read_bytes() == (src / "model.safetensors").read_bytes()
+
+
+def test_model_folder_changes_are_refused_until_accepted(tmp_path, tiny_models, train_env):
+    folder = aged_copy(tiny_models["tied"], tmp_path / "model")
+    argv = ["-e", "r", "--save-dir", tmp_path / "out", "-d", train_env["dataset"], "-m", folder]
+    assert preflight_errors([argv], train_env["env"]) == ["ok"]  # the first check records the folder's hashes
+    before = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    flip(folder / "model.safetensors", (folder / "model.safetensors").stat().st_size - 200)
+    after = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    assert preflight_errors([argv, argv], train_env["env"]) == [
+        f"weight file {folder / 'model.safetensors'} changed since it was checked (SHA-256 {before[:16]}... then, "
+        f"{after[:16]}... now); restore it, or if you changed it on purpose accept it with python MODEL_DOWNLOAD.py "
+        f"--model-name {folder}"] * 2  # refused again: a refusal records nothing
+    accept = run_script("MODEL_DOWNLOAD.py", "--model-name", folder, env=train_env["env"])
+    assert accept.returncode == 0, accept.stderr
+    assert f"{folder / 'model.safetensors'} changed since its last check: its new content is now the reference" \
+        in accept.stdout
+    assert preflight_errors([argv], train_env["env"]) == ["ok"]

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.compute as pc
 
+from pipeline.content_hash import HashRecord
 from pipeline.errors import UserError
 from pipeline.prep.hub import TOKENIZER_FILES
 
@@ -62,13 +63,38 @@ def conversation_rows(ds) -> np.ndarray:
     return np.asarray(lengths.to_numpy(zero_copy_only=False)) > 0
 
 
-def dataset_fingerprint(ds) -> str:
-    """Identifies a dataset's contents without reading them: the metadata datasets writes beside its Arrow files
-    (state.json, dataset_info.json: their fingerprint, split and features) and the names and sizes of those files,
-    found through the public `cache_files`."""
+DATA_RECORD = ".content-hashes.json"
+"""The SHA-256 of each Arrow file of a folder, kept beside them (content_hash.HashRecord)."""
+
+
+def _data_files(ds) -> list[Path]:
     files = [Path(f["filename"]) for f in ds.cache_files]
     if not files:
         raise UserError("the dataset is not backed by files on disk; save it with DATA-HF.py or save_to_disk")
+    return files
+
+
+def dataset_fingerprint(ds) -> str:
+    """Identifies a dataset's contents: the metadata datasets writes beside its Arrow files (state.json,
+    dataset_info.json: their fingerprint, split and features), found through the public `cache_files`, and each Arrow
+    file's SHA-256. A file is read once: the record beside it vouches for it while its size and time are unchanged
+    (a read-only folder is read at every start)."""
+    files = _data_files(ds)
+    digest = hashlib.sha256()
+    records = {folder: HashRecord(folder / DATA_RECORD) for folder in sorted({f.parent for f in files})}
+    for folder in records:
+        _hash_named_files(digest, folder, ("state.json", "dataset_info.json"))
+    for f in files:
+        digest.update(f"{f.name}:{records[f.parent].digest(f.name, f)}\n".encode())
+    for record in records.values():
+        record.save()
+    return digest.hexdigest()[:32]
+
+
+def size_fingerprint(ds) -> str:
+    """The dataset fingerprint of runs from before content hashing (names and sizes of the files, not their bytes):
+    the resume guard still accepts it, so those runs resume (and are guarded by content from then on)."""
+    files = _data_files(ds)
     digest = hashlib.sha256()
     for folder in sorted({f.parent for f in files}):
         _hash_named_files(digest, folder, ("state.json", "dataset_info.json"))

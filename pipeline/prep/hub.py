@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import sha256_file, write_text_atomic
+from pipeline.model.weight_check import WeightCheck, check_weights, damaged, read_line
 from pipeline.strategies.memory import GIB, Estimate, Shape, Workload
 
 TOKENIZER_FILES = (
@@ -170,7 +171,8 @@ def import_local(source: Path, model_name: str, revision: str, cache_dir: Path) 
 
     The snapshot id is a hash of the file names and contents, so the same source always maps to the same
     snapshot and a rerun copies nothing. refs/REVISION is written last, atomically: a crash midway never makes a
-    half-imported snapshot the one that from_pretrained resolves.
+    half-imported snapshot the one that from_pretrained resolves. A blob is copied only where it is missing (main
+    removes a damaged one first); it keeps its source's modification time, so its first check can vouch for it.
     """
     take, _ = source_files(source)
     check_disk(cache_dir, sum((source / f).stat().st_size for f in take))
@@ -184,6 +186,8 @@ def import_local(source: Path, model_name: str, revision: str, cache_dir: Path) 
             blob.parent.mkdir(parents=True, exist_ok=True)
             tmp = blob.with_name(f"{digest}.incomplete-{os.getpid()}")
             shutil.copyfile(source / rel, tmp)
+            st = (source / rel).stat()
+            os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
             os.replace(tmp, blob)
         link = snapshot / rel
         if not link.is_symlink():
@@ -353,28 +357,78 @@ def format_report(rep: ModelReport, where: Path, skipped: list[str]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(description="Download (or import) a model into the local Hugging Face cache and "
-                                            "verify it on the meta device.")
-    p.add_argument("--model-name", required=True, help="hub id, e.g. meta-llama/Llama-3.2-1B")
+                                            "verify it on the meta device and by content.")
+    p.add_argument("--model-name", required=True, help="hub id, e.g. meta-llama/Llama-3.2-1B; or a model folder, "
+                   "checked in place (its hashes are recorded, and later changes refused by fsdp1.py)")
     p.add_argument("--revision", default="main", help="branch, tag or commit (default: main)")
     p.add_argument("--source", type=Path, default=None, help="import this local copy instead of downloading")
     p.add_argument("--cache-dir", type=Path, default=None, help="hub cache (default: $HF_HOME/hub)")
+    p.add_argument("--verify", action="store_true", help="hash every weight file again, even those whose size and "
+                   "time are unchanged since their last check (a damaged one is fetched or imported again)")
     return p
+
+
+def fetch(args: argparse.Namespace, cache_dir: Path) -> Path:
+    """The model's snapshot in the cache: imported from --source, else downloaded (a complete one is found)."""
+    if args.source is not None:
+        return import_local(args.source, args.model_name, args.revision, cache_dir)
+    return download(args.model_name, args.revision, cache_dir)
+
+
+def checked_snapshot(args: argparse.Namespace, cache_dir: Path) -> tuple[Path, WeightCheck, int]:
+    """fetch, then every weight blob checked against its name; a damaged blob is removed and fetched again (a blob
+    that exists is never copied or downloaded over). Returns the snapshot, the check and the blobs repaired."""
+    snapshot = fetch(args, cache_dir)
+    check = check_weights(snapshot, again=args.verify)
+    if not check.damaged:
+        return snapshot, check, 0
+    for damage in check.damaged:
+        damage.file.resolve().unlink()
+    try:
+        snapshot = fetch(args, cache_dir)
+    except UserError as exc:
+        raise UserError(f"{damaged(check.damaged[0])}; it was removed, but fetching it again failed: {exc}") from None
+    if not all(damage.file.exists() for damage in check.damaged):  # offline, the hub's cached snapshot is returned
+        raise UserError(f"{damaged(check.damaged[0])}; it was removed, and the hub cannot be reached to fetch it "
+                        f"again: import a copy with python MODEL_DOWNLOAD.py --model-name {args.model_name} --source "
+                        "DIR")
+    again = check_weights(snapshot)
+    if again.damaged:  # the source itself (or what the hub served) does not match the hub's hash
+        raise UserError(f"{damaged(again.damaged[0])}, even as fetched again: check the source (--source) or the "
+                        "network, and rerun")
+    return snapshot, check, len(check.damaged)
+
+
+def check_folder(folder: Path, again: bool) -> int:
+    """A model folder outside the cache, checked in place: its current content becomes the reference."""
+    report = verify(folder)
+    check = check_weights(folder, again=again, accept=True)
+    print(format_report(report, folder, []))
+    for changed in check.changed:
+        print(f"{changed} changed since its last check: its new content is now the reference")
+    print(read_line(check))
+    print(f"{folder} is a model folder, checked in place (nothing copied to the cache); train from it with "
+          f"fsdp1.py --model-name {folder}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if Path(args.model_name).is_dir() and args.source is None:
+        return check_folder(Path(args.model_name), args.verify)
     check_model_name(args.model_name)
     cache_dir = args.cache_dir or default_cache_dir()
     skipped: list[str] = []
     if args.source is not None:
         _, skipped = source_files(args.source)
         verify(args.source)  # a broken copy never lands in the cache
-        snapshot = import_local(args.source, args.model_name, args.revision, cache_dir)
-        how = f"imported from {args.source}"
-    else:
-        snapshot = download(args.model_name, args.revision, cache_dir)
-        how = "downloaded (or found complete in the cache)"
+    snapshot, check, repaired = checked_snapshot(args, cache_dir)
+    how = f"imported from {args.source}" if args.source is not None else "downloaded (or found complete in the cache)"
     report = verify(snapshot)
     print(format_report(report, snapshot, skipped))
+    print(read_line(check))
+    if repaired:
+        print(f"repaired {repaired} damaged weight file(s): removed and {'imported' if args.source else 'downloaded'} "
+              "again")
     print(f"{args.model_name} {how}; it resolves offline (HF_HUB_OFFLINE=1) from the cache at {cache_dir}")
     return 0

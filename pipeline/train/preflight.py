@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,11 +21,13 @@ from pipeline.data.dataset import (
     conversation_rows,
     dataset_fingerprint,
     load_text_dataset,
+    size_fingerprint,
     tokenizer_fingerprint,
 )
 from pipeline.errors import UserError
 from pipeline.model.adapters import chosen_targets
 from pipeline.model.modeling import meta_model
+from pipeline.model.weight_check import check_weights, damage_line, read_line
 from pipeline.model.weight_files import read_index
 from pipeline.prep.hub import resolve_model_dir
 from pipeline.strategies.auto import MemoryPlan, plan_memory
@@ -72,11 +76,13 @@ def adapter_settings(m: ModelConfig) -> dict:
             "lora_dropout": m.lora_dropout, "lora_targets": m.lora_targets}
 
 
-def check_fingerprint(run_dir: Path, saved: dict, current: dict) -> None:
+def check_fingerprint(run_dir: Path, saved: dict, current: dict, older: dict | None = None) -> None:
     """The resume guard: every field of either fingerprint must be unchanged, or the rerun would silently train
-    something else."""
+    something else. older: a field's value as an earlier version of this code computed it for the same input,
+    also accepted (the run's next checkpoint records the current one)."""
+    older = older or {}
     for key in [*current, *(k for k in saved if k not in current)]:
-        if saved.get(key) != current.get(key):
+        if saved.get(key) not in (current.get(key), older.get(key, current.get(key))):
             raise UserError(f"refusing to resume {run_dir}: {key} was {saved.get(key)!r} and is now "
                             f"{current.get(key)!r}; rerun with the original value, or pass --no-resume to start a "
                             "new run beside it")
@@ -100,6 +106,17 @@ def load_tokenizer(cfg: Config, model_dir: Path, chats: bool):
         raise UserError(f"the tokenizer of {cfg.model.model_name} is not a fast tokenizer (no tokenizer.json): "
                         "conversations need its character offsets to find the assistant turns")
     return tokenizer
+
+
+def check_base_weights(cfg: Config, model_dir: Path) -> None:
+    """Weights whose content changed since they were checked (MODEL_DOWNLOAD, or this check on a first start): one
+    line. Every rank checks (no process group yet); a file needing a read is read by each rank of a node at once,
+    from one page cache. The first rank says what the read cost."""
+    check = check_weights(model_dir)
+    if check.damaged:
+        raise UserError(damage_line(check.damaged[0], cfg.model.model_name))
+    if check.read and os.environ.get("RANK", "0") == "0":
+        print(read_line(check), file=sys.stderr, flush=True)
 
 
 def preflight(cfg: Config) -> Plan:
@@ -128,10 +145,11 @@ def preflight(cfg: Config) -> Plan:
         check_replaceable(cfg.run_dir / folder, f"the run's export folder {folder}/:")
     state = read_state(cfg.run_dir)
     if state and not cfg.run.no_resume:
-        check_fingerprint(cfg.run_dir, state["fingerprint"], fingerprint)
+        check_fingerprint(cfg.run_dir, state["fingerprint"], fingerprint, {"dataset": size_fingerprint(dataset)})
     if not state or cfg.run.no_resume or cfg.model.adapter != "none":
-        # the base weights are read (a fresh start; every start of an adapter run): their headers now, before any
-        # process waits on another
+        # the base weights are read (a fresh start; every start of an adapter run): their headers and content now,
+        # before any process waits on another
         read_index(model_dir)
+        check_base_weights(cfg, model_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return Plan(model_dir, hf_config, dataset, tokenizer, spec, fingerprint, plan_memory(cfg, hf_config, device))
