@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
 import yaml
 
 from pipeline.errors import UserError, naming
@@ -48,6 +49,28 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class _Writes:
+    """Only a file's write method: numpy then writes through it, and a full disk raises OSError(ENOSPC). Given the
+    file itself, numpy writes with tofile, whose full disk is an OSError with no errno ("N requested and M written"),
+    which no handler can tell from any other failure."""
+
+    def __init__(self, fh: BinaryIO):
+        self.write = fh.write
+
+
+def save_npy_atomic(path: Path, array: np.ndarray) -> None:
+    """np.save's bytes, written as write_atomic writes."""
+    write_atomic(path, lambda fh: np.save(_Writes(fh), array))
+
+
+def allocate(path: Path) -> None:
+    """Reserve the disk blocks of a file created sparse (np.lib.format.open_memmap): a full disk is then an
+    OSError(ENOSPC) here, not a SIGBUS that kills the process, with no message, at the first page written through
+    the memory map."""
+    with naming(path), open(path, "r+b") as fh:
+        os.posix_fallocate(fh.fileno(), 0, os.fstat(fh.fileno()).st_size)
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -181,3 +181,29 @@ def test_ranks_wait_out_a_build_longer_than_the_collective_timeout(tmp_path, tra
         kill_tree(holder)
     assert run.returncode == 0, output[-3000:]
     assert "building token cache" in output and "token cache built" in output
+
+
+def test_a_full_disk_during_the_block_write_is_one_line_and_the_rerun_finishes(tmp_path, train_env, small_disk):
+    """The blocks are written through memory maps: a full disk there was a SIGBUS (exit 135, nothing printed)."""
+    from conftest import run_script, tree_digest
+
+    def prepare(cache: Path) -> subprocess.CompletedProcess:
+        return run_script("fsdp1.py", "-e", "c", "-d", train_env["chats"], "-m", "local/tiny", "--save-dir",
+                          tmp_path / "runs", "--seq-length", "512", "--prepare-only", "--cache-dir", cache,
+                          env=train_env["env"])
+
+    small_disk.resize(256 * 2**10)  # room for the tokenized conversations, not for their blocks as well
+    full = prepare(small_disk.path)
+    assert full.returncode == 1, full.stderr[-2000:]
+    (partial,) = small_disk.path.glob("*.partial")
+    line = full.stderr.splitlines()[-1]
+    assert line.startswith(f"error: cannot write {partial}/blocks/train.npy: no space left on device (its file "
+                           "system has "), line
+    assert line.endswith("free now); fix it or choose another output folder, then rerun the same command (what is "
+                         "finished is kept)")
+    assert "Traceback" not in full.stderr
+    small_disk.resize(2**20)
+    assert prepare(small_disk.path).returncode == 0
+    assert prepare(tmp_path / "reference").returncode == 0
+    (built,) = (p for p in small_disk.path.iterdir() if p.is_dir())
+    assert tree_digest(built) == tree_digest(tmp_path / "reference" / built.name)

@@ -43,8 +43,8 @@ import numpy as np
 
 from pipeline.data import chat_tokens, packing
 from pipeline.data.dataset import BlockSpec, conversation_rows, tokenizer_fingerprint
-from pipeline.errors import UserError
-from pipeline.fsutil import write_atomic, write_text_atomic
+from pipeline.errors import UserError, disk_problem, naming
+from pipeline.fsutil import allocate, save_npy_atomic, write_text_atomic
 from pipeline.prep.conversations import BadConversation
 
 log = logging.getLogger(__name__)
@@ -143,9 +143,11 @@ def ensure_token_cache(ds, tokenizer, spec: BlockSpec, num_proc: int, path: Path
         try:
             build_blocks(ds, tokenizer, spec, num_proc, path)
         except BaseException as exc:
-            text = str(exc) if isinstance(exc, UserError) else \
+            text = str(exc) if isinstance(exc, UserError) else disk_problem(exc) or \
                 f"the token cache build on {socket.gethostname()} failed: {type(exc).__name__}: {exc}"
-            error_file(path).write_text(text + "\n")
+            # a full disk may refuse even this note; the waiting ranks then learn of the failure from their peer watch
+            with contextlib.suppress(OSError):
+                error_file(path).write_text(text + "\n")
             raise
     return "built"
 
@@ -342,13 +344,14 @@ def _tokenize_chunk(rows, tokenizer, num_proc: int, work: Path, out: Path, split
     was_enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # one bar for the whole build, not one per chunk
     try:
-        tokenized = rows.map(_tokenize, remove_columns=rows.column_names,
-                             fn_kwargs={"tokenizer": tokenizer, "eos_id": tokenizer.eos_token_id,
-                                        "split_special": split_special},
-                             **_map_kwargs(work, "text", num_proc, len(rows)))
+        with naming(work):  # datasets' writer reports a full disk with no file name
+            tokenized = rows.map(_tokenize, remove_columns=rows.column_names,
+                                 fn_kwargs={"tokenizer": tokenizer, "eos_id": tokenizer.eos_token_id,
+                                            "split_special": split_special},
+                                 **_map_kwargs(work, "text", num_proc, len(rows)))
         column = tokenized.data.column("input_ids")
         flat = np.concatenate([c.flatten().to_numpy() for c in column.chunks]).astype(np.uint32, copy=False)
-        write_atomic(out, lambda fh: np.save(fh, flat))
+        save_npy_atomic(out, flat)
         del tokenized, column
     finally:
         if was_enabled:
@@ -378,9 +381,10 @@ def _text_block_batches(chunks: list[Path], seq_length: int) -> Iterator[np.ndar
 
 def _chat_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path) -> tuple[np.ndarray, np.ndarray, dict]:
     """Conversation rows rendered, masked and packed whole into blocks; what happened to them, by status."""
-    tokenized = ds.map(_tokenize_chats, remove_columns=ds.column_names, desc="tokenizing conversations",
-                       fn_kwargs={"tokenizer": tokenizer, "spec": spec},
-                       **_map_kwargs(work, "chats", num_proc, len(ds)))
+    with naming(work):
+        tokenized = ds.map(_tokenize_chats, remove_columns=ds.column_names, desc="tokenizing conversations",
+                           fn_kwargs={"tokenizer": tokenizer, "spec": spec},
+                           **_map_kwargs(work, "chats", num_proc, len(ds)))
     codes = np.asarray(tokenized.data.column("status").to_numpy())
     status = Counter(chat_tokens.STATUS[c] for c in codes.tolist())
     kept = codes <= chat_tokens.STATUS.index("truncated")
@@ -412,7 +416,10 @@ class _SplitWriter:
         self.targets = 0
 
         def file(name: str, rows: int, dtype) -> np.ndarray:
-            return np.lib.format.open_memmap(out / name, mode="w+", dtype=dtype, shape=(rows, spec.seq_length))
+            with naming(out / name):
+                array = np.lib.format.open_memmap(out / name, mode="w+", dtype=dtype, shape=(rows, spec.seq_length))
+            allocate(out / name)
+            return array
 
         self.ids = {False: file("train.npy", len(train_idx), np.uint32), True: file("val.npy", len(val_idx), np.uint32)}
         self.flags = {False: file("train_flags.npy", len(train_idx), np.uint8),
