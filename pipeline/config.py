@@ -271,6 +271,9 @@ class TrainConfig(Section):
     """Optimizer steps between log lines and metrics events."""
     ckpt_freq: int = 0
     """Optimizer steps between checkpoints (0: only at epoch ends and the end)."""
+    ckpt_minutes: float = 30.0
+    """Also checkpoint once this many minutes of wall time have passed since the last checkpoint (or the start), so a
+    crash, an OOM or a lost node costs at most this much training whatever --ckpt-freq is; 0 turns it off."""
     eval_freq: int = 0
     """Optimizer steps between validations (0: only at the end)."""
     keep_last: int = 2
@@ -286,6 +289,7 @@ class TrainConfig(Section):
         for name in ("max_steps", "ckpt_freq", "eval_freq", "max_bad_steps"):
             _check(getattr(self, name) >= 0, f"{flag(name)} must be >= 0, got {getattr(self, name)}")
         _check(self.keep_last >= 2, f"--keep-last must be at least 2, got {self.keep_last}")
+        _check(self.ckpt_minutes >= 0, f"--ckpt-minutes must be >= 0, got {self.ckpt_minutes:g}")
 
 
 @dataclass

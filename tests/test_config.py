@@ -51,6 +51,7 @@ def test_shipped_profiles_are_the_four_documented():
         (["--profile", "huge"], "unknown profile 'huge'; known profiles: cpu_debug, large_scale, multi_node, "
          "single_node"),
         (["--keep-last", "1"], "--keep-last must be at least 2, got 1"),
+        (["--ckpt-minutes", "-1"], "--ckpt-minutes must be >= 0, got -1"),
         (["--memory-gb", "-1"], "--memory-gb must be >= 0, got -1.0"),
         (["--lr", "0"], "--lr must be a positive number, got 0.0"),
         (["--batch-size", "two"], "--batch-size must be an int, got 'two'"),

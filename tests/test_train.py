@@ -160,3 +160,13 @@ def test_out_of_memory_hints_name_only_what_applies():
     hybrid = out_of_memory_message(settle(from_flat({**base, "sharding": "HYBRID_SHARD",
                                                      "activation_checkpointing": True})), d)
     assert "try a smaller --batch-size (with --grad-accum to keep the global batch); the last" in hybrid
+
+
+def test_checkpoints_follow_wall_time_on_every_rank_at_the_same_step(tmp_path, train_env):
+    """--ckpt-minutes: a save is due once that much time passed since the last; every rank must save at the same step
+    (each save is collective), though each rank's clock says a different time. 1e-6 minutes is due after every step."""
+    proc = torchrun(2, ROOT / "fsdp1.py", "-e", "t", "-d", train_env["dataset"], "-m", "local/tiny", "--save-dir",
+                    tmp_path, "--config", ROOT / "configs" / "demo.yaml", "--max-steps", "3", "--ckpt-freq", "0",
+                    "--eval-freq", "0", "--ckpt-minutes", "1e-6", env=train_env["env"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [e["step"] for e in events(tmp_path / "t") if e["event"] == "checkpoint"] == [1, 2, 3]

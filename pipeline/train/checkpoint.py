@@ -171,6 +171,8 @@ class Checkpointer:
         self.pending: Pending | None = None
         self.last_step: int | None = None
         """The step of the newest checkpoint saved, being saved, or loaded."""
+        self.saved_at = time.monotonic()
+        """When the last save began (or the run started): --ckpt-minutes counts from it."""
         self.listener: Callable[[int, dict], None] | None = None
         """Told (step, {path, seconds, stall_seconds, bytes}) when a checkpoint is complete (rank 0 writes it out)."""
 
@@ -182,6 +184,7 @@ class Checkpointer:
         self.wait()
         started = time.perf_counter()
         self.last_step = step  # saved or being saved: the trainer does not ask for the same step twice
+        self.saved_at = time.monotonic()
         path = self.root / step_name(step)
         if self.dist.is_main:
             self._forget(step)

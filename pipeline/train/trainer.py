@@ -226,7 +226,8 @@ class Trainer:
         window = Window()
         self.model.train()
         while self.step < self.total_steps:
-            if self.boundary():
+            stop, time_to_save = self.boundary()
+            if stop:
                 self.stop(telemetry)
             if not self.sampler.has_next():  # epoch boundary: checkpoint the start of the next epoch
                 self.sampler.start_epoch(self.sampler.epoch + 1)
@@ -246,19 +247,23 @@ class Trainer:
                 window = Window()
             if self.cfg.train.eval_freq and self.step % self.cfg.train.eval_freq == 0 and self.step < self.total_steps:
                 self.evaluate(telemetry)
-            if self.cfg.train.ckpt_freq and self.step % self.cfg.train.ckpt_freq == 0:
+            if (self.cfg.train.ckpt_freq and self.step % self.cfg.train.ckpt_freq == 0) or time_to_save:
                 self.save()
         self.evaluate(telemetry)
         self.save()
         self.ckpt.wait()
         export_run(self.strategy, self.cfg, self.plan.model_dir, self.dist, self.plan.spec.chat_template)
 
-    def boundary(self) -> bool:
-        """One small all-reduce per step: did any rank get a signal, and has every rank finished its async save?"""
-        flags = torch.tensor([float(StopRequest.signum != 0), float(self.ckpt.in_flight())])
+    def boundary(self) -> tuple[bool, bool]:
+        """One small all-reduce per step: did any rank get a signal, has every rank finished its async save, and is
+        a checkpoint due by wall time on any rank (their clocks differ: the first one due decides for all, so every
+        rank reaches the save's collectives at the same step)? Returns (stop, save after this step)."""
+        minutes = self.cfg.train.ckpt_minutes
+        due = bool(minutes) and time.monotonic() - self.ckpt.saved_at >= minutes * 60
+        flags = torch.tensor([float(StopRequest.signum != 0), float(self.ckpt.in_flight()), float(due)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # CPU tensor: gloo, no device sync
         self.ckpt.finish_if_done(all_done=flags[1].item() == 0)
-        return bool(flags[0].item())
+        return bool(flags[0].item()), bool(flags[2].item())
 
     def stop(self, telemetry: Telemetry) -> None:
         saved = self.save(sync=True)
