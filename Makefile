@@ -8,13 +8,16 @@ DEMO := demo
 DEMO_MODEL := local/tiny-llama
 export HF_HOME := $(CURDIR)/$(DEMO)/hf_home
 
-.PHONY: demo test test-fast smoke lint bench bench-chat bench-gpu clean-demo
+.PHONY: venv demo test test-fast smoke lint bench bench-chat bench-gpu clean-demo
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $(STAMP)
+
+# the environment alone, for running the stages by hand (source .venv/bin/activate)
+venv: $(STAMP)
 
 BENCH_STAMP := $(VENV)/.bench-installed
 

@@ -78,8 +78,9 @@ FP16_REFUSED = ("--precision fp16 is not supported: nothing scales the loss, so 
 
 PREFLIGHT_REFUSALS = [
     (["-d", "{t}/missing", "-m", "local/tiny"], "--dataset-name {t}/missing does not exist"),
-    (["-d", "{data}", "-m", "local/absent"], "model local/absent is not in the offline cache; on this machine "
-     "run: python MODEL_DOWNLOAD.py --model-name local/absent (add --source DIR if offline)"),
+    (["-d", "{data}", "-m", "local/absent"], "model local/absent is not in the offline cache at {hub} (HF_HOME or "
+     "HF_HUB_CACHE choose it; set them as when the model was put there); on this machine run: python "
+     "MODEL_DOWNLOAD.py --model-name local/absent (add --source DIR if offline)"),
     (["-d", "{data}", "-m", "local/tiny", "--seq-length", "4096"], "--seq-length 4096 is above the model's "
      "limit (max_position_embeddings 2048)"),
     (["-d", "{t}/empty", "-m", "local/tiny"], "--dataset-name {t}/empty is empty"),
@@ -95,7 +96,7 @@ def test_bad_arguments_are_one_line(tmp_path, train_env):
     import datasets
 
     datasets.Dataset.from_dict({"text": []}).save_to_disk(str(tmp_path / "empty"))
-    fmt = {"t": tmp_path, "data": train_env["dataset"]}
+    fmt = {"t": tmp_path, "data": train_env["dataset"], "hub": train_env["root"] / "hf" / "hub"}
     argvs = [["-e", "bad", "--save-dir", str(tmp_path / "out"), *(a.format(**fmt) for a in args)]
              for args, _ in PREFLIGHT_REFUSALS]
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "preflight_errors.py")], cwd=ROOT,

@@ -146,9 +146,9 @@ def resolve_model_dir(model_name: str) -> Path:
     try:
         return Path(snapshot_download(model_name, local_files_only=True))
     except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError):
-        raise UserError(f"model {model_name} is not in the offline cache; on this machine run: "
-                        f"python MODEL_DOWNLOAD.py --model-name {model_name} (add --source DIR if "
-                        "offline)") from None
+        raise UserError(f"model {model_name} is not in the offline cache at {default_cache_dir()} (HF_HOME or "
+                        "HF_HUB_CACHE choose it; set them as when the model was put there); on this machine run: "
+                        f"python MODEL_DOWNLOAD.py --model-name {model_name} (add --source DIR if offline)") from None
 
 
 # ---------------------------------------------------------------------------------------------------- import
