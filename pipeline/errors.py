@@ -6,10 +6,12 @@ import argparse
 import contextlib
 import ctypes
 import errno
+import json
 import logging
 import os
 import shutil
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -74,7 +76,7 @@ def run_cli(main: Callable[[], int | None], *, finalize: bool = True) -> None:
     try:
         code = main()
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        say(f"error: {exc}")
         code = 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -83,16 +85,37 @@ def run_cli(main: Callable[[], int | None], *, finalize: bool = True) -> None:
         raise
     except BaseException as exc:
         if problem := disk_problem(exc):
-            print(f"error: {problem}", file=sys.stderr)
+            say(f"error: {problem}")
             code = 1
         elif finalize:
             raise
         else:
             traceback.print_exc()
+            say(f"{type(exc).__name__}: {exc}", traceback.format_exc())
             code = 1
     if not finalize:
         leave(code or 0)
     sys.exit(code or 0)
+
+
+def say(line: str, details: str = "") -> None:
+    """A failure's line, on stderr; under torchrun, instead, in this worker's error file (TORCHELASTIC_ERROR_FILE).
+    Why: torchrun's failure report, printed after every worker's output, names the first failing rank as its root
+    cause, last, and shows that rank's error file (or, without one, only a link to its docs): the line is then where
+    the user reads, once per failing rank inside the report, not once per rank above it. details (a traceback) is
+    shown instead of the line where there is one; it is printed on stderr by the caller. The file's format is the
+    one torch's own @record writes (torch.distributed.elastic.multiprocessing.errors), written here because @record
+    would show the traceback of a UserError too."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        extra = {"py_callstack": details or line, "timestamp": str(int(time.time()))}
+        try:
+            Path(path).write_text(json.dumps({"message": {"message": line, "extraInfo": extra}}))
+            return
+        except OSError:  # no room for even this: say it the plain way
+            pass
+    if not details:
+        print(line, file=sys.stderr)
 
 
 def leave(code: int) -> NoReturn:

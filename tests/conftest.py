@@ -116,6 +116,15 @@ def torchrun(nproc: int, script: str | Path, *args: object, env: dict | None = N
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=timeout)
 
 
+def root_cause(stderr: str) -> str:
+    """The line torchrun's failure report ends with: its root cause's (the first failing rank's) error line, read
+    from that worker's error file (pipeline.errors.say). Asserts it is the last thing printed."""
+    lines = stderr.rstrip("\n").splitlines()
+    assert lines[-1].startswith("=====") and lines[-2].startswith("  traceback : "), stderr[-3000:]
+    assert any(line.startswith("Root Cause") for line in lines[-10:]), stderr[-3000:]
+    return lines[-2].removeprefix("  traceback : ")
+
+
 @pytest.fixture(scope="session")
 def train_env(tmp_path_factory, tiny_models) -> dict:
     """DATA-HF datasets of the demo corpus (dataset: its text; chats: its conversations) and an HF_HOME holding the

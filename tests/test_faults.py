@@ -12,7 +12,7 @@ import sys
 import psutil
 import pytest
 import torch
-from conftest import ROOT, events, kill_tree, losses, run_script, torchrun, wait_for
+from conftest import ROOT, events, kill_tree, losses, root_cause, run_script, torchrun, wait_for
 from test_resume import args, start, train
 
 pytestmark = pytest.mark.slow
@@ -64,9 +64,9 @@ def test_write_failure_on_one_rank_keeps_the_previous_checkpoint(train_env, tmp_
     blocker.mkdir(parents=True)  # rank 1 cannot create its shard file there
     failed = train(train_env, tmp_path, "--max-steps", 10)
     assert failed.returncode != 0
-    lines = [x for x in failed.stderr.splitlines() if x.startswith("error: checkpoint step-00000010")]
-    assert lines, failed.stderr[-3000:]
-    assert lines[0].endswith("nothing was marked complete and the previous checkpoint step-00000005 is intact: "
+    line = root_cause(failed.stderr)
+    assert line.startswith("error: checkpoint step-00000010"), line
+    assert line.endswith("nothing was marked complete and the previous checkpoint step-00000005 is intact: "
                              "rerun the same command to resume from it")
     state = json.loads((run / "state.json").read_text())
     assert (state["step"], state["checkpoints"]) == (5, ["step-00000005"])
@@ -82,11 +82,10 @@ def test_a_checkpoint_that_fills_the_disk_says_so_and_the_rerun_resumes_once_the
     run = small_disk.path / "r"
     full = train(train_env, small_disk.path, "--max-steps", 10, "--cache-dir", tmp_path / "cache")
     assert full.returncode != 0
-    lines = [x for x in full.stderr.splitlines() if x.startswith("error: checkpoint step-00000010")]
-    assert lines, full.stderr[-3000:]
-    assert lines[0].startswith(f"error: checkpoint step-00000010 could not be written: no space left on device in "
-                               f"{run / 'checkpoints'} (0.0 MB free, and the previous checkpoint took "), lines[0]
-    assert lines[0].endswith("the previous checkpoint step-00000005 is intact: rerun the same command to resume "
+    line = root_cause(full.stderr)
+    assert line.startswith(f"error: checkpoint step-00000010 could not be written: no space left on device in "
+                           f"{run / 'checkpoints'} (0.0 MB free, and the previous checkpoint took "), line
+    assert line.endswith("the previous checkpoint step-00000005 is intact: rerun the same command to resume "
                              "from it")
     assert "/pipeline/" not in full.stderr  # no traceback through our code on any rank (torchrun prints its own)
     small_disk.resize(64 * 2**20)
@@ -142,7 +141,7 @@ def test_a_diverging_run_skips_bad_steps_stops_in_one_line_and_keeps_only_finite
     assert not [e for e in events if e["event"] == "checkpoint" and e["step"] >= first]
     state = json.loads((run / "state.json").read_text())
     assert state["step"] == first - 1
-    line = next(x for x in proc.stderr.splitlines() if x.startswith("error: "))
+    line = root_cause(proc.stderr)
     assert line.startswith(f"error: training diverged: steps {first}-{first + 2} had a non-finite loss or gradient "
                            "norm (last: loss ")
     assert line.endswith(f"and were skipped; the last good checkpoint is {run / state['path']}; try a lower --lr "
