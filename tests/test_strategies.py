@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from conftest import ROOT, events, losses, torchrun
 from safetensors.numpy import load_file
 
@@ -139,3 +140,32 @@ def test_the_timed_collectives_implement_the_whole_fsdp2_interface():
         assert theirs.__abstractmethods__ == {"allocate", "__call__"}
         assert all(name in ours.__dict__ or name in ours.__mro__[1].__dict__ for name in theirs.__abstractmethods__)
     assert callable(FSDPModule.set_custom_all_gather) and callable(FSDPModule.set_custom_reduce_scatter)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", pytest.param("fsdp1", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="FSDP1 pins offloaded parameters, which needs a GPU"))])
+def test_cpu_offload_trains_as_without_it(train_env, tmp_path, strategy):
+    """--cpu-offload on (the seeds' launch command and profiles): parameters, gradients and optimizer steps on the
+    host, the same losses and weights as without it."""
+    train(train_env, tmp_path / "kept", strategy, 4)
+    train(train_env, tmp_path / "offloaded", strategy, 4, "--cpu-offload", "on")
+    assert "\ncpu_offload: true\n" in (tmp_path / "offloaded" / "r" / "config.yaml").read_text()
+    kept, moved = losses(tmp_path / "kept" / "r"), losses(tmp_path / "offloaded" / "r")
+    assert sorted(moved) == [1, 2, 3, 4]
+    for step in moved:
+        assert moved[step] == pytest.approx(kept[step], abs=1e-6), step
+    got, expected = exported(tmp_path / "offloaded" / "r"), exported(tmp_path / "kept" / "r")
+    for key, value in expected.items():
+        np.testing.assert_allclose(got[key], value, rtol=0, atol=1e-5, err_msg=key)  # Adam amplifies rounding
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_fsdp1_cpu_offload_without_a_gpu_is_one_line():
+    from pipeline.config import resolve
+    from pipeline.errors import UserError
+    from pipeline.strategies.registry import settle
+
+    with pytest.raises(UserError) as err:
+        settle(resolve(["-e", "x", "-d", "d", "-m", "m", "--strategy", "fsdp1", "--cpu-offload", "on"]))
+    assert str(err.value) == ("--cpu-offload under --strategy fsdp1 needs a GPU (FSDP1 keeps the offloaded parameters "
+                              "in pinned host memory); on a machine without one use --strategy fsdp2")

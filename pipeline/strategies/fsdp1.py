@@ -50,6 +50,9 @@ class FSDP1(Strategy):
         m = cfg.model
         if m.compile and not m.use_orig_params:
             raise UserError("--compile under --strategy fsdp1 needs --use-orig-params on")
+        if m.cpu_offload and not torch.cuda.is_available():  # FSDP1 always pins offloaded shards (CUDA only)
+            raise UserError("--cpu-offload under --strategy fsdp1 needs a GPU (FSDP1 keeps the offloaded parameters in "
+                            "pinned host memory); on a machine without one use --strategy fsdp2")
         if cfg.optim.weight_decay and not m.use_orig_params:
             raise UserError("--use-orig-params off gives the optimizer one flat parameter per FSDP unit, so "
                             "--weight-decay cannot skip norms and biases; use --weight-decay 0 or --use-orig-params on")

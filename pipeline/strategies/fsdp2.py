@@ -147,7 +147,9 @@ class FSDP2(Strategy):
         """
         cfg, mesh = self.cfg, self.mesh
         mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
-        offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
+        # pinned (page-locked) host memory needs an accelerator: on a CPU-only machine the offloaded shards are plain
+        # host tensors, the same code paths otherwise
+        offload = CPUOffloadPolicy(pin_memory=self.dist.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
         reshard = cfg.sharding in ("FULL_SHARD", "HYBRID_SHARD")
         layers = decoder_layers(model)
         for layer in layers:
