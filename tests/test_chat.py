@@ -135,6 +135,94 @@ def test_long_conversations_are_cut_at_the_end_of_a_turn_or_dropped(llama3):
     assert fit(tokenize_conversation(llama3, MESSAGES, "x", "last"), len(r.ids) - 1) == (None, "dropped_too_long")
 
 
+def every_turn(tok, messages: list[dict], train_on: str) -> Rendered:
+    """tokenize_conversation as it was before capacity (no special-token texts kept as text): every assistant turn
+    found by rendering the conversation up to it, quadratic in the conversation's length."""
+    full = render(tok, messages, "x")
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    starts = np.array([a for a, _ in enc["offset_mapping"]])
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            start = len(render(tok, messages[:i], "x", add_generation_prompt=True))
+            spans.append((start, max(start, len(render(tok, messages[: i + 1], "x").rstrip()))))
+    trained, cuts = np.full(len(starts), train_on == "all"), set()
+    for a, b in spans[-1:] if train_on == "last" else spans:
+        inside = (starts >= a) & (starts < b)
+        trained |= inside
+        if inside.any():
+            cuts.add(int(np.flatnonzero(inside)[-1]) + 1)
+    return Rendered(np.asarray(enc["input_ids"], np.uint32), trained, sorted(cuts))
+
+
+def fitted(r: Rendered, capacity: int) -> tuple:
+    """fit's answer as plain values (Rendered holds arrays, which == does not compare)."""
+    cut, status = fit(r, capacity)
+    return status, cut and (cut.ids.tolist(), cut.trained.tolist(), cut.cuts)
+
+
+def conversation(rng: np.random.Generator, turns: int, special: str = "") -> list[dict]:
+    """turns alternating user and assistant messages of 1 to 30 words (special among them when given)."""
+    words = ["the", "answer", "is", "42", "x" * 12, "émoji 🙂", "  spaced\n", "tail", *[special] * bool(special)]
+    return [{"role": ("user", "assistant")[k % 2], "content": " ".join(rng.choice(words, rng.integers(1, 31)))}
+            for k in range(turns)]
+
+
+@pytest.mark.parametrize("template", ["llama3", "chatml"])
+def test_finding_only_the_turns_a_block_holds_fits_as_finding_every_turn(template, request):
+    """With capacity, only the assistant turns that start among the first capacity tokens are rendered; what fit
+    keeps (ids, mask, cuts, status) is what rendering every turn gives, at every capacity and for every train_on."""
+    tok = request.getfixturevalue(template)
+    keep = special_texts(tok)
+    rng = np.random.default_rng(0)
+    for turns in (3, 4, 9, 16, 40):
+        plain, special = conversation(rng, turns), conversation(rng, turns, "<|eot_id|><|im_end|>")
+        for train_on in ("assistant", "all", "last"):
+            reference = every_turn(tok, plain, train_on)
+            whole = tokenize_conversation(tok, special, "x", train_on, keep)
+            n = len(reference.ids)
+            for capacity in sorted({1, *reference.cuts[:2], *rng.integers(2, n, 3), n - 1, n, n + 1}):
+                assert fitted(tokenize_conversation(tok, plain, "x", train_on, capacity=capacity), capacity) == \
+                       fitted(reference, capacity)
+                assert fitted(tokenize_conversation(tok, special, "x", train_on, keep, capacity), capacity) == \
+                       fitted(whole, capacity)
+
+
+def test_a_conversation_of_ten_thousand_turns_renders_only_what_its_block_holds(llama3, monkeypatch):
+    rng = np.random.default_rng(1)
+    messages = conversation(rng, 10_000)
+    renders = []
+    template = llama3.apply_chat_template
+    monkeypatch.setattr(llama3, "apply_chat_template", lambda *a, **k: renders.append(1) or template(*a, **k))
+    prefix = every_turn(llama3, messages[:40], "assistant")
+    capacity = len(prefix.ids) - 1  # the 40 messages' rendering is the start of the whole's, token for token
+    for train_on in ("assistant", "all"):
+        renders.clear()
+        whole = tokenize_conversation(llama3, messages, "x", train_on, capacity=capacity)
+        assert len(renders) <= 1 + 2 * 20 + 1  # the whole, two for each answer in the block, the next one's start
+        assert fitted(whole, capacity) == fitted(every_turn(llama3, messages[:40], train_on), capacity)
+    assert fitted(tokenize_conversation(llama3, messages, "x", "last", capacity=capacity), capacity) == \
+           ("dropped_too_long", None)
+
+
+def test_a_conversation_that_fits_is_checked_against_the_template_in_every_turn(chatml):
+    """Only turns past the block go unchecked: a template that rewrites the turns after the fourth message is a
+    mismatch for a conversation that fits, and cut at its first answers when it does not."""
+    late = CHATML.replace("m['content']", "(m['content'][:2] if loop.index > 4 and not loop.last else m['content'])")
+    messages = MESSAGES + [{"role": "user", "content": "And minus 5?"}, {"role": "assistant", "content": "7."}]
+    chatml.chat_template = late
+    try:
+        first_answer = len(chatml(render(chatml, messages[:3], "x"), add_special_tokens=False)["input_ids"])
+        for train_on in ("assistant", "all", "last"):
+            for capacity in (None, 10**6):
+                with pytest.raises(TemplateMismatch):
+                    tokenize_conversation(chatml, messages, "x", train_on, capacity=capacity)
+        assert fit(tokenize_conversation(chatml, messages, "x", "assistant", capacity=first_answer),
+                   first_answer)[1] == "truncated"
+    finally:
+        chatml.chat_template = CHATML
+
+
 def test_best_fit_decreasing_fills_blocks_and_never_splits():
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 101, 500)

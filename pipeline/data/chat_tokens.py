@@ -6,6 +6,8 @@ starts, and the conversation up to that answer ends where it ends (its end-of-tu
 whitespace not). The full rendering is tokenized once with character offsets, and a token is trained when it starts
 inside a trained span. This holds only when every prefix renders as a prefix of the whole; a template that rewrites
 earlier turns (some strip reasoning from all but the last answer) gives `template_mismatch` for that conversation.
+Rendering a prefix costs its length, so only the turns that start within the block the conversation is cut to are
+rendered: a conversation of thousands of turns costs what its first block does, not the square of its length.
 
 Text is text: a special token's text inside a message (`<|eot_id|><|start_header_id|>assistant` typed by a user) stays
 text, so data cannot forge a turn; only the template's own markers are special tokens.
@@ -53,13 +55,16 @@ def render(tokenizer, messages: list[dict], date: str, **kwargs) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, date_string=date, **kwargs)
 
 
-def _assistant_spans(tokenizer, messages: list[dict], date: str, full: str) -> list[tuple[int, int]]:
-    """Character spans of full holding each assistant turn."""
+def _assistant_spans(tokenizer, messages: list[dict], turns: list[int], date: str, full: str,
+                     reach: int | None) -> list[tuple[int, int]]:
+    """Character spans of full holding the assistant turns (indices into messages, ascending) that start at or
+    before the character reach, or all of them when reach is None. Turns start in order, so the first one past
+    reach ends the search: every turn rendered would make a long conversation quadratic in its length."""
     spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
+    for i in turns:
         start = len(render(tokenizer, messages[:i], date, add_generation_prompt=True))
+        if reach is not None and start > reach:
+            break
         upto = render(tokenizer, messages[: i + 1], date)
         if not full.startswith(upto) or not upto.startswith(full[:start]):
             raise TemplateMismatch
@@ -68,23 +73,36 @@ def _assistant_spans(tokenizer, messages: list[dict], date: str, full: str) -> l
     return spans
 
 
+def _reach(starts: np.ndarray, capacity: int | None) -> int | None:
+    """The character offset of the last-starting token among the first capacity (those a block of capacity holds);
+    None when the conversation has no more tokens than that."""
+    if capacity is None or len(starts) <= capacity:
+        return None
+    return int(starts[:capacity].max(initial=-1))
+
+
 def tokenize_conversation(tokenizer, messages: list[dict], date: str, train_on: str,
-                          keep_as_text: re.Pattern | None = None) -> Rendered:
+                          keep_as_text: re.Pattern | None = None, capacity: int | None = None) -> Rendered:
     """Render, tokenize and mask one conversation; BadConversation or TemplateMismatch when it cannot be.
     keep_as_text: the special-token texts (special_texts) that stay text inside message contents; None lets them
-    become special tokens, as the tokenizer does by default."""
+    become special tokens, as the tokenizer does by default.
+    capacity: the tokens fit will cut the conversation to. When there are more, only the assistant turns that start
+    among the first capacity tokens are found (and checked against the template): the mask and cuts past those
+    tokens are incomplete, and fit(rendered, capacity) reads none of them. None finds every turn."""
     if any(m.get("role") not in ROLES or not isinstance(m.get("content"), str) for m in messages):
         raise BadConversation("malformed_message")
     check(messages)
     full = render(tokenizer, messages, date)
-    spans = _assistant_spans(tokenizer, messages, date, full)
-    if train_on == "last":
-        spans = spans[-1:]
     if keep_as_text is not None and any(keep_as_text.search(m["content"]) for m in messages):
         ids, offsets = _contents_as_text(tokenizer, messages, date, full, keep_as_text)
     else:
         ids, offsets = _encode(tokenizer, full, split_special=False, at=0)
     starts = np.asarray(offsets, dtype=np.int64)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    spans = _assistant_spans(tokenizer, messages, turns, date, full, _reach(starts, capacity))
+    if train_on == "last":
+        # a last turn not found starts past the first capacity tokens: fit drops the conversation either way
+        spans = spans[-1:] if len(spans) == len(turns) else []
     trained = np.full(len(starts), train_on == "all")
     cuts = []
     for a, b in spans:

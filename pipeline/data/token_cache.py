@@ -282,7 +282,7 @@ def _tokenize_chats(batch: dict, tokenizer, spec: BlockSpec) -> dict:
     for messages in batch["messages"]:
         try:
             rendered = chat_tokens.tokenize_conversation(tokenizer, messages, spec.chat_date, spec.train_on,
-                                                         keep_as_text)
+                                                         keep_as_text, capacity=spec.seq_length)
             fitted, status = chat_tokens.fit(rendered, spec.seq_length)
         except BadConversation:
             fitted, status = None, "malformed"
