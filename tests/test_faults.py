@@ -307,3 +307,25 @@ def test_token_ids_beyond_the_vocabulary_are_refused_on_every_rank_before_traini
                f"{cache.parent} to rebuild it\n")
     assert message in refused.stderr, refused.stderr[-3000:]
     assert json.loads((tmp_path / "r" / "state.json").read_text())["step"] == 1  # nothing trained on it
+
+
+def test_every_stage_on_a_read_only_disk_is_one_line(train_env, tiny_models, tmp_path, small_disk):
+    """Each stage's output (and the token cache) on a read-only mount: one line naming where, exit 1, no traceback."""
+    small_disk.read_only()
+    ro = small_disk.path
+    how = "read-only file system; fix it or choose another output folder, then rerun the same command (what is " \
+          "finished is kept)"
+    raw = ROOT / "examples" / "raw"
+    model = ["-d", train_env["dataset"], "-m", "local/tiny", "--max-steps", 1]
+    stages = {
+        ("ORGANIZE_DATA.py", "--src_dir", raw, "--dst_root", ro / "splits", "--num_dirs", 2): ro / ".splits.lock",
+        ("DATA-HF.py", "--data_folder", raw, "--save_dir", ro / "ds"): ro / ".ds.lock",
+        ("MODEL_DOWNLOAD.py", "--model-name", "local/x", "--source", tiny_models["tied"], "--cache-dir", ro / "hub"):
+            ro / "hub",
+        ("fsdp1.py", "-e", "r", "--save-dir", ro / "runs", *model): ro / "runs",
+        ("fsdp1.py", "-e", "r", "--save-dir", tmp_path / "runs", "--cache-dir", ro / "cache", *model): ro / "cache",
+    }
+    for (script, *argv), where in stages.items():
+        proc = run_script(script, *argv, env=train_env["env"])
+        assert (proc.returncode, proc.stderr.splitlines()[-1]) == (1, f"error: cannot write {where}: {how}"), script
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
