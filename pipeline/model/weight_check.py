@@ -69,7 +69,8 @@ def check_weights(model_dir: Path, *, again: bool = False, accept: bool = False)
     for file in weight_files(model_dir):
         check.files += 1
         hub = hub_digest(file)
-        key = hub or file.name
+        # a cache blob by its name (one record for every snapshot; a snapshot's file names may hold other content)
+        key = hub or (file.resolve().name if record.path.name == RECORD else file.name)
         trusted = None if again else record.trusted(key, file)
         if trusted is not None and (hub is None or trusted.sha256 == hub):
             continue
