@@ -110,8 +110,9 @@ def status(out: Path, name: str) -> dict[str, Any] | None:
 
 
 def error_line(log: str, returncode: int) -> str:
-    """The run's own one-line error if it printed one, else the last line of its output."""
-    lines = [x.strip() for x in log.splitlines() if x.strip()]
+    """The run's own one-line error if it printed one, else the last line of its output. Under torchrun the line is
+    in torchrun's failure report, as its root cause's `traceback : error: ...`, last (pipeline.errors.say)."""
+    lines = [x.strip().removeprefix("traceback : ") for x in log.splitlines() if x.strip()]
     errors = [x for x in lines if x.startswith("error: ")]
     if errors:
         return errors[-1].removeprefix("error: ")
