@@ -90,3 +90,26 @@ def test_prune_keeps_the_checkpoint_before_skipped_steps_while_one_after_them_is
     assert to_prune(names(5, 10, 15, 20), 2, skipped) == names(5)  # 10 survives: the last one before the skips
     assert to_prune(names(5, 10, 15, 20, 25), 2, skipped) == names(5, 10, 15)  # no kept one follows skips
     assert to_prune(names(10, 15, 20, 25), 3, skipped) == []
+
+
+def test_a_hash_stamp_vouches_only_for_a_file_already_old_when_it_was_read(tmp_path):
+    import hashlib
+    import time
+
+    from pipeline.content_hash import HashRecord
+
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"a" * 100)
+    record = HashRecord(tmp_path / "record.json")
+    assert record.digest("m", f) == hashlib.sha256(b"a" * 100).hexdigest()
+    assert record.trusted("m", f) is None  # written in the tick it was read in: a change now could keep its time
+    os.utime(f, ns=(time.time_ns(), time.time_ns() - 10**10))
+    record.digest("m", f)  # its time changed: read again, and now old enough
+    assert record.trusted("m", f) is not None
+    assert record.save()
+    assert HashRecord(tmp_path / "record.json").stamps == record.stamps
+    f.write_bytes(b"b" * 100)  # same size, new time
+    assert record.trusted("m", f) is None
+    assert record.digest("m", f) == hashlib.sha256(b"b" * 100).hexdigest()
+    (tmp_path / "record.json").write_text('{"m": [1, 2]}')  # damaged: an empty record, never an error
+    assert HashRecord(tmp_path / "record.json").stamps == {}
