@@ -238,8 +238,12 @@ def test_verify_rereads_blobs_whose_stamp_is_unchanged(tmp_path, tiny_models):
     offline = run_script("MODEL_DOWNLOAD.py", "--model-name", "local/tiny", "--verify", env=hub_env(hf))
     assert offline.returncode == 2
     assert offline.stderr.startswith(f"error: weight file {snapshot / 'model.safetensors'} is damaged: its SHA-256 is ")
-    assert offline.stderr.endswith("; it was removed, and the hub cannot be reached to fetch it again: import a copy "
-                                   "with python MODEL_DOWNLOAD.py --model-name local/tiny --source DIR\n")
+    fix = ("; it is not in the cache now, and the hub cannot be reached to fetch it: import a copy with python "
+           "MODEL_DOWNLOAD.py --model-name local/tiny --source DIR\n")
+    assert offline.stderr.endswith(fix)
+    gone = run_script("MODEL_DOWNLOAD.py", "--model-name", "local/tiny", env=hub_env(hf))  # the same, offline again
+    assert (gone.returncode, gone.stderr) == (2, f"error: weight file {snapshot / 'model.safetensors'} is missing "
+                                                 f"(its blob {blob.name[:16]}... is not in the cache){fix}")
     repaired = run_script("MODEL_DOWNLOAD.py", "--model-name", "local/tiny", "--source", src, "--verify",
                           env=hub_env(hf))
     assert repaired.returncode == 0, repaired.stderr

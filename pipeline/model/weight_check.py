@@ -27,6 +27,7 @@ FOLDER_RECORD = ".verified.json"
 class Damage:
     file: Path
     found: str
+    """Its SHA-256 now; "" when the file is missing."""
     expected: str
     hub: bool
     """The reference is the hub's (the blob's name); else the folder's previous check."""
@@ -69,6 +70,9 @@ def check_weights(model_dir: Path, *, again: bool = False, accept: bool = False)
     for file in weight_files(model_dir):
         check.files += 1
         hub = hub_digest(file)
+        if not file.exists():  # a cache link whose blob was removed (a repair that could not fetch it again)
+            check.damaged.append(Damage(file, "", hub or "", hub is not None))
+            continue
         # a cache blob by its name (one record for every snapshot; a snapshot's file names may hold other content)
         key = hub or (file.resolve().name if record.path.name == RECORD else file.name)
         trusted = None if again else record.trusted(key, file)
@@ -92,6 +96,9 @@ def check_weights(model_dir: Path, *, again: bool = False, accept: bool = False)
 
 def damaged(damage: Damage) -> str:
     """What is wrong with a weight file."""
+    if not damage.found:
+        return (f"weight file {damage.file} is missing (its blob {damage.expected[:16]}... is not in the cache)"
+                if damage.hub else f"weight file {damage.file} is missing (a link to nothing)")
     if damage.hub:
         return (f"weight file {damage.file} is damaged: its SHA-256 is {damage.found[:16]}..., the hub's is "
                 f"{damage.expected[:16]}...")

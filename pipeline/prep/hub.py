@@ -383,15 +383,15 @@ def checked_snapshot(args: argparse.Namespace, cache_dir: Path) -> tuple[Path, W
     if not check.damaged:
         return snapshot, check, 0
     for damage in check.damaged:
-        damage.file.resolve().unlink()
+        damage.file.resolve().unlink(missing_ok=True)
     try:
         snapshot = fetch(args, cache_dir)
     except UserError as exc:
         raise UserError(f"{damaged(check.damaged[0])}; it was removed, but fetching it again failed: {exc}") from None
     if not all(damage.file.exists() for damage in check.damaged):  # offline, the hub's cached snapshot is returned
-        raise UserError(f"{damaged(check.damaged[0])}; it was removed, and the hub cannot be reached to fetch it "
-                        f"again: import a copy with python MODEL_DOWNLOAD.py --model-name {args.model_name} --source "
-                        "DIR")
+        raise UserError(f"{damaged(check.damaged[0])}; it is not in the cache now, and the hub cannot be reached to "
+                        f"fetch it: import a copy with python MODEL_DOWNLOAD.py --model-name {args.model_name} "
+                        "--source DIR")
     again = check_weights(snapshot)
     if again.damaged:  # the source itself (or what the hub served) does not match the hub's hash
         raise UserError(f"{damaged(again.damaged[0])}, even as fetched again: check the source (--source) or the "
