@@ -6,6 +6,7 @@ The blocks themselves (tokenized, packed, split, cached on disk) are pipeline/da
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,40 +68,39 @@ DATA_RECORD = ".content-hashes.json"
 """The SHA-256 of each Arrow file of a folder, kept beside them (content_hash.HashRecord)."""
 
 
-def _data_files(ds) -> list[Path]:
+def _fingerprint(ds, file_part: Callable[[Path], str]) -> str:
+    """The metadata datasets writes beside its Arrow files (state.json, dataset_info.json: their fingerprint, split
+    and features), found through the public `cache_files`, and file_part of each Arrow file."""
     files = [Path(f["filename"]) for f in ds.cache_files]
     if not files:
         raise UserError("the dataset is not backed by files on disk; save it with DATA-HF.py or save_to_disk")
-    return files
+    digest = hashlib.sha256()
+    for folder in sorted({f.parent for f in files}):
+        _hash_named_files(digest, folder, ("state.json", "dataset_info.json"))
+    for f in files:
+        digest.update(f"{f.name}:{file_part(f)}\n".encode())
+    return digest.hexdigest()[:32]
 
 
 def dataset_fingerprint(ds) -> str:
-    """Identifies a dataset's contents: the metadata datasets writes beside its Arrow files (state.json,
-    dataset_info.json: their fingerprint, split and features), found through the public `cache_files`, and each Arrow
-    file's SHA-256. A file is read once: the record beside it vouches for it while its size and time are unchanged
-    (a read-only folder is read at every start)."""
-    files = _data_files(ds)
-    digest = hashlib.sha256()
-    records = {folder: HashRecord(folder / DATA_RECORD) for folder in sorted({f.parent for f in files})}
-    for folder in records:
-        _hash_named_files(digest, folder, ("state.json", "dataset_info.json"))
-    for f in files:
-        digest.update(f"{f.name}:{records[f.parent].digest(f.name, f)}\n".encode())
+    """Identifies a dataset's contents: its metadata and each Arrow file's SHA-256. A file is read once: the record
+    beside it vouches for it while its size and time are unchanged (a read-only folder is read at every start)."""
+    records: dict[Path, HashRecord] = {}
+
+    def content(f: Path) -> str:
+        record = records.setdefault(f.parent, HashRecord(f.parent / DATA_RECORD))
+        return record.digest(f.name, f)
+
+    fingerprint = _fingerprint(ds, content)
     for record in records.values():
         record.save()
-    return digest.hexdigest()[:32]
+    return fingerprint
 
 
 def size_fingerprint(ds) -> str:
     """The dataset fingerprint of runs from before content hashing (names and sizes of the files, not their bytes):
     the resume guard still accepts it, so those runs resume (and are guarded by content from then on)."""
-    files = _data_files(ds)
-    digest = hashlib.sha256()
-    for folder in sorted({f.parent for f in files}):
-        _hash_named_files(digest, folder, ("state.json", "dataset_info.json"))
-    for f in files:
-        digest.update(f"{f.name}:{f.stat().st_size}\n".encode())
-    return digest.hexdigest()[:32]
+    return _fingerprint(ds, lambda f: str(f.stat().st_size))
 
 
 def tokenizer_fingerprint(model_dir: Path) -> str:

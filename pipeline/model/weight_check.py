@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.content_hash import HashRecord
+from pipeline.errors import UserError
 from pipeline.model.weight_files import weight_files
 
 BLOB_NAME = re.compile(r"[0-9a-f]{64}")
@@ -113,6 +114,14 @@ def damage_line(damage: Damage, model_name: str) -> str:
                 "DIR to import it again from a copy)")
     return (f"{damaged(damage)}; restore it, or if you changed it on purpose accept it with python MODEL_DOWNLOAD.py "
             f"--model-name {damage.file.parent}")
+
+
+def unchanged_weights(model_dir: Path, model_name: str) -> WeightCheck:
+    """check_weights for a run that is about to read them: damaged or changed weights are one line (UserError)."""
+    check = check_weights(model_dir)
+    if check.damaged:
+        raise UserError(damage_line(check.damaged[0], model_name))
+    return check
 
 
 def read_line(check: WeightCheck) -> str:

@@ -37,7 +37,7 @@ from pipeline.dist.liveness import is_collective_failure
 from pipeline.dist.runtime import Dist, gather_objects
 from pipeline.errors import UserError
 from pipeline.fsutil import hash_file, write_text_atomic
-from pipeline.model.weight_check import check_weights, damage_line
+from pipeline.model.weight_check import unchanged_weights
 from pipeline.strategies.base import Strategy
 from pipeline.strategies.registry import make_strategy
 from pipeline.train.telemetry import log
@@ -419,9 +419,7 @@ def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[Strategy, Path, di
     fingerprint = json.loads((checkpoint / TRAINER).read_text())["fingerprint"]
     model_dir = resolve_model_dir(fingerprint["model_name"])
     if fingerprint.get("adapter"):  # the adapters were trained on this base: a changed one would merge wrong
-        damaged = check_weights(model_dir).damaged
-        if damaged:
-            raise UserError(damage_line(damaged[0], fingerprint["model_name"]))
+        unchanged_weights(model_dir, fingerprint["model_name"])
     return checkpoint_model(checkpoint, model_dir, d, fingerprint.get("adapter", {})), model_dir, fingerprint
 
 

@@ -27,7 +27,7 @@ from pipeline.data.dataset import (
 from pipeline.errors import UserError
 from pipeline.model.adapters import chosen_targets
 from pipeline.model.modeling import meta_model
-from pipeline.model.weight_check import check_weights, damage_line, read_line
+from pipeline.model.weight_check import read_line, unchanged_weights
 from pipeline.model.weight_files import read_index
 from pipeline.prep.hub import resolve_model_dir
 from pipeline.strategies.auto import MemoryPlan, plan_memory
@@ -112,9 +112,7 @@ def check_base_weights(cfg: Config, model_dir: Path) -> None:
     """Weights whose content changed since they were checked (MODEL_DOWNLOAD, or this check on a first start): one
     line. Every rank checks (no process group yet); a file needing a read is read by each rank of a node at once,
     from one page cache. The first rank says what the read cost."""
-    check = check_weights(model_dir)
-    if check.damaged:
-        raise UserError(damage_line(check.damaged[0], cfg.model.model_name))
+    check = unchanged_weights(model_dir, cfg.model.model_name)
     if check.read and os.environ.get("RANK", "0") == "0":
         print(read_line(check), file=sys.stderr, flush=True)
 
