@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +115,15 @@ def torchrun(nproc: int, script: str | Path, *args: object, env: dict | None = N
     full_env = dict(env) if env is not None else dict(__import__("os").environ)
     full_env["PYTHONPATH"] = str(ROOT)
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+def preflight_errors(argvs: list[list], env: dict) -> list[str]:
+    """fsdp1.py's preflight for each command line, in one process: its one-line error, or "ok"."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "preflight_errors.py")], cwd=ROOT,
+                          input=json.dumps([[str(a) for a in argv] for argv in argvs]), capture_output=True,
+                          text=True, env={**env, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines()]
 
 
 def root_cause(stderr: str) -> str:

@@ -6,13 +6,11 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 
 import psutil
 import pytest
 import torch
-from conftest import ROOT, events, kill_tree, losses, root_cause, run_script, torchrun, wait_for
+from conftest import ROOT, events, kill_tree, losses, preflight_errors, root_cause, run_script, torchrun, wait_for
 from test_resume import args, start, train
 
 pytestmark = pytest.mark.slow
@@ -172,11 +170,7 @@ def test_resume_guard_names_the_changed_field(train_env, tmp_path, tiny_models):
             [str(data2) if a == str(train_env["dataset"]) else a for a in args(train_env, tmp_path)],
     }
     # all five checked in one process: preflight refuses before any process group exists
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "preflight_errors.py")], cwd=ROOT,
-                          input=json.dumps(list(changes.values())), capture_output=True, text=True,
-                          env={**train_env["env"], "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    errors = [json.loads(line) for line in proc.stdout.splitlines()]
+    errors = preflight_errors(list(changes.values()), train_env["env"])
     assert len(errors) == len(changes)
     for change, error in zip(changes, errors, strict=True):
         head = change.split("{}")[0]

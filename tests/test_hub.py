@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, hub_env, run_script
+from conftest import hub_env, preflight_errors, run_script
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -191,15 +191,6 @@ def flip(path: Path, at: int, n: int = 64) -> None:
         data = f.read(n)
         f.seek(at)
         f.write(bytes(b ^ 0xFF for b in data))
-
-
-def preflight_errors(argvs: list[list], env: dict) -> list[str]:
-    """fsdp1.py's preflight for each command line, in one process: its one-line error, or "ok"."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "preflight_errors.py")], cwd=ROOT,
-                          input=json.dumps([[str(a) for a in argv] for argv in argvs]), capture_output=True,
-                          text=True, env={**env, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines()]
 
 
 def test_damaged_blob_is_refused_by_training_and_repaired_by_import(tmp_path, tiny_models, train_env):

@@ -1,10 +1,8 @@
 import json
-import subprocess
-import sys
 
 import pytest
 import yaml
-from conftest import ROOT, root_cause, run_script, torchrun
+from conftest import ROOT, preflight_errors, root_cause, run_script, torchrun
 
 DEMO = ["--config", str(ROOT / "configs" / "demo.yaml"), "--max-steps", "40", "--ckpt-freq", "20", "--eval-freq", "20"]
 TRAIN_KEYS = {"event", "step", "time", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "trained_tokens_per_s",
@@ -99,12 +97,7 @@ def test_bad_arguments_are_one_line(tmp_path, train_env):
     fmt = {"t": tmp_path, "data": train_env["dataset"], "hub": train_env["root"] / "hf" / "hub"}
     argvs = [["-e", "bad", "--save-dir", str(tmp_path / "out"), *(a.format(**fmt) for a in args)]
              for args, _ in PREFLIGHT_REFUSALS]
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "preflight_errors.py")], cwd=ROOT,
-                          input=json.dumps(argvs), capture_output=True, text=True,
-                          env={**train_env["env"], "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [json.loads(line) for line in proc.stdout.splitlines()] == \
-        [message.format(**fmt) for _, message in PREFLIGHT_REFUSALS]
+    assert preflight_errors(argvs, train_env["env"]) == [message.format(**fmt) for _, message in PREFLIGHT_REFUSALS]
     proc = run_script("fsdp1.py", "-e", "bad", "--save-dir", tmp_path / "out", "-d", train_env["dataset"], "-m",
                       "local/tiny", "--seq-length", "2048", "-b", "64", env=train_env["env"])
     assert proc.returncode == 2
