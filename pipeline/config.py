@@ -276,6 +276,15 @@ class TrainConfig(Section):
     crash, an OOM or a lost node costs at most this much training whatever --ckpt-freq is; 0 turns it off."""
     eval_freq: int = 0
     """Optimizer steps between validations (0: only at the end)."""
+    eval_base: bool = True
+    """Validate the base model at step 0, before the first update (an eval event at step 0), so the run ends with
+    `validation loss BASE -> FINAL (ppl A -> B)`; off skips its cost (one pass over the validation blocks)."""
+    sample_prompts: str = ""
+    """A JSONL file of prompts, one per line: {"prompt": TEXT}, or {"messages": [...]} rendered through the chat
+    template. At every validation (step 0 with --eval-base, each --eval-freq, the end) the model completes each
+    greedily, logged as a sample event in metrics.jsonl, TensorBoard's text tab and train.log."""
+    sample_max_tokens: int = 32
+    """--sample-prompts: the most tokens a completion has (it ends earlier at EOS or an end-of-turn token)."""
     keep_last: int = 2
     """Complete checkpoints to keep (at least 2, so the previous good one survives a failed save)."""
     max_bad_steps: int = 3
@@ -290,6 +299,9 @@ class TrainConfig(Section):
             _check(getattr(self, name) >= 0, f"{flag(name)} must be >= 0, got {getattr(self, name)}")
         _check(self.keep_last >= 2, f"--keep-last must be at least 2, got {self.keep_last}")
         _check(self.ckpt_minutes >= 0, f"--ckpt-minutes must be >= 0, got {self.ckpt_minutes:g}")
+        _check(self.sample_max_tokens >= 1, f"--sample-max-tokens must be at least 1, got {self.sample_max_tokens}")
+        _check(not self.sample_prompts or Path(self.sample_prompts).is_file(),
+               f"--sample-prompts {self.sample_prompts} does not exist or is not a file")
 
 
 @dataclass

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import ROOT, losses, run_script, torchrun
+from conftest import ROOT, events, losses, run_script, torchrun
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -330,3 +330,16 @@ def test_qlora_trains_resumes_bitwise_and_exports_merged_on_the_dequantized_base
     merged, again = model_tensors(qlora_run / "hf"), model_tensors(tmp_path / "hf")
     for key in merged:
         torch.testing.assert_close(again[key], merged[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_evaluate_scores_an_adapter_folder_as_its_run_did(train_env, lora_run, tmp_path):
+    from test_evaluate import evaluate
+
+    config = ["--config", lora_run / "config.yaml", "--save-dir", lora_run.parent]
+    evals = {e["step"]: e["loss"] for e in events(lora_run, "eval")}
+    assert sorted(evals) == [0, 18]  # the base at step 0 (B = 0: the adapter starts as the base), then the end
+    adapter = evaluate(train_env["env"], lora_run / "adapter", *config)  # its base from adapter_config.json
+    base = evaluate(train_env["env"], "local/tiny", *config)
+    assert adapter["base_model"] == "local/tiny" and adapter["adapter"] == str(lora_run / "adapter")
+    assert adapter["loss"] == pytest.approx(evals[18], abs=1e-5) and base["loss"] == pytest.approx(evals[0], abs=1e-5)
+    assert set(adapter["fingerprint"]) - set(base["fingerprint"]) == {"adapter"}

@@ -46,6 +46,8 @@ class WeightCheck:
     """A folder's files whose new content was accepted as the reference (accept=True)."""
     record: Path | None = None
     kept: bool = True
+    digests: dict[str, str] = field(default_factory=dict)
+    """Each sound weight file's SHA-256, by its name in the model folder: what the weights are, whoever checks."""
     """Whether the record could be written (a read-only folder is hashed again at every check)."""
 
 
@@ -78,6 +80,7 @@ def check_weights(model_dir: Path, *, again: bool = False, accept: bool = False)
         key = hub or (file.resolve().name if record.path.name == RECORD else file.name)
         trusted = None if again else record.trusted(key, file)
         if trusted is not None and (hub is None or trusted.sha256 == hub):
+            check.digests[file.name] = trusted.sha256
             continue
         stamp = record.read(file)
         check.read += 1
@@ -90,6 +93,7 @@ def check_weights(model_dir: Path, *, again: bool = False, accept: bool = False)
         if stamp.sha256 != expected:
             check.changed.append(file)
         record.keep(key, stamp)
+        check.digests[file.name] = stamp.sha256
     check.seconds = time.perf_counter() - started
     check.kept = record.save()
     return check

@@ -41,13 +41,17 @@ def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks:
         log_cache_meta(path)
     blocks = open_blocks(path)
     check_vocabulary(blocks, plan, d)
+    return blocks
+
+
+def check_one_batch(blocks: Blocks, cfg: Config, d: Dist) -> None:
+    """Training needs at least one global batch of training blocks: one line naming what to change."""
     global_batch = d.world_size * cfg.train.batch_size * cfg.train.grad_accum
     if len(blocks.train) < global_batch:
         raise UserError(f"the dataset gives {len(blocks.train)} training blocks of {cfg.data.seq_length} tokens, "
                         f"fewer than one global batch ({d.world_size} processes x batch {cfg.train.batch_size} x "
                         f"grad accum {cfg.train.grad_accum} = {global_batch}); use more data or a smaller "
                         "--seq-length, --batch-size or --grad-accum")
-    return blocks
 
 
 def check_vocabulary(blocks: Blocks, plan: Plan, d: Dist) -> None:

@@ -28,6 +28,7 @@ from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import replace_dir
 from pipeline.model.adapters import LowRankAdapter
 from pipeline.model.naming import to_file_layout
+from pipeline.model.weight_check import FOLDER_RECORD
 from pipeline.model.weight_files import INDEX, read_header
 from pipeline.prep.hub import TOKENIZER_FILES
 from pipeline.strategies.base import Strategy
@@ -63,8 +64,10 @@ RUN_TEMPLATE = "chat_template.jinja"
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 """What PEFT's save_pretrained writes for an adapter (and an adapter export here)."""
-EXPORT_FILES = frozenset({INDEX, "config.json", "generation_config.json", *TOKENIZER_FILES, *ADAPTER_FILES})
-"""What an export writes besides its *.safetensors: a folder holding anything else is not ours to replace."""
+EXPORT_FILES = frozenset({INDEX, "config.json", "generation_config.json", *TOKENIZER_FILES, *ADAPTER_FILES,
+                          FOLDER_RECORD})
+"""What an export writes besides its *.safetensors (and the record its weights' first check leaves in it, when it is
+trained or evaluated as a model folder): a folder holding anything else is not ours to replace."""
 
 
 def check_replaceable(out: Path, flag: str) -> None:

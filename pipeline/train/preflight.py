@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,9 +25,10 @@ from pipeline.data.dataset import (
     tokenizer_fingerprint,
 )
 from pipeline.errors import UserError
+from pipeline.eval.samples import Prompt, read_prompts
 from pipeline.model.adapters import chosen_targets
 from pipeline.model.modeling import meta_model
-from pipeline.model.weight_check import read_line, unchanged_weights
+from pipeline.model.weight_check import WeightCheck, read_line, unchanged_weights
 from pipeline.model.weight_files import read_index
 from pipeline.prep.hub import resolve_model_dir
 from pipeline.strategies.auto import MemoryPlan, plan_memory
@@ -48,6 +49,8 @@ class Plan:
     fingerprint: dict
     memory: MemoryPlan
     """--strategy auto resolved, and the estimated peak memory per rank."""
+    prompts: list[Prompt] = field(default_factory=list)
+    """--sample-prompts, tokenized."""
 
     @property
     def config(self) -> Config:
@@ -108,17 +111,20 @@ def load_tokenizer(cfg: Config, model_dir: Path, chats: bool):
     return tokenizer
 
 
-def check_base_weights(cfg: Config, model_dir: Path) -> None:
+def check_base_weights(cfg: Config, model_dir: Path) -> WeightCheck:
     """Weights whose content changed since they were checked (MODEL_DOWNLOAD, or this check on a first start): one
     line. Every rank checks (no process group yet); a file needing a read is read by each rank of a node at once,
     from one page cache. The first rank says what the read cost."""
     check = unchanged_weights(model_dir, cfg.model.model_name)
     if check.read and os.environ.get("RANK", "0") == "0":
         print(read_line(check), file=sys.stderr, flush=True)
+    return check
 
 
-def preflight(cfg: Config) -> Plan:
-    """Every user mistake we can detect cheaply; identical on every rank."""
+def resolve_inputs(cfg: Config) -> Plan:
+    """The model, its tokenizer and the dataset as the config names them, the blocks' spec and the run's fingerprint,
+    with every cheap check of them; no run folder is read. Identical on every rank. What pipeline.evaluate plans
+    with too (the same token cache as training)."""
     from transformers import AutoConfig
 
     model_dir = resolve_model_dir(cfg.model.model_name)
@@ -138,16 +144,26 @@ def preflight(cfg: Config) -> Plan:
                      cfg.data.chat_date, cfg.data.chat_template and tokenizer.chat_template, cfg.data.document_mask,
                      cfg.data.allow_special_tokens_in_data)
     fingerprint = run_fingerprint(cfg, model_dir, hf_config, dataset, spec)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return Plan(model_dir, hf_config, dataset, tokenizer, spec, fingerprint, plan_memory(cfg, hf_config, device))
+
+
+def preflight(cfg: Config) -> Plan:
+    """Every user mistake we can detect cheaply; identical on every rank."""
+    plan = resolve_inputs(cfg)
+    if cfg.train.sample_prompts:
+        room = cfg.data.seq_length - cfg.train.sample_max_tokens + 1
+        plan.prompts = read_prompts(Path(cfg.train.sample_prompts), plan.tokenizer, cfg.data.chat_date, room)
     exports = {**run_exports(cfg), **(run_exports(cfg, best=True) if cfg.run.save_best else {})}
     for folder in exports:  # what the run replaces at its end: refused now
         check_replaceable(cfg.run_dir / folder, f"the run's export folder {folder}/:")
     state = read_state(cfg.run_dir)
     if state and not cfg.run.no_resume:
-        check_fingerprint(cfg.run_dir, state["fingerprint"], fingerprint, {"dataset": size_fingerprint(dataset)})
+        check_fingerprint(cfg.run_dir, state["fingerprint"], plan.fingerprint,
+                          {"dataset": size_fingerprint(plan.dataset)})
     if not state or cfg.run.no_resume or cfg.model.adapter != "none":
         # the base weights are read (a fresh start; every start of an adapter run): their headers and content now,
         # before any process waits on another
-        read_index(model_dir)
-        check_base_weights(cfg, model_dir)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return Plan(model_dir, hf_config, dataset, tokenizer, spec, fingerprint, plan_memory(cfg, hf_config, device))
+        read_index(plan.model_dir)
+        check_base_weights(cfg, plan.model_dir)
+    return plan

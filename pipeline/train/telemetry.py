@@ -190,6 +190,11 @@ class Telemetry:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 self.tb.add_scalar(f"{kind}/{key}", value, step)
 
+    def text(self, tag: str, step: int, text: str) -> None:
+        """Text for TensorBoard's text tab, indented as a markdown code block so it shows as written."""
+        if self.enabled:
+            self.tb.add_text(tag, "\n".join("    " + line for line in text.splitlines()), step)
+
     def human(self, line: dict) -> None:
         """The seed-style `[rank=0] {...}` line, on the console (above the bar) and in train.log."""
         if self.enabled:

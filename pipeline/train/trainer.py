@@ -7,6 +7,7 @@ distributes the model, a checkpoint (or, on a fresh start, the base weights) fil
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import signal
@@ -22,11 +23,13 @@ from pipeline.data.batches import Batch, count_targets, make_batch
 from pipeline.data.sampler import BlockSampler
 from pipeline.dist.runtime import Dist, compute_dtype
 from pipeline.errors import UserError
+from pipeline.eval.heldout import HeldOut, held_out_loss
+from pipeline.eval.samples import complete, stop_ids
 from pipeline.model.modeling import untested_family
 from pipeline.model.registry import transforms_for
 from pipeline.strategies.memory import GIB
 from pipeline.strategies.registry import ignored_knobs, make_strategy, out_of_memory_hints
-from pipeline.train.blocks import prepare_blocks
+from pipeline.train.blocks import check_one_batch, prepare_blocks
 from pipeline.train.checkpoint import Checkpointer, state_problem, step_name
 from pipeline.train.export import described, export_run, run_exports
 from pipeline.train.optim import build_optimizer, build_scheduler
@@ -91,6 +94,7 @@ class Trainer:
         self.dtype = compute_dtype(cfg.model.precision, d.device)
         seed_everything(cfg.run.seed)
         self.blocks = prepare_blocks(cfg, plan, d)
+        check_one_batch(self.blocks, cfg, d)
         self.sampler = BlockSampler(len(self.blocks.train), cfg.run.seed, d.world_size, d.rank,
                                     cfg.train.batch_size, cfg.train.grad_accum)
         self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.sampler.steps_per_epoch
@@ -105,6 +109,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.strategy.param_groups(cfg.optim.weight_decay), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.step, self.samples_seen, self.best_val = 0, 0, math.inf
+        self.base_val: HeldOut | None = None
+        """The base model's validation figures (step 0), kept in checkpoints for the run's closing line."""
         self.bad_steps, self.skipped_since_save = 0, 0
         self.timer = PhaseTimer(d.device)
         self.flops_per_token = flops_per_token(plan.hf_config, self.strategy.num_matmul_params, cfg.data.seq_length,
@@ -114,6 +120,7 @@ class Trainer:
         self.ckpt = Checkpointer(self.run_dir, d, cfg.train.keep_last, async_ckpt, plan.fingerprint)
         # an async checkpoint's copy of the weights and states must be complete before an update changes them
         self.update = Update(self.optimizer, self.scheduler, cfg.optim.max_grad_norm, self.ckpt.staged)
+        self.stops = stop_ids(plan.tokenizer, plan.model_dir) if plan.prompts else set()
         self.resumed_from = self.resume()
         log.info("model %s: %s parameters (%s trainable), %s compute, %s %s; %d train / %d val blocks of %d tokens; "
                  "global batch %d blocks; step %d of %d", type(self.strategy.module).__name__,
@@ -140,11 +147,13 @@ class Trainer:
     def state_dict(self) -> dict:
         """Counters, sampler and schedule (JSON); model and optimizer are saved through DCP beside it."""
         return {"step": self.step, "samples_seen": self.samples_seen, "best_val": self.best_val,
+                "base_val": None if self.base_val is None else dataclasses.asdict(self.base_val),
                 "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
         self.best_val = float(state["best_val"])
+        self.base_val = HeldOut(**state["base_val"]) if state.get("base_val") else None  # absent before --eval-base
         self.sampler.load_state_dict(state["sampler"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.rescale_lr(float(state["scheduler"]["base_lrs"][0]))
@@ -225,6 +234,8 @@ class Trainer:
     def loop(self, telemetry: Telemetry) -> None:
         window = Window()
         self.model.train()
+        if self.step == 0 and self.cfg.train.eval_base:
+            self.base_val = self.evaluate(telemetry)
         while self.step < self.total_steps:
             stop, time_to_save = self.boundary()
             if stop:
@@ -249,7 +260,10 @@ class Trainer:
                 self.evaluate(telemetry)
             if (self.cfg.train.ckpt_freq and self.step % self.cfg.train.ckpt_freq == 0) or time_to_save:
                 self.save()
-        self.evaluate(telemetry)
+        final = self.evaluate(telemetry)
+        if final and self.base_val and self.dist.is_main:
+            log.info("validation loss %.4f -> %.4f (ppl %.2f -> %.2f) over %d tokens, base -> step %d",
+                     self.base_val.loss, final.loss, self.base_val.ppl, final.ppl, final.tokens, self.step)
         self.save()
         self.ckpt.wait()
         export_run(self.strategy, self.cfg, self.plan.model_dir, self.dist, self.plan.spec.chat_template)
@@ -310,9 +324,8 @@ class Trainer:
         flags = self.blocks.train_flags
         return count_targets(self.blocks.train[idx], None if flags is None else flags[idx])
 
-    def batch(self, blocks: np.ndarray, flags: np.ndarray | None, idx: np.ndarray,
-              valid_rows: int | None = None) -> Batch:
-        return make_batch(blocks[idx], None if flags is None else flags[idx], self.dist.device, valid_rows)
+    def batch(self, blocks: np.ndarray, flags: np.ndarray | None, idx: np.ndarray) -> Batch:
+        return make_batch(blocks[idx], None if flags is None else flags[idx], self.dist.device)
 
     def log_window(self, telemetry: Telemetry, window: Window) -> None:
         if not window.applied:  # every step of the window was skipped: logged one by one already
@@ -343,37 +356,31 @@ class Trainer:
         mem["peak_by_rank"] = [round(p.item(), 3) for p in peaks]
         return mem
 
-    @torch.no_grad()
-    def evaluate(self, telemetry: Telemetry) -> float | None:
-        """Loss and perplexity over the whole validation split, its blocks dealt round-robin to the ranks."""
-        val, val_flags = self.blocks.val, self.blocks.val_flags
-        if len(val) == 0:
+    def evaluate(self, telemetry: Telemetry) -> HeldOut | None:
+        """Loss and perplexity over the whole validation split (pipeline/eval/heldout.py); at a step after 0, the
+        best so far is exported with --save-best; --sample-prompts completed. A collective."""
+        if self.plan.prompts:
+            self.sample(telemetry)
+        val = held_out_loss(self.strategy, [(self.blocks.val, self.blocks.val_flags)], self.cfg.train.batch_size,
+                            self.dist)
+        if val is None:
             return None
-        self.model.eval()
-        bs, world = self.cfg.train.batch_size, self.dist.world_size
-        mine = np.arange(self.dist.rank, len(val), world)
-        batches = math.ceil(math.ceil(len(val) / world) / bs)
-        sums = torch.zeros(2, dtype=torch.float64, device=self.dist.device)
-        for b in range(batches):
-            idx = mine[b * bs:(b + 1) * bs]
-            # every rank runs the same forwards on the same shapes (collectives inside): a rank short of blocks
-            # pads with block 0, whose rows do not count
-            valid = len(idx)
-            idx = np.concatenate([idx, np.zeros(bs - valid, dtype=idx.dtype)])
-            # over num_items = world size, the losses summed over ranks are the global sum (pipeline/model/loss.py)
-            loss = self.loss(self.batch(val, val_flags, idx, valid), self.dist.world_size)
-            tokens = count_targets(val[idx], None if val_flags is None else val_flags[idx], valid)
-            sums += torch.stack([loss.double(), torch.tensor(tokens, dtype=torch.float64, device=self.dist.device)])
-        dist.all_reduce(sums)
-        self.strategy.release()  # the root stays gathered after a forward without backward
-        self.model.train()
-        loss = (sums[0] / sums[1].clamp_min(1)).item()
-        ppl = math.exp(loss) if loss < 700 else math.inf
-        telemetry.event("eval", self.step, loss=loss, ppl=ppl)
-        telemetry.human({"global_step": self.step, "eval_loss": round(loss, 5), "eval_ppl": round(ppl, 3)})
-        if self.cfg.run.save_best and loss < self.best_val:
-            self.best_val = loss
+        telemetry.event("eval", self.step, loss=val.loss, ppl=val.ppl)
+        telemetry.human({"global_step": self.step, "eval_loss": round(val.loss, 5), "eval_ppl": round(val.ppl, 3)})
+        if self.cfg.run.save_best and self.step > 0 and val.loss < self.best_val:  # step 0 is the base, not a result
+            self.best_val = val.loss
             export_run(self.strategy, self.cfg, self.plan.model_dir, self.dist, self.plan.spec.chat_template,
                        best=True)
-            log.info("best validation loss so far (%.5f): exported the %s", loss, described(self.cfg, best=True))
-        return loss
+            log.info("best validation loss so far (%.5f): exported the %s", val.loss, described(self.cfg, best=True))
+        return val
+
+    def sample(self, telemetry: Telemetry) -> None:
+        """Every --sample-prompts prompt completed greedily by the model as it is now, logged. A collective."""
+        completions = complete(self.strategy, self.plan.prompts, self.cfg.train.sample_max_tokens, self.stops,
+                               self.dist)
+        for index, (prompt, ids) in enumerate(zip(self.plan.prompts, completions, strict=True)):
+            text = self.plan.tokenizer.decode(ids, skip_special_tokens=True)
+            telemetry.event("sample", self.step, index=index, prompt=prompt.shown, completion=text)
+            telemetry.text(f"sample/{index}", self.step, f"{prompt.shown}\n-> {text}")
+            if self.dist.is_main:
+                log.info("sample %d at step %d: %r -> %r", index, self.step, prompt.shown, text)

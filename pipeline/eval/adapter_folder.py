@@ -1,0 +1,92 @@
+"""A PEFT adapter folder (RUN/adapter, or one peft's save_pretrained wrote) read back onto a model built with the
+same adapter transform: its settings as --adapter flags, its tensors into the (possibly sharded) model."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from pipeline.errors import UserError
+from pipeline.model.adapters import ADAPTER_NAME, PEFT_PREFIX
+from pipeline.strategies.base import Strategy
+
+FILE_KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_magnitude_vector)(\.weight)?$")
+"""A tensor of adapter_model.safetensors, less PEFT_PREFIX: `<module>.lora_A.weight`, DoRA's magnitude without
+`.weight`."""
+UNSUPPORTED = {"use_rslora": False, "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {},
+               "alpha_pattern": {}, "bias": "none"}
+"""LoraConfig fields whose other values change what the adapter computes in ways this pipeline does not build."""
+
+
+@dataclass(frozen=True)
+class AdapterFolder:
+    path: Path
+    base_model: str
+    """base_model_name_or_path: a hub id in the offline cache or a model folder."""
+    settings: dict
+    """The ModelConfig fields that rebuild this adapter (adapter, lora_rank, lora_alpha, lora_targets)."""
+
+
+def is_adapter_folder(path: Path) -> bool:
+    return (path / "adapter_config.json").is_file()
+
+
+def read_adapter_folder(path: Path) -> AdapterFolder:
+    """The folder's adapter_config.json as the flags that rebuild it; a folder that is not a LoRA or DoRA adapter this
+    pipeline can build is one line."""
+    try:
+        conf = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path} is not an adapter folder: its adapter_config.json cannot be read ({exc})") from None
+    if conf.get("peft_type") != "LORA":
+        raise UserError(f"{path} holds a {conf.get('peft_type')} adapter; only LoRA and DoRA adapters are supported")
+    odd = [k for k, usual in UNSUPPORTED.items() if conf.get(k, usual) not in (usual, None, {}, [])]
+    if odd:
+        raise UserError(f"{path}: adapter_config.json sets {', '.join(odd)}, which this pipeline does not build; "
+                        "evaluate it with peft directly")
+    targets = conf.get("target_modules")
+    if not isinstance(targets, list) or not targets:
+        raise UserError(f"{path}: adapter_config.json's target_modules must be a list of module names, got "
+                        f"{targets!r}")
+    if not (path / "adapter_model.safetensors").is_file():
+        raise UserError(f"{path} has no adapter_model.safetensors")
+    settings = {"adapter": "dora" if conf.get("use_dora") else "lora", "lora_rank": int(conf["r"]),
+                "lora_alpha": float(conf["lora_alpha"]), "lora_targets": ",".join(sorted(targets))}
+    return AdapterFolder(path, str(conf.get("base_model_name_or_path") or ""), settings)
+
+
+def model_key(file_key: str, path: Path) -> str:
+    """A tensor's name in the model with the adapter injected, from its name in adapter_model.safetensors."""
+    found = FILE_KEY.match(file_key.removeprefix(PEFT_PREFIX))
+    if not file_key.startswith(PEFT_PREFIX) or found is None:
+        raise UserError(f"{path}/adapter_model.safetensors holds {file_key}, not a LoRA or DoRA tensor")
+    return f"{found['module']}.{found['part']}.{ADAPTER_NAME}.weight"
+
+
+def load_adapter(strategy: Strategy, folder: AdapterFolder) -> None:
+    """The folder's tensors into the model the strategy built with this adapter (after its base weights): every rank
+    reads the small file whole and keeps its own rows. A collective. A tensor the model lacks, or one of another
+    shape, is one line."""
+    from safetensors.torch import load_file
+
+    path = folder.path / "adapter_model.safetensors"
+    tensors = {model_key(k, folder.path): v for k, v in load_file(path).items()}
+    shapes = {k: v for k, v in strategy.shapes.items() if k in tensors}
+    missing = sorted(set(tensors) - set(shapes))
+    wrong = [k for k in shapes if tuple(shapes[k]) != tuple(tensors[k].shape)]
+    if missing:
+        raise UserError(f"{path} does not fit the model: it holds {missing[0]}, which the model lacks")
+    if wrong:
+        raise UserError(f"{path} does not fit the model: {wrong[0]} is {tuple(tensors[wrong[0]].shape)}, the model's "
+                        f"is {tuple(shapes[wrong[0]])}")
+    expected = {k for k in strategy.shapes if ".lora_" in k}
+    if absent := sorted(expected - set(tensors)):
+        raise UserError(f"{path} lacks {len(absent)} of the adapter's tensors (first: {absent[0]})")
+    with torch.no_grad():
+        set_model_state_dict(strategy.model, {k: v.float() for k, v in tensors.items()},
+                             options=StateDictOptions(full_state_dict=True, strict=False))
