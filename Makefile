@@ -31,13 +31,19 @@ demo: $(STAMP)
 	$(PY) -m pipeline.tiny --out $(DEMO)/tiny-llama --corpus examples/raw
 	$(PY) MODEL_DOWNLOAD.py --model-name $(DEMO_MODEL) --source $(DEMO)/tiny-llama
 	examples/demo_train.sh $(PY) $(DEMO)/outputs demo -d $(DEMO)/hf_datasets/corpus -m $(DEMO_MODEL) \
-		--config configs/demo.yaml
+		--config configs/demo.yaml --sample-prompts examples/prompts/text.jsonl --sample-max-tokens 16
+	@echo
+	@echo "== evaluate: the base and the fine-tuned model on the blocks the run held out (one command, any model)"
+	$(PY) -m pipeline.evaluate $(DEMO_MODEL) --config $(DEMO)/outputs/demo/config.yaml
+	$(PY) -m pipeline.evaluate $(DEMO)/outputs/demo/hf --config $(DEMO)/outputs/demo/config.yaml \
+		--out $(DEMO)/outputs/demo/eval.json
 	@echo
 	@echo "== chat: conversations only, loss on the assistant turns"
 	$(PY) DATA-HF.py --data_folder examples/raw/chats --save_dir $(DEMO)/hf_datasets/chats --overwrite
 	rm -rf $(DEMO)/outputs/chat
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 fsdp1.py -e chat --save-dir $(DEMO)/outputs \
-		-d $(DEMO)/hf_datasets/chats -m $(DEMO_MODEL) --config configs/demo_chat.yaml
+		-d $(DEMO)/hf_datasets/chats -m $(DEMO_MODEL) --config configs/demo_chat.yaml \
+		--sample-prompts examples/prompts/chat.jsonl
 	$(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf --prompt "How do I make soup?" --max-new-tokens 32
 	$(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf --prompt "What is 12 plus 30?" --max-new-tokens 32
 	@echo
@@ -51,7 +57,8 @@ demo: $(STAMP)
 	@echo "  splits + manifest:   $(DEMO)/splits/manifest.jsonl"
 	@echo "  Arrow dataset:       $(DEMO)/hf_datasets/corpus (report: prep_report.json inside it)"
 	@echo "  tiny model (random): $(DEMO)/tiny-llama, imported as $(DEMO_MODEL) into $(HF_HOME)"
-	@echo "  training run:        $(DEMO)/outputs/demo (metrics.jsonl, loss.png, train.log, checkpoints/, hf/)"
+	@echo "  training run:        $(DEMO)/outputs/demo (metrics.jsonl, loss.png, train.log, checkpoints/, hf/,"
+	@echo "                       eval.json: pipeline.evaluate of hf/)"
 	@echo "  chat run:            $(DEMO)/outputs/chat (try it: $(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf)"
 	@echo "  LoRA run:            $(DEMO)/outputs/chat-lora (adapter/ in PEFT's format, hf/ merged)"
 
