@@ -395,10 +395,19 @@ def load_profile(name: str) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(description="Fine-tune a causal LM with FSDP2. Rerun the same command to resume.",
-                                argument_default=argparse.SUPPRESS)
+                       argument_default=argparse.SUPPRESS)
+    add_config_arguments(p)
+    return p
+
+
+def add_config_arguments(p: argparse.ArgumentParser, leave_out: frozenset[str] = frozenset()) -> None:
+    """--config, --profile and a flag per config key but those left out, each absent from the parsed namespace unless
+    given (p's argument_default must be SUPPRESS): what merge() takes."""
     p.add_argument("--config", type=Path, help="YAML file of the same keys (snake_case); may name a profile")
     p.add_argument("--profile", help="named profile from configs/profiles/")
     for key, (section, f) in _fields().items():
+        if key in leave_out:
+            continue
         flags = [SHORT_FLAGS[key]] if key in SHORT_FLAGS else []
         flags.append(flag(key))
         doc = field_docs(_SECTION_TYPES[section]).get(key, "")
@@ -408,7 +417,6 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(*flags, dest=key, help=doc + default, metavar="on|off", nargs="?", const="on")
         else:
             p.add_argument(*flags, dest=key, help=doc + default, choices=allowed)
-    return p
 
 
 def _show(value: Any) -> str:
@@ -417,7 +425,13 @@ def _show(value: Any) -> str:
 
 def resolve(argv: list[str] | None = None) -> Config:
     """Parse the command line and merge it over the config file, its profile and the defaults."""
-    cli = vars(build_parser().parse_args(argv))
+    return merge(vars(build_parser().parse_args(argv)))
+
+
+def merge(cli: dict[str, Any]) -> Config:
+    """Flags as parsed (config keys, and `config` and `profile`) over the config file they name, its profile and the
+    defaults."""
+    cli = dict(cli)
     config_path = cli.pop("config", None)
     file_values = _read_yaml(config_path, "--config") if config_path is not None else {}
     profile = cli.pop("profile", None) or file_values.pop("profile", None)

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from pipeline.data.batches import make_batch
 from pipeline.errors import UserError
 from pipeline.eval.adapter_folder import read_adapter_folder
+from pipeline.tools.evaluate import resolve
 
 DEMO = ["--config", str(ROOT / "configs" / "demo.yaml"), "-b", "2"]
 
@@ -95,6 +96,15 @@ def test_an_adapter_folder_it_cannot_build_or_an_empty_split_is_one_line(train_e
     (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "IA3"}))
     with pytest.raises(UserError, match=r"holds a IA3 adapter; only LoRA and DoRA adapters are supported"):
         read_adapter_folder(folder)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "lora_alpha": 8}))
+    with pytest.raises(UserError, match=r"adapter_config.json is not a PEFT adapter config \(KeyError: 'r'\)$"):
+        read_adapter_folder(folder)
+    # MODEL anywhere among the run's flags (every one is known); --out refused before any work
+    cfg, adapter, args = resolve(["-d", train_env["dataset"], "local/tiny", "--seq-length", "64", "--split", "all"])
+    assert (cfg.model.model_name, cfg.data.dataset_name, cfg.data.seq_length, args.split, adapter) == \
+        ("local/tiny", str(train_env["dataset"]), 64, "all", None)
+    with pytest.raises(UserError, match=r"^--out .* is a folder; give a file name such as .*eval.json$"):
+        resolve(["local/tiny", "-d", train_env["dataset"], "--out", tmp_path])
     proc = subprocess.run([sys.executable, "-m", "pipeline.evaluate", "local/tiny", "-d", train_env["dataset"],
                            "--save-dir", tmp_path, *DEMO, "--val-fraction", "0"], cwd=ROOT, capture_output=True,
                           text=True, env={**train_env["env"], "PYTHONPATH": str(ROOT)}, timeout=600)
@@ -112,7 +122,9 @@ def reference_completion(model_dir: Path, prompt_ids: list[int], max_new: int, s
     return [t for t in out if t not in stops]
 
 
-@pytest.mark.parametrize("strategy", [["fsdp2", "--vocab-parallel", "on"], ["ddp"]], ids=["fsdp2", "ddp"])
+@pytest.mark.parametrize("strategy", [["fsdp2", "--vocab-parallel", "on"], ["ddp"],
+                                      ["fsdp2", "--vocab-parallel", "on", "--precision", "bf16"]],
+                         ids=["fsdp2", "ddp", "fsdp2-bf16"])
 def test_samples_at_every_evaluation_are_generate_s_greedy_completions(train_env, tiny_models, tmp_path, strategy):
     from transformers import AutoTokenizer
 
@@ -127,12 +139,14 @@ def test_samples_at_every_evaluation_are_generate_s_greedy_completions(train_env
     samples = events(tmp_path / "r", "sample")
     assert [(e["step"], e["index"]) for e in samples] == [(s, i) for s in (0, 2, 4) for i in (0, 1)]
     assert [e["prompt"] for e in samples[:2]] == ["The river", "Name a colour."]
+    log = (tmp_path / "r" / "train.log").read_text()
+    assert f"sample 1 at step 4: 'Name a colour.' -> {samples[-1]['completion']!r}" in log
+    if "bf16" in strategy:  # the fp32 head under a bf16 forward decodes (the reference below is fp32)
+        return
     # step 0 is the base model: every rank decoded together (the vocabulary-parallel head under fsdp2 holds half
     # the logits on each rank), and the result is transformers' own greedy generate
     tokenizer = AutoTokenizer.from_pretrained(tiny_models["tied"])
     stops = stop_ids(tokenizer, tiny_models["tied"])
-    for event, prompt in zip(samples[:2], read_prompts(prompts, tokenizer, "26 Jul 2024", 128), strict=True):
+    for event, prompt in zip(samples[:2], read_prompts(prompts, tokenizer, "26 Jul 2024", 128, 12), strict=True):
         expected = reference_completion(tiny_models["tied"], prompt.ids, 12, stops)
         assert event["completion"] == tokenizer.decode(expected, skip_special_tokens=True)
-    log = (tmp_path / "r" / "train.log").read_text()
-    assert f"sample 1 at step 4: 'Name a colour.' -> {samples[-1]['completion']!r}" in log

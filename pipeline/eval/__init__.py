@@ -1,2 +1,3 @@
 """Evaluation: held-out loss of a model on the blocks training packs (heldout), greedy samples of prompts while
-training (samples), and `python -m pipeline.evaluate` on any model or adapter (cli)."""
+training (samples), a PEFT adapter folder read back onto a built model (adapter_folder). The trainer and
+`python -m pipeline.evaluate` (tools/evaluate) use them."""

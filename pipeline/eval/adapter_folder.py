@@ -4,7 +4,6 @@ same adapter transform: its settings as --adapter flags, its tensors into the (p
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,12 +11,10 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from pipeline.errors import UserError
-from pipeline.model.adapters import ADAPTER_NAME, PEFT_PREFIX
+from pipeline.model.adapters import ADAPTER_FILES, is_adapter_key, model_key_of
 from pipeline.strategies.base import Strategy
 
-FILE_KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_magnitude_vector)(\.weight)?$")
-"""A tensor of adapter_model.safetensors, less PEFT_PREFIX: `<module>.lora_A.weight`, DoRA's magnitude without
-`.weight`."""
+CONFIG, WEIGHTS = ADAPTER_FILES
 UNSUPPORTED = {"use_rslora": False, "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {},
                "alpha_pattern": {}, "bias": "none"}
 """LoraConfig fields whose other values change what the adapter computes in ways this pipeline does not build."""
@@ -33,49 +30,58 @@ class AdapterFolder:
 
 
 def is_adapter_folder(path: Path) -> bool:
-    return (path / "adapter_config.json").is_file()
+    return (path / CONFIG).is_file()
 
 
 def read_adapter_folder(path: Path) -> AdapterFolder:
     """The folder's adapter_config.json as the flags that rebuild it; a folder that is not a LoRA or DoRA adapter this
     pipeline can build is one line."""
     try:
-        conf = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{path} is not an adapter folder: its adapter_config.json cannot be read ({exc})") from None
-    if conf.get("peft_type") != "LORA":
-        raise UserError(f"{path} holds a {conf.get('peft_type')} adapter; only LoRA and DoRA adapters are supported")
+        conf = json.loads((path / CONFIG).read_text(encoding="utf-8"))
+        if conf.get("peft_type") != "LORA":
+            raise UserError(f"{path} holds a {conf.get('peft_type')} adapter; only LoRA and DoRA adapters are "
+                            "supported")
+        settings = {"adapter": "dora" if conf.get("use_dora") else "lora", "lora_rank": int(conf["r"]),
+                    "lora_alpha": float(conf["lora_alpha"])}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError) as exc:
+        raise UserError(f"{path}/{CONFIG} is not a PEFT adapter config ({type(exc).__name__}: {exc})") from None
     odd = [k for k, usual in UNSUPPORTED.items() if conf.get(k, usual) not in (usual, None, {}, [])]
     if odd:
-        raise UserError(f"{path}: adapter_config.json sets {', '.join(odd)}, which this pipeline does not build; "
-                        "evaluate it with peft directly")
+        raise UserError(f"{path}: {CONFIG} sets {', '.join(odd)}, which this pipeline does not build; evaluate it "
+                        "with peft directly")
     targets = conf.get("target_modules")
-    if not isinstance(targets, list) or not targets:
-        raise UserError(f"{path}: adapter_config.json's target_modules must be a list of module names, got "
-                        f"{targets!r}")
-    if not (path / "adapter_model.safetensors").is_file():
-        raise UserError(f"{path} has no adapter_model.safetensors")
-    settings = {"adapter": "dora" if conf.get("use_dora") else "lora", "lora_rank": int(conf["r"]),
-                "lora_alpha": float(conf["lora_alpha"]), "lora_targets": ",".join(sorted(targets))}
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        raise UserError(f"{path}: {CONFIG}'s target_modules must be a list of module names, got {targets!r}")
+    if not (path / WEIGHTS).is_file():
+        raise UserError(f"{path} has no {WEIGHTS}")
+    settings["lora_targets"] = ",".join(sorted(targets))
     return AdapterFolder(path, str(conf.get("base_model_name_or_path") or ""), settings)
 
 
-def model_key(file_key: str, path: Path) -> str:
-    """A tensor's name in the model with the adapter injected, from its name in adapter_model.safetensors."""
-    found = FILE_KEY.match(file_key.removeprefix(PEFT_PREFIX))
-    if not file_key.startswith(PEFT_PREFIX) or found is None:
-        raise UserError(f"{path}/adapter_model.safetensors holds {file_key}, not a LoRA or DoRA tensor")
-    return f"{found['module']}.{found['part']}.{ADAPTER_NAME}.weight"
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """adapter_model.safetensors under the model's names; a damaged file, or a tensor that is not LoRA's or DoRA's,
+    is one line."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(path / WEIGHTS)
+    except (OSError, SafetensorError) as exc:
+        raise UserError(f"{path / WEIGHTS} cannot be read, it is damaged ({exc})") from None
+    named = {}
+    for key, value in tensors.items():
+        if (name := model_key_of(key)) is None:
+            raise UserError(f"{path / WEIGHTS} holds {key}, not a LoRA or DoRA tensor")
+        named[name] = value
+    return named
 
 
 def load_adapter(strategy: Strategy, folder: AdapterFolder) -> None:
     """The folder's tensors into the model the strategy built with this adapter (after its base weights): every rank
     reads the small file whole and keeps its own rows. A collective. A tensor the model lacks, or one of another
     shape, is one line."""
-    from safetensors.torch import load_file
-
-    path = folder.path / "adapter_model.safetensors"
-    tensors = {model_key(k, folder.path): v for k, v in load_file(path).items()}
+    path = folder.path / WEIGHTS
+    tensors = read_tensors(folder.path)
     shapes = {k: v for k, v in strategy.shapes.items() if k in tensors}
     missing = sorted(set(tensors) - set(shapes))
     wrong = [k for k in shapes if tuple(shapes[k]) != tuple(tensors[k].shape)]
@@ -84,7 +90,7 @@ def load_adapter(strategy: Strategy, folder: AdapterFolder) -> None:
     if wrong:
         raise UserError(f"{path} does not fit the model: {wrong[0]} is {tuple(tensors[wrong[0]].shape)}, the model's "
                         f"is {tuple(shapes[wrong[0]])}")
-    expected = {k for k in strategy.shapes if ".lora_" in k}
+    expected = {k for k in strategy.shapes if is_adapter_key(k)}
     if absent := sorted(expected - set(tensors)):
         raise UserError(f"{path} lacks {len(absent)} of the adapter's tensors (first: {absent[0]})")
     with torch.no_grad():

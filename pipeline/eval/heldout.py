@@ -29,14 +29,15 @@ class HeldOut:
 
     @property
     def ppl(self) -> float:
-        return math.exp(self.loss) if self.loss < 700 else math.inf
+        return math.inf if self.loss > 700 else math.exp(self.loss)  # exp overflows there; NaN stays NaN
 
 
 @torch.no_grad()
 def held_out_loss(strategy: Strategy, parts: Sequence[Part], batch_size: int, d: Dist) -> HeldOut | None:
     """The loss over every block of parts, dealt round-robin to the ranks; None when there are none. A collective:
     every rank runs the same forwards on the same shapes (the vocabulary-parallel loss and FSDP's gathers are
-    collectives inside each), then one all-reduce. The model is left in the mode it was in, its root released."""
+    collectives inside each), then one all-reduce; None too when the blocks hold no target token. The model is left
+    in the mode it was in, its root released."""
     total = sum(len(blocks) for blocks, _ in parts)
     if total == 0:
         return None
@@ -60,4 +61,4 @@ def held_out_loss(strategy: Strategy, parts: Sequence[Part], batch_size: int, d:
     strategy.release()  # the root stays gathered after a forward without backward
     model.train(training)
     loss_sum, tokens = sums.tolist()  # a host sync, once per evaluation
-    return HeldOut(loss_sum / max(tokens, 1), int(tokens), total)
+    return HeldOut(loss_sum / tokens, int(tokens), total) if tokens else None

@@ -21,7 +21,7 @@ from pipeline.data.chat_tokens import render
 from pipeline.dist.runtime import Dist
 from pipeline.errors import UserError
 from pipeline.model.loss import CausalLMLoss
-from pipeline.model.vocab_parallel import vocab_row_offset
+from pipeline.model.vocab_parallel import argmax_token, vocab_row_offset
 from pipeline.strategies.base import Strategy
 
 
@@ -32,9 +32,10 @@ class Prompt:
     ids: list[int]
 
 
-def read_prompts(path: Path, tokenizer, chat_date: str, room: int) -> list[Prompt]:
-    """The prompts of a JSONL file, one object per line: {"prompt": TEXT} or {"messages": [{"role", "content"}, ...]}.
-    room: the longest a prompt and its completion may be (the block length). Any other line is one error naming it."""
+def read_prompts(path: Path, tokenizer, chat_date: str, seq_length: int, max_tokens: int) -> list[Prompt]:
+    """The prompts of a JSONL file, one object per line: {"prompt": TEXT} or {"messages": [{"role", "content"}, ...]},
+    each with room for max_tokens more in a block of seq_length (the model's positions). Any other line, or a prompt
+    too long, is one error naming it."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
@@ -45,9 +46,10 @@ def read_prompts(path: Path, tokenizer, chat_date: str, room: int) -> list[Promp
             prompts.append(_prompt(json_line(path, number, line), tokenizer, chat_date, f"{path}:{number}"))
     if not prompts:
         raise UserError(f"--sample-prompts {path} holds no prompt")
-    if too_long := [p for p in prompts if len(p.ids) >= room]:
+    if too_long := [p for p in prompts if len(p.ids) + max_tokens > seq_length]:
         raise UserError(f"--sample-prompts {path}: the prompt {too_long[0].shown[:60]!r} is {len(too_long[0].ids)} "
-                        f"tokens, no room left in a block of {room} for --sample-max-tokens; shorten it")
+                        f"tokens, and with --sample-max-tokens {max_tokens} more it would not fit --seq-length "
+                        f"{seq_length}; shorten it or lower --sample-max-tokens")
     return prompts
 
 
@@ -125,13 +127,4 @@ def next_token(loss_fn: CausalLMLoss, ids: torch.Tensor) -> torch.Tensor:
         return logits.argmax().view(1)
     h = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0, -1]
     head = model.get_output_embeddings().weight
-    logits = (head.to_local() @ h).float()
-    best = logits.argmax()
-    mine = torch.stack([logits[best], (best + vocab_row_offset(head.shape[0], loss_fn.group)).float()])
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(loss_fn.group))]
-    dist.all_gather(every, mine, group=loss_fn.group)
-    scores = torch.stack(every)
-    # the highest score; of equal ones the lowest id, as argmax over the whole row picks
-    order = torch.argsort(scores[:, 1])
-    winner = order[scores[order, 0].argmax()]
-    return scores[winner, 1].long().view(1)
+    return argmax_token(h, head.to_local(), vocab_row_offset(head.shape[0], loss_fn.group), loss_fn.group)

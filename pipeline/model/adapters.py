@@ -34,8 +34,24 @@ ADAPTER_NAME = "default"
 LORA_KEY = re.compile(rf"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_magnitude_vector)\.{ADAPTER_NAME}\.weight$")
 BASE_LAYER = ".base_layer"
 """What peft inserts into the name of a wrapped layer's own parameters (q_proj.base_layer.weight)."""
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+"""What PEFT's save_pretrained writes for an adapter (and an adapter export here): its config, its tensors."""
 PEFT_PREFIX = "base_model.model."
 """The prefix PeftModel gives every key of adapter_model.safetensors."""
+
+
+PEFT_FILE_KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_magnitude_vector)(\.weight)?$")
+"""A tensor's name in adapter_model.safetensors less PEFT_PREFIX (adapter_state's names): `<module>.lora_A.weight`,
+DoRA's magnitude without `.weight`."""
+
+
+def model_key_of(file_key: str) -> str | None:
+    """The name in the model with the adapter injected of a tensor of adapter_model.safetensors (the inverse of
+    adapter_state's naming); None for a tensor that is not a LoRA or DoRA one."""
+    found = PEFT_FILE_KEY.match(file_key.removeprefix(PEFT_PREFIX))
+    if not file_key.startswith(PEFT_PREFIX) or found is None:
+        return None
+    return f"{found['module']}.{found['part']}.{ADAPTER_NAME}.weight"
 
 
 def plain_key(name: str) -> str:

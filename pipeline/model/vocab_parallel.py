@@ -192,3 +192,23 @@ def vocab_row_offset(vocab: int, group: dist.ProcessGroup | None) -> int:
     if group is None:
         return 0
     return min(vocab, -(-vocab // dist.get_world_size(group)) * dist.get_rank(group))
+
+
+def argmax_token(h: torch.Tensor, w: torch.Tensor, vocab_start: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The id of the highest logit of one hidden state h (hidden,) against the whole vocabulary, this rank holding
+    rows [vocab_start, vocab_start + len(w)) of the head: each rank's best, then the best of those (of equal logits
+    the lowest id, as argmax over the whole row picks). A collective; a rank holding no rows takes part. Returns a
+    1-element int64 tensor, the same on every rank."""
+    logits = (w.to(h.dtype) @ h).float()  # the head may be fp32 (full fine-tuning) under a bf16 forward
+    if group is None:  # the whole vocabulary here
+        return logits.argmax().view(1)
+    if len(logits):
+        best = logits.argmax()
+        mine = torch.stack([logits[best], (best + vocab_start).float()])  # ids below 2**24: exact in fp32
+    else:
+        mine = torch.tensor([-torch.inf, torch.inf], device=h.device)
+    every = [torch.empty_like(mine) for _ in range(_world(group))]
+    dist.all_gather(every, mine, group=group)
+    scores = torch.stack(every)
+    order = torch.argsort(scores[:, 1])
+    return scores[order[scores[order, 0].argmax()], 1].long().view(1)

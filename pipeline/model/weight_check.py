@@ -46,9 +46,9 @@ class WeightCheck:
     """A folder's files whose new content was accepted as the reference (accept=True)."""
     record: Path | None = None
     kept: bool = True
+    """Whether the record could be written (a read-only folder is hashed again at every check)."""
     digests: dict[str, str] = field(default_factory=dict)
     """Each sound weight file's SHA-256, by its name in the model folder: what the weights are, whoever checks."""
-    """Whether the record could be written (a read-only folder is hashed again at every check)."""
 
 
 def hub_digest(file: Path) -> str | None:

@@ -26,7 +26,7 @@ from pipeline.config import Config
 from pipeline.dist.runtime import DTYPES, Dist, init_distributed
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import replace_dir
-from pipeline.model.adapters import LowRankAdapter
+from pipeline.model.adapters import ADAPTER_FILES, LowRankAdapter
 from pipeline.model.naming import to_file_layout
 from pipeline.model.weight_check import FOLDER_RECORD
 from pipeline.model.weight_files import INDEX, read_header
@@ -62,8 +62,6 @@ RUN_TEMPLATE = "chat_template.jinja"
 """A run trained with --chat-template keeps the template in its folder under this name, for every later export."""
 
 
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-"""What PEFT's save_pretrained writes for an adapter (and an adapter export here)."""
 EXPORT_FILES = frozenset({INDEX, "config.json", "generation_config.json", *TOKENIZER_FILES, *ADAPTER_FILES,
                           FOLDER_RECORD})
 """What an export writes besides its *.safetensors (and the record its weights' first check leaves in it, when it is

@@ -152,8 +152,8 @@ def preflight(cfg: Config) -> Plan:
     """Every user mistake we can detect cheaply; identical on every rank."""
     plan = resolve_inputs(cfg)
     if cfg.train.sample_prompts:
-        room = cfg.data.seq_length - cfg.train.sample_max_tokens + 1
-        plan.prompts = read_prompts(Path(cfg.train.sample_prompts), plan.tokenizer, cfg.data.chat_date, room)
+        plan.prompts = read_prompts(Path(cfg.train.sample_prompts), plan.tokenizer, cfg.data.chat_date,
+                                    cfg.data.seq_length, cfg.train.sample_max_tokens)
     exports = {**run_exports(cfg), **(run_exports(cfg, best=True) if cfg.run.save_best else {})}
     for folder in exports:  # what the run replaces at its end: refused now
         check_replaceable(cfg.run_dir / folder, f"the run's export folder {folder}/:")

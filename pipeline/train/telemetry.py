@@ -156,6 +156,11 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
+def finite_or_text(x: float) -> float | str:
+    """x, or "nan"/"inf" as text: JSON has no non-finite numbers."""
+    return x if math.isfinite(x) else str(x)
+
+
 class Telemetry:
     """Writes the run's events; only the enabled (rank 0) instance touches stdout, files and TensorBoard."""
 
@@ -179,14 +184,15 @@ class Telemetry:
         # and the files, before its message
         self.close(plot=exc_type is None or issubclass(exc_type, (UserError, Interrupted)))
 
-    def event(self, kind: str, step: int, **fields) -> None:
+    def event(self, kind: str, step: int, tensorboard: bool = True, **fields) -> None:
+        """One line of metrics.jsonl; with tensorboard, its finite numbers as TensorBoard scalars too."""
         if not self.enabled:
             return
         record = {"event": kind, "step": step, "time": round(time.time(), 3), **fields}
         with naming(self.run_dir / "metrics.jsonl"):
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
-        for key, value in fields.items():
+        for key, value in fields.items() if tensorboard else ():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 self.tb.add_scalar(f"{kind}/{key}", value, step)
 

@@ -39,6 +39,7 @@ from pipeline.train.step import StepResult, Update, train_step
 from pipeline.train.telemetry import (
     PhaseTimer,
     Telemetry,
+    finite_or_text,
     flops_per_token,
     log,
     memory_gb,
@@ -78,11 +79,6 @@ class Window:
 
     def seconds(self) -> float:
         return time.perf_counter() - self.started
-
-
-def finite_or_text(x: float) -> float | str:
-    """x, or "nan"/"inf" as text: JSON has no non-finite numbers."""
-    return x if math.isfinite(x) else str(x)
 
 
 class Trainer:
@@ -232,10 +228,10 @@ class Trainer:
         log.info("exported the %s", described(self.cfg))
 
     def loop(self, telemetry: Telemetry) -> None:
-        window = Window()
         self.model.train()
         if self.step == 0 and self.cfg.train.eval_base:
             self.base_val = self.evaluate(telemetry)
+        window = Window()  # after the base's validation: the first window's throughput is of training alone
         while self.step < self.total_steps:
             stop, time_to_save = self.boundary()
             if stop:
@@ -257,7 +253,9 @@ class Trainer:
                 self.log_window(telemetry, window)
                 window = Window()
             if self.cfg.train.eval_freq and self.step % self.cfg.train.eval_freq == 0 and self.step < self.total_steps:
+                started = time.perf_counter()
                 self.evaluate(telemetry)
+                window.started += time.perf_counter() - started  # the window's throughput is of training alone
             if (self.cfg.train.ckpt_freq and self.step % self.cfg.train.ckpt_freq == 0) or time_to_save:
                 self.save()
         final = self.evaluate(telemetry)
@@ -380,7 +378,7 @@ class Trainer:
                                self.dist)
         for index, (prompt, ids) in enumerate(zip(self.plan.prompts, completions, strict=True)):
             text = self.plan.tokenizer.decode(ids, skip_special_tokens=True)
-            telemetry.event("sample", self.step, index=index, prompt=prompt.shown, completion=text)
+            telemetry.event("sample", self.step, tensorboard=False, index=index, prompt=prompt.shown, completion=text)
             telemetry.text(f"sample/{index}", self.step, f"{prompt.shown}\n-> {text}")
             if self.dist.is_main:
                 log.info("sample %d at step %d: %r -> %r", index, self.step, prompt.shown, text)

@@ -9,19 +9,21 @@ found by the same key, so `--config RUN/config.yaml` scores the very blocks that
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
 import logging
-import math
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from pipeline import config as config_mod
-from pipeline.config import Config
+from pipeline.config import Config, add_config_arguments
 from pipeline.dist.launch import detect as detect_launch
 from pipeline.dist.runtime import Dist, compute_dtype, init_distributed
 from pipeline.errors import ArgumentParser, UserError
@@ -29,47 +31,70 @@ from pipeline.eval.adapter_folder import AdapterFolder, is_adapter_folder, load_
 from pipeline.eval.heldout import HeldOut, held_out_loss
 from pipeline.fsutil import sha256_file, write_text_atomic
 from pipeline.model.registry import transforms_for
+from pipeline.strategies.auto import check_agreed
 from pipeline.strategies.registry import make_strategy, settle
 from pipeline.train.blocks import prepare_blocks
 from pipeline.train.preflight import Plan, check_base_weights, resolve_inputs
+from pipeline.train.telemetry import finite_or_text
 
 SPLITS = ("val", "all")
+OWN = ("model", "adapter_dir", "split", "out")
+"""This command's own arguments; every other one is a config key."""
 
 
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(description="Held-out loss and perplexity of a model, or of a base model with an adapter, on a "
-                       "dataset packed exactly as training packs it (the same token cache). Every fsdp1.py flag of the "
-                       "data and the model is accepted too (-d, --seq-length, --val-fraction, --seed, --train-on, "
-                       "--chat-template, --save-dir or --cache-dir for the token cache, --strategy, -b), or --config "
-                       "RUN/config.yaml to pack as that run did.", allow_abbrev=False)
+                       "dataset packed exactly as training packs it (the same token cache). The data and model flags "
+                       "are fsdp1.py's; --config RUN/config.yaml packs as that run did.",
+                       argument_default=argparse.SUPPRESS, allow_abbrev=False)
     p.add_argument("model", help="a hub id in the offline cache, a model folder (RUN/hf, RUN/best), or an adapter "
                    "folder (RUN/adapter: on the base model its adapter_config.json names)")
-    p.add_argument("--adapter", type=Path, help="a PEFT adapter folder to put on MODEL (LoRA or DoRA)")
+    p.add_argument("--adapter", dest="adapter_dir", type=Path, default=None,
+                   help="a PEFT adapter folder (LoRA or DoRA) to put on MODEL")
     p.add_argument("--split", choices=SPLITS, default="val", help="val: the blocks training holds out (default); "
                    "all: every block, training and validation")
-    p.add_argument("--out", type=Path, help="also write the results to this JSON file")
+    p.add_argument("--out", type=Path, default=None, help="also write the results to this JSON file")
+    # the run's flags but those this command sets: the model (MODEL), the adapter (--adapter's folder), the run name
+    add_config_arguments(p, leave_out=frozenset({"model_name", "experiment_name", "adapter"}))
     return p
 
 
-def resolve(argv: list[str] | None) -> tuple[Config, AdapterFolder | None, object]:
-    """The config to pack and build by (the run flags given, MODEL and the adapter's settings over them), the adapter
-    folder if any, and the parsed arguments."""
-    args, rest = build_parser().parse_known_args(argv)
-    adapter_dir = args.adapter or (Path(args.model) if is_adapter_folder(Path(args.model)) else None)
+def resolve(argv: list[str] | None) -> tuple[Config, AdapterFolder | None, argparse.Namespace]:
+    """The config to pack and build by (the flags given, MODEL and the adapter's settings over them), the adapter
+    folder if any, and this command's own arguments."""
+    parsed = vars(build_parser().parse_args(argv))
+    args = argparse.Namespace(**{k: parsed.pop(k) for k in OWN})
+    check_out(args.out)
+    adapter_dir = args.adapter_dir or (Path(args.model) if is_adapter_folder(Path(args.model)) else None)
     adapter = read_adapter_folder(adapter_dir) if adapter_dir is not None else None
     model = args.model
-    if args.adapter is None and adapter is not None:
+    if args.adapter_dir is None and adapter is not None:
         if not adapter.base_model:
             raise UserError(f"{adapter.path}/adapter_config.json names no base model; pass the base as MODEL and the "
                             "folder as --adapter")
         model = adapter.base_model
-    # MODEL last, so it wins over a -m or a config file's model_name; the experiment name names no folder here
-    cfg = config_mod.resolve([*rest, "-e", "evaluate", "-m", model])
-    settings = adapter.settings if adapter else {"adapter": "none"}
+    # a run config's prompts are the trainer's: not read here (nor required to exist)
+    cfg = config_mod.merge({**parsed, "experiment_name": "evaluate", "model_name": model, "sample_prompts": ""})
+    settings = {"adapter": "none"}
+    if adapter is not None:
+        settings = dict(adapter.settings)
+        if cfg.model.adapter == "qlora" and settings["adapter"] == "lora":  # a QLoRA run's: scored on its NF4 base
+            settings["adapter"] = "qlora"
+    # no dropout: evaluation runs in eval mode anyway, and the setting is not in the folder
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_dropout=0.0, **settings))
-    if args.out is not None and not args.out.parent.is_dir():
-        raise UserError(f"--out {args.out}: its folder {args.out.parent} does not exist")
     return settle(cfg), adapter, args
+
+
+def check_out(out: Path | None) -> None:
+    """--out refused before any work, rather than after the evaluation."""
+    if out is None:
+        return
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder; give a file name such as {out / 'eval.json'}")
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: its folder {out.parent} does not exist")
+    if not os.access(out.parent, os.W_OK):
+        raise UserError(f"--out {out}: its folder {out.parent} is not writable")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,9 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     cfg = plan.config  # --strategy auto resolved
     weights = check_base_weights(cfg, plan.model_dir)
     d = init_distributed(timedelta(seconds=cfg.run.collective_timeout_s))
+    check_agreed(cfg, d)  # --strategy auto chose the same wrapper on every node, or its collectives would not match
     if d.is_main:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    result, cache = evaluate(cfg, plan, adapter, args.split, d)
+    try:
+        result, cache = evaluate(cfg, plan, adapter, args.split, d)
+    except torch.OutOfMemoryError:
+        raise UserError(f"rank {d.rank} ran out of {d.device.type.upper()} memory evaluating at batch "
+                        f"{cfg.train.batch_size} x seq {cfg.data.seq_length}; use a smaller -b, or more processes "
+                        "under torchrun with --strategy fsdp2") from None
     if d.is_main:
         report = {**results(cfg, plan, adapter, args, result, weights.digests), "token_cache": str(cache)}
         print(table(report))
@@ -97,7 +128,7 @@ def evaluate(cfg: Config, plan: Plan, adapter: AdapterFolder | None, split: str,
     cache's folder. A collective."""
     blocks = prepare_blocks(cfg, plan, d)
     parts = [(blocks.val, blocks.val_flags)] + ([(blocks.train, blocks.train_flags)] if split == "all" else [])
-    if not sum(len(b) for b, _ in parts):
+    if not sum(len(b) for b, _ in parts):  # --split all always has blocks: training needs one batch of them
         raise UserError(f"{cfg.data.dataset_name} has no validation blocks at --val-fraction {cfg.data.val_fraction:g}"
                         f" and --seq-length {cfg.data.seq_length}; pass --split all, or the run's --val-fraction")
     dtype = compute_dtype(cfg.model.precision, d.device)
@@ -106,10 +137,14 @@ def evaluate(cfg: Config, plan: Plan, adapter: AdapterFolder | None, split: str,
     strategy.load_weights(plan.model_dir)
     if adapter is not None:
         load_adapter(strategy, adapter)
-    return held_out_loss(strategy, parts, cfg.train.batch_size, d), blocks.path
+    result = held_out_loss(strategy, parts, cfg.train.batch_size, d)
+    if result is None:
+        raise UserError(f"the {split} blocks of {cfg.data.dataset_name} hold no token the loss counts (--train-on "
+                        f"{cfg.data.train_on}); use --split all or another --train-on")
+    return result, blocks.path
 
 
-def results(cfg: Config, plan: Plan, adapter: AdapterFolder | None, args, result: HeldOut,
+def results(cfg: Config, plan: Plan, adapter: AdapterFolder | None, args: argparse.Namespace, result: HeldOut,
             digests: dict[str, str]) -> dict:
     """What --out writes: the figures, and what they were measured on (model, adapter and dataset fingerprints)."""
     weights = hashlib.sha256(json.dumps(sorted(digests.items())).encode()).hexdigest()
@@ -117,7 +152,7 @@ def results(cfg: Config, plan: Plan, adapter: AdapterFolder | None, args, result
         "model": args.model, "base_model": cfg.model.model_name,
         "adapter": None if adapter is None else str(adapter.path),
         "dataset": cfg.data.dataset_name, "split": args.split, "seq_length": cfg.data.seq_length,
-        "loss": result.loss, "ppl": result.ppl if math.isfinite(result.ppl) else str(result.ppl),
+        "loss": finite_or_text(result.loss), "ppl": finite_or_text(result.ppl),
         "tokens": result.tokens, "blocks": result.blocks,
         "fingerprint": {
             "dataset": plan.fingerprint["dataset"], "tokenizer": plan.fingerprint["tokenizer"],
@@ -131,6 +166,9 @@ def table(report: dict) -> str:
     rows = {"model": report["base_model"] + (f" + adapter {report['adapter']}" if report["adapter"] else ""),
             "dataset": f"{report['dataset']} ({report['split']}: {report['blocks']:,} blocks of "
                        f"{report['seq_length']} tokens, {report['tokens']:,} target tokens)",
-            "loss": f"{report['loss']:.5f}", "ppl": f"{report['ppl']:.3f}" if isinstance(report["ppl"], float)
-            else report["ppl"]}
+            "loss": _figure(report["loss"], ".5f"), "ppl": _figure(report["ppl"], ".3f")}
     return "\n".join(f"{k:<8} {v}" for k, v in rows.items())
+
+
+def _figure(value: float | str, spec: str) -> str:
+    return value if isinstance(value, str) else format(value, spec)
