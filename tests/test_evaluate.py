@@ -20,11 +20,16 @@ from pipeline.tools.evaluate import resolve
 DEMO = ["--config", str(ROOT / "configs" / "demo.yaml"), "-b", "2"]
 
 
+def run_evaluate(env: dict, *args: object) -> subprocess.CompletedProcess:
+    """pipeline.evaluate in one plain process, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "pipeline.evaluate", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, env={**env, "PYTHONPATH": str(ROOT)}, timeout=600)
+
+
 def evaluate(env: dict, *args: object) -> dict:
     """pipeline.evaluate in one plain process; its --out JSON."""
     out = Path(str(args[args.index("--save-dir") + 1])) / "eval.json"
-    proc = subprocess.run([sys.executable, "-m", "pipeline.evaluate", *map(str, args), "--out", out], cwd=ROOT,
-                          capture_output=True, text=True, env={**env, "PYTHONPATH": str(ROOT)}, timeout=600)
+    proc = run_evaluate(env, *args, "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert f"loss     {report['loss']:.5f}" in proc.stdout
@@ -105,9 +110,8 @@ def test_an_adapter_folder_it_cannot_build_or_an_empty_split_is_one_line(train_e
         ("local/tiny", str(train_env["dataset"]), 64, "all", None)
     with pytest.raises(UserError, match=r"^--out .* is a folder; give a file name such as .*eval.json$"):
         resolve(["local/tiny", "-d", train_env["dataset"], "--out", tmp_path])
-    proc = subprocess.run([sys.executable, "-m", "pipeline.evaluate", "local/tiny", "-d", train_env["dataset"],
-                           "--save-dir", tmp_path, *DEMO, "--val-fraction", "0"], cwd=ROOT, capture_output=True,
-                          text=True, env={**train_env["env"], "PYTHONPATH": str(ROOT)}, timeout=600)
+    proc = run_evaluate(train_env["env"], "local/tiny", "-d", train_env["dataset"], "--save-dir", tmp_path, *DEMO,
+                        "--val-fraction", "0")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: {train_env['dataset']} has no validation blocks at --val-fraction 0 and --seq-length 128; pass "

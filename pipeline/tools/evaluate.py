@@ -27,7 +27,14 @@ from pipeline.config import Config, add_config_arguments
 from pipeline.dist.launch import detect as detect_launch
 from pipeline.dist.runtime import Dist, compute_dtype, init_distributed
 from pipeline.errors import ArgumentParser, UserError
-from pipeline.eval.adapter_folder import AdapterFolder, is_adapter_folder, load_adapter, read_adapter_folder
+from pipeline.eval.adapter_folder import (
+    CONFIG,
+    WEIGHTS,
+    AdapterFolder,
+    is_adapter_folder,
+    load_adapter,
+    read_adapter_folder,
+)
 from pipeline.eval.heldout import HeldOut, held_out_loss
 from pipeline.fsutil import sha256_file, write_text_atomic
 from pipeline.model.registry import transforms_for
@@ -70,7 +77,7 @@ def resolve(argv: list[str] | None) -> tuple[Config, AdapterFolder | None, argpa
     model = args.model
     if args.adapter_dir is None and adapter is not None:
         if not adapter.base_model:
-            raise UserError(f"{adapter.path}/adapter_config.json names no base model; pass the base as MODEL and the "
+            raise UserError(f"{adapter.path / CONFIG} names no base model; pass the base as MODEL and the "
                             "folder as --adapter")
         model = adapter.base_model
     # a run config's prompts are the trainer's: not read here (nor required to exist)
@@ -157,7 +164,7 @@ def results(cfg: Config, plan: Plan, adapter: AdapterFolder | None, args: argpar
         "fingerprint": {
             "dataset": plan.fingerprint["dataset"], "tokenizer": plan.fingerprint["tokenizer"],
             "model_config": plan.fingerprint["model_config"], "weights": weights[:16],
-            **({"adapter": sha256_file(adapter.path / "adapter_model.safetensors")[:16]} if adapter else {}),
+            **({"adapter": sha256_file(adapter.path / WEIGHTS)[:16]} if adapter else {}),
         },
     }
 
