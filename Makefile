@@ -8,7 +8,7 @@ DEMO := demo
 DEMO_MODEL := local/tiny-llama
 export HF_HOME := $(CURDIR)/$(DEMO)/hf_home
 
-.PHONY: venv demo test test-fast smoke lint bench bench-chat bench-gpu clean-demo
+.PHONY: venv demo test test-fast smoke lint bench bench-chat bench-gpu clean-demo lm-eval
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,15 +25,26 @@ $(BENCH_STAMP): $(STAMP) requirements-bench.txt
 	$(PY) -m pip install -q -r requirements-bench.txt
 	touch $(BENCH_STAMP)
 
-demo: $(STAMP)
+LM_EVAL_STAMP := $(VENV)/.lm-eval-installed
+
+$(LM_EVAL_STAMP): $(STAMP) requirements-lm-eval.txt
+	$(PY) -m pip install -q -r requirements-lm-eval.txt
+	touch $(LM_EVAL_STAMP)
+
+# lm-evaluation-harness (optional): --lm-eval-tasks on pipeline.evaluate and fsdp1.py
+lm-eval: $(LM_EVAL_STAMP)
+
+demo: $(STAMP) $(LM_EVAL_STAMP)
 	$(PY) ORGANIZE_DATA.py --src_dir examples/raw --dst_root $(DEMO)/splits --num_dirs 4
 	$(PY) DATA-HF.py --data_folder $(DEMO)/splits --save_dir $(DEMO)/hf_datasets/corpus --overwrite
 	$(PY) -m pipeline.tiny --out $(DEMO)/tiny-llama --corpus examples/raw
 	$(PY) MODEL_DOWNLOAD.py --model-name $(DEMO_MODEL) --source $(DEMO)/tiny-llama
 	examples/demo_train.sh $(PY) $(DEMO)/outputs demo -d $(DEMO)/hf_datasets/corpus -m $(DEMO_MODEL) \
-		--config configs/demo.yaml --sample-prompts examples/prompts/text.jsonl --sample-max-tokens 16
+		--config configs/demo.yaml --sample-prompts examples/prompts/text.jsonl --sample-max-tokens 16 \
+		--lm-eval-tasks corpus_cloze --lm-eval-include examples/lm_eval
 	@echo
-	@echo "== evaluate: the base and the fine-tuned model on the blocks the run held out (one command, any model)"
+	@echo "== evaluate: the base and the fine-tuned model on the blocks the run held out (one command, any model), and"
+	@echo "   on the local lm-eval task the run's config names"
 	$(PY) -m pipeline.evaluate $(DEMO_MODEL) --config $(DEMO)/outputs/demo/config.yaml
 	$(PY) -m pipeline.evaluate $(DEMO)/outputs/demo/hf --config $(DEMO)/outputs/demo/config.yaml \
 		--out $(DEMO)/outputs/demo/eval.json
@@ -58,7 +69,7 @@ demo: $(STAMP)
 	@echo "  Arrow dataset:       $(DEMO)/hf_datasets/corpus (report: prep_report.json inside it)"
 	@echo "  tiny model (random): $(DEMO)/tiny-llama, imported as $(DEMO_MODEL) into $(HF_HOME)"
 	@echo "  training run:        $(DEMO)/outputs/demo (metrics.jsonl, loss.png, train.log, checkpoints/, hf/,"
-	@echo "                       eval.json: pipeline.evaluate of hf/)"
+	@echo "                       lm_eval.json: the lm-eval task on hf/, eval.json: pipeline.evaluate of hf/)"
 	@echo "  chat run:            $(DEMO)/outputs/chat (try it: $(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf)"
 	@echo "  LoRA run:            $(DEMO)/outputs/chat-lora (adapter/ in PEFT's format, hf/ merged)"
 
@@ -66,7 +77,7 @@ demo: $(STAMP)
 # start-up and checkpoint I/O, so two overlap on 2 cores (measured 2026-11-24 on this project's 2-core machine:
 # 10:53 with --strategy auto as the default, on an AVX-512 EPYC; 11:54 with the model-family matrix of
 # tests/test_families.py, 8:29-9:23 before it; 17:52 on the slower machine of earlier sessions)
-test: $(STAMP)
+test: $(STAMP) $(LM_EVAL_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The edit-run loop: the tests that start no process (tests/conftest.py marks the others slow)

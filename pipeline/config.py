@@ -141,7 +141,6 @@ class DataConfig(Section):
     before the job (plain python, same arguments); the training run then finds it. A killed build resumes."""
 
     def check(self) -> None:
-        _check(bool(self.dataset_name), "--dataset-name (-d) is required")
         _check(bool(self.chat_date.strip()), "--chat-date must not be empty")
         _check(not self.chat_template or Path(self.chat_template).is_file(),
                f"--chat-template {self.chat_template} does not exist or is not a file")
@@ -285,6 +284,14 @@ class TrainConfig(Section):
     greedily, logged as a sample event in metrics.jsonl, TensorBoard's text tab and train.log."""
     sample_max_tokens: int = 32
     """--sample-prompts: the most tokens a completion has (it ends earlier at EOS or an end-of-turn token)."""
+    lm_eval_tasks: str = ""
+    """lm-evaluation-harness tasks, comma-separated (lm-eval's own names, or those of --lm-eval-include's YAMLs), run
+    offline on the exported model at the end of the run (results in RUN/lm_eval.json). Needs `make lm-eval`; every
+    task's data is checked to be on this machine before training starts."""
+    lm_eval_include: str = ""
+    """A folder of lm-eval task YAMLs (lm-eval's --include_path) that --lm-eval-tasks may name."""
+    lm_eval_batch_size: int = 8
+    """--lm-eval-tasks: requests lm-eval scores per forward."""
     keep_last: int = 2
     """Complete checkpoints to keep (at least 2, so the previous good one survives a failed save)."""
     max_bad_steps: int = 3
@@ -292,7 +299,7 @@ class TrainConfig(Section):
     nothing applied, nothing checkpointed); 0 never stops."""
 
     def check(self) -> None:
-        for name in ("batch_size", "grad_accum", "num_epochs", "log_freq"):
+        for name in ("batch_size", "grad_accum", "num_epochs", "log_freq", "lm_eval_batch_size"):
             _check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1, "
                                              f"got {getattr(self, name)}")
         for name in ("max_steps", "ckpt_freq", "eval_freq", "max_bad_steps"):
@@ -302,6 +309,10 @@ class TrainConfig(Section):
         _check(self.sample_max_tokens >= 1, f"--sample-max-tokens must be at least 1, got {self.sample_max_tokens}")
         _check(not self.sample_prompts or Path(self.sample_prompts).is_file(),
                f"--sample-prompts {self.sample_prompts} does not exist or is not a file")
+        _check(not self.lm_eval_include or Path(self.lm_eval_include).is_dir(),
+               f"--lm-eval-include {self.lm_eval_include} is not a folder (of lm-eval task YAMLs)")
+        _check(not self.lm_eval_include or bool(self.lm_eval_tasks.strip(" ,")),
+               f"--lm-eval-include {self.lm_eval_include} names no task to run; add --lm-eval-tasks T1,T2")
 
 
 @dataclass
@@ -424,8 +435,10 @@ def _show(value: Any) -> str:
 
 
 def resolve(argv: list[str] | None = None) -> Config:
-    """Parse the command line and merge it over the config file, its profile and the defaults."""
-    return merge(vars(build_parser().parse_args(argv)))
+    """fsdp1.py's config: the command line merged over the config file, its profile and the defaults."""
+    cfg = merge(vars(build_parser().parse_args(argv)))
+    _check(bool(cfg.data.dataset_name), "--dataset-name (-d) is required")  # a run's; pipeline.evaluate may do without
+    return cfg
 
 
 def merge(cli: dict[str, Any]) -> Config:

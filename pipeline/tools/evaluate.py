@@ -1,21 +1,25 @@
 """`python -m pipeline.evaluate`: the held-out loss of any model (a hub id in the offline cache, a model folder, a
 run's hf/) or of a base with an adapter, on a dataset packed exactly as training packs it: the same token cache,
-found by the same key, so `--config RUN/config.yaml` scores the very blocks that run held out.
+found by the same key, so `--config RUN/config.yaml` scores the very blocks that run held out. With --lm-eval-tasks,
+also (or only) lm-evaluation-harness tasks, offline, on the same model (eval/harness.py).
 
     python -m pipeline.evaluate local/tiny-llama -d hf_datasets/corpus --seq-length 128
     python -m pipeline.evaluate outputs/RUN/hf --config outputs/RUN/config.yaml --out after.json
     torchrun --nproc_per_node 4 -m pipeline.evaluate org/big-model --adapter outputs/RUN/adapter -d DATA --split all
+    python -m pipeline.evaluate outputs/RUN/hf --lm-eval-tasks my_qa --lm-eval-include tasks/ --out bench.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -35,9 +39,11 @@ from pipeline.eval.adapter_folder import (
     load_adapter,
     read_adapter_folder,
 )
+from pipeline.eval.harness import Tasks, check_tasks, run_tasks
 from pipeline.eval.heldout import HeldOut, held_out_loss
 from pipeline.fsutil import sha256_file, write_text_atomic
 from pipeline.model.registry import transforms_for
+from pipeline.prep.hub import resolve_model_dir
 from pipeline.strategies.auto import check_agreed
 from pipeline.strategies.registry import make_strategy, settle
 from pipeline.train.blocks import prepare_blocks
@@ -52,7 +58,8 @@ OWN = ("model", "adapter_dir", "split", "out")
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(description="Held-out loss and perplexity of a model, or of a base model with an adapter, on a "
                        "dataset packed exactly as training packs it (the same token cache). The data and model flags "
-                       "are fsdp1.py's; --config RUN/config.yaml packs as that run did.",
+                       "are fsdp1.py's; --config RUN/config.yaml packs as that run did. With --lm-eval-tasks, also "
+                       "(without a dataset: only) lm-evaluation-harness tasks, offline.",
                        argument_default=argparse.SUPPRESS, allow_abbrev=False)
     p.add_argument("model", help="a hub id in the offline cache, a model folder (RUN/hf, RUN/best), or an adapter "
                    "folder (RUN/adapter: on the base model its adapter_config.json names)")
@@ -82,6 +89,9 @@ def resolve(argv: list[str] | None) -> tuple[Config, AdapterFolder | None, argpa
         model = adapter.base_model
     # a run config's prompts are the trainer's: not read here (nor required to exist)
     cfg = config_mod.merge({**parsed, "experiment_name": "evaluate", "model_name": model, "sample_prompts": ""})
+    if not cfg.data.dataset_name and Tasks.of(cfg.train) is None:
+        raise UserError("nothing to evaluate: give a dataset (-d DATASET, or --config RUN/config.yaml) for the "
+                        "held-out loss, or --lm-eval-tasks, or both")
     settings = {"adapter": "none"}
     if adapter is not None:
         settings = dict(adapter.settings)
@@ -106,7 +116,31 @@ def check_out(out: Path | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cfg, adapter, args = resolve(argv)
-    detect_launch()  # a launcher's missing variable is one line before any heavy work
+    launch = detect_launch()  # a launcher's missing variable is one line before any heavy work
+    tasks = Tasks.of(cfg.train)
+    if tasks is not None and launch.rank == 0:  # the one rank that runs them: every task's data local, first
+        check_tasks(tasks)
+    report = held_out(cfg, adapter, args) if cfg.data.dataset_name else {}
+    if launch.rank != 0:
+        return 0
+    model_dir = resolve_model_dir(cfg.model.model_name)
+    report = report or identity(cfg, adapter, args, check_base_weights(cfg, model_dir).digests)
+    if tasks is not None:
+        device = torch.device(f"cuda:{launch.local_rank}" if torch.cuda.is_available() else "cpu")
+        with mapped_oom(0, device, "running the lm-eval tasks", "a smaller --lm-eval-batch-size"):
+            report["lm_eval"] = run_tasks(tasks, model_dir, adapter_dir=adapter and adapter.path, device=device,
+                                          dtype=compute_dtype(cfg.model.precision, device),
+                                          batch_size=cfg.train.lm_eval_batch_size)
+    if "loss" in report:
+        print(table(report))
+    if args.out is not None:
+        write_text_atomic(args.out, json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def held_out(cfg: Config, adapter: AdapterFolder | None, args: argparse.Namespace) -> dict:
+    """The held-out part of the report on rank 0, {} on the others. Joins the process group and leaves it: lm-eval
+    then runs on rank 0 alone."""
     plan = resolve_inputs(cfg)
     cfg = plan.config  # --strategy auto resolved
     weights = check_base_weights(cfg, plan.model_dir)
@@ -114,20 +148,27 @@ def main(argv: list[str] | None = None) -> int:
     check_agreed(cfg, d)  # --strategy auto chose the same wrapper on every node, or its collectives would not match
     if d.is_main:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    try:
+    with mapped_oom(d.rank, d.device, f"evaluating at batch {cfg.train.batch_size} x seq {cfg.data.seq_length}",
+                    "a smaller -b, or more processes under torchrun with --strategy fsdp2"):
         result, cache = evaluate(cfg, plan, adapter, args.split, d)
-    except torch.OutOfMemoryError:
-        raise UserError(f"rank {d.rank} ran out of {d.device.type.upper()} memory evaluating at batch "
-                        f"{cfg.train.batch_size} x seq {cfg.data.seq_length}; use a smaller -b, or more processes "
-                        "under torchrun with --strategy fsdp2") from None
+    report = {}
     if d.is_main:
-        report = {**results(cfg, plan, adapter, args, result, weights.digests), "token_cache": str(cache)}
-        print(table(report))
-        if args.out is not None:
-            write_text_atomic(args.out, json.dumps(report, indent=2) + "\n")
+        model = identity(cfg, adapter, args, weights.digests)
+        data = {key: plan.fingerprint[key] for key in ("dataset", "tokenizer", "model_config")}
+        report = {**model, **held_out_figures(cfg, args, result), "fingerprint": {**data, **model["fingerprint"]},
+                  "token_cache": str(cache)}
     # on success only: after a failure another rank may still be in a collective (errors.leave)
     dist.destroy_process_group()
-    return 0
+    return report
+
+
+@contextlib.contextmanager
+def mapped_oom(rank: int, device: torch.device, doing: str, fix: str) -> Iterator[None]:
+    """Running out of device memory: one line saying what ran out and what to change."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise UserError(f"rank {rank} ran out of {device.type.upper()} memory {doing}; use {fix}") from None
 
 
 def evaluate(cfg: Config, plan: Plan, adapter: AdapterFolder | None, split: str, d: Dist) -> tuple[HeldOut, Path]:
@@ -151,21 +192,23 @@ def evaluate(cfg: Config, plan: Plan, adapter: AdapterFolder | None, split: str,
     return result, blocks.path
 
 
-def results(cfg: Config, plan: Plan, adapter: AdapterFolder | None, args: argparse.Namespace, result: HeldOut,
-            digests: dict[str, str]) -> dict:
-    """What --out writes: the figures, and what they were measured on (model, adapter and dataset fingerprints)."""
+def identity(cfg: Config, adapter: AdapterFolder | None, args: argparse.Namespace, digests: dict[str, str]) -> dict:
+    """What the report was measured on: the model and adapter, with their fingerprints."""
     weights = hashlib.sha256(json.dumps(sorted(digests.items())).encode()).hexdigest()
     return {
         "model": args.model, "base_model": cfg.model.model_name,
         "adapter": None if adapter is None else str(adapter.path),
+        "fingerprint": {"weights": weights[:16],
+                        **({"adapter": sha256_file(adapter.path / WEIGHTS)[:16]} if adapter else {})},
+    }
+
+
+def held_out_figures(cfg: Config, args: argparse.Namespace, result: HeldOut) -> dict:
+    """The held-out loss and the data it was measured on."""
+    return {
         "dataset": cfg.data.dataset_name, "split": args.split, "seq_length": cfg.data.seq_length,
         "loss": finite_or_text(result.loss), "ppl": finite_or_text(result.ppl),
         "tokens": result.tokens, "blocks": result.blocks,
-        "fingerprint": {
-            "dataset": plan.fingerprint["dataset"], "tokenizer": plan.fingerprint["tokenizer"],
-            "model_config": plan.fingerprint["model_config"], "weights": weights[:16],
-            **({"adapter": sha256_file(adapter.path / WEIGHTS)[:16]} if adapter else {}),
-        },
     }
 
 

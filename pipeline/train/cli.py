@@ -14,10 +14,12 @@ from pipeline.dist.launch import detect as detect_launch
 from pipeline.dist.liveness import PeerWatch, is_collective_failure, watch_parent
 from pipeline.dist.runtime import Dist, init_distributed
 from pipeline.errors import UserError
+from pipeline.eval.harness import Tasks, check_tasks
 from pipeline.strategies.auto import check_agreed
 from pipeline.strategies.registry import out_of_memory_hints, settle
 from pipeline.train.blocks import prepare_only
 from pipeline.train.export import described
+from pipeline.train.lm_eval_run import run_at_end
 from pipeline.train.preflight import Plan, preflight
 from pipeline.train.rundir import open_run_dir
 from pipeline.train.signals import Interrupted, StopRequest
@@ -54,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = plan.config  # --strategy auto resolved
     if cfg.data.prepare_only:
         return prepare_only(cfg, plan, launch)
+    tasks = Tasks.of(cfg.train)
+    if tasks is not None and launch.rank == 0:  # the rank that runs them at the end: their data local, before training
+        check_tasks(tasks)
     d = init_distributed(timedelta(seconds=cfg.run.collective_timeout_s))
     watch_parent()
     peers = PeerWatch(d, cfg.run.peer_timeout_s).start()
@@ -68,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     peers.stop()
     dist.barrier()  # every rank's heartbeat has stopped before any rank (one may host the store) exits
     dist.destroy_process_group()
+    if code == 0 and tasks is not None and d.is_main:
+        run_at_end(cfg, plan, tasks, d)
     return code
 
 

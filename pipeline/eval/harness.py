@@ -1,0 +1,138 @@
+"""lm-evaluation-harness, offline: named tasks (lm-eval's own, or the YAMLs of an --lm-eval-include folder) run on a
+model folder, or on a base with a PEFT adapter, with no network: the Hugging Face libraries are switched offline and a
+task whose data is not on this machine is one line naming it, before any model is loaded.
+
+lm-eval is an optional dependency (requirements-lm-eval.txt, `make lm-eval`); only this module imports it.
+
+The model is loaded here with from_pretrained and handed to lm-eval's HFLM as an object: given a path, HFLM builds an
+accelerate Accelerator, which under torchrun's variables joins a process group of WORLD_SIZE ranks, and after a run
+only rank 0 is left to join it (a wait of HFLM's 52-week timeout).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.config import TrainConfig
+from pipeline.errors import UserError
+
+INSTALL = "make lm-eval"
+"""The make target that installs lm-eval (requirements-lm-eval.txt)."""
+OFFLINE_SWITCHES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_EVALUATE_OFFLINE")
+
+
+@dataclass(frozen=True)
+class Tasks:
+    names: tuple[str, ...]
+    """Task, group or tag names, as lm-eval's --tasks takes them."""
+    include: Path | None
+    """A folder of task YAMLs searched before lm-eval's own (its --include_path)."""
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> Tasks | None:
+        """The config's --lm-eval-tasks and --lm-eval-include (checked by the config); None when no task is named."""
+        names = tuple(n.strip() for n in cfg.lm_eval_tasks.split(",") if n.strip())
+        return cls(names, Path(cfg.lm_eval_include) if cfg.lm_eval_include else None) if names else None
+
+    def flags(self) -> str:
+        """The flags that name these tasks again, for a message."""
+        return f"--lm-eval-tasks {','.join(self.names)}" + (f" --lm-eval-include {self.include}" if self.include
+                                                             else "")
+
+
+def require_lm_eval() -> None:
+    """lm-eval importable, else the one line naming what installs it."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise UserError(f"--lm-eval-tasks needs lm-evaluation-harness, which is not installed: run `{INSTALL}` "
+                        "(pip install -r requirements-lm-eval.txt)") from None
+
+
+def go_offline() -> None:
+    """Switch the Hugging Face libraries offline and check that they are: huggingface_hub and datasets read the
+    switches once, at import, so one imported before them would still reach for the network."""
+    import datasets
+    import huggingface_hub
+
+    for switch in OFFLINE_SWITCHES:
+        os.environ[switch] = "1"
+    if not (huggingface_hub.constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE):
+        raise UserError("lm-eval tasks run offline only, but the Hugging Face libraries were imported online; set "
+                        f"{'=1 '.join(OFFLINE_SWITCHES)}=1 before starting")
+
+
+def check_tasks(tasks: Tasks) -> None:
+    """Every name known and every task's data on this machine, or one line naming the task: before any training or
+    model load. Loads each task's documents once (datasets caches them for the run)."""
+    require_lm_eval()
+    go_offline()
+    manager = task_manager(tasks)
+    unknown = [n for n in tasks.names if n not in manager.all_tasks and not Path(n).is_file()]
+    if unknown:
+        where = f"in {tasks.include} nor " if tasks.include else ""
+        raise UserError(f"unknown lm-eval task{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: not {where}"
+                        "among lm-eval's own tasks (a task's name is its YAML's `task:`)")
+    for name in tasks.names:
+        try:
+            manager.load([name])
+        except Exception as exc:  # lm-eval and datasets raise many kinds; each is the same fix here
+            first = (str(exc).strip() or type(exc).__name__).splitlines()[0][:300]
+            raise UserError(f"lm-eval task {name}: its data could not be read on this offline machine ({first}); "
+                            "give the task local files (dataset_path: json with dataset_kwargs.data_files, paths "
+                            "from the current folder) or put its dataset in the datasets cache") from None
+
+
+def task_manager(tasks: Tasks):
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(tasks.include) if tasks.include else None)
+
+
+def run_tasks(tasks: Tasks, model_dir: Path, *, adapter_dir: Path | None, device: torch.device, dtype: torch.dtype,
+              batch_size: int) -> dict[str, Any]:
+    """lm-eval's simple_evaluate of the tasks on the model (with the adapter on it), in this process alone; what the
+    JSON reports hold under "lm_eval" (results, groups, n-shot and versions as lm-eval gives them). Prints lm-eval's
+    table."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.utils import make_table
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    go_offline()
+    gc.collect()  # a run's or the held-out pass's model is gone; its cached device blocks go back before this load
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.to(device).eval()
+    lm = HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(model_dir), batch_size=batch_size)
+    out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks.names), task_manager=task_manager(tasks),
+                                  log_samples=False)
+    print(make_table(out), flush=True)
+    if out.get("groups"):
+        print(make_table(out, "groups"), flush=True)
+    report = {"tasks": list(tasks.names), "include": str(tasks.include) if tasks.include else None,
+              "lm_eval_version": lm_eval.__version__}
+    return {**report, **{key: _json_safe(out.get(key, {})) for key in ("results", "groups", "n-shot", "versions")}}
+
+
+def _json_safe(value: Any) -> Any:
+    """lm-eval's figures with NaN and infinities as text (strict JSON has neither)."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value

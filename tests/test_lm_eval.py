@@ -1,0 +1,168 @@
+"""lm-evaluation-harness, offline: pipeline.evaluate and a run's end score local tasks exactly as
+lm_eval.simple_evaluate does when called directly, and every way a task cannot run here is one line, before any
+training."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, torchrun
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from pipeline.errors import UserError
+from pipeline.tools.evaluate import resolve
+
+TASKS = ["--lm-eval-tasks", "corpus_cloze", "--lm-eval-include", "examples/lm_eval"]
+"""The bundled example task (a relative data file: every command runs in the project root)."""
+
+DIRECT = """
+import json, sys
+import lm_eval
+from lm_eval.tasks import TaskManager
+out = lm_eval.simple_evaluate(model="hf", model_args=json.loads(sys.argv[1]), tasks=["corpus_cloze"],
+                              task_manager=TaskManager(include_path="examples/lm_eval"), log_samples=False)
+print(json.dumps(out["results"]))
+"""
+
+
+def offline(env: dict) -> dict:
+    return {**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+
+
+def simple_evaluate(env: dict, model: Path, adapter: Path | None = None) -> dict:
+    """lm_eval.simple_evaluate called directly on the model folder (and adapter), fp32 on CPU: its results."""
+    args = {"pretrained": str(model), "dtype": "float32", "device": "cpu", "batch_size": 8,
+            **({"peft": str(adapter)} if adapter else {})}
+    proc = subprocess.run([sys.executable, "-c", DIRECT, json.dumps(args)], cwd=ROOT, capture_output=True, text=True,
+                          env=offline(env), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def run_evaluate(env: dict, *args: object) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.evaluate", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, env=offline(env), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def adapter_folder(tiny_models, tmp_path_factory) -> Path:
+    """A PEFT LoRA folder on the tiny model whose B matrices are not zero (so the adapter changes every answer's
+    likelihood)."""
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_models["tied"]),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    folder = tmp_path_factory.mktemp("lm_eval_adapter")
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_evaluate_scores_tasks_as_simple_evaluate_does_on_a_model_and_an_adapter(train_env, tiny_models,
+                                                                                  adapter_folder, tmp_path):
+    env = train_env["env"]
+    out = tmp_path / "eval.json"
+    proc = run_evaluate(env, "local/tiny", "-d", train_env["dataset"], "--config", ROOT / "configs" / "demo.yaml",
+                        *TASKS, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["loss"] > 0 and report["tokens"] > 0  # the held-out loss and the tasks, in one report
+    direct = simple_evaluate(env, tiny_models["tied"])
+    assert report["lm_eval"]["results"] == direct and 0 <= direct["corpus_cloze"]["acc,none"] <= 1
+    assert report["lm_eval"]["n-shot"] == {"corpus_cloze": 0} and "|corpus_cloze|" in proc.stdout
+
+    # an adapter folder alone (its base from adapter_config.json), no dataset: the tasks only
+    proc = run_evaluate(env, adapter_folder, *TASKS, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with_adapter = json.loads(out.read_text())
+    assert "loss" not in with_adapter and with_adapter["adapter"] == str(adapter_folder)
+    direct_adapter = simple_evaluate(env, tiny_models["tied"], adapter_folder)
+    assert with_adapter["lm_eval"]["results"] == direct_adapter
+    assert direct_adapter["corpus_cloze"]["acc_norm,none"] != direct["corpus_cloze"]["acc_norm,none"] or \
+        direct_adapter["corpus_cloze"]["acc,none"] != direct["corpus_cloze"]["acc,none"]
+
+
+@pytest.mark.parametrize("adapter", ["none", "lora"])
+def test_a_run_ends_with_its_tasks_on_its_export(train_env, tmp_path, adapter):
+    """Under torchrun: rank 0 alone runs them after the process group is gone; a LoRA run without a merged export
+    scores the base with its adapter/."""
+    flags = ["--adapter", "lora", "--merge-export", "off"] if adapter == "lora" else []
+    proc = torchrun(2, "fsdp1.py", "-e", "tasks", "--save-dir", tmp_path, "-d", train_env["dataset"], "-m",
+                    "local/tiny", "--config", ROOT / "configs" / "demo.yaml", "--max-steps", "2", "--strategy",
+                    "ddp", *flags, *TASKS, env=train_env["env"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "tasks"
+    report = json.loads((run / "lm_eval.json").read_text())
+    if adapter == "lora":
+        assert report["adapter"] == str(run / "adapter") and not (run / "hf").exists()
+        direct = simple_evaluate(train_env["env"], Path(report["model"]), run / "adapter")
+    else:
+        assert report["model"] == str(run / "hf") and report["adapter"] is None
+        direct = simple_evaluate(train_env["env"], run / "hf")
+    assert report["lm_eval"]["results"] == direct
+    acc = direct["corpus_cloze"]["acc,none"]
+    assert f"lm-eval corpus_cloze: acc {acc:.4f}" in (run / "train.log").read_text()
+
+
+def test_a_task_that_cannot_run_here_is_one_line_before_any_training(train_env, tmp_path):
+    env = train_env["env"]
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    common = ("output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{context}}'\n"
+              "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n")
+    (tasks / "missing.yaml").write_text(f"task: missing_data\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                        f"    test: {tmp_path / 'nowhere.jsonl'}\n{common}")
+    (tasks / "hub.yaml").write_text(f"task: hub_data\ndataset_path: some-org/not-cached\n{common}")
+    expected = {
+        "nope": f"error: unknown lm-eval task nope: not in {tasks} nor among lm-eval's own tasks (a task's name is its "
+                "YAML's `task:`)",
+        "missing_data": f"error: lm-eval task missing_data: its data could not be read on this offline machine (Unable "
+                        f"to find '{tmp_path / 'nowhere.jsonl'}'); give the task local files (dataset_path: json with "
+                        "dataset_kwargs.data_files, paths from the current folder) or put its dataset in the datasets "
+                        "cache",
+        "hub_data": "error: lm-eval task hub_data: its data could not be read on this offline machine (Couldn't reach "
+                    "'some-org/not-cached' on the Hub (OfflineModeIsEnabled)); give the task local files",
+    }
+    for task, line in expected.items():
+        proc = run_evaluate(env, "local/tiny", "--lm-eval-tasks", task, "--lm-eval-include", tasks)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr[-2000:]
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+
+    # the run refuses it before its process group, its weights or its run folder
+    proc = subprocess.run([sys.executable, "fsdp1.py", "-e", "never", "--save-dir", tmp_path / "runs", "-d",
+                           train_env["dataset"], "-m", "local/tiny", "--config", ROOT / "configs" / "demo.yaml",
+                           "--lm-eval-tasks", "missing_data", "--lm-eval-include", tasks], cwd=ROOT,
+                          capture_output=True, text=True, env=offline(env), timeout=600)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == expected["missing_data"]
+    assert not (tmp_path / "runs").exists()
+
+    # lm-eval not installed: the make target that installs it
+    blocked = ("import sys; sys.modules['lm_eval'] = None; sys.argv[1:] = sys.argv[2:]; "
+               "from pipeline.errors import run_cli; from pipeline.tools.evaluate import main; run_cli(main)")
+    proc = subprocess.run([sys.executable, "-c", blocked, "-", "local/tiny", *TASKS], cwd=ROOT, capture_output=True,
+                          text=True, env=offline(env), timeout=600)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: --lm-eval-tasks needs lm-evaluation-harness, which is not installed: run `make lm-eval` (pip install "
+        "-r requirements-lm-eval.txt)")
+
+
+def test_lm_eval_flags_are_checked_with_the_config(tmp_path):
+    def refused(*argv: object) -> str:
+        with pytest.raises(UserError) as err:
+            resolve(list(map(str, argv)))
+        return str(err.value)
+
+    assert refused("m", "--lm-eval-include", tmp_path) == \
+        f"--lm-eval-include {tmp_path} names no task to run; add --lm-eval-tasks T1,T2"
+    assert refused("m", "--lm-eval-tasks", "t", "--lm-eval-include", tmp_path / "no") == \
+        f"--lm-eval-include {tmp_path / 'no'} is not a folder (of lm-eval task YAMLs)"
+    assert refused("m", "--lm-eval-tasks", "t", "--lm-eval-batch-size", "0") == \
+        "--lm-eval-batch-size must be at least 1, got 0"
+    assert refused("m") == ("nothing to evaluate: give a dataset (-d DATASET, or --config RUN/config.yaml) for the "
+                            "held-out loss, or --lm-eval-tasks, or both")
