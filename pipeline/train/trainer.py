@@ -357,13 +357,18 @@ class Trainer:
     def evaluate(self, telemetry: Telemetry) -> HeldOut | None:
         """Loss and perplexity over the whole validation split (pipeline/eval/heldout.py); at a step after 0, the
         best so far is exported with --save-best; --sample-prompts completed. A collective."""
+        start = time.perf_counter()
         if self.plan.prompts:
             self.sample(telemetry)
+        sampled = time.perf_counter()
         val = held_out_loss(self.strategy, [(self.blocks.val, self.blocks.val_flags)], self.cfg.train.batch_size,
                             self.dist)
         if val is None:
             return None
-        telemetry.event("eval", self.step, loss=val.loss, ppl=val.ppl)
+        # held_out_loss ends in a host sync (the summed loss read back), so the clock covers the whole pass
+        costs = {"seconds": round(time.perf_counter() - sampled, 3),
+                 **({"sample_seconds": round(sampled - start, 3)} if self.plan.prompts else {})}
+        telemetry.event("eval", self.step, loss=val.loss, ppl=val.ppl, **costs)
         telemetry.human({"global_step": self.step, "eval_loss": round(val.loss, 5), "eval_ppl": round(val.ppl, 3)})
         if self.cfg.run.save_best and self.step > 0 and val.loss < self.best_val:  # step 0 is the base, not a result
             self.best_val = val.loss
