@@ -96,6 +96,7 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/checkpoint_io.py --repeats 2
 	$(PY) bench/startup.py --repeats 2
 	$(PY) bench/cache_scaling.py --sizes 40 160 320 --num_proc 2
+	$(PY) bench/eval_cost.py
 
 # Chat fine-tuning against TRL's SFTTrainer (about 20 minutes on 2 cores: TRL's steps take about a minute there);
 # rewrites the chat_speed_cpu table of BENCHMARKS.md
