@@ -436,8 +436,12 @@ def _show(value: Any) -> str:
 
 def resolve(argv: list[str] | None = None) -> Config:
     """fsdp1.py's config: the command line merged over the config file, its profile and the defaults."""
-    cfg = merge(vars(build_parser().parse_args(argv)))
-    _check(bool(cfg.data.dataset_name), "--dataset-name (-d) is required")  # a run's; pipeline.evaluate may do without
+    return require_dataset(merge(vars(build_parser().parse_args(argv))))
+
+
+def require_dataset(cfg: Config) -> Config:
+    """cfg, for a training run: it needs a dataset (pipeline.evaluate may do without, for lm-eval tasks only)."""
+    _check(bool(cfg.data.dataset_name), "--dataset-name (-d) is required")
     return cfg
 
 
@@ -445,6 +449,8 @@ def merge(cli: dict[str, Any]) -> Config:
     """Flags as parsed (config keys, and `config` and `profile`) over the config file they name, its profile and the
     defaults."""
     cli = dict(cli)
+    if not str(cli.get("lm_eval_tasks", "x")).strip(" ,") and "lm_eval_include" not in cli:
+        cli["lm_eval_include"] = ""  # `--lm-eval-tasks ""` turns a config file's tasks off, and their folder with them
     config_path = cli.pop("config", None)
     file_values = _read_yaml(config_path, "--config") if config_path is not None else {}
     profile = cli.pop("profile", None) or file_values.pop("profile", None)

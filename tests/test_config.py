@@ -112,6 +112,9 @@ def test_missing_required():
     with pytest.raises(UserError) as err:
         resolve(["-d", "data", "-m", "m"])
     assert str(err.value) == "--experiment-name (-e) is required"
+    with pytest.raises(UserError) as err:  # a run's requirement (pipeline.evaluate may go without: lm-eval only)
+        resolve(["-e", "x", "-m", "m"])
+    assert str(err.value) == "--dataset-name (-d) is required"
 
 
 def test_no_two_sections_define_the_same_key():

@@ -92,6 +92,7 @@ def test_a_dry_run_writes_only_configs_and_commands(tmp_path, capsys):
      "experiment a: --strategy ddp replicates the whole model on every rank; --sharding FULL_SHARD needs --strategy "
      "fsdp2, fsdp1 or manual"),  # every strategy that takes FULL_SHARD, from the strategies' own facts
     ({"base": {"model_name": "m"}, "experiments": {"a": {"bogus": 1}}}, "experiment a: unknown config key: bogus"),
+    ({"base": {"dataset_name": None}, "experiments": {"a": {}}}, "experiment a: --dataset-name (-d) is required"),
     ({"base": {"save_dir": "x"}, "experiments": {"a": {}}},
      "save_dir is set by the harness (the experiment's name and --output-dir); remove it"),
     ({"base": {}, "experiments": {}}, "experiments must map at least one name to its overrides"),

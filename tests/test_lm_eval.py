@@ -106,6 +106,7 @@ def test_a_run_ends_with_its_tasks_on_its_export(train_env, tmp_path, adapter):
         assert report["model"] == str(run / "hf") and report["adapter"] is None
         direct = simple_evaluate(train_env["env"], run / "hf")
     assert report["lm_eval"]["results"] == direct
+    assert proc.stdout.count("|corpus_cloze|") == 1  # rank 0 alone scored
     acc = direct["corpus_cloze"]["acc,none"]
     assert f"lm-eval corpus_cloze: acc {acc:.4f}" in (run / "train.log").read_text()
 
@@ -119,6 +120,11 @@ def test_a_task_that_cannot_run_here_is_one_line_before_any_training(train_env, 
     (tasks / "missing.yaml").write_text(f"task: missing_data\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
                                         f"    test: {tmp_path / 'nowhere.jsonl'}\n{common}")
     (tasks / "hub.yaml").write_text(f"task: hub_data\ndataset_path: some-org/not-cached\n{common}")
+    cloze = ROOT / "examples" / "lm_eval" / "corpus_cloze.jsonl"
+    local = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {cloze}\n"
+    (tasks / "type.yaml").write_text(f"task: bad_type\n{local}{common.replace('multiple_choice', 'multiple')}")
+    (tasks / "utils.py").write_text("def process(doc, results):\n    raise ValueError('no score for this document')\n")
+    (tasks / "late.yaml").write_text(f"task: fails_late\n{local}{common}process_results: !function utils.process\n")
     expected = {
         "nope": f"error: unknown lm-eval task nope: not in {tasks} nor among lm-eval's own tasks (a task's name is its "
                 "YAML's `task:`)",
@@ -128,13 +134,17 @@ def test_a_task_that_cannot_run_here_is_one_line_before_any_training(train_env, 
                         "cache",
         "hub_data": "error: lm-eval task hub_data: its data could not be read on this offline machine (Couldn't reach "
                     "'some-org/not-cached' on the Hub (OfflineModeIsEnabled)); give the task local files",
+        "bad_type": "error: lm-eval task bad_type could not be built (Got invalid output_type 'multiple', must be in ",
+        # built, but its results fail on a document: found by the dry run (lm-eval's DummyLM on two documents)
+        "fails_late": "error: lm-eval task fails_late fails on its first documents (no score for this document); fix "
+                      "the task (its YAML or the functions it names)",
     }
     for task, line in expected.items():
         proc = run_evaluate(env, "local/tiny", "--lm-eval-tasks", task, "--lm-eval-include", tasks)
         assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr[-2000:]
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
 
-    # the run refuses it before its process group, its weights or its run folder
+    # the run refuses it before its process group or its run folder
     proc = subprocess.run([sys.executable, "fsdp1.py", "-e", "never", "--save-dir", tmp_path / "runs", "-d",
                            train_env["dataset"], "-m", "local/tiny", "--config", ROOT / "configs" / "demo.yaml",
                            "--lm-eval-tasks", "missing_data", "--lm-eval-include", tasks], cwd=ROOT,
@@ -166,3 +176,8 @@ def test_lm_eval_flags_are_checked_with_the_config(tmp_path):
         "--lm-eval-batch-size must be at least 1, got 0"
     assert refused("m") == ("nothing to evaluate: give a dataset (-d DATASET, or --config RUN/config.yaml) for the "
                             "held-out loss, or --lm-eval-tasks, or both")
+    # an explicitly empty --lm-eval-tasks turns a run config's tasks off, their folder with them
+    run_config = tmp_path / "config.yaml"
+    run_config.write_text(f"dataset_name: d\nlm_eval_tasks: t\nlm_eval_include: {tmp_path}\n")
+    cfg, _, _ = resolve(["m", "--config", str(run_config), "--lm-eval-tasks", ""])
+    assert (cfg.train.lm_eval_tasks, cfg.train.lm_eval_include, cfg.data.dataset_name) == ("", "", "d")

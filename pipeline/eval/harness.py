@@ -11,17 +11,23 @@ only rank 0 is left to join it (a wait of HFLM's 52-week timeout).
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pipeline.config import TrainConfig
 from pipeline.errors import UserError
+
+if TYPE_CHECKING:
+    from lm_eval.tasks import TaskManager
 
 INSTALL = "make lm-eval"
 """The make target that installs lm-eval (requirements-lm-eval.txt)."""
@@ -70,8 +76,9 @@ def go_offline() -> None:
 
 
 def check_tasks(tasks: Tasks) -> None:
-    """Every name known and every task's data on this machine, or one line naming the task: before any training or
-    model load. Loads each task's documents once (datasets caches them for the run)."""
+    """Every name known, every task's data on this machine, and every task run through once on two documents by
+    lm-eval's DummyLM (its prompts, targets and metrics, with random scores), or one line naming the task: before any
+    training or model load. Datasets caches the documents for the real pass."""
     require_lm_eval()
     go_offline()
     manager = task_manager(tasks)
@@ -82,15 +89,63 @@ def check_tasks(tasks: Tasks) -> None:
                         "among lm-eval's own tasks (a task's name is its YAML's `task:`)")
     for name in tasks.names:
         try:
-            manager.load([name])
-        except Exception as exc:  # lm-eval and datasets raise many kinds; each is the same fix here
-            first = (str(exc).strip() or type(exc).__name__).splitlines()[0][:300]
-            raise UserError(f"lm-eval task {name}: its data could not be read on this offline machine ({first}); "
-                            "give the task local files (dataset_path: json with dataset_kwargs.data_files, paths "
-                            "from the current folder) or put its dataset in the datasets cache") from None
+            with quiet():  # datasets' progress bars: a refusal is one line
+                manager.load([name])
+        except Exception as exc:  # lm-eval and datasets raise many kinds for a task they cannot build
+            raise UserError(_cannot_load(name, exc)) from None
+        try:
+            dry_run(manager, name)
+        except Exception as exc:  # a template, target or metric that fails on a real document
+            raise UserError(f"lm-eval task {name} fails on its first documents ({_first_line(exc)}); fix the task "
+                            "(its YAML or the functions it names)") from None
 
 
-def task_manager(tasks: Tasks):
+def dry_run(manager: TaskManager, name: str) -> None:
+    """The task end to end on two documents with lm-eval's DummyLM (random scores, no model), quietly."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.dummy import DummyLM
+
+    with one_process(), quiet():
+        simple_evaluate(model=DummyLM(), tasks=[name], task_manager=manager, limit=2, bootstrap_iters=0,
+                        log_samples=False)
+
+
+def _cannot_load(name: str, exc: BaseException) -> str:
+    if isinstance(exc, FileNotFoundError | ConnectionError) or "Offline" in type(exc).__name__:
+        return (f"lm-eval task {name}: its data could not be read on this offline machine ({_first_line(exc)}); give "
+                "the task local files (dataset_path: json with dataset_kwargs.data_files, paths from the current "
+                "folder) or put its dataset in the datasets cache")
+    return f"lm-eval task {name} could not be built ({_first_line(exc)}); fix its YAML"
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip() or type(exc).__name__).splitlines()[0][:300]
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """What lm-eval and datasets print (tables, progress bars) while checking, kept from the terminal."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
+@contextlib.contextmanager
+def one_process() -> Iterator[None]:
+    """LOCAL_RANK 0 while lm-eval runs: simple_evaluate returns its results only where LOCAL_RANK is 0, and global
+    rank 0 (the one process that runs the tasks, its process group gone) may have another local rank under a
+    launcher that numbers them so."""
+    local = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = "0"
+    try:
+        yield
+    finally:
+        if local is None:
+            del os.environ["LOCAL_RANK"]
+        else:
+            os.environ["LOCAL_RANK"] = local
+
+
+def task_manager(tasks: Tasks) -> TaskManager:
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=str(tasks.include) if tasks.include else None)
@@ -117,13 +172,14 @@ def run_tasks(tasks: Tasks, model_dir: Path, *, adapter_dir: Path | None, device
         model = PeftModel.from_pretrained(model, adapter_dir)
     model.to(device).eval()
     lm = HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(model_dir), batch_size=batch_size)
-    out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks.names), task_manager=task_manager(tasks),
-                                  log_samples=False)
+    with one_process():
+        out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks.names), task_manager=task_manager(tasks),
+                                      log_samples=False)
     print(make_table(out), flush=True)
     if out.get("groups"):
         print(make_table(out, "groups"), flush=True)
     report = {"tasks": list(tasks.names), "include": str(tasks.include) if tasks.include else None,
-              "lm_eval_version": lm_eval.__version__}
+              "dtype": str(dtype).removeprefix("torch."), "lm_eval_version": lm_eval.__version__}
     return {**report, **{key: _json_safe(out.get(key, {})) for key in ("results", "groups", "n-shot", "versions")}}
 
 

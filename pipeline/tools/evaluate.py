@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, adapter, args = resolve(argv)
     launch = detect_launch()  # a launcher's missing variable is one line before any heavy work
     tasks = Tasks.of(cfg.train)
-    if tasks is not None and launch.rank == 0:  # the one rank that runs them: every task's data local, first
+    if tasks is not None:  # on every rank: one refusing alone would leave the others at the rendezvous
         check_tasks(tasks)
     report = held_out(cfg, adapter, args) if cfg.data.dataset_name else {}
     if launch.rank != 0:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import from_flat, load_profile, save
+from pipeline.config import from_flat, load_profile, require_dataset, save
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import read_yaml, write_text_atomic
 
@@ -86,7 +86,8 @@ def materialise(spec: Path, out: Path, launcher: str) -> list[Experiment]:
     configs = {}
     for name, overrides in experiments.items():
         try:
-            configs[name] = settle(from_flat({**base, **overrides, "experiment_name": name, "save_dir": str(out)}))
+            cfg = from_flat({**base, **overrides, "experiment_name": name, "save_dir": str(out)})
+            configs[name] = settle(require_dataset(cfg))
         except UserError as exc:
             raise UserError(f"experiment {name}: {exc}") from None
     (out / "configs").mkdir(parents=True, exist_ok=True)

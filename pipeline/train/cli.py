@@ -52,13 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     """fsdp1.py: resolve the config, check everything cheap, then join the process group and train."""
     cfg = settle(config_mod.resolve(argv))
     launch = detect_launch()  # a launcher's missing variable is one line before any heavy work
+    tasks = None if cfg.data.prepare_only else Tasks.of(cfg.train)
+    if tasks is not None:  # on every rank, as preflight: one refusing alone would leave the others at the rendezvous
+        check_tasks(tasks)
     plan = preflight(cfg)
     cfg = plan.config  # --strategy auto resolved
     if cfg.data.prepare_only:
         return prepare_only(cfg, plan, launch)
-    tasks = Tasks.of(cfg.train)
-    if tasks is not None and launch.rank == 0:  # the rank that runs them at the end: their data local, before training
-        check_tasks(tasks)
     d = init_distributed(timedelta(seconds=cfg.run.collective_timeout_s))
     watch_parent()
     peers = PeerWatch(d, cfg.run.peer_timeout_s).start()
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     peers.stop()
     dist.barrier()  # every rank's heartbeat has stopped before any rank (one may host the store) exits
     dist.destroy_process_group()
-    if code == 0 and tasks is not None and d.is_main:
+    if code == 0 and tasks is not None and d.is_main and not StopRequest.signum:  # not after a stop was asked for
+        StopRequest.uninstall()  # training is over: a signal now ends the scoring at once, not at a step boundary
         run_at_end(cfg, plan, tasks, d)
     return code
 

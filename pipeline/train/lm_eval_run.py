@@ -5,6 +5,7 @@ so no other rank waits on it. Results in RUN/lm_eval.json, lm-eval's table in tr
 from __future__ import annotations
 
 import json
+import traceback
 
 import torch
 
@@ -29,14 +30,19 @@ def run_at_end(cfg: Config, plan: Plan, tasks: Tasks, d: Dist) -> None:
                                                                                 cfg.run_dir / "adapter")
     model = f"{model_dir}" + (f" --adapter {adapter_dir}" if adapter_dir else "")
     log.info("lm-eval: %s on %s", ", ".join(tasks.names), model)
+    again = f"python -m pipeline.evaluate {model} {tasks.flags()} --precision {cfg.model.precision}"
     try:
         report = run_tasks(tasks, model_dir, adapter_dir=adapter_dir, device=d.device,
                            dtype=compute_dtype(cfg.model.precision, d.device), batch_size=cfg.train.lm_eval_batch_size)
     except torch.OutOfMemoryError:
         raise UserError(f"training finished ({described(cfg)}), but rank 0 ran out of {d.device.type.upper()} memory "
-                        f"running the lm-eval tasks; run them alone with a smaller batch: python -m pipeline.evaluate "
-                        f"{model} {tasks.flags()} --lm-eval-batch-size {max(1, cfg.train.lm_eval_batch_size // 2)}"
-                        ) from None
+                        f"running the lm-eval tasks; run them alone with a smaller batch: {again} --lm-eval-batch-size "
+                        f"{max(1, cfg.train.lm_eval_batch_size // 2)}") from None
+    except Exception as exc:  # a task that passed the dry run but fails on the real model: the run itself is complete
+        traceback.print_exc()
+        first = (str(exc).strip() or type(exc).__name__).splitlines()[0][:300]
+        raise UserError(f"training finished ({described(cfg)}), but the lm-eval tasks failed ({first}); fix the task "
+                        f"and run them alone: {again}") from None
     path = cfg.run_dir / RESULTS
     write_text_atomic(path, json.dumps({"model": str(model_dir), "adapter": adapter_dir and str(adapter_dir),
                                         "lm_eval": report}, indent=2) + "\n")

@@ -26,3 +26,9 @@ class StopRequest:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, handler)
+
+    @staticmethod
+    def uninstall() -> None:
+        """Python's own handling back: SIGINT raises KeyboardInterrupt, SIGTERM ends the process."""
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
