@@ -332,6 +332,9 @@ def _tokenized_chunks(text_rows, tokenizer, num_proc: int, work: Path, split_spe
             stop = min(start + per_chunk, len(text_rows))
             if not path.exists():
                 _tokenize_chunk(text_rows.select(range(start, stop)), tokenizer, num_proc, work, path, split_special)
+                # what the chunk's map freed here (its jobs pickled, its results read) goes back to the OS: glibc
+                # kept it, and every later chunk's workers, forked from this process, carried it (BENCHMARKS.md 14)
+                _release_freed_memory()
             bar.update(stop - start)
     return paths
 
