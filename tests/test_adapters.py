@@ -332,6 +332,22 @@ def test_qlora_trains_resumes_bitwise_and_exports_merged_on_the_dequantized_base
         torch.testing.assert_close(again[key], merged[key], rtol=0, atol=1e-6, msg=key)
 
 
+def test_qlora_resumes_on_another_world_size_and_strategy(train_env, qlora_run, tmp_path):
+    """2 ranks under fsdp2 -> 1 under ddp -> 2 under ddp, the global batch kept: the checkpoints hold the adapter
+    alone, and every layout of the NF4 base is the NF4 of the whole weight, so the losses are the one run's."""
+    data, qlora = train_env["dataset"], ("--adapter", "qlora", "-m", "local/tiny256")
+    train(train_env, data, tmp_path, *qlora, "--strategy", "fsdp2", "--max-steps", 6)
+    train(train_env, data, tmp_path, *qlora, "--strategy", "ddp", "--max-steps", 9, "-b", 4, nproc=1)
+    train(train_env, data, tmp_path, *qlora, "--strategy", "ddp", "--max-steps", 12)
+    got, expected = losses(tmp_path / "r"), losses(qlora_run)
+    assert sorted(got) == sorted(expected) == list(range(1, 13))
+    for step in expected:  # resharded between legs: equal up to the reduction order
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+    reference, chained = adapter_tensors(qlora_run), adapter_tensors(tmp_path / "r")
+    for key in reference:
+        torch.testing.assert_close(chained[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
 def test_evaluate_scores_an_adapter_folder_as_its_run_did(train_env, lora_run, tmp_path):
     from test_evaluate import evaluate
 

@@ -66,6 +66,22 @@ def test_llama_1b_state_is_16_bytes_per_parameter_over_the_shards():
         est("fsdp2", "FULL_SHARD", 8).activations / 5
 
 
+def test_dora_counts_the_two_outputs_it_rescales_per_adapted_layer():
+    shape = Shape.of(LlamaConfig(**LLAMA_1B))
+
+    def activations(adapter: str, **kw) -> int:
+        return estimate(shape, Workload("fsdp2", "FULL_SHARD", 2, 2, 2, 1, 2048, adapter=adapter, **kw)).activations
+
+    outputs = 2048 + 512 + 512 + 2048 + 8192 + 8192 + 2048  # q, k, v, o, gate, up, down
+    assert activations("dora") - activations("lora") == 16 * 2048 * 2 * outputs * 2
+    assert activations("lora") == activations("none")
+    # only q and v adapted: their outputs alone; with checkpointing, one recomputed layer's
+    assert activations("dora", lora_targets="q_proj,v_proj") - activations("lora", lora_targets="q_proj,v_proj") == \
+        16 * 2048 * 2 * (2048 + 512) * 2
+    assert activations("dora", activation_checkpointing=True) - activations("lora", activation_checkpointing=True) == \
+        2048 * 2 * outputs * 2
+
+
 def config_for(model: str, *extra: str):
     return from_flat({"experiment_name": "m", "dataset_name": "d", "model_name": model,
                       **dict(zip(extra[::2], extra[1::2], strict=True))})

@@ -186,6 +186,16 @@ def layer_activation_bytes(shape: Shape, tokens: int, compute_bytes: int) -> int
         * compute_bytes
 
 
+def adapter_activation_bytes(shape: Shape, work: Workload, tokens: int) -> int:
+    """What an adapter saves per decoder layer beyond the base layer's: DoRA scales both the base output and the
+    low-rank output by its magnitude, so autograd keeps both (two output widths per adapted linear layer; measured
+    0.21 GiB over the LoRA-like estimate on SmolLM2's shape, BENCHMARKS.md section 16). LoRA's own, a rank-wide
+    middle, is too small to count."""
+    if work.adapter != "dora":
+        return 0
+    return tokens * 2 * sum(o for _, _, o in shape.adapted_linears(work)) * work.compute_bytes
+
+
 class StrategyTerms(Protocol):
     """What the estimate asks of a strategy: the terms in which strategies differ (base.Strategy implements them)."""
 
@@ -209,10 +219,11 @@ def estimate(shape: Shape, work: Workload, terms: StrategyTerms) -> Estimate:
     shards = terms.shards(work)
     held = 0 if work.cpu_offload else n // shards  # parameters this rank keeps fp32 state for
     tokens = work.batch_size * work.seq_length
+    per_layer = layer_activation_bytes(shape, tokens, c) + adapter_activation_bytes(shape, work, tokens)
     if work.activation_checkpointing:  # each layer's input, and one layer recomputed at a time
-        activations = shape.layers * tokens * shape.hidden * c + layer_activation_bytes(shape, tokens, c)
+        activations = shape.layers * tokens * shape.hidden * c + per_layer
     else:
-        activations = shape.layers * layer_activation_bytes(shape, tokens, c)
+        activations = shape.layers * per_layer
     logits = logits_bytes(shape, work, tokens, shards)
     if work.adapter != "none":
         # a frozen base in the compute dtype (no gradient, no state); the adapter's fp32 weights, gradients and
