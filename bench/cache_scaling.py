@@ -2,7 +2,7 @@
 
 For each size (--sizes, MB of text): a folder of real text (bench/data_prep.py's gatherer, copied over as many times
 as the size needs, each copy its own files) goes through DATA-HF.py, then `fsdp1.py --prepare-only` builds the token
-cache from the dataset (a byte-level BPE tokenizer of --vocab tokens trained on the gathered text; seq 1024). Each is
+cache from the dataset (the bundled tokenizer, or one of --vocab tokens trained on the gathered text; seq 1024). Each is
 a real command in its own process tree, timed from launch to exit, with the peak of RssAnon summed over the tree
 (heap and anonymous maps: not the file pages a memory map brings in) sampled every 50 ms. Writes the cache_scaling
 section of BENCHMARKS.md (cache_scaling_VOCAB for another --vocab).
@@ -41,14 +41,16 @@ def anon_bytes(pid: int) -> tuple[int, int]:
 
 
 def _field(path: str, name: str) -> int:
-    """A kB figure of a /proc file, in bytes (0 when the process is gone)."""
+    """A kB figure of a /proc file, in bytes (0 when the process is gone); a kernel without it stops the bench
+    rather than print a column of zeros."""
     try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(name):
-                return int(line.split()[1]) * 1024
+        text = Path(path).read_text()
     except (FileNotFoundError, ProcessLookupError):
-        pass
-    return 0
+        return 0
+    for line in text.splitlines():
+        if line.startswith(name):
+            return int(line.split()[1]) * 1024
+    raise SystemExit(f"{path} has no {name} line (Linux 4.14 or later has it)")
 
 
 def timed(cmd: list[str]) -> tuple[float, int, int]:
@@ -74,13 +76,31 @@ def timed(cmd: list[str]) -> tuple[float, int, int]:
     return seconds, peak[0], peak[1]
 
 
-def corpus(work: Path, mb: int) -> Path:
-    """work/text-MB: copies of the gathered real text until mb MB (each copy in its own folder)."""
+def gathered(work: Path) -> Path:
+    """work/gathered: real text from this machine (bench/data_prep.py's gatherer), about 40 MB or more, once."""
     from data_prep import gather
 
     base = work / "gathered"
     if not base.exists():
         gather(base, 40 * 10**6)
+    return base
+
+
+def tokenizer_model(work: Path, vocab: int) -> Path:
+    """The tiny model whose tokenizer builds the caches: the bundled tokenizer (1,024 tokens, trained on the demo
+    corpus) by default; another --vocab is trained on the gathered text, which has the words to fill it."""
+    from pipeline.prep.tiny import build_tiny
+
+    model = work / ("model" if vocab == 1024 else f"model-{vocab}")
+    if not (model / "config.json").exists():
+        extra = {} if vocab == 1024 else {"corpus": gathered(work), "vocab_size": vocab}
+        build_tiny(model, tied=True, **extra)
+    return model
+
+
+def corpus(work: Path, mb: int) -> Path:
+    """work/text-MB: copies of the gathered real text until mb MB (each copy in its own folder)."""
+    base = gathered(work)
     unit = sum(f.stat().st_size for f in base.rglob("*") if f.is_file())
     out = work / f"text-{mb}"
     if not out.exists():
@@ -90,21 +110,16 @@ def corpus(work: Path, mb: int) -> Path:
 
 
 def main() -> None:
-    from pipeline.prep.tiny import build_tiny
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "scaling")
     p.add_argument("--sizes", type=int, nargs="+", default=[40, 160, 320])
     p.add_argument("--num_proc", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=1024, help="the tokenizer's vocabulary (byte-level BPE trained on the "
-                   "gathered text; 128000 for a Llama 3-sized one)")
+    p.add_argument("--vocab", type=int, default=1024, help="the tokenizer's vocabulary (default: the bundled 1,024; "
+                   "another is a byte-level BPE trained on the gathered text, 128000 for a Llama 3-sized one)")
     args = p.parse_args()
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
-    model = work / f"model-{args.vocab}"
-    if not (model / "config.json").exists():
-        corpus(work, args.sizes[0])  # the gathered text, which the tokenizer is trained on
-        build_tiny(model, work / "gathered", tied=True, vocab_size=args.vocab)
+    model = tokenizer_model(work, args.vocab)
     rows = []
     for mb in args.sizes:
         text = corpus(work, mb)

@@ -30,9 +30,9 @@ def measured(runs: Path, name: str, model: Path, data: Path, seq: int, batch: in
     train = [e for e in events if e["event"] == "train"]
     step = statistics.median(intervals([e["time"] for e in train], args.discard))
     blocks = _val_blocks(runs / name / "train.log")
-    prompts = len(PROMPTS.read_text().splitlines())
-    return [f"{batch} x {seq}", blocks, f"{base['seconds']:.2f}", f"{base['sample_seconds']:.2f} ({prompts} x "
-            f"{SAMPLE_TOKENS} tokens)", f"{step:.3f}", f"{base['seconds'] / step:.1f}",
+    prompts = sum(1 for e in events if e["event"] == "sample" and e["step"] == 0)
+    return [f"{batch} x {seq}", blocks, f"{base['seconds']:.2f}", f"{base['sample_seconds']:.2f} ({prompts} x up "
+            f"to {SAMPLE_TOKENS} tokens)", f"{step:.3f}", f"{base['seconds'] / step:.1f}",
             f"{base['sample_seconds'] / step:.1f}"]
 
 

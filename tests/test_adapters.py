@@ -339,6 +339,7 @@ def test_qlora_resumes_on_another_world_size_and_strategy(train_env, qlora_run, 
     train(train_env, data, tmp_path, *qlora, "--strategy", "fsdp2", "--max-steps", 6)
     train(train_env, data, tmp_path, *qlora, "--strategy", "ddp", "--max-steps", 9, "-b", 4, nproc=1)
     train(train_env, data, tmp_path, *qlora, "--strategy", "ddp", "--max-steps", 12)
+    assert [e["from_step"] for e in events(tmp_path / "r", "resume")] == [6, 9]  # each leg resumed, none restarted
     got, expected = losses(tmp_path / "r"), losses(qlora_run)
     assert sorted(got) == sorted(expected) == list(range(1, 13))
     for step in expected:  # resharded between legs: equal up to the reduction order

@@ -188,8 +188,9 @@ def layer_activation_bytes(shape: Shape, tokens: int, compute_bytes: int) -> int
 
 def adapter_activation_bytes(shape: Shape, work: Workload, tokens: int) -> int:
     """What an adapter saves per decoder layer beyond the base layer's: DoRA scales both the base output and the
-    low-rank output by its magnitude, so autograd keeps both (two output widths per adapted linear layer; measured
-    0.21 GiB over the LoRA-like estimate on SmolLM2's shape, BENCHMARKS.md section 16). LoRA's own, a rank-wide
+    low-rank output by its magnitude, so autograd keeps both (two output widths per adapted linear layer: 0.30 GiB on
+    SmolLM2's shape at 256 tokens, where DoRA's measured peak is 0.31 GiB above LoRA's in fp32, BENCHMARKS.md section
+    16; under bf16 autocast the fp32 magnitude may make those outputs fp32, not measured). LoRA's own, a rank-wide
     middle, is too small to count."""
     if work.adapter != "dora":
         return 0
