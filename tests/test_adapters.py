@@ -131,6 +131,18 @@ def model_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
+def assert_trained_as(chained: Path, reference: Path) -> None:
+    """A run resumed across world sizes and strategies against the uninterrupted one: every step's loss and the
+    adapter it exported, equal up to the reduction order (resharded between legs)."""
+    got, expected = losses(chained), losses(reference)
+    assert sorted(got) == sorted(expected)
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+    want, have = adapter_tensors(reference), adapter_tensors(chained)
+    for key in want:
+        torch.testing.assert_close(have[key], want[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
 @pytest.fixture(scope="module")
 def lora_run(train_env, tmp_path_factory) -> Path:
     """18 steps of LoRA (rank 4, every linear layer of the blocks) under fsdp2 on 2 ranks, checkpoints every 6."""
@@ -160,13 +172,8 @@ def test_lora_resumes_on_another_world_size_and_strategy(train_env, lora_run, tm
     train(train_env, data, tmp_path, "--adapter", "lora", "--strategy", "fsdp2", "--max-steps", 6)
     train(train_env, data, tmp_path, "--adapter", "lora", "--max-steps", 12, "-b", 4, nproc=1)  # same global batch
     train(train_env, data, tmp_path, "--adapter", "lora", "--strategy", "ddp")
-    got, expected = losses(tmp_path / "r"), losses(lora_run)
-    assert sorted(got) == sorted(expected) == list(range(1, 19))
-    for step in expected:  # resharded between legs: equal up to the reduction order
-        assert got[step] == pytest.approx(expected[step], rel=1e-5), step
-    reference, chained = adapter_tensors(lora_run), adapter_tensors(tmp_path / "r")
-    for key in reference:
-        torch.testing.assert_close(chained[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
+    assert sorted(losses(tmp_path / "r")) == list(range(1, 19))
+    assert_trained_as(tmp_path / "r", lora_run)
 
 
 def test_lora_exports_a_peft_adapter_and_a_merged_model_that_agree(train_env, tiny_models, lora_run, tmp_path):
@@ -340,13 +347,8 @@ def test_qlora_resumes_on_another_world_size_and_strategy(train_env, qlora_run, 
     train(train_env, data, tmp_path, *qlora, "--strategy", "ddp", "--max-steps", 9, "-b", 4, nproc=1)
     train(train_env, data, tmp_path, *qlora, "--strategy", "ddp", "--max-steps", 12)
     assert [e["from_step"] for e in events(tmp_path / "r", "resume")] == [6, 9]  # each leg resumed, none restarted
-    got, expected = losses(tmp_path / "r"), losses(qlora_run)
-    assert sorted(got) == sorted(expected) == list(range(1, 13))
-    for step in expected:  # resharded between legs: equal up to the reduction order
-        assert got[step] == pytest.approx(expected[step], rel=1e-5), step
-    reference, chained = adapter_tensors(qlora_run), adapter_tensors(tmp_path / "r")
-    for key in reference:
-        torch.testing.assert_close(chained[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
+    assert sorted(losses(tmp_path / "r")) == list(range(1, 13))
+    assert_trained_as(tmp_path / "r", qlora_run)
 
 
 def test_evaluate_scores_an_adapter_folder_as_its_run_did(train_env, lora_run, tmp_path):
