@@ -26,6 +26,12 @@ DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPER
 """What the machine, not our code, refuses a write for: a full disk or quota, a read-only mount, no permission."""
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message as one line for a one-line error (its type's name when it has none), at most 300
+    characters."""
+    return (str(exc).strip() or type(exc).__name__).splitlines()[0][:300]
+
+
 def disk_problem(exc: BaseException) -> str:
     """One line for an OSError in DISK_ERRNOS, naming the path (and for a full disk the space left there); "" for
     any other exception. Nothing is lost by it: every writer of ours writes to a temporary name and renames."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import ROOT, torchrun
 from peft import LoraConfig, get_peft_model
+from test_evaluate import run_evaluate
 from transformers import AutoModelForCausalLM
 
 from pipeline.errors import UserError
@@ -43,11 +44,6 @@ def simple_evaluate(env: dict, model: Path, adapter: Path | None = None) -> dict
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def run_evaluate(env: dict, *args: object) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.evaluate", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, env=offline(env), timeout=600)
-
-
 @pytest.fixture(scope="module")
 def adapter_folder(tiny_models, tmp_path_factory) -> Path:
     """A PEFT LoRA folder on the tiny model whose B matrices are not zero (so the adapter changes every answer's
@@ -66,7 +62,7 @@ def adapter_folder(tiny_models, tmp_path_factory) -> Path:
 
 def test_evaluate_scores_tasks_as_simple_evaluate_does_on_a_model_and_an_adapter(train_env, tiny_models,
                                                                                   adapter_folder, tmp_path):
-    env = train_env["env"]
+    env = offline(train_env["env"])
     out = tmp_path / "eval.json"
     proc = run_evaluate(env, "local/tiny", "-d", train_env["dataset"], "--config", ROOT / "configs" / "demo.yaml",
                         *TASKS, "--out", out)
@@ -112,7 +108,7 @@ def test_a_run_ends_with_its_tasks_on_its_export(train_env, tmp_path, adapter):
 
 
 def test_a_task_that_cannot_run_here_is_one_line_before_any_training(train_env, tmp_path):
-    env = train_env["env"]
+    env = offline(train_env["env"])
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     common = ("output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{context}}'\n"
@@ -148,7 +144,7 @@ def test_a_task_that_cannot_run_here_is_one_line_before_any_training(train_env, 
     proc = subprocess.run([sys.executable, "fsdp1.py", "-e", "never", "--save-dir", tmp_path / "runs", "-d",
                            train_env["dataset"], "-m", "local/tiny", "--config", ROOT / "configs" / "demo.yaml",
                            "--lm-eval-tasks", "missing_data", "--lm-eval-include", tasks], cwd=ROOT,
-                          capture_output=True, text=True, env=offline(env), timeout=600)
+                          capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == expected["missing_data"]
     assert not (tmp_path / "runs").exists()
 
@@ -156,7 +152,7 @@ def test_a_task_that_cannot_run_here_is_one_line_before_any_training(train_env, 
     blocked = ("import sys; sys.modules['lm_eval'] = None; sys.argv[1:] = sys.argv[2:]; "
                "from pipeline.errors import run_cli; from pipeline.tools.evaluate import main; run_cli(main)")
     proc = subprocess.run([sys.executable, "-c", blocked, "-", "local/tiny", *TASKS], cwd=ROOT, capture_output=True,
-                          text=True, env=offline(env), timeout=600)
+                          text=True, env=env, timeout=600)
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "error: --lm-eval-tasks needs lm-evaluation-harness, which is not installed: run `make lm-eval` (pip install "
         "-r requirements-lm-eval.txt)")

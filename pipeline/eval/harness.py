@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipeline.config import TrainConfig
-from pipeline.errors import UserError
+from pipeline.errors import UserError, first_line
 
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
@@ -96,7 +96,7 @@ def check_tasks(tasks: Tasks) -> None:
         try:
             dry_run(manager, name)
         except Exception as exc:  # a template, target or metric that fails on a real document
-            raise UserError(f"lm-eval task {name} fails on its first documents ({_first_line(exc)}); fix the task "
+            raise UserError(f"lm-eval task {name} fails on its first documents ({first_line(exc)}); fix the task "
                             "(its YAML or the functions it names)") from None
 
 
@@ -112,14 +112,10 @@ def dry_run(manager: TaskManager, name: str) -> None:
 
 def _cannot_load(name: str, exc: BaseException) -> str:
     if isinstance(exc, FileNotFoundError | ConnectionError) or "Offline" in type(exc).__name__:
-        return (f"lm-eval task {name}: its data could not be read on this offline machine ({_first_line(exc)}); give "
+        return (f"lm-eval task {name}: its data could not be read on this offline machine ({first_line(exc)}); give "
                 "the task local files (dataset_path: json with dataset_kwargs.data_files, paths from the current "
                 "folder) or put its dataset in the datasets cache")
-    return f"lm-eval task {name} could not be built ({_first_line(exc)}); fix its YAML"
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip() or type(exc).__name__).splitlines()[0][:300]
+    return f"lm-eval task {name} could not be built ({first_line(exc)}); fix its YAML"
 
 
 @contextlib.contextmanager

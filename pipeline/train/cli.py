@@ -13,7 +13,7 @@ from pipeline.config import Config
 from pipeline.dist.launch import detect as detect_launch
 from pipeline.dist.liveness import PeerWatch, is_collective_failure, watch_parent
 from pipeline.dist.runtime import Dist, init_distributed
-from pipeline.errors import UserError
+from pipeline.errors import UserError, first_line
 from pipeline.eval.harness import Tasks, check_tasks
 from pipeline.strategies.auto import check_agreed
 from pipeline.strategies.registry import out_of_memory_hints, settle
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         code = train_or_stop(cfg, d, plan, peers)
     except BaseException as exc:
         if not is_collective_failure(exc):  # this rank's own failure, not the echo of another's
-            peers.stop(failure=(str(exc).strip() or type(exc).__name__).splitlines()[0][:300])
+            peers.stop(failure=first_line(exc))
         # No destroy_process_group here: another rank may still be inside a collective, and tearing the group down
         # under it can block this rank (torchtitan#1342). fsdp1.py leaves without finalization (errors.leave).
         raise

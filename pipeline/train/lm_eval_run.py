@@ -11,7 +11,7 @@ import torch
 
 from pipeline.config import Config
 from pipeline.dist.runtime import Dist, compute_dtype
-from pipeline.errors import UserError
+from pipeline.errors import UserError, first_line
 from pipeline.eval.harness import Tasks, run_tasks
 from pipeline.fsutil import write_text_atomic
 from pipeline.train.export import described, run_exports
@@ -40,9 +40,8 @@ def run_at_end(cfg: Config, plan: Plan, tasks: Tasks, d: Dist) -> None:
                         f"{max(1, cfg.train.lm_eval_batch_size // 2)}") from None
     except Exception as exc:  # a task that passed the dry run but fails on the real model: the run itself is complete
         traceback.print_exc()
-        first = (str(exc).strip() or type(exc).__name__).splitlines()[0][:300]
-        raise UserError(f"training finished ({described(cfg)}), but the lm-eval tasks failed ({first}); fix the task "
-                        f"and run them alone: {again}") from None
+        raise UserError(f"training finished ({described(cfg)}), but the lm-eval tasks failed ({first_line(exc)}); "
+                        f"fix the task and run them alone: {again}") from None
     path = cfg.run_dir / RESULTS
     write_text_atomic(path, json.dumps({"model": str(model_dir), "adapter": adapter_dir and str(adapter_dir),
                                         "lm_eval": report}, indent=2) + "\n")
