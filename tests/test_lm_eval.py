@@ -24,9 +24,24 @@ DIRECT = """
 import json, sys
 import lm_eval
 from lm_eval.tasks import TaskManager
-out = lm_eval.simple_evaluate(model="hf", model_args=json.loads(sys.argv[1]), tasks=["corpus_cloze"],
-                              task_manager=TaskManager(include_path="examples/lm_eval"), log_samples=False)
-print(json.dumps(out["results"]))
+results = [lm_eval.simple_evaluate(model="hf", model_args=args, tasks=["corpus_cloze"],
+                                   task_manager=TaskManager(include_path="examples/lm_eval"),
+                                   log_samples=False)["results"] for args in json.loads(sys.argv[1])]
+print(json.dumps(results))
+"""
+
+CHECK = """
+import json, sys
+from pathlib import Path
+from pipeline.errors import UserError
+from pipeline.eval.harness import Tasks, check_tasks
+refusals = {}
+for name in sys.argv[2:]:
+    try:
+        check_tasks(Tasks((name,), Path(sys.argv[1])))
+    except UserError as exc:
+        refusals[name] = str(exc)
+print(json.dumps(refusals))
 """
 
 
@@ -34,10 +49,11 @@ def offline(env: dict) -> dict:
     return {**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
 
 
-def simple_evaluate(env: dict, model: Path, adapter: Path | None = None) -> dict:
-    """lm_eval.simple_evaluate called directly on the model folder (and adapter), fp32 on CPU: its results."""
-    args = {"pretrained": str(model), "dtype": "float32", "device": "cpu", "batch_size": 8,
-            **({"peft": str(adapter)} if adapter else {})}
+def simple_evaluate(env: dict, *models: tuple[Path, Path | None]) -> list[dict]:
+    """lm_eval.simple_evaluate called directly on each (model folder, adapter or None), fp32 on CPU, in one process:
+    their results."""
+    args = [{"pretrained": str(model), "dtype": "float32", "device": "cpu", "batch_size": 8,
+             **({"peft": str(adapter)} if adapter else {})} for model, adapter in models]
     proc = subprocess.run([sys.executable, "-c", DIRECT, json.dumps(args)], cwd=ROOT, capture_output=True, text=True,
                           env=offline(env), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -69,7 +85,7 @@ def test_evaluate_scores_tasks_as_simple_evaluate_does_on_a_model_and_an_adapter
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["loss"] > 0 and report["tokens"] > 0  # the held-out loss and the tasks, in one report
-    direct = simple_evaluate(env, tiny_models["tied"])
+    direct, direct_adapter = simple_evaluate(env, (tiny_models["tied"], None), (tiny_models["tied"], adapter_folder))
     assert report["lm_eval"]["results"] == direct and 0 <= direct["corpus_cloze"]["acc,none"] <= 1
     assert report["lm_eval"]["n-shot"] == {"corpus_cloze": 0} and "|corpus_cloze|" in proc.stdout
 
@@ -78,7 +94,6 @@ def test_evaluate_scores_tasks_as_simple_evaluate_does_on_a_model_and_an_adapter
     assert proc.returncode == 0, proc.stderr[-3000:]
     with_adapter = json.loads(out.read_text())
     assert "loss" not in with_adapter and with_adapter["adapter"] == str(adapter_folder)
-    direct_adapter = simple_evaluate(env, tiny_models["tied"], adapter_folder)
     assert with_adapter["lm_eval"]["results"] == direct_adapter
     assert direct_adapter["corpus_cloze"]["acc_norm,none"] != direct["corpus_cloze"]["acc_norm,none"] or \
         direct_adapter["corpus_cloze"]["acc,none"] != direct["corpus_cloze"]["acc,none"]
@@ -97,10 +112,10 @@ def test_a_run_ends_with_its_tasks_on_its_export(train_env, tmp_path, adapter):
     report = json.loads((run / "lm_eval.json").read_text())
     if adapter == "lora":
         assert report["adapter"] == str(run / "adapter") and not (run / "hf").exists()
-        direct = simple_evaluate(train_env["env"], Path(report["model"]), run / "adapter")
+        (direct,) = simple_evaluate(train_env["env"], (Path(report["model"]), run / "adapter"))
     else:
         assert report["model"] == str(run / "hf") and report["adapter"] is None
-        direct = simple_evaluate(train_env["env"], run / "hf")
+        (direct,) = simple_evaluate(train_env["env"], (run / "hf", None))
     assert report["lm_eval"]["results"] == direct
     assert proc.stdout.count("|corpus_cloze|") == 1  # rank 0 alone scored
     acc = direct["corpus_cloze"]["acc,none"]
@@ -121,31 +136,39 @@ def test_a_task_that_cannot_run_here_is_one_line_before_any_training(train_env, 
     (tasks / "type.yaml").write_text(f"task: bad_type\n{local}{common.replace('multiple_choice', 'multiple')}")
     (tasks / "utils.py").write_text("def process(doc, results):\n    raise ValueError('no score for this document')\n")
     (tasks / "late.yaml").write_text(f"task: fails_late\n{local}{common}process_results: !function utils.process\n")
-    expected = {
-        "nope": f"error: unknown lm-eval task nope: not in {tasks} nor among lm-eval's own tasks (a task's name is its "
+    # a group of the folder's tasks runs (lm-eval's whole index is read for a group: it may name lm-eval's own tasks)
+    (tasks / "fine.yaml").write_text(f"task: fine\n{local}{common}")
+    (tasks / "group.yaml").write_text("group: fine_group\ntask:\n  - fine\n")
+    expected = {  # each task checked as every command checks it (harness.check_tasks), in one process
+        "nope": f"unknown lm-eval task nope: not in {tasks} nor among lm-eval's own tasks (a task's name is its "
                 "YAML's `task:`)",
-        "missing_data": f"error: lm-eval task missing_data: its data could not be read on this offline machine (Unable "
+        "missing_data": f"lm-eval task missing_data: its data could not be read on this offline machine (Unable "
                         f"to find '{tmp_path / 'nowhere.jsonl'}'); give the task local files (dataset_path: json with "
                         "dataset_kwargs.data_files, paths from the current folder) or put its dataset in the datasets "
                         "cache",
-        "hub_data": "error: lm-eval task hub_data: its data could not be read on this offline machine (Couldn't reach "
+        "hub_data": "lm-eval task hub_data: its data could not be read on this offline machine (Couldn't reach "
                     "'some-org/not-cached' on the Hub (OfflineModeIsEnabled)); give the task local files",
-        "bad_type": "error: lm-eval task bad_type could not be built (Got invalid output_type 'multiple', must be in ",
+        "bad_type": "lm-eval task bad_type could not be built (Got invalid output_type 'multiple', must be in ",
         # built, but its results fail on a document: found by the dry run (lm-eval's DummyLM on two documents)
-        "fails_late": "error: lm-eval task fails_late fails on its first documents (no score for this document); fix "
+        "fails_late": "lm-eval task fails_late fails on its first documents (no score for this document); fix "
                       "the task (its YAML or the functions it names)",
     }
+    proc = subprocess.run([sys.executable, "-c", CHECK, tasks, *expected, "fine", "fine_group"], cwd=ROOT,
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    refusals = json.loads(proc.stdout.splitlines()[-1])
+    assert list(refusals) == list(expected)  # fine and fine_group pass
     for task, line in expected.items():
-        proc = run_evaluate(env, "local/tiny", "--lm-eval-tasks", task, "--lm-eval-include", tasks)
-        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr[-2000:]
-        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+        assert refusals[task].startswith(line) and "\n" not in refusals[task], refusals[task]
 
-    # the run refuses it before its process group or its run folder
+    # a command prints it as its one line: pipeline.evaluate, and the run before its process group or its run folder
+    proc = run_evaluate(env, "local/tiny", "--lm-eval-tasks", "fails_late", "--lm-eval-include", tasks)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {refusals['fails_late']}", proc.stderr[-2000:]
     proc = subprocess.run([sys.executable, "fsdp1.py", "-e", "never", "--save-dir", tmp_path / "runs", "-d",
                            train_env["dataset"], "-m", "local/tiny", "--config", ROOT / "configs" / "demo.yaml",
                            "--lm-eval-tasks", "missing_data", "--lm-eval-include", tasks], cwd=ROOT,
                           capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == expected["missing_data"]
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == f"error: {expected['missing_data']}"
     assert not (tmp_path / "runs").exists()
 
     # lm-eval not installed: the make target that installs it
