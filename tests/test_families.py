@@ -4,13 +4,14 @@ parameter counts they need. (tests/test_build.py compares every family's buffers
 own under every strategy.)"""
 
 import json
+import shutil
 import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, losses, torchrun
+from conftest import ROOT, events, losses, torchrun
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.config import ModelConfig
@@ -201,21 +202,23 @@ def exported_logits(folder: Path) -> torch.Tensor:
 @pytest.mark.parametrize("family", MECHANISMS)
 def test_family_resumes_bitwise_exports_what_it_trained_and_ddp_agrees(family, family_env, families, tmp_path,
                                                                        group_of_one):
-    """fsdp2 stopped at step 2 (--max-steps 2) and rerun to step 4 resumes from its checkpoint and gives the
-    uninterrupted run's losses bit for bit (tests/test_resume.py kills runs for real); ddp's agree to 1e-5; the
-    export, in save_pretrained's layout, computes the checkpoint's logits."""
+    """fsdp2 rerun from its step-2 checkpoint gives the uninterrupted run's losses to step 4 bit for bit
+    (tests/test_resume.py kills runs for real); ddp's agree to 1e-5; the export, in save_pretrained's layout,
+    computes the checkpoint's logits."""
     model = f"local/{family}"
-    train(family_env, tmp_path, model, "-e", "r", "--max-steps", "2")
-    resumed = train(family_env, tmp_path, model, "-e", "r", "--max-steps", "4")
+    train(family_env, tmp_path, model, "-e", "r", "--max-steps", "4")
+    again = tmp_path / "again"
+    shutil.copytree(tmp_path / "r", again / "r")
+    resumed = train(family_env, again, model, "-e", "r", "--max-steps", "4", "--resume-from", "step-00000002")
     assert "resumed from" in resumed.stderr + resumed.stdout
-    train(family_env, tmp_path, model, "-e", "ref", "--max-steps", "4")
     train(family_env, tmp_path, model, "-e", "ddp", "--max-steps", "4", "--strategy", "ddp")
-    run, ref, ddp = (losses(tmp_path / name) for name in ("r", "ref", "ddp"))
+    run, ref, ddp = (losses(root / name) for root, name in ((again, "r"), (tmp_path, "r"), (tmp_path, "ddp")))
     assert run == ref and sorted(run) == [1, 2, 3, 4]
+    assert [e["step"] for e in events(again / "r", "train")] == [1, 2, 3, 4, 3, 4]  # 3 and 4 trained again
     assert ddp == pytest.approx(ref, abs=1e-5)
-    assert header_names(tmp_path / "r" / "hf") == header_names(families[family])
-    torch.testing.assert_close(exported_logits(tmp_path / "r" / "hf"),
-                               checkpoint_logits(tmp_path / "r" / "checkpoints" / "step-00000004", families[family],
+    assert header_names(again / "r" / "hf") == header_names(families[family])
+    torch.testing.assert_close(exported_logits(again / "r" / "hf"),
+                               checkpoint_logits(again / "r" / "checkpoints" / "step-00000004", families[family],
                                                  group_of_one), rtol=0, atol=0)
 
 
