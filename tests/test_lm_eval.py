@@ -136,9 +136,11 @@ def test_a_task_that_cannot_run_here_is_one_line_before_any_training(train_env, 
     (tasks / "type.yaml").write_text(f"task: bad_type\n{local}{common.replace('multiple_choice', 'multiple')}")
     (tasks / "utils.py").write_text("def process(doc, results):\n    raise ValueError('no score for this document')\n")
     (tasks / "late.yaml").write_text(f"task: fails_late\n{local}{common}process_results: !function utils.process\n")
-    # a group of the folder's tasks runs (lm-eval's whole index is read for a group: it may name lm-eval's own tasks)
+    # a group of the folder's tasks runs; one naming lm-eval's own arc_easy finds it (lm-eval's whole index is read
+    # for a group), whose data is on the Hub
     (tasks / "fine.yaml").write_text(f"task: fine\n{local}{common}")
     (tasks / "group.yaml").write_text("group: fine_group\ntask:\n  - fine\n")
+    (tasks / "mixed.yaml").write_text("group: mixed_group\ntask:\n  - fine\n  - arc_easy\n")
     expected = {  # each task checked as every command checks it (harness.check_tasks), in one process
         "nope": f"unknown lm-eval task nope: not in {tasks} nor among lm-eval's own tasks (a task's name is its "
                 "YAML's `task:`)",
@@ -152,6 +154,7 @@ def test_a_task_that_cannot_run_here_is_one_line_before_any_training(train_env, 
         # built, but its results fail on a document: found by the dry run (lm-eval's DummyLM on two documents)
         "fails_late": "lm-eval task fails_late fails on its first documents (no score for this document); fix "
                       "the task (its YAML or the functions it names)",
+        "mixed_group": "lm-eval task mixed_group: its data could not be read on this offline machine (",
     }
     proc = subprocess.run([sys.executable, "-c", CHECK, tasks, *expected, "fine", "fine_group"], cwd=ROOT,
                           capture_output=True, text=True, env=env, timeout=600)
@@ -161,9 +164,10 @@ def test_a_task_that_cannot_run_here_is_one_line_before_any_training(train_env, 
     for task, line in expected.items():
         assert refusals[task].startswith(line) and "\n" not in refusals[task], refusals[task]
 
-    # a command prints it as its one line: pipeline.evaluate, and the run before its process group or its run folder
-    proc = run_evaluate(env, "local/tiny", "--lm-eval-tasks", "fails_late", "--lm-eval-include", tasks)
-    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {refusals['fails_late']}", proc.stderr[-2000:]
+    # a command prints it as its one line (lm-eval's whole index read, quietly): pipeline.evaluate, and the run before
+    # its process group or its run folder
+    proc = run_evaluate(env, "local/tiny", "--lm-eval-tasks", "nope", "--lm-eval-include", tasks)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {refusals['nope']}", proc.stderr[-2000:]
     proc = subprocess.run([sys.executable, "fsdp1.py", "-e", "never", "--save-dir", tmp_path / "runs", "-d",
                            train_env["dataset"], "-m", "local/tiny", "--config", ROOT / "configs" / "demo.yaml",
                            "--lm-eval-tasks", "missing_data", "--lm-eval-include", tasks], cwd=ROOT,
