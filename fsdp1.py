@@ -8,10 +8,10 @@ import os
 # No network at training time: set before any Hugging Face library is imported (they read these at import).
 for _switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ[_switch] = "1"
-# Host buffers of 2 MB and more on transparent huge pages (PyTorch's own switch, read at its first allocation):
-# every step allocates and frees hundreds of MB of host memory when training on CPU or with CPU offload, and
-# faulting it in 4 KB pages cost a fifth of a CPU step (BENCHMARKS.md). Freed memory still goes back to the OS.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+# PyTorch's huge-page switch for host buffers (THP_MEM_ALLOC_ENABLE=1) is the user's to set, off here: on a real
+# model's shape (SmolLM2-135M, CPU) a step with it grew from 3.3 to 3.9 s over a run, and fsdp1.py was 4% (full) to
+# 8-12% (LoRA) slower with it than without (BENCHMARKS.md section 16); it paid only on a 2-layer toy under a 128k
+# vocabulary.
 
 from pipeline.errors import run_cli  # noqa: E402
 from pipeline.train.cli import main  # noqa: E402
