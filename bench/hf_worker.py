@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -25,22 +26,32 @@ from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, Trainin
 
 
 class Blocks(torch.utils.data.Dataset):
-    def __init__(self, path: Path):
+    """The blocks in fsdp1.py's first-epoch order (pipeline/data/sampler.py: one permutation from (seed, 0)). Read
+    sequentially and dealt by Accelerate one batch per rank in turn, rank r's k-th batch is the blocks fsdp1.py's
+    rank r trains on at step k: both systems see the same batches, so their losses compare step by step."""
+
+    def __init__(self, path: Path, seed: int):
         self.blocks = np.load(path, mmap_mode="r")
+        self.order = np.random.default_rng([seed, 0]).permutation(len(self.blocks))
 
     def __len__(self) -> int:
         return len(self.blocks)
 
     def __getitem__(self, i: int) -> dict:
-        ids = torch.from_numpy(self.blocks[i].astype(np.int64))
+        ids = torch.from_numpy(self.blocks[self.order[i]].astype(np.int64))
         return {"input_ids": ids, "labels": ids}
 
 
 class StepTimes(TrainerCallback):
-    """Epoch seconds at the end of every --sync-every-th optimizer step, taken after the GPU has finished it."""
+    """Epoch seconds at the end of every --sync-every-th optimizer step, taken after the GPU has finished it, and the
+    loss the Trainer logs for each step (the mean over ranks)."""
 
     def __init__(self, every: int):
-        self.every, self.steps, self.times = every, [], []
+        self.every, self.steps, self.times, self.losses = every, [], [], []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses.append(logs["loss"])
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % self.every == 0:
@@ -63,6 +74,7 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing (activation recomputation)")
     p.add_argument("--sync-every", type=int, default=1, help="record a step end every N steps")
+    p.add_argument("--seed", type=int, default=0, help="fsdp1.py's --seed, for its block order")
     p.add_argument("--lora-rank", type=int, default=0, help="train LoRA of this rank through peft (0: every weight)")
     p.add_argument("--lora-alpha", type=float, default=32.0)
     args = p.parse_args()
@@ -83,15 +95,20 @@ def main() -> None:
         bf16=args.bf16, use_cpu=not cuda, ddp_backend=None if cuda else "gloo",
         torch_compile=args.compile, gradient_checkpointing=args.grad_ckpt,
         optim="adamw_torch_fused" if cuda else "adamw_torch", report_to=[], save_strategy="no", eval_strategy="no",
-        logging_steps=10**9,
+        logging_steps=args.sync_every, train_sampling_strategy="sequential",
         dataloader_num_workers=0, disable_tqdm=True, seed=0, **fsdp)
     timer = StepTimes(args.sync_every)
-    trainer = Trainer(model=model, args=targs, train_dataset=Blocks(args.blocks), callbacks=[timer])
+    blocks = Blocks(args.blocks, args.seed)
+    # past one epoch fsdp1.py draws a new order from (seed, 1): the batches would no longer be the same
+    if args.max_steps * args.batch_size * int(os.environ.get("WORLD_SIZE", "1")) > len(blocks):
+        raise SystemExit(f"--max-steps {args.max_steps} runs past one epoch of {len(blocks)} blocks")
+    trainer = Trainer(model=model, args=targs, train_dataset=blocks, callbacks=[timer])
     trainer.train()
     if trainer.args.process_index == 0:
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
         reserved = torch.cuda.max_memory_reserved() / 2**30 if cuda else None
-        args.out.write_text(json.dumps({"step_end": timer.times, "steps": timer.steps, "peak_alloc_gib": peak,
+        args.out.write_text(json.dumps({"step_end": timer.times, "steps": timer.steps, "loss": timer.losses,
+                                        "peak_alloc_gib": peak,
                                         "peak_reserved_gib": reserved,
                                         "wrapper": type(trainer.model_wrapped).__name__,
                                         "distributed": str(trainer.accelerator.distributed_type)}))

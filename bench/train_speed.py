@@ -13,8 +13,11 @@ the first step. Peak memory is the largest peak RSS of a worker process, sampled
 --preset trains a real model's shape instead (pipeline.tiny presets, random weights) and writes its own table,
 train_speed_PRESET_PRECISION; --precision bf16 is autocast over fp32 weights on both sides; --strategy is passed to
 fsdp1.py (default: its own default); --adapter lora trains LoRA r16 (alpha 32, every linear layer of the blocks) on
-both sides, the HF Trainer through peft's get_peft_model, and leaves the bare-PyTorch limit out (it is full
-fine-tuning's).
+all three, the HF Trainer and the bare worker through peft's get_peft_model.
+
+The HF Trainer reads the blocks in fsdp1.py's order (bench/hf_worker.py), so both train on the same batches and their
+per-step losses are compared: the first step's (the same batch through the same initial model) and the largest
+difference over the run. Every run's figures go to bench/data/SECTION.json.
 """
 
 from __future__ import annotations
@@ -59,9 +62,11 @@ def run_ours(args, work: Path, model: Path, data: Path, name: str) -> dict:
                         args.steps, "--log-freq", 1, "--ckpt-freq", 0, "--async-ckpt", "off", *ours_flags(args),
                         world=args.world)
     chosen = next((e["strategy"] for e in events if e["event"] == "memory"), "?")
-    ends = [e["time"] for e in events if e["event"] == "train"]
+    trains = [e for e in events if e["event"] == "train"]
+    ends = [e["time"] for e in trains]
     shutil.rmtree(work / "runs" / name, ignore_errors=True)
     return {"steps": intervals(ends, args.discard), "first_step": ends[0] - out.started,
+            "loss": [e["loss"] for e in trains],
             "peak_rss_gb": max(out.peak_rss_gb()[: args.world]), "strategy": chosen}
 
 
@@ -81,24 +86,29 @@ def run_hf(args, work: Path, model: Path, blocks: Path) -> dict:
     result = work / "hf.json"
     cmd = torchrun_cmd(args.world, BENCH / "hf_worker.py", "--model", model, "--blocks", blocks, "--out", result,
                        "--batch-size", args.batch, "--max-steps", args.steps, "--lr", 3e-4, "--warmup-steps", 5,
+                       "--seed", 0,
                        *(["--bf16"] if args.precision == "bf16" else []),
                        *(["--lora-rank", 16, "--lora-alpha", 32] if args.adapter != "none" else []))
     out = launch(cmd, bench_env())
     r = json.loads(result.read_text())
     ends = r["step_end"]
-    return {"steps": intervals(ends, args.discard), "first_step": ends[0] - out.started,
+    return {"steps": intervals(ends, args.discard), "first_step": ends[0] - out.started, "loss": r["loss"],
             "peak_rss_gb": max(out.peak_rss_gb()[: args.world]), "wrapper": r["wrapper"],
             "distributed": r["distributed"]}
 
 
-def run_bare(args, model: Path, blocks: Path, thp: bool) -> dict:
-    env = bench_env(**({"THP_MEM_ALLOC_ENABLE": "1"} if thp else {}))
+def run_bare(args, model: Path, blocks: Path, thp: bool, strategy: str) -> dict:
+    """One rank's share of the step ours ran: its forward and backward, and its part of the update (all of it under
+    ddp, which replicates the optimizer; 1/world where the strategy shards it)."""
+    env = bench_env(THP_MEM_ALLOC_ENABLE="1" if thp else "0")
     proc = subprocess.run([sys.executable, str(BENCH / "bare_worker.py"), "--model", str(model), "--blocks",
                            str(blocks), "--batch-size", str(args.batch), "--world", str(args.world),
-                           *(["--bf16"] if args.precision == "bf16" else [])],
+                           *(["--bf16"] if args.precision == "bf16" else []),
+                           *(["--lora-rank", "16", "--lora-alpha", "32"] if args.adapter != "none" else [])],
                           env=env, capture_output=True, text=True, check=True, cwd=ROOT)
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"share": statistics.median(r["fwd_bwd_s"]) + statistics.median(r["update_s"]) / args.world,
+    update_share = 1 if strategy == "ddp" else 1 / args.world
+    return {"share": statistics.median(r["fwd_bwd_s"]) + statistics.median(r["update_s"]) * update_share,
             "fwd_bwd": statistics.median(r["fwd_bwd_s"]), "update": statistics.median(r["update_s"])}
 
 
@@ -120,10 +130,12 @@ def main() -> None:
     for _ in range(args.repeats):
         ours.append(run_ours(args, work, model, data, "ours"))
         hf.append(run_hf(args, work, model, blocks))
-        if args.adapter == "none":  # the bare limit is full fine-tuning's
-            bare.append(run_bare(args, model, blocks, thp=False))
-            bare_thp.append(run_bare(args, model, blocks, thp=True))
+        bare.append(run_bare(args, model, blocks, thp=False, strategy=ours[-1]["strategy"]))
+        bare_thp.append(run_bare(args, model, blocks, thp=True, strategy=ours[-1]["strategy"]))
         print(json.dumps({"ours": ours[-1]["steps"], "hf": hf[-1]["steps"]}), flush=True)
+    raw = BENCH / "data" / f"{section(args)}.json"
+    raw.write_text(json.dumps({"command": command(args), "machine": machine(), "ours": ours, "hf": hf, "bare": bare,
+                               "bare_thp": bare_thp}) + "\n")
     report(args, model, ours, hf, bare, bare_thp)
 
 
@@ -162,22 +174,22 @@ def crowded(args, share: float, ours: float) -> str:
 
 
 def bare_lines(args, step: dict, med: dict, bare: list[dict], bare_thp: list[dict]) -> list[str]:
-    """The bare-PyTorch limit's table, ratio and the chart (full fine-tuning only)."""
+    """The bare-PyTorch limit's table, ratio and the chart."""
     share = [b["share"] for b in bare]
     share_thp = [b["share"] for b in bare_thp]
     return [
         "",
-        table(["bare-PyTorch limit of one rank's share (1 thread)", "fwd+bwd s", "clip+AdamW s (all params)",
+        table(["bare-PyTorch limit of one rank's share (1 thread)", "fwd+bwd s",
+               "clip+AdamW s (adapters)" if args.adapter != "none" else "clip+AdamW s (all params)",
                "share s", "share / fsdp1.py step"],
-              [["stock allocator", spread([b["fwd_bwd"] for b in bare]), spread([b["update"] for b in bare]),
-                spread(share), f"{statistics.median(share) / med['ours']:.2f}"],
-               ["huge pages (THP_MEM_ALLOC_ENABLE=1, as fsdp1.py)", spread([b["fwd_bwd"] for b in bare_thp]),
+              [["stock allocator (as fsdp1.py)", spread([b["fwd_bwd"] for b in bare]),
+                spread([b["update"] for b in bare]), spread(share), f"{statistics.median(share) / med['ours']:.2f}"],
+               ["huge pages (THP_MEM_ALLOC_ENABLE=1)", spread([b["fwd_bwd"] for b in bare_thp]),
                 spread([b["update"] for b in bare_thp]), spread(share_thp),
                 f"{statistics.median(share_thp) / med['ours']:.2f}"]]),
         "",
         "Fraction of the bare limit (share / our step, target 0.9), against the same allocator setting: "
-        f"**{statistics.median(share_thp) / med['ours']:.2f}**." + crowded(args, statistics.median(share_thp),
-                                                                         med["ours"]),
+        f"**{statistics.median(share) / med['ours']:.2f}**." + crowded(args, statistics.median(share), med["ours"]),
         "",
         bar_chart(section(args), f"CPU training step, {args.world} gloo ranks (s/step, lower is better)",
                   ["fsdp1.py", "HF Trainer", "bare limit (stock)", "bare limit (huge pages)"],
@@ -185,6 +197,21 @@ def bare_lines(args, step: dict, med: dict, bare: list[dict], bare_thp: list[dic
                   [(min(step["ours"]), max(step["ours"])), (min(step["hf"]), max(step["hf"])),
                    (min(share), max(share)), (min(share_thp), max(share_thp))]),
     ]
+
+
+def loss_line(ours: list[dict], hf: list[dict]) -> str:
+    """The two systems' losses on the same batches (both log every step): the first step's, the largest gap between
+    them, and, with two runs or more, each system's gap to itself (what an unseeded initialisation alone moves)."""
+    def gap(a: dict, b: dict) -> float:
+        return max(abs(x - y) for x, y in zip(a["loss"], b["loss"], strict=True))
+
+    line = (f"Loss on the same batches: first step {ours[0]['loss'][0]:.6f} (fsdp1.py) against "
+            f"{hf[0]['loss'][0]:.6f} (HF Trainer); the largest gap over {len(ours[0]['loss'])} steps: "
+            f"{max(gap(o, h) for o, h in zip(ours, hf, strict=True)):.2e}")
+    if len(ours) > 1:
+        line += (f", against {gap(hf[0], hf[1]):.2e} between the HF Trainer's first two runs and "
+                 f"{gap(ours[0], ours[1]):.2e} between fsdp1.py's")
+    return line + "."
 
 
 def report(args, model: Path, ours: list[dict], hf: list[dict], bare: list[dict], bare_thp: list[dict]) -> None:
@@ -216,6 +243,8 @@ def report(args, model: Path, ours: list[dict], hf: list[dict], bare: list[dict]
                "launch to first step end, s", "peak RSS per rank, GB"], rows),
         "",
         f"Ratio of tokens/s, fsdp1.py / HF Trainer: **{med['hf'] / med['ours']:.2f}** (target 1.25).",
+        "",
+        loss_line(ours, hf),
     ]
     if bare:
         lines += bare_lines(args, step, med, bare, bare_thp)
