@@ -365,9 +365,10 @@ class Trainer:
                             self.dist)
         if val is None:
             return None
-        # held_out_loss ends in a host sync (the summed loss read back), so the clock covers the whole pass
-        costs = {"seconds": round(time.perf_counter() - sampled, 3),
-                 **({"sample_seconds": round(sampled - start, 3)} if self.plan.prompts else {})}
+        # held_out_loss ends in a host sync (the summed loss read back), so the clock covers the whole pass; to the
+        # microsecond, since a tiny model's pass can take under a millisecond
+        costs = {"seconds": round(time.perf_counter() - sampled, 6),
+                 **({"sample_seconds": round(sampled - start, 6)} if self.plan.prompts else {})}
         telemetry.event("eval", self.step, loss=val.loss, ppl=val.ppl, **costs)
         telemetry.human({"global_step": self.step, "eval_loss": round(val.loss, 5), "eval_ppl": round(val.ppl, 3)})
         if self.cfg.run.save_best and self.step > 0 and val.loss < self.best_val:  # step 0 is the base, not a result
