@@ -20,7 +20,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import yaml
 
 from pipeline.errors import ArgumentParser, UserError
-from pipeline.fsutil import read_yaml
+from pipeline.fsutil import read_yaml, write_text_atomic
 
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "configs" / "profiles"
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
@@ -36,6 +36,10 @@ AttnImplementation = Literal["auto", "sdpa", "eager", "flex_attention", "flash_a
 Adapter = Literal["none", "lora", "dora", "qlora"]
 VOCAB_PARALLEL_SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP")
 """The shardings the vocabulary-parallel head works with (a 1-D mesh)."""
+NAME_BYTES = 200
+"""The longest --experiment-name, in bytes: file systems allow 255 per name, and NAME-2 (--no-resume) adds some."""
+LIST_KEYS = ("lora_targets",)
+"""String keys a YAML file may give as a list (joined with commas, as the flag takes them)."""
 SHORT_FLAGS = {"experiment_name": "-e", "dataset_name": "-d", "model_name": "-m", "batch_size": "-b"}
 
 
@@ -102,6 +106,10 @@ class RunConfig(Section):
                f"--resume-from must name a checkpoint like step-00000040, got {self.resume_from!r}")
         _check("/" not in self.experiment_name and self.experiment_name not in (".", ".."),
                f"--experiment-name must be a plain folder name, got {self.experiment_name!r}")
+        _check(len(self.experiment_name.encode("utf-8", "surrogateescape")) <= NAME_BYTES,
+               f"--experiment-name is {len(self.experiment_name.encode('utf-8', 'surrogateescape'))} bytes long; a "
+               f"folder name may have at most {NAME_BYTES}")
+        _check(0 <= self.seed < 2**32, f"--seed must be in [0, {2**32 - 1}], got {self.seed}")
         _check(self.collective_timeout_s > 0, f"--collective-timeout-s must be > 0, got {self.collective_timeout_s}")
         _check(self.peer_timeout_s == 0 or self.peer_timeout_s >= 2,
                f"--peer-timeout-s must be 0 (off) or at least 2, got {self.peer_timeout_s}")
@@ -269,7 +277,7 @@ class TrainConfig(Section):
     log_freq: int = 10
     """Optimizer steps between log lines and metrics events."""
     ckpt_freq: int = 0
-    """Optimizer steps between checkpoints (0: only at epoch ends and the end)."""
+    """Optimizer steps between checkpoints (0: at each epoch's end instead); the run's end always has one."""
     ckpt_minutes: float = 30.0
     """Also checkpoint once this many minutes of wall time have passed since the last checkpoint (or the start), so a
     crash, an OOM or a lost node costs at most this much training whatever --ckpt-freq is; 0 turns it off."""
@@ -327,6 +335,11 @@ class Config:
     def run_dir(self) -> Path:
         return Path(self.run.save_dir) / self.run.experiment_name
 
+    @property
+    def cache_root(self) -> Path:
+        """The folder of token caches: --cache-dir, else SAVE_DIR/token_cache."""
+        return Path(self.data.cache_dir) if self.data.cache_dir else Path(self.run.save_dir) / "token_cache"
+
     def flat(self) -> dict[str, Any]:
         """The resolved config as flat snake_case keys (the format of config files)."""
         return {k: v for section in dataclasses.asdict(self).values() for k, v in section.items()}
@@ -378,6 +391,13 @@ def _convert(key: str, kind: type, value: Any) -> Any:
             return int(value)
         if kind is float:
             return float(value)
+        if key in LIST_KEYS and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            value = ",".join(value)
+        if isinstance(value, (list, dict)):
+            shape = "list" if isinstance(value, list) else "mapping"
+            raise UserError(f"{flag(key)} must be a single value, got a {shape} ({value!r:.80})")
+        if "\0" in str(value):
+            raise UserError(f"{flag(key)} must not contain a NUL character, got {str(value)!r:.80}")
         return str(value)
     except (TypeError, ValueError):
         expected = "on or off" if kind is bool else f"a{'n' if kind is int else ''} {kind.__name__}"
@@ -405,7 +425,8 @@ def load_profile(name: str) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(description="Fine-tune a causal LM with FSDP2. Rerun the same command to resume.",
+    p = ArgumentParser(description="Fine-tune a causal LM with FSDP2. Rerun the same command to resume. "
+                       "--nproc-per-node N starts N processes on this node (one per GPU), as torchrun would.",
                        argument_default=argparse.SUPPRESS)
     add_config_arguments(p)
     return p
@@ -476,4 +497,4 @@ def from_flat(values: dict[str, Any]) -> Config:
 
 
 def save(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.flat(), sort_keys=False), encoding="utf-8")
+    write_text_atomic(path, yaml.safe_dump(cfg.flat(), sort_keys=False))

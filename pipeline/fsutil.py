@@ -1,5 +1,5 @@
-"""File helpers shared by the stages: content hashes, replacing a folder without a moment of loss, and the two checks
-every stage makes of what the user named (a YAML file read, an output kept out of its input)."""
+"""File helpers shared by the stages: content hashes, atomic writes, replacing a folder without a moment of loss, and
+reading a YAML file the user named."""
 
 from __future__ import annotations
 
@@ -137,10 +137,3 @@ def read_yaml(path: Path, what: str) -> Any:
         raise UserError(f"{what} {path} is refused: {exc}") from None
     except yaml.YAMLError as exc:
         raise UserError(f"{what} {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
-
-
-def refuse_inside(inner: Path, inner_flag: str, outer: Path, outer_flag: str, why: str) -> None:
-    """An output folder (inner) at or under the input folder (outer) is refused: it would be read back as input."""
-    a, b = inner.resolve(), outer.resolve()
-    if a == b or b in a.parents:
-        raise UserError(f"{inner_flag} {inner} is inside {outer_flag} {outer}; {why}")

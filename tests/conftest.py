@@ -20,6 +20,16 @@ def run_script(script: str, *args: object, env: dict | None = None,
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
 
 
+def run_module(module: str, *args: object, env: dict | None = None,
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` with this interpreter, from the repository, as a user runs it; captures text output."""
+    import os
+
+    full_env = {**(env if env is not None else os.environ), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
+
+
 class SmallDisk:
     """A tmpfs mounted at path: a disk that really fills (ENOSPC from write(2), as on a full volume)."""
 
@@ -234,7 +244,7 @@ def group_of_one(monkeypatch):
     torch.distributed.destroy_process_group()
 
 
-PROCESS_STARTS = ("torchrun(", "run_script(", "subprocess.", "Popen(", "script(")
+PROCESS_STARTS = ("torchrun(", "run_script(", "run_module(", "subprocess.", "Popen(", "script(")
 """What starting a real process looks like in a test's code (its own, its module's helpers, its fixtures')."""
 
 

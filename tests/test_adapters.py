@@ -362,3 +362,51 @@ def test_evaluate_scores_an_adapter_folder_as_its_run_did(train_env, lora_run, t
     assert adapter["base_model"] == "local/tiny" and adapter["adapter"] == str(lora_run / "adapter")
     assert adapter["loss"] == pytest.approx(evals[18], abs=1e-5) and base["loss"] == pytest.approx(evals[0], abs=1e-5)
     assert set(adapter["fingerprint"]) - set(base["fingerprint"]) == {"adapter"}
+
+
+def test_an_adapter_run_and_its_folder_are_bound_to_the_base_they_were_trained_on(train_env, lora_run, tmp_path):
+    """local/tiny replaced by another model of the same config and tokenizer: the rerun, pipeline.export, chat and
+    evaluate refuse in one line, naming both bases; a base folder that moved away is named as such."""
+    import json as json_mod
+
+    from conftest import preflight_errors, run_module
+
+    from pipeline.ownership import read_mark
+    from pipeline.prep.hub import import_local
+    from pipeline.prep.tiny import build_tiny
+
+    recorded = read_mark(lora_run / "adapter")
+    assert (recorded["kind"], recorded["base_model"], recorded["trained_on"]) == ("export", "local/tiny", "text")
+    other = build_tiny(tmp_path / "other", seed=1)  # the same tokenizer and config, other weights
+    import_local(other, "local/tiny", "main", tmp_path / "hf" / "hub")
+    env = {**train_env["env"], "HF_HOME": str(tmp_path / "hf")}
+    shutil.copytree(lora_run, tmp_path / "r")
+    (rerun,) = preflight_errors([args(train_env["dataset"], tmp_path, "--adapter", "lora", "--strategy", "fsdp2")],
+                                env)
+    assert rerun.startswith(f"refusing to resume {tmp_path / 'r'}: its adapters were trained on base model local/tiny "
+                            f"with weights {recorded['base_weights'][:16]}..., and the weights there now are ")
+    assert rerun.endswith("(another model, or changed ones); restore the base it was trained on, or pass --no-resume "
+                          "to train new adapters on this one")
+    refusal = f"the weights now at {tmp_path / 'hf' / 'hub'}/models--local--tiny/snapshots/"
+    adapter = tmp_path / "r" / "adapter"
+    procs = {
+        "chat": run_module("pipeline.chat", adapter, "--prompt", "hi", env=env),
+        "evaluate": run_module("pipeline.evaluate", adapter, "-d", train_env["dataset"], env=env),
+        "export": run_module("pipeline.export", "--checkpoint", tmp_path / "r" / "checkpoints" / "step-00000018",
+                             "--out", tmp_path / "x", env=env),
+    }
+    who = {"chat": f"the adapter {adapter}", "evaluate": f"the adapter {adapter}",
+           "export": f"--checkpoint {tmp_path / 'r' / 'checkpoints' / 'step-00000018'}"}
+    for name, proc in procs.items():
+        assert proc.returncode == 2, (name, proc.stderr[-2000:])
+        line = proc.stderr.splitlines()[-1]
+        assert line.startswith(f"error: {who[name]} was trained on base model local/tiny with weights "
+                               f"{recorded['base_weights'][:16]}..., but {refusal}"), (name, line)
+    assert not (tmp_path / "x").exists()
+    config = json_mod.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json_mod.dumps({**config, "base_model_name_or_path":
+                                                                 str(tmp_path / "moved")}))
+    moved = run_module("pipeline.chat", adapter, "--prompt", "hi", env=env)
+    assert (moved.returncode, moved.stderr.splitlines()[-1]) == (2, (
+        f"error: the base model folder {tmp_path / 'moved'} that {adapter / 'adapter_config.json'} names does not "
+        "exist (moved or deleted): put it back, or set base_model_name_or_path there to where it is now"))

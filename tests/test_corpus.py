@@ -240,7 +240,8 @@ def test_existing_save_dir_needs_overwrite_and_must_be_a_dataset(tmp_path):
     build(data, tmp_path / "out", overwrite=True)
     assert rows_by_source(tmp_path / "out") == {"a.txt": ["v2\n"]}
     write(tmp_path, "home/precious.txt", "mine")
-    with pytest.raises(UserError, match="is not a saved dataset; refusing to replace it even with --overwrite"):
+    with pytest.raises(UserError, match=r"home holds files DATA-HF.py did not write \(precious.txt\); refusing to "
+                                        "write into it: choose a new --save_dir"):
         build(data, tmp_path / "home", overwrite=True)
     assert (tmp_path / "home" / "precious.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "home", "out"]
@@ -257,7 +258,7 @@ def test_existing_save_dir_needs_overwrite_and_must_be_a_dataset(tmp_path):
         (["--data_folder", "{t}/data", "--save_dir", "{t}/out", "--num_proc", "0"],
          "error: --num_proc must be at least 1, got 0\n"),
         (["--data_folder", "{t}/empty", "--save_dir", "{t}/out"],
-         "error: --data_folder {t}/empty holds no .txt/.md/.json/.jsonl/.yaml/.yml files\n"),
+         "error: --data_folder {t}/empty holds no .txt/.md/.json/.jsonl/.yaml/.yml/.parquet files\n"),
         (["--data_folder", "{t}/bad", "--save_dir", "{t}/out"],
          "error: no text extracted from {t}/bad (binary: 1, empty: 1)\n"),
     ],
@@ -324,3 +325,75 @@ def test_a_second_data_hf_on_a_save_dir_being_written_is_refused_and_a_dead_writ
     done = run_script("DATA-HF.py", "--data_folder", tmp_path / "data", "--save_dir", save)
     assert done.returncode == 0, done.stderr
     assert len(datasets.load_from_disk(str(save))) == 1
+
+
+def test_every_valid_record_is_read(tmp_path):
+    """JSONL split on newlines alone (U+2028, U+2029 and U+0085 inside a string are text), CRLF lines, integers of
+    any length, UTF-16 and UTF-32 files, and a dataset's own to_json and to_parquet read back to the same rows."""
+    data = tmp_path / "data"
+    odd = "a\u2028b\u2029c\x85d"
+    write(data, "sep.jsonl", json.dumps({"text": odd}, ensure_ascii=False) + "\r\n" + json.dumps({"text": "two"})
+          + "\r\n")
+    write(data, "big.json", '{"n": ' + "7" * 5000 + ', "text": "a big number"}')
+    write(data, "big.jsonl", '{"n": -' + "7" * 5000 + ', "text": "a big line"}\n{"text": "after it"}\n')
+    write(data, "big.yaml", "n: " + "7" * 5000 + "\ntext: a big YAML number\n")
+    write(data, "u16.txt", "UTF-16 with a BOM\n".encode("utf-16"))
+    write(data, "u16le.md", "UTF-16 without one\n".encode("utf-16-le"))
+    write(data, "u32.jsonl", (json.dumps({"text": "UTF-32"}) + "\n").encode("utf-32"))
+    ours = datasets.Dataset.from_dict({"text": ["a document", ""], "source": ["x.txt", "y.jsonl"],
+                                       "messages": [[], chat("Q", "A")]})
+    ours.to_json(str(data / "own.jsonl"))
+    ours.to_parquet(str(data / "own.parquet"))
+    report = build(data, tmp_path / "out")
+    own = ["a document", chat("Q", "A")]
+    assert rows_by_source(tmp_path / "out") == {
+        "big.json": ["a big number"], "big.jsonl": ["a big line", "after it"], "big.yaml": ["a big YAML number"],
+        "own.jsonl": own, "own.parquet": own, "sep.jsonl": [odd, "two"], "u16.txt": ["UTF-16 with a BOM\n"],
+        "u16le.md": ["UTF-16 without one\n"], "u32.jsonl": ["UTF-32"],
+    }
+    assert report["bad_jsonl_lines"]["count"] == 0 and report["skipped"] == {}
+
+
+def test_records_wrapped_in_an_object_are_records(tmp_path):
+    data = tmp_path / "data"
+    convs = [{"messages": chat("Hi", "Hello")}, {"messages": chat("Q", "A")}]
+    write(data, "wrapped.json", json.dumps({"version": "1.0", "data": convs}))
+    write(data, "deeper.json", json.dumps({"meta": {"name": "x"}, "splits": {"train": [{"text": "t1"}, {"q": "q2"}]}}))
+    write(data, "wrapped.jsonl", json.dumps({"rows": [convs[0], {"messages": chat("only a question")}]}) + "\n")
+    write(data, "list.yaml", "- messages:\n  - {role: user, content: yaml q}\n  - {role: assistant, content: yaml a}\n")
+    write(data, "doc.json", json.dumps({"title": "T", "body": {"x": ["one", {"y": "two"}]}}))  # a document, not records
+    report = build(data, tmp_path / "out")
+    assert rows_by_source(tmp_path / "out") == {
+        "deeper.json": ["t1", "q2"], "doc.json": ["T\none\ntwo"], "list.yaml": [chat("yaml q", "yaml a")],
+        "wrapped.json": [chat("Hi", "Hello"), chat("Q", "A")], "wrapped.jsonl": [chat("Hi", "Hello")],
+    }
+    assert report["records_in_wrappers"] == {
+        "count": 3, "where": ["deeper.json: splits.train", "wrapped.json: data", "wrapped.jsonl: rows"]}
+    assert report["conversations"]["skipped"] == {
+        "no_assistant_turn": {"count": 1, "where": ["wrapped.jsonl:line 1 rows[2]"]}}
+
+
+def test_a_worker_reads_no_file_or_row_beyond_its_limits(tmp_path, monkeypatch):
+    """A sparse 2 GB file is sniffed and skipped unread; a document over --max_file_mb and a row over --max_row_mb
+    are skipped by reason; a text file larger than WHOLE_BYTES is streamed to the rows of the whole file."""
+    from pipeline.prep import extract
+
+    data = tmp_path / "data"
+    data.mkdir()
+    with open(data / "sparse.json", "wb") as fh:
+        fh.truncate(2**31)
+    write(data, "doc.json", json.dumps({"text": "x" * 3 * 2**20}))
+    write(data, "rows.jsonl", json.dumps({"text": "y " * 2**20}) + "\n" + json.dumps({"text": "short"}) + "\n")
+    write(data, "long.jsonl", json.dumps({"text": "z" * 3 * 2**20}) + "\n")
+    paras = [f"paragraph {i} " + "w" * 300 for i in range(10_000)]
+    write(data, "stream.txt", "\n\n".join(paras))
+    monkeypatch.setattr(extract, "WHOLE_BYTES", 2**20)
+    monkeypatch.setattr(extract, "BLOCK_BYTES", 100_000)
+    report = build(data, tmp_path / "out", num_proc=1, max_file_mb=2, max_row_mb=1)
+    rows = rows_by_source(tmp_path / "out")
+    assert rows["rows.jsonl"] == ["short"] and "\n\n".join(rows["stream.txt"]) == "\n\n".join(paras)
+    assert rows["stream.txt"] == split_paragraphs("\n\n".join(paras))
+    assert {k: v["paths"] for k, v in report["skipped"].items()} == {
+        "binary": ["sparse.json"], "no_valid_row": ["long.jsonl"], "too_large": ["doc.json"]}
+    assert report["rows_skipped"] == {"row_too_large": {"count": 2, "where": ["long.jsonl:line 1",
+                                                                              "rows.jsonl:line 1"]}}

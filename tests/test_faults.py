@@ -304,7 +304,7 @@ def test_token_ids_beyond_the_vocabulary_are_refused_on_every_rank_before_traini
 
 
 def test_every_stage_on_a_read_only_disk_is_one_line(train_env, tiny_models, tmp_path, small_disk):
-    """Each stage's output (and the token cache) on a read-only mount: one line naming where, exit 1, no traceback."""
+    """Each stage's output (and the token cache) on a read-only mount: one line naming where, exit 2, no traceback."""
     small_disk.read_only()
     ro = small_disk.path
     how = "read-only file system; fix it or choose another output folder, then rerun the same command (what is " \
@@ -321,5 +321,5 @@ def test_every_stage_on_a_read_only_disk_is_one_line(train_env, tiny_models, tmp
     }
     for (script, *argv), where in stages.items():
         proc = run_script(script, *argv, env=train_env["env"])
-        assert (proc.returncode, proc.stderr.splitlines()[-1]) == (1, f"error: cannot write {where}: {how}"), script
+        assert (proc.returncode, proc.stderr.splitlines()[-1]) == (2, f"error: cannot write {where}: {how}"), script
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

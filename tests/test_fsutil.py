@@ -56,11 +56,13 @@ def test_a_folder_hidden_by_a_replace_killed_between_its_renames_is_restored(tmp
 
     from conftest import run_script
 
+    from pipeline.ownership import mark
+
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.txt").write_text("new text\n")
     old = tmp_path / f".out.replaced-{gone.stdout.strip()}"  # what the kill left: no out/, the old dataset hidden
-    old.mkdir()
+    mark(old, "dataset", "DATA-HF.py")
     (old / "state.json").write_text("{}")
     again = run_script("DATA-HF.py", "--data_folder", tmp_path / "data", "--save_dir", tmp_path / "out")
     assert (tmp_path / "out" / "state.json").read_text() == "{}" and not old.exists()  # restored, then refused:

@@ -36,6 +36,7 @@ def test_a_lost_node_is_named_within_a_minute_and_the_rerun_resumes(train_env, t
     assert f"error: rank 0: rank(s) 1 on {socket.gethostname()} stopped responding for 6 s (a lost node or a killed " \
            "process); exiting. Rerun the same command on every node to resume from the last complete checkpoint" \
            in out, out[-3000:]
+    assert "ERROR error: rank 0: rank(s) 1 on" in (run / "train.log").read_text()  # the reason stays with the run
     last = json.loads((run / "state.json").read_text())["step"]
     rerun = args(train_env, tmp_path / "shared", "--max-steps", last + 2, "--ckpt-freq", 2, "--cache-dir", "cache")
     nodes = two_nodes(train_env, 1, rerun, tmp_path, cwds)

@@ -13,6 +13,7 @@ from conftest import ROOT, hold_lock, kill_tree, run_script, tree_digest, wait_f
 
 from pipeline.errors import UserError
 from pipeline.fsutil import sha256_file
+from pipeline.ownership import OWNER_FILE
 from pipeline.prep.organize import JOURNAL, MANIFEST, OrganizeConfig, organize
 
 
@@ -45,7 +46,8 @@ def test_balanced_by_bytes_and_manifest_matches_disk(tmp_path):
         assert r["destination"] == f"split_{r['split']:02d}/{r['source']}"
         assert placed.stat().st_size == r["bytes"] == sizes[r["source"]]
         assert sha256_file(placed) == r["sha256"] == sha256_file(src / r["source"])
-    assert sorted(p.name for p in dst.iterdir()) == [MANIFEST, "split_00", "split_01", "split_02", "split_03"]
+    assert sorted(p.name for p in dst.iterdir()) == [OWNER_FILE, MANIFEST, "split_00", "split_01", "split_02",
+                                                     "split_03"]
 
 
 def test_rerun_is_a_noop_and_deterministic(tmp_path):
@@ -184,7 +186,8 @@ def test_refuses_a_foreign_nonempty_destination(tmp_path):
     make_source(src, n=2)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "thesis.txt").write_text("do not lose")
-    with pytest.raises(UserError, match="is not empty and holds no manifest.jsonl"):
+    with pytest.raises(UserError, match=r"mine holds files ORGANIZE_DATA.py did not write \(thesis.txt\); refusing "
+                                        "to write into it: choose an empty or new folder"):
         organize(OrganizeConfig(src, tmp_path / "mine"))
     assert (tmp_path / "mine" / "thesis.txt").read_text() == "do not lose"
 
@@ -194,7 +197,7 @@ def assert_manifest_is_the_disk(dst: Path) -> None:
     no file of an earlier plan)."""
     rows = read_manifest(dst)
     placed = sorted(p.relative_to(dst).as_posix() for p in dst.rglob("*") if p.is_file())
-    assert placed == sorted([MANIFEST, *(r["destination"] for r in rows)])
+    assert placed == sorted([MANIFEST, OWNER_FILE, *(r["destination"] for r in rows)])
     assert all(sha256_file(dst / r["destination"]) == r["sha256"] for r in rows)
 
 
@@ -204,7 +207,7 @@ def test_a_run_that_filled_the_disk_says_so_in_one_line_and_its_rerun_finishes(t
         (src / f"f{i:02d}.txt").parent.mkdir(exist_ok=True)
         (src / f"f{i:02d}.txt").write_bytes(random.Random(i).randbytes(100_000))
     full = run_script("ORGANIZE_DATA.py", "--src_dir", src, "--dst_root", dst, "--num_dirs", 3)
-    assert full.returncode == 1
+    assert full.returncode == 2
     assert full.stderr.startswith(f"error: cannot write {dst}/split_0") and full.stderr.count("\n") == 1
     assert "no space left on device (its file system has 0.0 MB of 1.0 MB free now)" in full.stderr
     assert (dst / JOURNAL).exists() and not (dst / MANIFEST).exists()
@@ -253,6 +256,8 @@ def test_a_second_run_on_the_same_destination_is_refused(tmp_path):
         ("file", ["--src_dir", "{t}/src", "--dst_root", "{t}/src/splits"], "error: --dst_root {t}/src/splits is "
          "inside --src_dir {t}/src; choose a folder outside it\n"),
         ("file", ["--src_dir", "{t}/src", "--num_dirs", "0"], "error: --num_dirs must be at least 1, got 0\n"),
+        ("file", ["--src_dir", "{t}/src", "--dst_root", "{t}"], "error: --src_dir {t}/src is inside --dst_root {t}; "
+         "writing the output would overwrite it: move it out first\n"),
     ],
 )
 def test_cli_errors_are_one_line(tmp_path, setup, args, message):
@@ -273,3 +278,11 @@ def test_cli_summary(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("organized 5 files (")
     assert "written 5, unchanged 0, stale removed 0" in proc.stdout
+
+
+def test_more_folders_than_files_is_one_folder_per_file(tmp_path):
+    make_source(tmp_path / "src", n=2)
+    res = organize(cfg := OrganizeConfig(tmp_path / "src", tmp_path / "dst", num_dirs=200_000))
+    assert sorted(p.name for p in (tmp_path / "dst").iterdir()) == [OWNER_FILE, MANIFEST, "split_00", "split_01"]
+    assert sorted(len(list((tmp_path / "dst" / s).rglob("*.txt"))) for s in ("split_00", "split_01")) == [1, 1]
+    assert len(res.rows) == 2 and (cfg.num_dirs, cfg.asked_dirs) == (2, 200_000)

@@ -3,6 +3,7 @@ and waited for without a collective (so a build longer than the collective timeo
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from conftest import ROOT, kill_tree, wait_for
 from transformers import AutoTokenizer
 
-from pipeline.data import packing, token_cache
+from pipeline.data import packing, text_tokens, token_cache
 from pipeline.data.dataset import BlockSpec, load_text_dataset
 
 
@@ -44,8 +45,8 @@ def test_chunked_build_writes_the_bytes_of_the_whole_corpus_cut_in_memory(tmp_pa
                                                                           monkeypatch, document_mask):
     monkeypatch.setattr(token_cache, "CHUNK_BYTES", 3000)  # many chunks, most ending inside a block
     monkeypatch.setattr(token_cache, "COPY_BLOCKS", 3)
-    monkeypatch.setattr(token_cache, "TOKENIZE_CHARS", 400)  # rows longer than this are tokenized in pieces
-    monkeypatch.setattr(token_cache, "CHECK_CHARS", 64)
+    monkeypatch.setattr(text_tokens, "TOKENIZE_CHARS", 400)  # rows longer than this are tokenized in pieces
+    monkeypatch.setattr(text_tokens, "CHECK_CHARS", 64)
     spec = BlockSpec(64, 0.1, 3, document_mask=document_mask)
     ds = load_text_dataset(str(train_env["dataset"]))
     tok = AutoTokenizer.from_pretrained(tiny_models["tied"])
@@ -117,23 +118,73 @@ def test_long_rows_are_tokenized_in_pieces_to_the_ids_of_the_whole_row(tiny_mode
     """A row of the repository's own sources and docs (code, prose, numbers, punctuation before line ends, runs of
     spaces and blank lines) tokenized in pieces of at most 2,000 characters gives exactly the whole row's ids, with
     each pre-tokenizer family; a tokenizer that prefixes every input is never cut."""
-    monkeypatch.setattr(token_cache, "TOKENIZE_CHARS", 2000)
-    monkeypatch.setattr(token_cache, "CHECK_CHARS", 256)
+    monkeypatch.setattr(text_tokens, "TOKENIZE_CHARS", 2000)
+    monkeypatch.setattr(text_tokens, "CHECK_CHARS", 256)
     styles = {"gpt2": lambda t: t, "llama3": llama3_style, "metaspace": metaspace_style, "prefixed": prefixed}
     tok = styles[style](AutoTokenizer.from_pretrained(tiny_models["tied"]))
     sources = [ROOT / "README.md", *sorted((ROOT / "pipeline").glob("*.py"))]
     text = "".join(p.read_text(encoding="utf-8") for p in sources)
     rows = [text, "short row", text[: len(text) // 3]]
-    pieces = [piece for row in rows for piece in token_cache._pieces(row, tok, True)]
+    pieces = [piece for row in rows for piece in text_tokens._pieces(row, tok, True)]
     assert "".join(p for p, _ in pieces) == "".join(rows) and [p for p, last in pieces if last][1] == "short row"
     if style == "prefixed":
         assert pieces == [(row, True) for row in rows]
     elif style != "metaspace":  # SentencePiece's marker keeps the cuts before a space only, which is fine
         assert len(pieces) > len(text) // 2000 and max(len(p) for p, _ in pieces) <= 2000
-    got = token_cache._tokenize({"text": rows}, tok, tok.eos_token_id, split_special=True)["input_ids"][0]
+    got = text_tokens.tokenize_rows({"text": rows}, tok, tok.eos_token_id, split_special=True)["input_ids"][0]
     whole = [i for row in rows
              for i in [*tok(row, add_special_tokens=False, split_special_tokens=True)["input_ids"], tok.eos_token_id]]
     assert got.tolist() == whole
+
+
+def test_a_row_without_whitespace_is_tokenized_in_bounded_pieces(tiny_models, monkeypatch, caplog):
+    """A base64 blob is cut where its characters change class, to the whole row's ids; a run of one letter (one
+    pre-token: no cut keeps the ids) is cut hard at MAX_PIECE_CHARS, and the log says so: no row, however long, costs
+    the tokenizer more than a piece (8 M characters in one piece took 1.9 GB, BENCHMARKS.md section 19)."""
+    import base64
+    import random
+
+    monkeypatch.setattr(text_tokens, "TOKENIZE_CHARS", 2000)
+    monkeypatch.setattr(text_tokens, "CHECK_CHARS", 256)
+    monkeypatch.setattr(text_tokens, "MAX_PIECE_CHARS", 8000)
+    tok = AutoTokenizer.from_pretrained(tiny_models["tied"])
+    blob = base64.b64encode(random.Random(0).randbytes(30_000)).decode()
+    pieces = text_tokens._pieces(blob, tok, True)
+    assert "".join(p for p, _ in pieces) == blob and max(len(p) for p, _ in pieces) <= 2000
+    got = text_tokens.tokenize_rows({"text": [blob]}, tok, tok.eos_token_id, split_special=True)["input_ids"][0]
+    assert got.tolist() == tok(blob, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    run = "a" * 20_000
+    assert [len(p) for p, _ in text_tokens._pieces(run, tok, True)] == [8000, 8000, 4000]
+    assert ("a row of 20000 characters has no place where a cut keeps its ids: tokenized in pieces of at most 8000 "
+            "characters, cut 2 times") in caplog.text
+
+
+def test_a_cache_folder_deleted_during_its_build_is_one_line(tmp_path, train_env):
+    """`rm -rf` of the cache folder while --prepare-only builds it: the build's next write says so and how to go on."""
+    from conftest import run_script
+
+    from pipeline.prep.corpus import CorpusConfig, build_dataset
+
+    (tmp_path / "text").mkdir()
+    words = [f"w{i}x" for i in range(3000)]
+    for k in range(8):
+        (tmp_path / "text" / f"{k}.txt").write_text(" ".join(words[(i * 7 + k) % 3000] for i in range(150_000)))
+    build_dataset(CorpusConfig(tmp_path / "text", tmp_path / "ds", num_proc=1))
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, str(ROOT / "fsdp1.py"), "-e", "p", "-d", str(tmp_path / "ds"), "-m", "local/tiny",
+           "--save-dir", str(tmp_path / "runs"), "--cache-dir", str(cache), "--prepare-only", "--num-proc", "1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=train_env["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    wait_for(lambda: any(cache.glob("*.partial")), proc)
+    cache.rename(tmp_path / "gone")  # the folder is gone from where the build writes, at once (rm -rf races it)
+    shutil.rmtree(tmp_path / "gone", ignore_errors=True)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-3000:]
+    line = err.splitlines()[-1]
+    assert line.startswith(f"error: {cache}/") and line.endswith(
+        f" was being built (was the folder {cache} deleted?); rerun the same command to build it again"), line
+    assert "Traceback" not in err
+    assert run_script(*cmd[1:], env=train_env["env"]).returncode == 0
 
 
 def test_a_killed_build_resumes_from_its_finished_chunks(tmp_path, train_env, tiny_models):
@@ -194,7 +245,7 @@ def test_a_full_disk_during_the_block_write_is_one_line_and_the_rerun_finishes(t
 
     small_disk.resize(256 * 2**10)  # room for the tokenized conversations, not for their blocks as well
     full = prepare(small_disk.path)
-    assert full.returncode == 1, full.stderr[-2000:]
+    assert full.returncode == 2, full.stderr[-2000:]
     (partial,) = small_disk.path.glob("*.partial")
     line = full.stderr.splitlines()[-1]
     assert line.startswith(f"error: cannot write {partial}/blocks/train.npy: no space left on device (its file "

@@ -9,9 +9,8 @@ under a key of everything that defines them (`token_cache_dir`), so every later 
 Building is made for corpora of tens of GB:
 - Text is tokenized in chunks of about CHUNK_BYTES with datasets.map(num_proc); each chunk's ids are saved as
   OUT.partial/chunk-NNNNN.npy once complete, so a killed build resumes from its finished chunks.
-- The tokenizer is given at most about TOKENIZE_CHARS at a time (a row longer than that in pieces cut at whitespace,
-  each cut checked to change no id), and freed memory is handed back after each call, so a worker's memory does not
-  follow the longest row or the corpus.
+- The tokenizer is given bounded pieces of a row (pipeline/data/text_tokens.py), and freed memory is handed back
+  after each call, so a worker's memory does not follow the longest row or the corpus.
 - The chunks then stream into memory-mapped train/val files in order, so memory holds a chunk, not the corpus.
   Conversations are still packed in memory (best-fit decreasing needs every length; their corpora are smaller).
 - One builder at a time: an flock on the token_cache folder (held by a `--prepare-only` job, the first rank of a
@@ -22,9 +21,7 @@ Building is made for corpora of tens of GB:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
-import functools
 import hashlib
 import json
 import logging
@@ -36,15 +33,16 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
 
 from pipeline.data import chat_tokens, packing
 from pipeline.data.dataset import BlockSpec, conversation_rows, tokenizer_fingerprint
+from pipeline.data.text_tokens import release_freed_memory, tokenize_rows
 from pipeline.errors import UserError, disk_problem, naming
 from pipeline.fsutil import allocate, save_npy_atomic, write_text_atomic
+from pipeline.ownership import mark
 from pipeline.prep.conversations import BadConversation
 
 log = logging.getLogger(__name__)
@@ -53,11 +51,6 @@ CACHE_FORMAT = 3
 """3: special-token texts inside the data stay text (BlockSpec.special_tokens_in_data)."""
 CHUNK_BYTES = 64 * 2**20
 """Text per tokenized chunk: the unit a killed build resumes from, and (times a few) the build's working memory."""
-TOKENIZE_CHARS = 2**18
-"""Text per tokenizer call, and the longest piece a row is tokenized in: a fast tokenizer holds about 300 bytes
-per character of its input while it works (BENCHMARKS.md section 14), so a 2.6M-character row alone took 800 MB."""
-CHECK_CHARS = 1024
-"""Text either side of a cut in a long row that is tokenized whole and cut to check the cut changes no id."""
 COPY_BLOCKS = 4096
 """Blocks copied into the train/val files at a time."""
 
@@ -135,6 +128,7 @@ def ensure_token_cache(ds, tokenizer, spec: BlockSpec, num_proc: int, path: Path
         _wait_for(path, time.time(), poll_s)
         return "waited"
     with build_lock(path):
+        mark(path.parent, "token_cache", "fsdp1.py")
         if (path / "meta.json").exists():  # built by whoever held the lock before us
             shutil.rmtree(path.with_name(f"{path.name}.partial"), ignore_errors=True)
             return "hit"
@@ -142,14 +136,27 @@ def ensure_token_cache(ds, tokenizer, spec: BlockSpec, num_proc: int, path: Path
         log.info("building token cache %s", path)
         try:
             build_blocks(ds, tokenizer, spec, num_proc, path)
+        except FileNotFoundError as exc:
+            if not Path(exc.filename or "").absolute().is_relative_to(path.parent.absolute()):
+                raise
+            # a file of ours was deleted under the build (the cache folder removed): nothing of the user's is lost,
+            # and a rerun builds the cache again
+            gone = UserError(f"{exc.filename} was removed while the token cache {path} was being built (was the "
+                             f"folder {path.parent} deleted?); rerun the same command to build it again")
+            _report_failure(path, str(gone))
+            raise gone from exc
         except BaseException as exc:
-            text = str(exc) if isinstance(exc, UserError) else disk_problem(exc) or \
-                f"the token cache build on {socket.gethostname()} failed: {type(exc).__name__}: {exc}"
-            # a full disk may refuse even this note; the waiting ranks then learn of the failure from their peer watch
-            with contextlib.suppress(OSError):
-                error_file(path).write_text(text + "\n")
+            _report_failure(path, str(exc) if isinstance(exc, UserError) else disk_problem(exc) or
+                            f"the token cache build on {socket.gethostname()} failed: {type(exc).__name__}: {exc}")
             raise
     return "built"
+
+
+def _report_failure(path: Path, text: str) -> None:
+    """The builder's failure, for the processes waiting on it. A full disk may refuse even this note; the waiting
+    ranks then learn of the failure from their peer watch."""
+    with contextlib.suppress(OSError):
+        error_file(path).write_text(text + "\n")
 
 
 def _wait_for(path: Path, since: float, poll_s: float) -> None:
@@ -184,95 +191,6 @@ def build_lock(path: Path) -> Iterator[None]:
 
 
 # --- building ---------------------------------------------------------------------------------------------------------
-
-def _tokenize(batch: dict, tokenizer, eos_id: int, split_special: bool) -> dict:
-    """A batch of rows -> one row: their ids, each followed by EOS, as one uint32 array. Arrow takes a numpy array
-    in one copy, where a list of Python int lists is converted element by element (a quarter of the whole
-    tokenize+pack time on the bench). The tokenizer sees at most about TOKENIZE_CHARS at a time (see there); the
-    generator feeds np.fromiter one call's ids at a time. split_special: a special token's text in a row stays text
-    (`<|end_of_text|>` typed in a document is not the end of it)."""
-    pieces = [piece for text in batch["text"] for piece in _pieces(text, tokenizer, split_special)]
-    ids = _piece_ids(pieces, tokenizer, eos_id, split_special)
-    return {"input_ids": [np.fromiter(chain.from_iterable(ids), dtype=np.uint32)]}
-
-
-def _piece_ids(pieces: list[tuple[str, bool]], tokenizer, eos_id: int, split_special: bool) -> Iterator[list[int]]:
-    """Each piece's ids, EOS after a row's last piece; the freed memory is handed back after each tokenizer call."""
-    for call in _calls(pieces):
-        ids = _ids(tokenizer, [text for text, _ in call], split_special)
-        yield from (row + [eos_id] if last else row for row, (_, last) in zip(ids, call, strict=True))
-        del ids
-        _release_freed_memory()
-
-
-def _calls(pieces: list[tuple[str, bool]]) -> Iterator[list[tuple[str, bool]]]:
-    """Consecutive pieces grouped into tokenizer calls of at most TOKENIZE_CHARS characters (a longer piece alone)."""
-    call: list[tuple[str, bool]] = []
-    size = 0
-    for piece in pieces:
-        if call and size + len(piece[0]) > TOKENIZE_CHARS:
-            yield call
-            call, size = [], 0
-        call.append(piece)
-        size += len(piece[0])
-    if call:
-        yield call
-
-
-def _release_freed_memory() -> None:
-    """Hand the C heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere). The tokenizer's
-    allocations, freed after each call, otherwise stay in the process: a worker grew by about 20 MB per call and
-    reached 800 MB on the bench corpus."""
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None)  # the C library the process already has loaded
-
-
-def _ids(tokenizer, texts: list[str], split_special: bool) -> list[list[int]]:
-    return tokenizer(texts, add_special_tokens=False, return_attention_mask=False,
-                     split_special_tokens=split_special)["input_ids"]
-
-
-def _pieces(text: str, tokenizer, split_special: bool) -> list[tuple[str, bool]]:
-    """(piece, is the row's last) for one row: the row itself, or a longer row cut at whitespace into pieces of at
-    most about TOKENIZE_CHARS whose ids, one after another, are the whole row's. A cut is kept only when the text
-    around it tokenizes the same whole and cut (a tokenizer that prefixes every input, as Llama 2's normalizer
-    does, fails that); the rest of the row is then one piece."""
-    out: list[tuple[str, bool]] = []
-    start = 0
-    while len(text) - start > TOKENIZE_CHARS:
-        cut = _cut_at(text, start + TOKENIZE_CHARS // 2, start + TOKENIZE_CHARS)
-        if cut is None or not _cut_is_exact(tokenizer, text, cut, split_special):
-            break
-        out.append((text[start:cut], False))
-        start = cut
-    out.append((text[start:] if start else text, True))
-    return out
-
-
-def _cut_at(text: str, lo: int, hi: int) -> int | None:
-    """The last place in (lo, hi) just after a newline, else just before a space, that has a non-space character
-    on either side: where the usual pre-tokenizers (GPT-2's and Llama 3's patterns) end a pre-token."""
-    for sep, after in (("\n", 1), (" ", 0)):
-        at = text.rfind(sep, lo, hi)
-        while at > lo:
-            if not text[at - 1].isspace() and at + 1 < len(text) and not text[at + 1].isspace():
-                return at + after
-            at = text.rfind(sep, lo, at)
-    return None
-
-
-def _cut_is_exact(tokenizer, text: str, cut: int, split_special: bool) -> bool:
-    """Whether CHECK_CHARS either side of cut tokenize to the same ids whole and as two texts."""
-    left, right = text[max(0, cut - CHECK_CHARS):cut], text[cut:cut + CHECK_CHARS]
-    whole, first, second = _ids(tokenizer, [left + right, left, right], split_special)
-    return whole == first + second
-
 
 def _tokenize_chats(batch: dict, tokenizer, spec: BlockSpec) -> dict:
     """Each conversation -> its ids, trained mask (uint8) and status (an index into chat_tokens.STATUS), fitted
@@ -334,33 +252,42 @@ def _tokenized_chunks(text_rows, tokenizer, num_proc: int, work: Path, split_spe
                 _tokenize_chunk(text_rows.select(range(start, stop)), tokenizer, num_proc, work, path, split_special)
                 # what the chunk's map freed here (its jobs pickled, its results read) goes back to the OS: glibc
                 # kept it, and every later chunk's workers, forked from this process, carried it (BENCHMARKS.md 14)
-                _release_freed_memory()
+                release_freed_memory()
             bar.update(stop - start)
     return paths
 
 
 def _tokenize_chunk(rows, tokenizer, num_proc: int, work: Path, out: Path, split_special: bool) -> None:
-    import datasets
 
     for leftover in [*work.glob("*.arrow"), *work.glob("tmp*")]:  # a killed map's partial output
         leftover.unlink()
+    # one bar for the whole build, not one per chunk; datasets' writer reports a full disk with no file name
+    with datasets_bars(False), naming(work):
+        tokenized = rows.map(tokenize_rows, remove_columns=rows.column_names,
+                             fn_kwargs={"tokenizer": tokenizer, "eos_id": tokenizer.eos_token_id,
+                                        "split_special": split_special},
+                             **_map_kwargs(work, "text", num_proc, len(rows)))
+    column = tokenized.data.column("input_ids")
+    flat = np.concatenate([c.flatten().to_numpy() for c in column.chunks]).astype(np.uint32, copy=False)
+    save_npy_atomic(out, flat)
+    del tokenized, column
+    for arrow in work.glob("*.arrow"):
+        arrow.unlink()
+
+
+@contextlib.contextmanager
+def datasets_bars(shown: bool) -> Iterator[None]:
+    """datasets' progress bars shown or not within the block (a bar is for a terminal, and one per build)."""
+    import datasets
+
     was_enabled = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()  # one bar for the whole build, not one per chunk
+    if not shown:
+        datasets.disable_progress_bars()
     try:
-        with naming(work):  # datasets' writer reports a full disk with no file name
-            tokenized = rows.map(_tokenize, remove_columns=rows.column_names,
-                                 fn_kwargs={"tokenizer": tokenizer, "eos_id": tokenizer.eos_token_id,
-                                            "split_special": split_special},
-                                 **_map_kwargs(work, "text", num_proc, len(rows)))
-        column = tokenized.data.column("input_ids")
-        flat = np.concatenate([c.flatten().to_numpy() for c in column.chunks]).astype(np.uint32, copy=False)
-        save_npy_atomic(out, flat)
-        del tokenized, column
+        yield
     finally:
         if was_enabled:
             datasets.enable_progress_bars()
-    for arrow in work.glob("*.arrow"):
-        arrow.unlink()
 
 
 def _text_block_batches(chunks: list[Path], seq_length: int) -> Iterator[np.ndarray]:
@@ -384,7 +311,7 @@ def _text_block_batches(chunks: list[Path], seq_length: int) -> Iterator[np.ndar
 
 def _chat_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path) -> tuple[np.ndarray, np.ndarray, dict]:
     """Conversation rows rendered, masked and packed whole into blocks; what happened to them, by status."""
-    with naming(work):
+    with datasets_bars(sys.stderr.isatty()), naming(work):
         tokenized = ds.map(_tokenize_chats, remove_columns=ds.column_names, desc="tokenizing conversations",
                            fn_kwargs={"tokenizer": tokenizer, "spec": spec},
                            **_map_kwargs(work, "chats", num_proc, len(ds)))

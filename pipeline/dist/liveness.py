@@ -12,6 +12,7 @@ fails with an error leaves its one-line reason, which its watcher passes on at o
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
@@ -23,6 +24,8 @@ import torch.distributed as dist
 
 from pipeline.dist.runtime import Dist
 
+LOGGER = "pipeline"
+"""The run's logger (train/telemetry.py gives it train.log), named here: this room comes before train/."""
 DONE = -(1 << 40)
 """Added to a finished rank's counter: a negative counter is a rank that left on purpose."""
 
@@ -160,6 +163,12 @@ class PeerWatch:
     def _exit(self, why: str) -> None:
         """End this process from the heartbeat thread: the main thread may be stuck in a collective that will only
         fail at the collective timeout (NCCL), so it cannot be asked."""
-        os.write(2, (f"error: rank {self.d.rank}: {why}; exiting. Rerun the same command on every node to resume "
-                     "from the last complete checkpoint\n").encode())
+        line = (f"error: rank {self.d.rank}: {why}; exiting. Rerun the same command on every node to resume from the "
+                "last complete checkpoint")
+        os.write(2, (line + "\n").encode())
+        record = logging.LogRecord(LOGGER, logging.ERROR, __file__, 0, line, None, None)
+        for handler in logging.getLogger(LOGGER).handlers:  # the run's train.log too (the console has it already)
+            if isinstance(handler, logging.FileHandler):
+                with contextlib.suppress(Exception):  # a full disk: the line on stderr is what is left
+                    handler.handle(record)
         os._exit(1)

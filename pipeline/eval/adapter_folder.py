@@ -12,6 +12,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from pipeline.errors import UserError
 from pipeline.model.adapters import ADAPTER_FILES, is_adapter_key, model_key_of
+from pipeline.model.weight_check import check_same_base
+from pipeline.ownership import read_mark
+from pipeline.prep.hub import looks_like_path, resolve_model_dir
 from pipeline.strategies.base import Strategy
 
 CONFIG, WEIGHTS = ADAPTER_FILES
@@ -27,6 +30,8 @@ class AdapterFolder:
     """base_model_name_or_path: a hub id in the offline cache or a model folder."""
     settings: dict
     """The ModelConfig fields that rebuild this adapter (adapter, lora_rank, lora_alpha, lora_targets)."""
+    base_weights: str = ""
+    """The content of the base it was trained on (weight_check.weights_digest), "" where the folder does not say."""
 
 
 def is_adapter_folder(path: Path) -> bool:
@@ -55,7 +60,27 @@ def read_adapter_folder(path: Path) -> AdapterFolder:
     if not (path / WEIGHTS).is_file():
         raise UserError(f"{path} has no {WEIGHTS}")
     settings["lora_targets"] = ",".join(sorted(targets))
-    return AdapterFolder(path, str(conf.get("base_model_name_or_path") or ""), settings)
+    return AdapterFolder(path, str(conf.get("base_model_name_or_path") or ""), settings, recorded_base(path))
+
+
+def recorded_base(path: Path) -> str:
+    """The base weights an adapter folder records (our exports do, in their mark), or ""."""
+    return str(read_mark(path).get("base_weights") or "")
+
+
+def base_dir(path: Path, base_model: str, model_name: str = "") -> Path:
+    """The folder of the base an adapter goes on (model_name, else the one its config names), checked: there, and
+    holding the weights it was trained on where the adapter folder records them. One line otherwise."""
+    name = model_name or base_model
+    if not name:
+        raise UserError(f"{path / CONFIG} names no base model; pass the base model and the adapter folder apart")
+    if not model_name and looks_like_path(name) and not Path(name).is_dir():
+        raise UserError(f"the base model folder {name} that {path / CONFIG} names does not exist (moved or "
+                        "deleted): put it back, or set base_model_name_or_path there to where it is now")
+    model_dir = resolve_model_dir(name)
+    if expected := recorded_base(path):
+        check_same_base(model_dir, name, expected, f"the adapter {path}")
+    return model_dir
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

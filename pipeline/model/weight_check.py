@@ -8,6 +8,7 @@ once: content_hash's stamps let a file whose size and time are unchanged skip th
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 from dataclasses import dataclass, field
@@ -134,3 +135,20 @@ def read_line(check: WeightCheck) -> str:
             f"{check.record} cannot be written, so every start reads them again")
     return (f"checked {check.read} of {check.files} weight files by content ({check.read_bytes / 2**30:.2f} GiB in "
             f"{check.seconds:.1f} s); {kept}")
+
+
+def weights_digest(check: WeightCheck) -> str:
+    """One hash of every weight file's content, by file name: which weights a folder holds, wherever it is (a hub
+    snapshot, a copy, a folder replaced by another model of the same config and tokenizer)."""
+    lines = "".join(f"{name}:{sha}\n" for name, sha in sorted(check.digests.items()))
+    return hashlib.sha256(lines.encode()).hexdigest()[:32]
+
+
+def check_same_base(model_dir: Path, model_name: str, expected: str, what: str) -> None:
+    """The weights at model_dir are sound and are the ones `what` (an adapter, a run) was trained on: one line naming
+    both otherwise."""
+    found = weights_digest(unchanged_weights(model_dir, model_name))
+    if found != expected:
+        raise UserError(f"{what} was trained on base model {model_name} with weights {expected[:16]}..., but the "
+                        f"weights now at {model_dir} are {found[:16]}... (another model, or changed ones): point it at "
+                        "the base it was trained on, or train again on this one")

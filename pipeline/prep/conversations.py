@@ -13,6 +13,8 @@ from __future__ import annotations
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+OWN_ROW = {"text", "messages", "source"}
+"""The columns of a DATA-HF dataset: a record with these (a dataset's to_json or to_parquet) is one of its rows."""
 REASONS = ("malformed_message", "unknown_role", "empty", "no_assistant_turn", "not_alternating")
 """Why a conversation is skipped, in the order they are checked."""
 
@@ -52,9 +54,12 @@ def _side(value: object, role: str) -> list[dict]:
 
 
 def detect(record: object) -> str | None:
-    """The conversation format of a JSON value, or None when it is not a conversation."""
+    """The conversation format of a JSON value ("row" for a row of our own datasets, which may be text), or None
+    when it is not a conversation."""
     if not isinstance(record, dict):
         return None
+    if "text" in record and isinstance(record.get("messages"), list) and set(record) <= OWN_ROW:
+        return "row"
     if "messages" in record:
         return "messages"
     if "conversations" in record:

@@ -12,10 +12,12 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import re
 import secrets
 import shutil
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,16 +25,17 @@ import datasets
 import pyarrow as pa
 from tqdm import tqdm
 
+from pipeline.data.dataset import DATA_RECORD
 from pipeline.errors import ArgumentParser, UserError, naming
 from pipeline.folder_lock import beside, locked
-from pipeline.fsutil import left_by_a_dead_process, refuse_inside, replace_dir, restore_replaced
-from pipeline.prep.extract import SUPPORTED, Row, SkipFile, extract_file
+from pipeline.fsutil import left_by_a_dead_process, replace_dir, restore_replaced
+from pipeline.ownership import OWNER_FILE, check_apart, check_not_nested, check_only, check_target, mark
+from pipeline.prep.extract import SUPPORTED, Limits, Row, SkipFile, extract_file
 from pipeline.prep.organize import MANIFEST
 
 WRITE_CHARS = 8_000_000
 """A worker writes its buffered rows to its Arrow shard once they hold this many characters."""
 REPORT = "prep_report.json"
-_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
 @dataclass
@@ -46,29 +49,47 @@ class CorpusConfig:
     """Worker processes for extraction."""
     overwrite: bool = False
     """Replace an existing dataset at save_dir (only once the new one is complete)."""
+    max_file_mb: float = 256
+    """A .json or .yaml file (parsed whole) larger than this many MiB is skipped as too_large."""
+    max_row_mb: float = 64
+    """A row (a .jsonl line, a record's text, a conversation) longer than this many Mi characters is skipped as
+    row_too_large."""
 
     def __post_init__(self) -> None:
         self.data_folder, self.save_dir = Path(self.data_folder), Path(self.save_dir)
         if self.num_proc < 1:
             raise UserError(f"--num_proc must be at least 1, got {self.num_proc}")
+        for name in ("max_file_mb", "max_row_mb"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"--{name} must be > 0, got {getattr(self, name)}")
         if not self.data_folder.is_dir():
             raise UserError(f"--data_folder {self.data_folder} does not exist or is not a directory")
-        refuse_inside(self.save_dir, "--save_dir", self.data_folder, "--data_folder",
-                      "a later run would read the dataset back as input")
+        check_apart(self.save_dir, "--save_dir", [(self.data_folder, "--data_folder")],
+                    "a later run would read the dataset back as input")
+        check_not_nested(self.save_dir, "dataset", "--save_dir")
         self.check_target()
 
+    @property
+    def limits(self) -> Limits:
+        return Limits(int(self.max_file_mb * 2**20), int(self.max_row_mb * 2**20))
+
     def check_target(self) -> None:
-        """What is at save_dir now may be replaced: nothing, or a saved dataset with --overwrite."""
-        if self.save_dir.exists():
-            if not self.overwrite:
-                raise UserError(f"--save_dir {self.save_dir} already exists; pass --overwrite to replace it")
-            if not _is_replaceable(self.save_dir):
-                raise UserError(f"--save_dir {self.save_dir} exists and is not a saved dataset; refusing to "
-                                "replace it even with --overwrite")
+        """What is at save_dir now may be replaced: nothing, or a dataset DATA-HF wrote, with --overwrite."""
+        check_target(self.save_dir, "dataset", "--save_dir", "choose a new --save_dir")
+        if self.save_dir.exists() and not self.overwrite:
+            raise UserError(f"--save_dir {self.save_dir} already exists; pass --overwrite to replace it")
+        check_only(self.save_dir, "--save_dir", _dataset_file, "DATA-HF.py", "move those out first, or choose a new "
+                   "--save_dir")
 
 
-def _is_replaceable(path: Path) -> bool:
-    return path.is_dir() and (not any(path.iterdir()) or any((path / m).exists() for m in _DATASET_MARKERS))
+_DATASET_FILE = re.compile(r"data-\d{5}-of-\d{5}\.arrow|cache-.*\.arrow")
+"""The Arrow files of a DATA-HF dataset, and those datasets' map() leaves beside a dataset it was loaded from."""
+
+
+def _dataset_file(path: Path) -> bool:
+    """What DATA-HF (and datasets, for a dataset it wrote) puts in a dataset folder."""
+    return path.is_file() and (path.name in {"state.json", "dataset_info.json", REPORT, DATA_RECORD, OWNER_FILE}
+                               or _DATASET_FILE.fullmatch(path.name) is not None)
 
 
 # ----------------------------------------------------------------------------------------------- extraction
@@ -98,10 +119,10 @@ class ChunkResult:
     """Conversations kept, by input format."""
     bad_chats: list[tuple[str, str]] = field(default_factory=list)
     """(reason, "file:line N") of each conversation skipped."""
-
-
-def _chars(row: Row) -> int:
-    return len(row) if isinstance(row, str) else sum(len(m["content"]) for m in row)
+    bad_rows: list[tuple[str, str]] = field(default_factory=list)
+    """(reason, "file:line N") of each other row skipped (row_too_large)."""
+    wrapped: list[str] = field(default_factory=list)
+    """"file: key" of each list of records read from inside an object."""
 
 
 class ShardWriter:
@@ -114,15 +135,22 @@ class ShardWriter:
         self.rows: list[Row] = []
         self.sources: list[str] = []
         self.buffered = 0
+        self.failed = False
+        """A write failed: an OSError raised while a file's rows are read is the shard's, not the file's."""
 
-    def add(self, rows: list[Row], source: str) -> None:
+    def sink(self, source: str) -> Callable[[Row], None]:
+        """What takes one file's rows, as extraction finds them."""
         # a name that is not UTF-8 (its bytes kept as surrogates) cannot be an Arrow string: those bytes escaped
         source = source.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-        self.rows.extend(rows)
-        self.sources.extend([source] * len(rows))
-        self.buffered += sum(map(_chars, rows))
-        if self.buffered >= WRITE_CHARS:
-            self.flush()
+
+        def add(row: Row) -> None:
+            self.rows.append(row)
+            self.sources.append(source)
+            self.buffered += len(row) if isinstance(row, str) else sum(len(m["content"]) for m in row)
+            if self.buffered >= WRITE_CHARS:
+                self.flush()
+
+        return add
 
     def flush(self) -> None:
         if not self.rows:
@@ -131,7 +159,11 @@ class ShardWriter:
         chats = [[] if isinstance(r, str) else r for r in self.rows]
         columns = [pa.array(texts, pa.string()), pa.array(chats, self.schema.field("messages").type),
                    pa.array(self.sources, pa.string())]
-        self.writer.write_batch(pa.record_batch(columns, schema=self.schema))
+        try:
+            self.writer.write_batch(pa.record_batch(columns, schema=self.schema))
+        except OSError:
+            self.failed = True
+            raise
         self.rows, self.sources, self.buffered = [], [], 0
 
     def close(self) -> None:
@@ -139,28 +171,33 @@ class ShardWriter:
         self.writer.close()
 
 
-def extract_chunk(index: int, root: str, rels: list[str], shard: str) -> ChunkResult:
-    """Worker: extract every file of the chunk and write its rows, in file order, to one Arrow shard."""
+def extract_chunk(index: int, root: str, rels: list[str], shard: str, limits: Limits = Limits()) -> ChunkResult:
+    """Worker: extract every file of the chunk and write its rows, in file order, to one Arrow shard. A file's rows
+    reach the writer as they are found (a large file is never whole in memory); a file that is skipped gives none
+    before its reason is known (extract.py checks a streamed file whole first)."""
     res = ChunkResult(index, shard, 0, 0, [], [], [])
     writer = ShardWriter(shard)
     try:
         for rel in rels:
             try:
-                got = extract_file(Path(root) / rel)
+                got = extract_file(Path(root) / rel, limits, writer.sink(rel))
             except SkipFile as exc:
                 res.skipped.append((str(exc), rel))
                 continue
             except OSError:
+                if writer.failed:  # the shard could not be written (a full disk): not the file's fault
+                    raise
                 res.skipped.append(("unreadable", rel))
                 continue
             res.bad_lines.extend(f"{rel}:{n}" for n in got.bad_lines)
             res.bad_chats.extend((reason, f"{rel}:{where}") for reason, where in got.bad_chats)
-            if not got.rows:
-                res.skipped.append(("no_valid_conversation", rel))
+            res.bad_rows.extend((reason, f"{rel}:{where}") for reason, where in got.bad_rows)
+            res.wrapped.extend(f"{rel}: {key}" for key in dict.fromkeys(got.wrapped))
+            if not got.count:
+                res.skipped.append(("no_valid_conversation" if got.bad_chats else "no_valid_row", rel))
                 continue
-            writer.add(got.rows, rel)
-            res.chars += sum(map(_chars, got.rows))
-            res.rows += len(got.rows)
+            res.chars += got.chars
+            res.rows += got.count
             res.conversations.update(got.formats)
             res.good.append(rel)
     finally:
@@ -209,8 +246,8 @@ def list_files(data_folder: Path) -> tuple[list[str], list[int], dict[str, list[
             rel = entry.path[prefix:].replace(os.sep, "/")
             if entry.is_dir(follow_symlinks=False):
                 stack.append(entry.path)
-            elif rel == MANIFEST:
-                continue  # ORGANIZE_DATA's own index, not corpus text
+            elif rel == MANIFEST or entry.name == OWNER_FILE:
+                continue  # ORGANIZE_DATA's own index and the stages' marks, not corpus text
             elif not _is_file(entry):
                 skipped["not_a_regular_file"].append(rel)
             elif suffix(entry.name) not in SUPPORTED:
@@ -239,10 +276,10 @@ def _clean_stale_partials(save_dir: Path) -> None:
 def _extract_all(cfg: CorpusConfig, files: list[str], sizes: list[int], work: Path) -> list[ChunkResult]:
     """Extract in a pool of cfg.num_proc processes; results come back in file order."""
     chunks = plan_chunks(sizes, cfg.num_proc)
-    jobs = [(i, str(cfg.data_folder), files[r.start:r.stop], str(work / f"chunk-{i:05d}.arrow"))
+    jobs = [(i, str(cfg.data_folder), files[r.start:r.stop], str(work / f"chunk-{i:05d}.arrow"), cfg.limits)
             for i, r in enumerate(chunks)]
     results: list[ChunkResult] = []
-    with tqdm(total=len(files), unit="file", desc="extracting") as bar:
+    with tqdm(total=len(files), unit="file", desc="extracting", disable=None) as bar:  # a terminal only
         if cfg.num_proc == 1:
             for job in jobs:
                 results.append(_run_chunk(job))
@@ -272,6 +309,10 @@ def _report(cfg: CorpusConfig, results: list[ChunkResult], pre_skipped: dict) ->
         "characters": sum(r.chars for r in results),
         "skipped": {r: {"count": len(p), "paths": sorted(p)} for r, p in sorted(skipped.items())},
         "bad_jsonl_lines": {"count": len(bad_lines), "where": bad_lines[:1000]},
+        "rows_skipped": _by_reason(res.bad_rows for res in results),
+        "records_in_wrappers": {"count": sum(len(r.wrapped) for r in results),
+                                "where": [w for r in results for w in r.wrapped][:1000]},
+        "limits": {"max_file_mb": cfg.max_file_mb, "max_row_mb": cfg.max_row_mb},
         "conversations": _conversation_report(results),
         "num_proc": cfg.num_proc,
         "seconds": 0.0,
@@ -281,20 +322,26 @@ def _report(cfg: CorpusConfig, results: list[ChunkResult], pre_skipped: dict) ->
 def _conversation_report(results: list[ChunkResult]) -> dict:
     """Conversations kept (by input format) and skipped (by reason, with the first 1000 places of each)."""
     kept: Counter = Counter()
-    skipped: dict[str, list[str]] = defaultdict(list)
     for res in results:
         kept.update(res.conversations)
-        for reason, where in res.bad_chats:
-            skipped[reason].append(where)
     return {"rows": sum(kept.values()), "by_format": dict(sorted(kept.items())),
-            "skipped": {r: {"count": len(w), "where": w[:1000]} for r, w in sorted(skipped.items())}}
+            "skipped": _by_reason(res.bad_chats for res in results)}
+
+
+def _by_reason(places: Iterable[list[tuple[str, str]]]) -> dict:
+    """(reason, where) pairs as {reason: {count, where: the first 1000}}."""
+    skipped: dict[str, list[str]] = defaultdict(list)
+    for pairs in places:
+        for reason, where in pairs:
+            skipped[reason].append(where)
+    return {r: {"count": len(w), "where": w[:1000]} for r, w in sorted(skipped.items())}
 
 
 def write_layout(folder: Path, shards: list[Path]) -> None:
     """The workers' Arrow shards, in order, renamed into the layout save_to_disk writes (data-K-of-N.arrow,
     state.json, dataset_info.json), so load_from_disk reads the dataset and the data is written once: save_to_disk
     would rewrite all of it (the largest cost after parsing, BENCHMARKS.md section 1)."""
-    folder.mkdir()
+    mark(folder, "dataset", "DATA-HF.py")
     names = [f"data-{k:05d}-of-{len(shards):05d}.arrow" for k in range(len(shards))]
     for shard, name in zip(shards, names, strict=True):
         os.rename(shard, folder / name)
@@ -354,6 +401,13 @@ def format_summary(report: dict) -> str:
         lines.append(f"  skipped {info['count']} ({reason}): {', '.join(paths[:5])}{' ...' if len(paths) > 5 else ''}")
     if report["bad_jsonl_lines"]["count"]:
         lines.append(f"  unparsable .jsonl lines skipped: {report['bad_jsonl_lines']['count']}")
+    for reason, info in report["rows_skipped"].items():
+        lines.append(f"  skipped {info['count']} rows ({reason}, limit --max_row_mb {report['limits']['max_row_mb']:g})"
+                     f": {', '.join(info['where'][:3])}{' ...' if len(info['where']) > 3 else ''}")
+    if wrapped := report["records_in_wrappers"]["count"]:
+        where = report["records_in_wrappers"]["where"]
+        lines.append(f"  lists of records read from inside an object: {wrapped} ({', '.join(where[:3])}"
+                     f"{' ...' if len(where) > 3 else ''}; the object's other values are not text)")
     chats = report["conversations"]
     if chats["rows"] or chats["skipped"]:
         formats = ", ".join(f"{k} {v}" for k, v in chats["by_format"].items()) or "none kept"
@@ -372,11 +426,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save_dir", required=True, type=Path, help="where the dataset is saved")
     p.add_argument("--num_proc", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset at --save_dir")
+    p.add_argument("--max_file_mb", type=float, default=256, help="skip a .json/.yaml file (parsed whole) larger "
+                   "than this (default: 256)")
+    p.add_argument("--max_row_mb", type=float, default=64, help="skip a row (a .jsonl line, a record's text) longer "
+                   "than this many Mi characters (default: 64)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = CorpusConfig(args.data_folder, args.save_dir, args.num_proc, args.overwrite)
+    cfg = CorpusConfig(args.data_folder, args.save_dir, args.num_proc, args.overwrite, args.max_file_mb,
+                       args.max_row_mb)
     print(format_summary(build_dataset(cfg)))
     return 0

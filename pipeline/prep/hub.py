@@ -132,6 +132,11 @@ def download(model_name: str, revision: str, cache_dir: Path) -> Path:
 # ------------------------------------------------------------------------------------------------ resolution
 
 
+def looks_like_path(name: str) -> bool:
+    """Whether a model name can only be a folder: absolute, relative from . or ~, or deeper than a hub's ORG/NAME."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
+
+
 def resolve_model_dir(model_name: str) -> Path:
     """A local model directory, or a hub id from the offline cache (never the network): how the trainer and the
     exporter find the model MODEL_DOWNLOAD put there."""
@@ -140,6 +145,8 @@ def resolve_model_dir(model_name: str) -> Path:
         if not (local / "config.json").exists():
             raise UserError(f"--model-name {model_name} is a directory without config.json")
         return local
+    if looks_like_path(model_name):
+        raise UserError(f"model folder {model_name} does not exist (a hub id is ORG/NAME)")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 

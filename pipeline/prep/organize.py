@@ -26,7 +26,8 @@ from pathlib import Path, PurePosixPath
 
 from pipeline.errors import ArgumentParser, UserError, naming
 from pipeline.folder_lock import beside, locked
-from pipeline.fsutil import refuse_inside, sha256_file, write_text_atomic
+from pipeline.fsutil import sha256_file, write_text_atomic
+from pipeline.ownership import check_apart, check_not_nested, check_target, mark
 
 MANIFEST = "manifest.jsonl"
 JOURNAL = "manifest.partial.jsonl"
@@ -46,6 +47,8 @@ class OrganizeConfig:
     """copy, hardlink (falls back to copy across filesystems) or symlink (absolute links to the source)."""
     seed: int = 0
     """Breaks ties between files of equal size, deterministically."""
+    asked_dirs: int = 0
+    """--num_dirs as given, when it was more than the files and so lowered to their number (0: not lowered)."""
 
     def __post_init__(self) -> None:
         self.src_dir = Path(self.src_dir)
@@ -56,7 +59,8 @@ class OrganizeConfig:
             raise UserError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not self.src_dir.is_dir():
             raise UserError(f"--src_dir {self.src_dir} does not exist or is not a directory")
-        refuse_inside(self.dst_root, "--dst_root", self.src_dir, "--src_dir", "choose a folder outside it")
+        check_apart(self.dst_root, "--dst_root", [(self.src_dir, "--src_dir")], "choose a folder outside it")
+        check_not_nested(self.dst_root, "splits", "--dst_root")
 
 
 @dataclass
@@ -209,12 +213,8 @@ def _remove_temporaries(dst_root: Path, rows: list[dict]) -> None:
 
 
 def _check_destination(dst_root: Path) -> None:
-    if dst_root.exists() and not dst_root.is_dir():
-        raise UserError(f"--dst_root {dst_root} exists and is not a directory")
-    ours = (dst_root / MANIFEST).exists() or (dst_root / JOURNAL).exists()
-    if dst_root.is_dir() and any(dst_root.iterdir()) and not ours:
-        raise UserError(f"--dst_root {dst_root} is not empty and holds no {MANIFEST}; "
-                        "choose an empty or new folder so nothing of yours is mixed in or overwritten")
+    check_target(dst_root, "splits", "--dst_root", "choose an empty or new folder so nothing of yours is mixed in or "
+                 "overwritten")
 
 
 def _remove_stale(dst_root: Path, old: list[dict], keep: set[str]) -> int:
@@ -256,6 +256,8 @@ def organize(cfg: OrganizeConfig) -> OrganizeResult:
     scan = scan_source(cfg.src_dir)
     if not scan.files:
         raise UserError(f"--src_dir {cfg.src_dir} holds no readable regular files")
+    if cfg.num_dirs > len(scan.files):  # an empty split is a folder of nothing: one per file at most
+        cfg.asked_dirs, cfg.num_dirs = cfg.num_dirs, len(scan.files)
     cfg.dst_root.parent.mkdir(parents=True, exist_ok=True)
     with locked(beside(cfg.dst_root), "ORGANIZE_DATA.py") as holder:
         if holder:
@@ -267,7 +269,7 @@ def organize(cfg: OrganizeConfig) -> OrganizeResult:
 
 def _organize_locked(cfg: OrganizeConfig, scan: Scan) -> OrganizeResult:
     assignment = plan_splits(scan.files, cfg.num_dirs, cfg.seed)
-    cfg.dst_root.mkdir(parents=True, exist_ok=True)
+    mark(cfg.dst_root, "splits", "ORGANIZE_DATA.py")
     manifest = _read_rows(cfg.dst_root / MANIFEST)
     unfinished = _read_rows(cfg.dst_root / JOURNAL)
     _remove_temporaries(cfg.dst_root, unfinished)
@@ -311,6 +313,9 @@ def format_summary(cfg: OrganizeConfig, res: OrganizeResult) -> str:
         f"  split bytes: min {min(res.split_bytes):,}, max {max(res.split_bytes):,}",
         f"  manifest: {cfg.dst_root / MANIFEST}",
     ]
+    if cfg.asked_dirs:
+        lines.append(f"  --num_dirs {cfg.asked_dirs} is more than the {cfg.num_dirs} files: {cfg.num_dirs} splits, one "
+                     "file each")
     if res.copied_instead_of_linked:
         lines.append(f"  {res.copied_instead_of_linked} files copied: hard links cannot cross filesystems")
     for reason, paths in sorted(res.skipped.items()):

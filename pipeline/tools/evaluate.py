@@ -32,9 +32,9 @@ from pipeline.dist.launch import detect as detect_launch
 from pipeline.dist.runtime import Dist, compute_dtype, init_distributed
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.eval.adapter_folder import (
-    CONFIG,
     WEIGHTS,
     AdapterFolder,
+    base_dir,
     is_adapter_folder,
     load_adapter,
     read_adapter_folder,
@@ -82,11 +82,9 @@ def resolve(argv: list[str] | None) -> tuple[Config, AdapterFolder | None, argpa
     adapter_dir = args.adapter_dir or (Path(args.model) if is_adapter_folder(Path(args.model)) else None)
     adapter = read_adapter_folder(adapter_dir) if adapter_dir is not None else None
     model = args.model
-    if args.adapter_dir is None and adapter is not None:
-        if not adapter.base_model:
-            raise UserError(f"{adapter.path / CONFIG} names no base model; pass the base as MODEL and the "
-                            "folder as --adapter")
-        model = adapter.base_model
+    if adapter is not None:  # the base found is the one the adapter was trained on, before any work
+        model = adapter.base_model if args.adapter_dir is None else model
+        base_dir(adapter.path, adapter.base_model, "" if args.adapter_dir is None else model)
     # a run config's prompts are the trainer's: not read here (nor required to exist)
     cfg = config_mod.merge({**parsed, "experiment_name": "evaluate", "model_name": model, "sample_prompts": ""})
     if not cfg.data.dataset_name and Tasks.of(cfg.train) is None:

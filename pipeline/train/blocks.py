@@ -20,8 +20,7 @@ from pipeline.train.telemetry import log
 
 
 def cache_path(cfg: Config, plan: Plan) -> Path:
-    root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.run.save_dir) / "token_cache"
-    return token_cache_dir(root, plan.fingerprint["dataset"], plan.model_dir, plan.spec)
+    return token_cache_dir(cfg.cache_root, plan.fingerprint["dataset"], plan.model_dir, plan.spec)
 
 
 def ensure_blocks(cfg: Config, plan: Plan, builder: bool) -> tuple[str, Path]:

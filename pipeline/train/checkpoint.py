@@ -37,7 +37,7 @@ from pipeline.dist.liveness import is_collective_failure
 from pipeline.dist.runtime import Dist, gather_objects
 from pipeline.errors import UserError
 from pipeline.fsutil import hash_file, write_text_atomic
-from pipeline.model.weight_check import unchanged_weights
+from pipeline.model.weight_check import check_same_base, unchanged_weights
 from pipeline.strategies.base import Strategy
 from pipeline.strategies.registry import make_strategy
 from pipeline.train.telemetry import log
@@ -418,7 +418,9 @@ def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[Strategy, Path, di
         raise UserError(f"--checkpoint {checkpoint} is not a complete checkpoint (no {TRAINER} or .metadata)")
     fingerprint = json.loads((checkpoint / TRAINER).read_text())["fingerprint"]
     model_dir = resolve_model_dir(fingerprint["model_name"])
-    if fingerprint.get("adapter"):  # the adapters were trained on this base: a changed one would merge wrong
+    if fingerprint.get("base_weights"):  # the adapters were trained on this base: another would merge wrong
+        check_same_base(model_dir, fingerprint["model_name"], fingerprint["base_weights"], f"--checkpoint {checkpoint}")
+    elif fingerprint.get("adapter"):  # a run from before base_weights: at least sound weights
         unchanged_weights(model_dir, fingerprint["model_name"])
     return checkpoint_model(checkpoint, model_dir, d, fingerprint.get("adapter", {})), model_dir, fingerprint
 

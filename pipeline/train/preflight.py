@@ -24,12 +24,14 @@ from pipeline.data.dataset import (
     size_fingerprint,
     tokenizer_fingerprint,
 )
+from pipeline.dist.launch import Launch
 from pipeline.errors import UserError
 from pipeline.eval.samples import Prompt, read_prompts
 from pipeline.model.adapters import chosen_targets
 from pipeline.model.modeling import meta_model
-from pipeline.model.weight_check import WeightCheck, read_line, unchanged_weights
+from pipeline.model.weight_check import WeightCheck, read_line, unchanged_weights, weights_digest
 from pipeline.model.weight_files import read_index
+from pipeline.ownership import check_apart, check_not_nested, check_target
 from pipeline.prep.hub import resolve_model_dir
 from pipeline.strategies.auto import MemoryPlan, plan_memory
 from pipeline.train.checkpoint import read_state
@@ -86,6 +88,11 @@ def check_fingerprint(run_dir: Path, saved: dict, current: dict, older: dict | N
     older = older or {}
     for key in [*current, *(k for k in saved if k not in current)]:
         if saved.get(key) not in (current.get(key), older.get(key, current.get(key))):
+            if key == "base_weights":
+                raise UserError(f"refusing to resume {run_dir}: its adapters were trained on base model "
+                                f"{current['model_name']} with weights {saved[key][:16]}..., and the weights there "
+                                f"now are {current[key][:16]}... (another model, or changed ones); restore the base "
+                                "it was trained on, or pass --no-resume to train new adapters on this one")
             raise UserError(f"refusing to resume {run_dir}: {key} was {saved.get(key)!r} and is now "
                             f"{current.get(key)!r}; rerun with the original value, or pass --no-resume to start a "
                             "new run beside it")
@@ -121,7 +128,7 @@ def check_base_weights(cfg: Config, model_dir: Path) -> WeightCheck:
     return check
 
 
-def resolve_inputs(cfg: Config) -> Plan:
+def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
     """The model, its tokenizer and the dataset as the config names them, the blocks' spec and the run's fingerprint,
     with every cheap check of them; no run folder is read. Identical on every rank. What pipeline.evaluate plans
     with too (the same token cache as training)."""
@@ -144,13 +151,44 @@ def resolve_inputs(cfg: Config) -> Plan:
                      cfg.data.chat_date, cfg.data.chat_template and tokenizer.chat_template, cfg.data.document_mask,
                      cfg.data.allow_special_tokens_in_data)
     fingerprint = run_fingerprint(cfg, model_dir, hf_config, dataset, spec)
+    check_cache_root(cfg, inputs(cfg, model_dir))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return Plan(model_dir, hf_config, dataset, tokenizer, spec, fingerprint, plan_memory(cfg, hf_config, device))
+    return Plan(model_dir, hf_config, dataset, tokenizer, spec, fingerprint,
+                plan_memory(cfg, hf_config, device, launch))
 
 
-def preflight(cfg: Config) -> Plan:
-    """Every user mistake we can detect cheaply; identical on every rank."""
-    plan = resolve_inputs(cfg)
+def inputs(cfg: Config, model_dir: Path) -> list[tuple[Path, str]]:
+    """The folders a run reads, which no output of it may hold or sit in: the model and a local dataset."""
+    found = [(model_dir, "the model folder")]
+    if cfg.data.dataset_name and Path(cfg.data.dataset_name).exists():
+        found.append((Path(cfg.data.dataset_name), "--dataset-name"))
+    return found
+
+
+def check_cache_root(cfg: Config, read: list[tuple[Path, str]]) -> None:
+    """The token cache's folder is one, or new, and apart from what the run reads (pipeline/ownership.py)."""
+    flag = "--cache-dir" if cfg.data.cache_dir else "the token cache folder"
+    check_target(cfg.cache_root, "token_cache", flag, "pass --cache-dir with a folder of its own")
+    check_not_nested(cfg.cache_root, "token_cache", flag)
+    check_apart(cfg.cache_root, flag, read, "a later run would read the cache back as input")
+
+
+RUN_HINT = "give this run another --experiment-name or --save-dir"
+
+
+def check_run_folder(cfg: Config) -> None:
+    """The run folder is a run's, or new, and in no folder of another kind: refused in one line before anything is
+    written (pipeline/ownership.py)."""
+    check_target(cfg.run_dir, "run", "the run folder", RUN_HINT)
+    check_not_nested(cfg.run_dir, "run", "the run folder")
+
+
+def preflight(cfg: Config, launch: Launch | None = None) -> Plan:
+    """Every user mistake we can detect cheaply; identical on every rank. launch: the workers' launch, for a
+    parent that checks before it starts them (else this process's own)."""
+    check_run_folder(cfg)
+    plan = resolve_inputs(cfg, launch)
+    check_apart(cfg.run_dir, "the run folder", inputs(cfg, plan.model_dir), RUN_HINT)
     if cfg.train.sample_prompts:
         plan.prompts = read_prompts(Path(cfg.train.sample_prompts), plan.tokenizer, cfg.data.chat_date,
                                     cfg.data.seq_length, cfg.train.sample_max_tokens)
@@ -158,12 +196,15 @@ def preflight(cfg: Config) -> Plan:
     for folder in exports:  # what the run replaces at its end: refused now
         check_replaceable(cfg.run_dir / folder, f"the run's export folder {folder}/:")
     state = read_state(cfg.run_dir)
-    if state and not cfg.run.no_resume:
-        check_fingerprint(cfg.run_dir, state["fingerprint"], plan.fingerprint,
-                          {"dataset": size_fingerprint(plan.dataset)})
     if not state or cfg.run.no_resume or cfg.model.adapter != "none":
         # the base weights are read (a fresh start; every start of an adapter run): their headers and content now,
         # before any process waits on another
         read_index(plan.model_dir)
-        check_base_weights(cfg, plan.model_dir)
+        check = check_base_weights(cfg, plan.model_dir)
+        if cfg.model.adapter != "none":  # the adapters are trained on these weights: a resume must find them again
+            plan.fingerprint["base_weights"] = weights_digest(check)
+    if state and not cfg.run.no_resume:
+        # runs from before a field existed resume: their dataset by sizes, adapter runs without base_weights
+        check_fingerprint(cfg.run_dir, state["fingerprint"], plan.fingerprint,
+                          {"dataset": size_fingerprint(plan.dataset), "base_weights": None})
     return plan

@@ -13,6 +13,7 @@ from pipeline.dist.runtime import Dist, check_shared_dir
 from pipeline.errors import UserError
 from pipeline.folder_lock import hold
 from pipeline.fsutil import write_text_atomic
+from pipeline.ownership import mark
 from pipeline.train.export import RUN_TEMPLATE
 from pipeline.train.preflight import Plan
 from pipeline.train.telemetry import log, setup_logging
@@ -55,6 +56,7 @@ def open_run_dir(cfg: Config, d: Dist, plan: Plan) -> Config:
     check_shared_dir(cfg.run_dir, d, "--save-dir")
     setup_logging(cfg.run_dir, d.rank)
     if d.is_main:
+        mark(cfg.run_dir, "run", "fsdp1.py")
         config_mod.save(cfg, cfg.run_dir / "config.yaml")
         if plan.spec.chat_template:  # pipeline.export of any of the run's checkpoints carries it too
             write_text_atomic(cfg.run_dir / RUN_TEMPLATE, plan.spec.chat_template)
