@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO := demo
 DEMO_MODEL := local/tiny-llama
-export HF_HOME := $(CURDIR)/$(DEMO)/hf_home
+# the README's one HF_HOME: the demo's model goes where the quick start's models go (set HF_HOME to use another)
+export HF_HOME ?= $(CURDIR)/.cache/huggingface
 
 .PHONY: venv demo test test-fast smoke lint bench bench-chat bench-gpu clean-demo lm-eval
 
@@ -52,17 +53,18 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 	@echo "== chat: conversations only, loss on the assistant turns"
 	$(PY) DATA-HF.py --data_folder examples/raw/chats --save_dir $(DEMO)/hf_datasets/chats --overwrite
 	rm -rf $(DEMO)/outputs/chat
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 fsdp1.py -e chat --save-dir $(DEMO)/outputs \
+	$(PY) fsdp1.py --nproc-per-node 2 -e chat --save-dir $(DEMO)/outputs \
 		-d $(DEMO)/hf_datasets/chats -m $(DEMO_MODEL) --config configs/demo_chat.yaml \
 		--sample-prompts examples/prompts/chat.jsonl
-	$(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf --prompt "How do I make soup?" --max-new-tokens 32
 	$(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf --prompt "What is 12 plus 30?" --max-new-tokens 32
 	@echo
-	@echo "== LoRA: adapters on the frozen base, the same conversations; chat with the adapter on its base"
+	@echo "== LoRA: adapters on the chat model (frozen), taught a house style; the base answers, then the adapter"
+	$(PY) DATA-HF.py --data_folder examples/lora --save_dir $(DEMO)/hf_datasets/chef --overwrite
 	rm -rf $(DEMO)/outputs/chat-lora
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node 2 fsdp1.py -e chat-lora --save-dir $(DEMO)/outputs \
-		-d $(DEMO)/hf_datasets/chats -m $(DEMO_MODEL) --config configs/demo_lora.yaml
-	$(PY) -m pipeline.chat $(DEMO)/outputs/chat-lora/adapter --prompt "How do I make soup?" --max-new-tokens 32
+	$(PY) fsdp1.py --nproc-per-node 2 -e chat-lora --save-dir $(DEMO)/outputs \
+		-d $(DEMO)/hf_datasets/chef -m $(DEMO)/outputs/chat/hf --config configs/demo_lora.yaml
+	$(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf --prompt "How do I make soup?" --max-new-tokens 48
+	$(PY) -m pipeline.chat $(DEMO)/outputs/chat-lora/adapter --prompt "How do I make soup?" --max-new-tokens 48
 	@echo
 	@echo "demo outputs:"
 	@echo "  splits + manifest:   $(DEMO)/splits/manifest.jsonl"
@@ -71,7 +73,7 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 	@echo "  training run:        $(DEMO)/outputs/demo (metrics.jsonl, loss.png, train.log, checkpoints/, hf/,"
 	@echo "                       lm_eval.json: the lm-eval task on hf/, eval.json: pipeline.evaluate of hf/)"
 	@echo "  chat run:            $(DEMO)/outputs/chat (try it: $(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf)"
-	@echo "  LoRA run:            $(DEMO)/outputs/chat-lora (adapter/ in PEFT's format, hf/ merged)"
+	@echo "  LoRA run:            $(DEMO)/outputs/chat-lora (adapter/ in PEFT's format on chat/hf, hf/ merged)"
 
 # Two pytest workers, one test file each at a time (module fixtures stay shared): most of a test's time is process
 # start-up and checkpoint I/O, so two overlap on 2 cores (measured 2026-11-24 on this project's 2-core machine:

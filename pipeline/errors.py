@@ -33,8 +33,12 @@ def first_line(exc: BaseException) -> str:
 
 
 def disk_problem(exc: BaseException) -> str:
-    """One line for an OSError in DISK_ERRNOS, naming the path (and for a full disk the space left there); "" for
-    any other exception. Nothing is lost by it: every writer of ours writes to a temporary name and renames."""
+    """One line for an OSError in DISK_ERRNOS (or a name too long for the file system), naming the path (and for a
+    full disk the space left there); "" for any other exception. Nothing is lost by it: every writer of ours writes
+    to a temporary name and renames."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG:
+        return (f"file name too long for its file system: {exc.filename or 'a path'} (most allow 255 bytes per name); "
+                "choose a shorter name")
     if not isinstance(exc, OSError) or exc.errno not in DISK_ERRNOS:
         return ""
     path = exc.filename or "a file"
@@ -62,13 +66,15 @@ def _space_left(filename: str | None) -> str:
 
 
 @contextlib.contextmanager
-def naming(path: Path | str) -> Iterator[None]:
+def naming(path: Path | str, *, unnamed_only: bool = False) -> Iterator[None]:
     """Writing path: an OSError raised without a file name (ENOSPC comes from write(2) on an open file), or a full or
-    read-only disk's naming another file (shutil.copy names the source), names path, so disk_problem says where."""
+    read-only disk's naming another file (shutil.copy names the source), names path, so disk_problem says where.
+    unnamed_only: only a nameless one (around work whose inner writes name their own files)."""
     try:
         yield
     except OSError as exc:
-        if exc.errno is not None and (exc.filename is None or exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)):
+        if exc.errno is not None and (exc.filename is None or (
+                not unnamed_only and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS))):
             raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
         raise
 
@@ -79,6 +85,8 @@ def run_cli(main: Callable[[], int | None], *, finalize: bool = True) -> None:
     traceback first, exit code 1)."""
     # a file name that is not UTF-8 (a byte Python keeps as a surrogate) is printed escaped instead of failing print
     sys.stdout.reconfigure(errors="backslashreplace")
+    if not sys.stderr.isatty():  # progress bars are for a terminal: in a log file they are lines of noise
+        no_progress_bars()
     try:
         code = main()
     except UserError as exc:
@@ -92,7 +100,7 @@ def run_cli(main: Callable[[], int | None], *, finalize: bool = True) -> None:
     except BaseException as exc:
         if problem := disk_problem(exc):
             say(f"error: {problem}")
-            code = 1
+            code = 2
         elif finalize:
             raise
         else:
@@ -102,6 +110,19 @@ def run_cli(main: Callable[[], int | None], *, finalize: bool = True) -> None:
     if not finalize:
         leave(code or 0)
     sys.exit(code or 0)
+
+
+def no_progress_bars() -> None:
+    """Progress bars off, in this process and those it starts: tqdm's own (TQDM_DISABLE) and those of the Hugging
+    Face libraries, by the switch each reads at import and, where one is imported already, by its own call."""
+    for switch in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
+        os.environ.setdefault(switch, "1")
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
 
 
 def say(line: str, details: str = "") -> None:

@@ -312,6 +312,11 @@ def test_chat_run_trains_on_answers_and_exports_the_template(train_env, chat_ref
     reply = subprocess.run([sys.executable, "-m", "pipeline.chat", run / "hf", "--prompt", "What is 2 plus 3?",
                             "--max-new-tokens", "4"], cwd=ROOT, env=train_env["env"], capture_output=True, text=True)
     assert reply.returncode == 0, reply.stderr[-2000:]
+    past = subprocess.run([sys.executable, "-m", "pipeline.chat", run / "hf", "--prompt", "Hi", "--max-new-tokens",
+                           "100000"], cwd=ROOT, env=train_env["env"], capture_output=True, text=True)
+    assert (past.returncode, past.stderr.splitlines()[-1]) == (2, (
+        f"error: --max-new-tokens 100000 is beyond what {run / 'hf'} can generate: it has 2048 positions in all, the "
+        "prompt included"))
 
 
 def test_chat_run_head_paths_agree_and_a_killed_run_resumes_exactly(train_env, chat_reference, tmp_path):
@@ -359,7 +364,7 @@ def test_document_mask_on_text_starts_a_sequence_after_each_eos(train_env, tiny_
             ROOT / "configs" / "demo.yaml", "--max-steps", "2", "--eval-freq", "0", "--document-mask", "on"]
     proc = run_script("fsdp1.py", *args, env=train_env["env"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (cache,) = (tmp_path / "token_cache").iterdir()
+    (cache,) = (p for p in (tmp_path / "token_cache").iterdir() if p.is_dir())
     ids, flags = np.load(cache / "train.npy"), np.load(cache / "train_flags.npy")
     eos = AutoTokenizer.from_pretrained(tiny_models["tied"]).eos_token_id
     after_eos = np.zeros(ids.shape, dtype=bool)

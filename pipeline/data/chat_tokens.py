@@ -116,7 +116,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], date: str, train_on: 
 def _encode(tokenizer, text: str, split_special: bool, at: int) -> tuple[list[int], list[int]]:
     """Token ids of text and where each starts, counted from `at`."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False,
-                    split_special_tokens=split_special)
+                    split_special_tokens=split_special, verbose=False)
     return enc["input_ids"], [at + a for a, _ in enc["offset_mapping"]]
 
 
@@ -134,7 +134,8 @@ def _contents_as_text(tokenizer, messages: list[dict], date: str, full: str,
     ids: list[int] = []
     starts: list[int] = []
     done = 0
-    enc = tokenizer(blanked, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
+    enc = tokenizer(blanked, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False,
+                    verbose=False)
     for token, (a, b) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
         if token in special:
             text_ids, text_starts = _encode(tokenizer, full[done:a], split_special=True, at=done)

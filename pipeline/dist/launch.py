@@ -25,7 +25,8 @@ PLAIN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 @dataclass(frozen=True)
 class Launch:
     launcher: str
-    """torchrun, env (plain variables), slurm or single."""
+    """torchrun, env (plain variables), slurm, single, or spawn (fsdp1.py --nproc-per-node's parent, planning for
+    the workers it starts)."""
     rank: int
     world_size: int
     local_rank: int

@@ -74,14 +74,18 @@ def compute_buffers(model: nn.Module) -> None:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks, in order: the one ModuleList of the base model that holds config.num_hidden_layers
-    modules (`model.layers` in Llama, Qwen, Mistral, Gemma)."""
-    n = model.config.num_hidden_layers
-    found = [m for m in model.base_model.children() if isinstance(m, nn.ModuleList) and len(m) == n]
-    if len(found) != 1:
+    """The transformer blocks, in order, found by structure: the shallowest ModuleList holding the text config's
+    num_hidden_layers modules (`model.model.layers` in every family the suite trains). base_model_prefix is not
+    enough: Llama 4's names a module its causal LM does not have, and a multimodal model's text config is nested."""
+    n = model.config.get_text_config().num_hidden_layers
+    found = [(name.count("."), name, m) for name, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) == n]
+    shallowest = [f for f in found if f[0] == min((f[0] for f in found), default=0)]
+    if len(shallowest) != 1:
         raise UserError(f"cannot find the {n} decoder layers of {type(model).__name__} to shard (found "
-                        f"{len(found)} lists of {n} modules in its base model)")
-    return found[0]
+                        f"{len(shallowest)} lists of {n} modules at its shallowest depth: "
+                        f"{', '.join(name for _, name, _ in shallowest) or 'none'})")
+    return shallowest[0][2]
 
 
 def tied_keys(model: nn.Module) -> dict[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pipeline.config import Config
+from pipeline.dist.launch import Launch
 from pipeline.dist.launch import detect as detect_launch
 from pipeline.dist.runtime import Dist, gather_objects
 from pipeline.errors import UserError
@@ -25,10 +26,11 @@ class MemoryPlan:
     """Why --strategy auto chose as it did ("" when the strategy was given)."""
 
 
-def plan_memory(cfg: Config, hf_config, device: str) -> MemoryPlan:
+def plan_memory(cfg: Config, hf_config, device: str, launch: Launch | None = None) -> MemoryPlan:
     """Resolve --strategy auto and estimate the peak memory per rank; cfg itself is left as it is. No collective:
-    every rank computes the same from the same config, launch environment and hardware."""
-    launch = detect_launch()
+    every rank computes the same from the same config, launch environment and hardware. launch: the one planned
+    for (fsdp1.py --nproc-per-node checks its workers' plan before starting them), else this process's."""
+    launch = launch or detect_launch()
     # before joining; a launcher that does not say how many ranks share this host: plan as if all of them do
     world, local_world, local_rank = launch.world_size, launch.local_world_size or launch.world_size, launch.local_rank
     m, shape = cfg.model, Shape.of(hf_config)

@@ -3,17 +3,21 @@ its failures mapped to one line (exit 2) or a clean stop's exit code."""
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from pipeline import config as config_mod
 from pipeline.config import Config
+from pipeline.dist.launch import Launch
 from pipeline.dist.launch import detect as detect_launch
 from pipeline.dist.liveness import PeerWatch, is_collective_failure, watch_parent
 from pipeline.dist.runtime import Dist, init_distributed
-from pipeline.errors import UserError, first_line
+from pipeline.dist.spawn import nproc_arg, run_workers
+from pipeline.errors import UserError, first_line, naming
 from pipeline.eval.harness import Tasks, check_tasks
 from pipeline.strategies.auto import check_agreed
 from pipeline.strategies.registry import out_of_memory_hints, settle
@@ -25,6 +29,9 @@ from pipeline.train.rundir import open_run_dir
 from pipeline.train.signals import Interrupted, StopRequest
 from pipeline.train.telemetry import log
 from pipeline.train.trainer import Trainer
+
+SCRIPT = Path(__file__).resolve().parents[2] / "fsdp1.py"
+"""What --nproc-per-node's workers run."""
 
 
 def run(cfg: Config, d: Dist, plan: Plan) -> Trainer:
@@ -49,16 +56,25 @@ def out_of_memory_message(cfg: Config, d: Dist) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """fsdp1.py: resolve the config, check everything cheap, then join the process group and train."""
+    """fsdp1.py: resolve the config, check everything cheap, then join the process group and train; with
+    --nproc-per-node N, check, then start N workers that do (pipeline/dist/spawn.py)."""
+    nproc, argv = nproc_arg(sys.argv[1:] if argv is None else list(argv))
     cfg = settle(config_mod.resolve(argv))
     launch = detect_launch()  # a launcher's missing variable is one line before any heavy work
+    if nproc is not None:
+        if launch.launcher != "single":
+            raise UserError(f"--nproc-per-node starts its own workers: run it as a plain command, not under "
+                            f"{launch.launcher} (which starts them already)")
+        launch = Launch("spawn", 0, nproc, 0, nproc, "127.0.0.1", 0)
     tasks = None if cfg.data.prepare_only else Tasks.of(cfg.train)
     if tasks is not None:  # on every rank, as preflight: one refusing alone would leave the others at the rendezvous
         check_tasks(tasks)
-    plan = preflight(cfg)
+    plan = preflight(cfg, launch)
     cfg = plan.config  # --strategy auto resolved
     if cfg.data.prepare_only:
         return prepare_only(cfg, plan, launch)
+    if nproc is not None:  # every check passed here: the workers redo them (cheaply) and train
+        return run_workers(nproc, SCRIPT, argv)
     d = init_distributed(timedelta(seconds=cfg.run.collective_timeout_s))
     watch_parent()
     peers = PeerWatch(d, cfg.run.peer_timeout_s).start()
@@ -82,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
 def train_or_stop(cfg: Config, d: Dist, plan: Plan, peers: PeerWatch) -> int:
     """run(), its clean stop as an exit code, and its failures as one line where we can say what happened."""
     try:
-        run(cfg, d, plan)
+        with naming(cfg.run_dir, unnamed_only=True):  # a write naming no file (transformers' JSON) is the run's
+            run(cfg, d, plan)
     except Interrupted as stop:
         return 128 + stop.signum
     except torch.OutOfMemoryError:

@@ -24,12 +24,13 @@ import torch.distributed.checkpoint as dcp
 
 from pipeline.config import Config
 from pipeline.dist.runtime import DTYPES, Dist, init_distributed
-from pipeline.errors import ArgumentParser, UserError
+from pipeline.errors import ArgumentParser, UserError, naming
 from pipeline.fsutil import replace_dir
 from pipeline.model.adapters import ADAPTER_FILES, LowRankAdapter
 from pipeline.model.naming import to_file_layout
 from pipeline.model.weight_check import FOLDER_RECORD
 from pipeline.model.weight_files import INDEX, read_header
+from pipeline.ownership import OWNER_FILE, check_not_nested, check_only, describe, kind_of, mark
 from pipeline.prep.hub import TOKENIZER_FILES
 from pipeline.strategies.base import Strategy
 from pipeline.train.checkpoint import load_checkpoint_model
@@ -63,25 +64,28 @@ RUN_TEMPLATE = "chat_template.jinja"
 
 
 EXPORT_FILES = frozenset({INDEX, "config.json", "generation_config.json", *TOKENIZER_FILES, *ADAPTER_FILES,
-                          FOLDER_RECORD})
+                          FOLDER_RECORD, OWNER_FILE})
 """What an export writes besides its *.safetensors (and the record its weights' first check leaves in it, when it is
 trained or evaluated as a model folder): a folder holding anything else is not ours to replace."""
 
 
+def _export_file(path: Path) -> bool:
+    return path.is_file() and (path.name in EXPORT_FILES or path.name.endswith(".safetensors"))
+
+
 def check_replaceable(out: Path, flag: str) -> None:
-    """Refuse, in one line, an output folder that holds anything an export does not write (a user's files, a run
-    folder): replacing it would delete them. Absent, empty or a previous export is fine. Reads the folder only, the
+    """Refuse, in one line, an output folder that is not an export or holds anything an export does not write (a
+    user's files, a run folder): replacing it would delete them. Absent, empty or a previous export is fine; so is a
+    folder inside a run, but not inside a dataset or another kind (pipeline/ownership.py). Reads the folder only, the
     same on every rank, so every rank refuses alike."""
+    check_not_nested(out, "export", flag)
     if not out.exists():
         return
     if not out.is_dir():
         raise UserError(f"{flag} {out} is a file, not a folder; choose a new folder for the export")
-    foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir()
-                     if p.is_dir() or (p.name not in EXPORT_FILES and not p.name.endswith(".safetensors")))
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise UserError(f"{flag} {out} holds what an export does not write ({shown}); refusing to replace it: "
-                        "choose a new folder, or empty this one")
+    if (found := kind_of(out)) not in (None, "export"):
+        raise UserError(f"{flag} {out} is {describe(found)}; refusing to replace it: choose a new folder")
+    check_only(out, flag, _export_file, "an export", "choose a new folder, or empty this one")
 
 
 def partial_dir(out: Path) -> Path:
@@ -89,16 +93,28 @@ def partial_dir(out: Path) -> Path:
     return out.with_name(f".{out.name}.partial")
 
 
-def fresh_partial(out: Path) -> Path:
-    """partial_dir(out), emptied of what a killed export left there."""
+def fresh_partial(out: Path, record: dict) -> Path:
+    """partial_dir(out), emptied of what a killed export left there, and marked as an export with record (run_record:
+    what it was trained from and on)."""
     work = partial_dir(out)
     shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    mark(work, "export", "fsdp1.py", **record)
     return work
 
 
+def run_record(fingerprint: dict) -> dict:
+    """What an export of a run records in its mark, from the run's fingerprint: the base model, its weights' content
+    (an adapter run's, which pipeline.chat and pipeline.evaluate check the base they find against) and whether it was
+    trained on conversations or on plain text only (pipeline.chat continues the prompt as text for the latter)."""
+    record = {"base_model": fingerprint["model_name"],
+              "trained_on": "conversations" if "train_on" in fingerprint else "text"}
+    if fingerprint.get("base_weights"):
+        record["base_weights"] = fingerprint["base_weights"]
+    return record
+
+
 def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dtype, d: Dist,
-                 chat_template: str = "") -> None:
+                 chat_template: str = "", record: dict | None = None) -> None:
     """Write the model (distributed, any world size) to out in Hugging Face format, with the base model's tokenizer
     files and, when given, chat_template (instead of the base model's). A collective: every rank calls it. A tied
     weight is stored once, under the embedding; from_pretrained re-ties. A folder at out that is not a previous
@@ -108,7 +124,7 @@ def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dt
     work = partial_dir(out)
     scratch = work / "dcp"  # DCP's writer: per-rank files, then the consolidated ones; only the latter are kept
     if d.is_main:
-        fresh_partial(out)
+        fresh_partial(out, record or {})
         scratch.mkdir()
     dist.barrier()
     mapping = _file_index(sd, dtype)
@@ -147,19 +163,19 @@ def adapter_of(strategy: Strategy) -> LowRankAdapter | None:
 
 
 def export_adapter(strategy: Strategy, model_dir: Path, out: Path, base_model: str, d: Dist,
-                   chat_template: str = "") -> None:
+                   chat_template: str = "", record: dict | None = None) -> None:
     """Write the model's adapter to out in PEFT's format (adapter_config.json naming base_model,
     adapter_model.safetensors with every LoRA tensor whole and 2-D, the tokenizer files): what
-    PeftModel.from_pretrained, vLLM and TGI read. A collective (the adapter is gathered into rank 0's host memory, one
-    tensor at a time); built beside out and renamed into place, and a folder at out that is not a previous export is
-    refused (check_replaceable)."""
+    PeftModel.from_pretrained, vLLM and TGI read; its mark holds record (run_record). A collective (the adapter is
+    gathered into rank 0's host memory, one tensor at a time); built beside out and renamed into place, and a folder
+    at out that is not a previous export is refused (check_replaceable)."""
     from safetensors.torch import save_file
 
     check_replaceable(out, "the adapter folder")
     adapter = adapter_of(strategy)
     tensors = adapter.adapter_state(strategy.model, strategy.module)
     if d.is_main:
-        work = fresh_partial(out)
+        work = fresh_partial(out, record or {})
         save_file(tensors, work / "adapter_model.safetensors", metadata={"format": "pt"})
         config = copy.deepcopy(adapter.peft_config)
         config.base_model_name_or_path, config.inference_mode = base_model, True
@@ -183,15 +199,20 @@ def described(cfg: Config, *, best: bool = False) -> str:
     return " and ".join(f"{kind} {cfg.run_dir / name}" for name, kind in run_exports(cfg, best=best).items())
 
 
-def export_run(strategy: Strategy, cfg: Config, model_dir: Path, d: Dist, chat_template: str, *,
+def export_run(strategy: Strategy, cfg: Config, model_dir: Path, d: Dist, chat_template: str, fingerprint: dict, *,
                best: bool = False) -> None:
-    """The run's exports (run_exports) from the model as it is now. A collective."""
+    """The run's exports (run_exports) from the model as it is now, marked with run_record(fingerprint). A
+    collective."""
+    record = run_record(fingerprint)
     for name, kind in run_exports(cfg, best=best).items():
-        if kind == "adapter":
-            export_adapter(strategy, model_dir, cfg.run_dir / name, cfg.model.model_name, d, chat_template)
-        else:
-            export_model(strategy, model_dir, cfg.run_dir / name,
-                         export_dtype(cfg.run.export_dtype, strategy.module.config), d, chat_template)
+        # a full disk in DCP's or transformers' writers names no file: it is the export's
+        with naming(partial_dir(cfg.run_dir / name), unnamed_only=True):
+            if kind == "adapter":
+                export_adapter(strategy, model_dir, cfg.run_dir / name, cfg.model.model_name, d, chat_template,
+                               record)
+            else:
+                export_model(strategy, model_dir, cfg.run_dir / name,
+                             export_dtype(cfg.run.export_dtype, strategy.module.config), d, chat_template, record)
 
 
 def in_file_layout(folder: Path, model) -> None:
@@ -246,11 +267,12 @@ def main(argv: list[str] | None = None) -> int:
                         "it with --out")
     run_template = args.checkpoint.resolve().parents[1] / RUN_TEMPLATE
     template = run_template.read_text(encoding="utf-8") if run_template.exists() else ""
+    record = run_record(fingerprint)
     if args.out is not None:
         export_model(strategy, model_dir, args.out, export_dtype(args.export_dtype, strategy.module.config), d,
-                     template)
+                     template, record)
     if args.adapter_out is not None:
-        export_adapter(strategy, model_dir, args.adapter_out, fingerprint["model_name"], d, template)
+        export_adapter(strategy, model_dir, args.adapter_out, fingerprint["model_name"], d, template, record)
     if d.is_main:
         print(f"exported {args.checkpoint} to {' and '.join(str(f) for f in (args.out, args.adapter_out) if f)}")
     # on success only: after a failure another rank may still be in a collective (pipeline.export leaves without

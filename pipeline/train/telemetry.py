@@ -7,6 +7,7 @@ each line tagged with its rank.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -169,12 +170,19 @@ class Telemetry:
         self.metrics = _open_events(run_dir / "metrics.jsonl") if enabled else None
         self.tb = None
         self.bar = None
+        self._console = contextlib.nullcontext()
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
+            # a bar on a terminal only (redirected, it is noise in the file); log lines go through tqdm.write
+            # meanwhile, which lifts the bar, prints the line and puts the bar back under it
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr,
+                            disable=not sys.stderr.isatty())
+            self._console = logging_redirect_tqdm(loggers=[log])
+            self._console.__enter__()
 
     def __enter__(self) -> Telemetry:
         return self
@@ -204,9 +212,7 @@ class Telemetry:
     def human(self, line: dict) -> None:
         """The seed-style `[rank=0] {...}` line, on the console (above the bar) and in train.log."""
         if self.enabled:
-            self.bar.clear()
             log.info("%s", line)
-            self.bar.refresh()
 
     def advance(self) -> None:
         if self.bar is not None:
@@ -217,7 +223,8 @@ class Telemetry:
         if not self.enabled or self.metrics.closed:
             return
         draw = [lambda: plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")] if plot else []
-        for closing in [self.bar.close, self.tb.close, self.metrics.close, *draw]:
+        for closing in [self.bar.close, lambda: self._console.__exit__(None, None, None), self.tb.close,
+                        self.metrics.close, *draw]:
             try:  # what is left of the logs must not hide why the run ends (a full disk fails every write here)
                 closing()
             except OSError as exc:

@@ -236,9 +236,10 @@ class Trainer:
             stop, time_to_save = self.boundary()
             if stop:
                 self.stop(telemetry)
-            if not self.sampler.has_next():  # epoch boundary: checkpoint the start of the next epoch
+            if not self.sampler.has_next():  # epoch boundary
                 self.sampler.start_epoch(self.sampler.epoch + 1)
-                self.save()
+                if not self.cfg.train.ckpt_freq:  # --ckpt-freq 0 checkpoints each epoch's start (a small dataset's
+                    self.save()  # hundred epochs under --ckpt-freq N are not a hundred checkpoints)
                 continue
             result = self.train_step()
             self.step += 1
@@ -264,7 +265,8 @@ class Trainer:
                      self.base_val.loss, final.loss, self.base_val.ppl, final.ppl, final.tokens, self.step)
         self.save()
         self.ckpt.wait()
-        export_run(self.strategy, self.cfg, self.plan.model_dir, self.dist, self.plan.spec.chat_template)
+        export_run(self.strategy, self.cfg, self.plan.model_dir, self.dist, self.plan.spec.chat_template,
+                   self.plan.fingerprint)
 
     def boundary(self) -> tuple[bool, bool]:
         """One small all-reduce per step: did any rank get a signal, has every rank finished its async save, and is
@@ -283,7 +285,9 @@ class Trainer:
         telemetry.close()  # the bar ends (and the plot is drawn) before the message; the `with` then closes nothing
         where = f"checkpoint {self.ckpt.root / step_name(self.step)} saved" if saved else \
             f"the last good checkpoint is {self.last_checkpoint()}"
-        log.warning("stopped by signal at step %d; %s; rerun the same command to resume", self.step, where)
+        # said once, by rank 0; the others keep it in train.log (their console shows warnings only)
+        (log.warning if self.dist.is_main else log.info)("stopped by signal at step %d; %s; rerun the same command "
+                                                         "to resume", self.step, where)
         raise Interrupted(StopRequest.signum or signal.SIGTERM)
 
     def last_checkpoint(self) -> str:
@@ -374,7 +378,7 @@ class Trainer:
         if self.cfg.run.save_best and self.step > 0 and val.loss < self.best_val:  # step 0 is the base, not a result
             self.best_val = val.loss
             export_run(self.strategy, self.cfg, self.plan.model_dir, self.dist, self.plan.spec.chat_template,
-                       best=True)
+                       self.plan.fingerprint, best=True)
             log.info("best validation loss so far (%.5f): exported the %s", val.loss, described(self.cfg, best=True))
         return val
 
