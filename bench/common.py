@@ -238,7 +238,7 @@ def memory_plan(model: Path, world: int, *flags: object):
     resolved, in the returned config) and the memory estimate. Returns (config, MemoryPlan)."""
     from transformers import AutoConfig
 
-    from pipeline import config as config_mod
+    from pipeline import config_merge as config_mod
     from pipeline.strategies.auto import plan_memory
 
     # rank 0 of a plain env launch (launch.detect refuses a partial one): nothing here joins a group

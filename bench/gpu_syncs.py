@@ -35,7 +35,7 @@ def main() -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from pipeline import config as config_mod
+    from pipeline import config_merge as config_mod
     from pipeline.dist.runtime import init_distributed
     from pipeline.train.preflight import preflight
     from pipeline.train.telemetry import setup_logging

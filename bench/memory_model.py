@@ -4,6 +4,10 @@ VmHWM, reset at every log window), against the estimate the run logged at start.
 of BENCHMARKS.md.
 
     .venv/bin/python bench/memory_model.py [--seq 256]
+    .venv/bin/python bench/memory_model.py --group adapters --seq 512
+
+The first group (the strategies and their options) rewrites the memory_model table; `--group adapters` (full
+fine-tuning, LoRA and QLoRA under ddp and fsdp2 with activation checkpointing at batch 2) the memory_adapters one.
 
 Each case runs twice. "live": glibc told to serve every allocation above 128 KiB from its own mapping
 (MALLOC_MMAP_THRESHOLD_), so freed tensors leave the resident set at once and it follows the bytes in use, as the
@@ -40,6 +44,12 @@ CASES: dict[str, tuple[int, list[object]]] = {
     "fsdp2 fp32, QLoRA r16": (2, ["--strategy", "fsdp2", "--adapter", "qlora"]),
     "ddp fp32, QLoRA r16": (2, ["--strategy", "ddp", "--adapter", "qlora"]),
 }
+AC2 = ["--activation-checkpointing", "on", "--batch-size", 2]
+ADAPTER_CASES: dict[str, tuple[int, list[object]]] = {
+    f"{strategy} fp32, {adapter or 'full'}, activation checkpointing, batch 2": (
+        2, ["--strategy", strategy, *AC2, *(["--adapter", adapter] if adapter else [])])
+    for adapter in ("", "lora", "qlora") for strategy in ("ddp", "fsdp2")}
+GROUPS = {"strategies": ("memory_model", CASES), "adapters": ("memory_adapters", ADAPTER_CASES)}
 
 
 MODES = {"live": ({"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}, 3), "default": ({}, 5)}
@@ -72,6 +82,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "memory")
     p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--group", choices=sorted(GROUPS), default="strategies")
     p.add_argument("--only", nargs="*", default=None, help="case names to run (default: all)")
     p.add_argument("--reuse", action="store_true", help="take the peaks of runs already finished in --workdir")
     args = p.parse_args()
@@ -82,7 +93,8 @@ def main() -> None:
         build_preset(model, "smollm2-135m")
     data = demo_dataset(args.workdir / "dataset")
     rows, worst = [], 0.0
-    for name, (world, flags) in CASES.items():
+    section, cases = GROUPS[args.group]
+    for name, (world, flags) in cases.items():
         if args.only and name not in args.only:
             continue
         est = estimated(model, world, flags, args.seq)
@@ -100,9 +112,10 @@ def main() -> None:
     if args.only:
         return
     body = "\n".join([
-        f"Machine: {machine()}. Command: `.venv/bin/python bench/memory_model.py --seq {args.seq}`. SmolLM2-135M's "
-        f"shape (random weights), batch 1 x seq {args.seq} unless stated, fp32 unless stated; measured: the largest "
-        "rank's peak resident memory above what it held before the model was built, from step 2 on.",
+        f"Machine: {machine()}. Command: `.venv/bin/python bench/memory_model.py --group {args.group} "
+        f"--seq {args.seq}`. SmolLM2-135M's shape (random weights), batch 1 x seq {args.seq} unless stated, fp32 "
+        "unless stated; measured: the largest rank's peak resident memory above what it held before the model was "
+        "built, from step 2 on.",
         "",
         table(["run", "ranks", "estimate: weights+AdamW / gradients / copies / activations / logits / AdamW step "
                "(GiB)", "estimate GiB", "measured live GiB", "estimate vs live", "measured default GiB",
@@ -110,7 +123,7 @@ def main() -> None:
         "",
         f"Largest disagreement with the live peak: {worst:.0%}.",
     ])
-    update_section("memory_model", body)
+    update_section(section, body)
 
 
 if __name__ == "__main__":

@@ -1,28 +1,19 @@
-"""Typed trainer configuration: nested dataclasses, one flat set of keys shared by the CLI and YAML files.
-
-Precedence: command line > `--config FILE.yaml` > the profile that file names (`profile: NAME` ->
-configs/profiles/NAME.yaml) > the defaults below. Every key of a YAML file is a field name below (snake_case);
-every flag is the same name in kebab case. The resolved config is written to the run directory as config.yaml.
+"""Typed trainer configuration: nested dataclasses, one flat set of keys shared by the CLI and YAML files, each
+field's choices and ranges checked when built (pipeline/config_merge.py reads flags, YAML files and profiles into
+them). Every key of a YAML file is a field name below (snake_case); every flag is the same name in kebab case.
 """
 
 from __future__ import annotations
 
-import argparse
-import ast
 import dataclasses
-import inspect
 import math
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-import yaml
+from pipeline.errors import UserError
 
-from pipeline.errors import ArgumentParser, UserError
-from pipeline.fsutil import read_yaml, write_text_atomic
-
-PROFILES_DIR = Path(__file__).resolve().parents[1] / "configs" / "profiles"
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 Sharding = Literal["auto", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 StrategyName = Literal["fsdp2", "fsdp1", "ddp", "manual", "auto"]
@@ -38,9 +29,6 @@ VOCAB_PARALLEL_SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP")
 """The shardings the vocabulary-parallel head works with (a 1-D mesh)."""
 NAME_BYTES = 200
 """The longest --experiment-name, in bytes: file systems allow 255 per name, and NAME-2 (--no-resume) adds some."""
-LIST_KEYS = ("lora_targets",)
-"""String keys a YAML file may give as a list (joined with commas, as the flag takes them)."""
-SHORT_FLAGS = {"experiment_name": "-e", "dataset_name": "-d", "model_name": "-m", "batch_size": "-b"}
 
 
 def _check(ok: bool, message: str) -> None:
@@ -162,9 +150,8 @@ class ModelConfig(Section):
     model_name: str = ""
     """Hub id resolved from the local cache (offline), or a local model directory."""
     precision: Precision = "auto"
-    """Compute dtype: bf16 where supported (auto on GPU), fp32 on CPU. fp16 is refused: nothing scales the loss,
-    so its small gradients would underflow to zero. Master weights,
-    optimizer states and gradient reduction are fp32."""
+    """Compute dtype: bf16 where supported (auto on GPU), fp32 on CPU; fp16 (GPUs without bf16: V100, T4) with
+    dynamic loss scaling (--loss-scale). Master weights, optimizer states and gradient reduction are fp32."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: less memory, about a third more compute."""
     compile: bool = False
@@ -235,9 +222,6 @@ class ModelConfig(Section):
         _check(not (self.adapter == "qlora" and self.cpu_offload), "--adapter qlora does not take --cpu-offload "
                "(its base is already 4-bit, and NF4 weights are not moved between host and device); use --adapter lora "
                "with --cpu-offload")
-        _check(self.precision != "fp16", "--precision fp16 is not supported: nothing scales the loss, so small "
-                                         "gradients would underflow to zero; use --precision bf16 (Ampere or newer "
-                                         "GPUs) or fp32")
         _check(self.min_params >= 1, f"--min-params must be at least 1, got {self.min_params}")
         _check(self.memory_gb >= 0, f"--memory-gb must be >= 0, got {self.memory_gb}")
         # what a strategy accepts, and so --vocab-parallel on, is the strategies' to say (registry.check); --sharding
@@ -304,12 +288,21 @@ class TrainConfig(Section):
     """Complete checkpoints to keep (at least 2, so the previous good one survives a failed save)."""
     max_bad_steps: int = 3
     """Stop the run after this many steps in a row with a non-finite loss or gradient norm (each one is skipped:
-    nothing applied, nothing checkpointed); 0 never stops."""
+    nothing applied, nothing checkpointed); 0 never stops. Under --precision fp16 an overflow is not one of these
+    (--max-overflow-steps)."""
+    loss_scale: float = 65536.0
+    """--precision fp16: the loss scale at the start. Dynamic: an overflow (a non-finite gradient) skips its step and
+    halves it, 2000 steps without one double it (torch's GradScaler); it is saved in checkpoints."""
+    max_overflow_steps: int = 30
+    """--precision fp16: stop the run as diverging after this many overflowing steps in a row, or once the loss scale
+    falls below 1 (fp16 cannot hold the run's values even unscaled)."""
 
     def check(self) -> None:
         for name in ("batch_size", "grad_accum", "num_epochs", "log_freq", "lm_eval_batch_size"):
             _check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1, "
                                              f"got {getattr(self, name)}")
+        _check(self.loss_scale >= 1, f"--loss-scale must be at least 1, got {self.loss_scale:g}")
+        _check(self.max_overflow_steps >= 1, f"--max-overflow-steps must be at least 1, got {self.max_overflow_steps}")
         for name in ("max_steps", "ckpt_freq", "eval_freq", "max_bad_steps"):
             _check(getattr(self, name) >= 0, f"{flag(name)} must be >= 0, got {getattr(self, name)}")
         _check(self.keep_last >= 2, f"--keep-last must be at least 2, got {self.keep_last}")
@@ -345,156 +338,5 @@ class Config:
         return {k: v for section in dataclasses.asdict(self).values() for k, v in section.items()}
 
 
-_SECTION_TYPES = {"run": RunConfig, "data": DataConfig, "model": ModelConfig, "optim": OptimConfig,
+SECTIONS = {"run": RunConfig, "data": DataConfig, "model": ModelConfig, "optim": OptimConfig,
                   "train": TrainConfig}
-
-
-@cache
-def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of a dataclass (the string literal under each field), used as --help text."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
-
-
-def _fields() -> dict[str, tuple[str, dataclasses.Field]]:
-    """Flat key -> (section, field)."""
-    return {f.name: (section, f) for section, cls in _SECTION_TYPES.items() for f in dataclasses.fields(cls)}
-
-
-@cache
-def kinds(cls: type) -> dict[str, type]:
-    """The type each field of a config section holds, from its resolved type hints (a Literal's values are str)."""
-    hints = get_type_hints(cls)
-    return {f.name: str if get_origin(hints[f.name]) is Literal else hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _convert(key: str, kind: type, value: Any) -> Any:
-    """Coerce a YAML or CLI value to the field's type, with one clear line when it cannot be."""
-    try:
-        if kind is bool:
-            if isinstance(value, bool):
-                return value
-            text = str(value).lower()
-            if text in ("on", "true", "yes", "1"):
-                return True
-            if text in ("off", "false", "no", "0"):
-                return False
-            raise ValueError
-        if kind is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value)
-        if kind is float:
-            return float(value)
-        if key in LIST_KEYS and isinstance(value, list) and all(isinstance(v, str) for v in value):
-            value = ",".join(value)
-        if isinstance(value, (list, dict)):
-            shape = "list" if isinstance(value, list) else "mapping"
-            raise UserError(f"{flag(key)} must be a single value, got a {shape} ({value!r:.80})")
-        if "\0" in str(value):
-            raise UserError(f"{flag(key)} must not contain a NUL character, got {str(value)!r:.80}")
-        return str(value)
-    except (TypeError, ValueError):
-        expected = "on or off" if kind is bool else f"a{'n' if kind is int else ''} {kind.__name__}"
-        raise UserError(f"{flag(key)} must be {expected}, got {value!r}") from None
-
-
-def _read_yaml(path: Path, what: str) -> dict[str, Any]:
-    data = read_yaml(path, what) or {}
-    if not isinstance(data, dict):
-        raise UserError(f"{what} {path} must be a mapping of keys to values")
-    unknown = sorted(set(data) - set(_fields()) - {"profile"})
-    if unknown:
-        raise UserError(f"{what} {path} has unknown key{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
-    return data
-
-
-def load_profile(name: str) -> dict[str, Any]:
-    path = PROFILES_DIR / f"{name}.yaml"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))
-        raise UserError(f"unknown profile {name!r}; known profiles: {known}")
-    data = _read_yaml(path, "profile")
-    data.pop("profile", None)
-    return data
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(description="Fine-tune a causal LM with FSDP2. Rerun the same command to resume. "
-                       "--nproc-per-node N starts N processes on this node (one per GPU), as torchrun would.",
-                       argument_default=argparse.SUPPRESS)
-    add_config_arguments(p)
-    return p
-
-
-def add_config_arguments(p: argparse.ArgumentParser, leave_out: frozenset[str] = frozenset()) -> None:
-    """--config, --profile and a flag per config key but those left out, each absent from the parsed namespace unless
-    given (p's argument_default must be SUPPRESS): what merge() takes."""
-    p.add_argument("--config", type=Path, help="YAML file of the same keys (snake_case); may name a profile")
-    p.add_argument("--profile", help="named profile from configs/profiles/")
-    for key, (section, f) in _fields().items():
-        if key in leave_out:
-            continue
-        flags = [SHORT_FLAGS[key]] if key in SHORT_FLAGS else []
-        flags.append(flag(key))
-        doc = field_docs(_SECTION_TYPES[section]).get(key, "")
-        default = "" if f.default in ("", dataclasses.MISSING) else f" (default: {_show(f.default)})"
-        allowed = choices(_SECTION_TYPES[section]).get(key)
-        if kinds(_SECTION_TYPES[section])[key] is bool:  # `--flag on|off`, or the bare `--flag` for on
-            p.add_argument(*flags, dest=key, help=doc + default, metavar="on|off", nargs="?", const="on")
-        else:
-            p.add_argument(*flags, dest=key, help=doc + default, choices=allowed)
-
-
-def _show(value: Any) -> str:
-    return ("on" if value else "off") if isinstance(value, bool) else str(value)
-
-
-def resolve(argv: list[str] | None = None) -> Config:
-    """fsdp1.py's config: the command line merged over the config file, its profile and the defaults."""
-    return require_dataset(merge(vars(build_parser().parse_args(argv))))
-
-
-def require_dataset(cfg: Config) -> Config:
-    """cfg, for a training run: it needs a dataset (pipeline.evaluate may do without, for lm-eval tasks only)."""
-    _check(bool(cfg.data.dataset_name), "--dataset-name (-d) is required")
-    return cfg
-
-
-def merge(cli: dict[str, Any]) -> Config:
-    """Flags as parsed (config keys, and `config` and `profile`) over the config file they name, its profile and the
-    defaults."""
-    cli = dict(cli)
-    if not str(cli.get("lm_eval_tasks", "x")).strip(" ,") and "lm_eval_include" not in cli:
-        cli["lm_eval_include"] = ""  # `--lm-eval-tasks ""` turns a config file's tasks off, and their folder with them
-    config_path = cli.pop("config", None)
-    file_values = _read_yaml(config_path, "--config") if config_path is not None else {}
-    profile = cli.pop("profile", None) or file_values.pop("profile", None)
-    file_values.pop("profile", None)
-    merged = {**(load_profile(profile) if profile else {}), **file_values, **cli}
-    return from_flat(merged)
-
-
-def from_flat(values: dict[str, Any]) -> Config:
-    """Build a Config from flat keys (unknown keys refused, a None value left at its default); the checks of every
-    section run here."""
-    fields = _fields()
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise UserError(f"unknown config key{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
-    per_section: dict[str, dict[str, Any]] = {s: {} for s in _SECTION_TYPES}
-    for key, value in values.items():
-        if value is None:  # YAML's null (`key:` or `key: null`): no value here, so the default (not the text 'None')
-            continue
-        section, f = fields[key]
-        per_section[section][key] = _convert(key, kinds(_SECTION_TYPES[section])[key], value)
-    return Config(**{s: _SECTION_TYPES[s](**kw) for s, kw in per_section.items()})
-
-
-def save(cfg: Config, path: Path) -> None:
-    write_text_atomic(path, yaml.safe_dump(cfg.flat(), sort_keys=False))

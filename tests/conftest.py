@@ -214,17 +214,20 @@ def kill_tree(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="session")
 def family_models(tmp_path_factory) -> dict:
     """Tiny random models of every family the README lists (prep/tiny.FAMILIES), saved as save_pretrained saves
-    them (Gemma: a scaled embedding, a non-persistent buffer no file holds; MoE: one tensor per expert)."""
+    them (Gemma: a scaled embedding, a non-persistent buffer no file holds; MoE: one tensor per expert), their
+    persistent buffers set away from their initial values."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline.prep.tiny import FAMILIES, family_config
+    from pipeline.prep.tiny import FAMILIES, family_config, random_buffers
 
     root, out = tmp_path_factory.mktemp("families"), {}
     for family in FAMILIES:
         torch.manual_seed(0)
         config = family_config(family, 512, 0, 1)
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(root / family)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        random_buffers(model)
+        model.save_pretrained(root / family)
         out[family] = root / family
     return out
 

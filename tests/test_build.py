@@ -10,7 +10,7 @@ from conftest import ROOT, torchrun
 from torch import nn
 from transformers import AutoConfig, PreTrainedModel
 
-from pipeline.config import from_flat
+from pipeline.config_merge import from_flat
 from pipeline.data.batches import make_batch
 from pipeline.model.transforms import ModelTransform
 from pipeline.prep.tiny import FAMILIES
@@ -81,12 +81,16 @@ def test_a_skipped_step_reports_the_global_norm_and_every_rank_skips_it(tmp_path
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("name", list(STRATEGIES))
-def test_every_strategy_trains_the_model_from_pretrained_gives(family, name, family_models, group_of_one):
+def test_every_strategy_trains_and_exports_the_model_from_pretrained_gives(family, name, family_models,
+                                                                          group_of_one, tmp_path):
     """Every buffer (persistent or not) equals from_pretrained's after the meta build and load, and the first loss
-    is the model's own on the same batch, under every strategy (fsdp2 with its default --vocab-parallel auto)."""
+    is the model's own on the same batch, under every strategy (fsdp2 with its default --vocab-parallel auto). After
+    a training step, the export holds the trained model tensor by tensor, persistent buffers included: every tensor
+    from_pretrained reads from it equals the strategy's (gathered), and its loss is the strategy's."""
     from transformers import AutoModelForCausalLM
 
     from pipeline.model.modeling import plain_name
+    from pipeline.train.export import export_model
 
     model_dir = family_models[family]
     cfg = settle(from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": str(model_dir),
@@ -106,3 +110,17 @@ def test_every_strategy_trains_the_model_from_pretrained_gives(family, name, fam
         ours = strategy.loss()(batch, 2 * 15).item()
         theirs = reference(input_ids=batch.input_ids, labels=batch.labels).loss.item()
     assert ours == pytest.approx(theirs, abs=1e-5)
+    optimizer = torch.optim.AdamW([p for g in strategy.param_groups(0.0) for p in g["params"]], lr=1e-2)
+    with strategy.gradient_sync(True):
+        strategy.loss()(batch, 2 * 15).backward()
+    optimizer.step()
+    trained = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in strategy.export_state().items()}
+    export_model(strategy, model_dir, tmp_path / "hf", torch.float32, group_of_one)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    state = exported.state_dict()
+    assert set(trained) <= set(state) and set(state) - set(trained) <= set(strategy.tied)
+    for key, value in trained.items():
+        assert torch.equal(state[key], value.cpu()), key
+    with torch.no_grad():
+        assert exported(input_ids=batch.input_ids, labels=batch.labels).loss.item() == pytest.approx(
+            strategy.loss()(batch, 2 * 15).item(), abs=1e-5)

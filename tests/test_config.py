@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import PROFILES_DIR, from_flat, load_profile, resolve
+from pipeline.config_merge import PROFILES_DIR, from_flat, load_profile, resolve
 from pipeline.errors import UserError
 from pipeline.strategies.registry import settle
 
@@ -57,8 +57,8 @@ def test_shipped_profiles_are_the_four_documented():
         (["--batch-size", "two"], "--batch-size must be an int, got 'two'"),
         (["--compile", "maybe"], "--compile must be on or off, got 'maybe'"),
         (["--val-fraction", "0.7"], "--val-fraction must be in [0, 0.5), got 0.7"),
-        (["--precision", "fp16"], "--precision fp16 is not supported: nothing scales the loss, so small gradients "
-         "would underflow to zero; use --precision bf16 (Ampere or newer GPUs) or fp32"),
+        (["--precision", "fp16", "--loss-scale", "0.5"], "--loss-scale must be at least 1, got 0.5"),
+        (["--max-overflow-steps", "0"], "--max-overflow-steps must be at least 1, got 0"),
         (["--experiment-name", "a/b"], "--experiment-name must be a plain folder name, got 'a/b'"),
         (["--vocab-parallel", "on", "--sharding", "NO_SHARD"],
          "--vocab-parallel on needs --sharding FULL_SHARD or SHARD_GRAD_OP, got NO_SHARD"),
@@ -120,9 +120,9 @@ def test_missing_required():
 def test_no_two_sections_define_the_same_key():
     import dataclasses
 
-    from pipeline.config import _SECTION_TYPES
+    from pipeline.config import SECTIONS
 
-    keys = [f.name for cls in _SECTION_TYPES.values() for f in dataclasses.fields(cls)]
+    keys = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
     assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
     assert "profile" not in keys and "config" not in keys  # the two file-level keys
 
@@ -147,11 +147,11 @@ def test_choices_come_from_the_type_hints_and_are_checked_once():
 
 
 def parsers():
-    from pipeline import config
+    from pipeline import config_merge
     from pipeline.prep import corpus, hub, organize
     from pipeline.train import export
 
-    return {"fsdp1.py": (config.build_parser(), ["--save-dir", "out", "--max-bad-steps", "5"]),
+    return {"fsdp1.py": (config_merge.build_parser(), ["--save-dir", "out", "--max-bad-steps", "5"]),
             "ORGANIZE_DATA.py": (organize.build_parser(), ["--src-dir", "raw", "--dst-root", "s", "--num-dirs", "3"]),
             "DATA-HF.py": (corpus.build_parser(), ["--data-folder", "splits", "--save-dir", "data", "--num-proc", "2"]),
             "MODEL_DOWNLOAD.py": (hub.build_parser(), ["--model-name", "org/m", "--cache-dir", "cache"]),

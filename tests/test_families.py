@@ -28,6 +28,11 @@ from pipeline.strategies.registry import make_strategy
 MECHANISMS = ("gemma2", "gemma3", "mixtral", "qwen3-moe")
 """The families with something of their own for the trainer to get right (eager attention and soft-capping, a scaled
 embedding, per-expert tensors): every strategy question is asked of them on two ranks; the others train once."""
+SHARDED = {"gemma4": "fsdp2", "llama4": "fsdp2", "qwen3_5": "fsdp2", "deepseek_v3": "fsdp2"}
+"""The families of 2026 with a mechanism of their own (per-layer head sizes and a per-layer embedding, decoder layers
+a base_model_prefix does not find, linear attention's 3-D convolution, MLA and a router's persistent bias) trained
+once on two ranks under fsdp2; every family, these included, is also checked in one process under every strategy
+(tests/test_build.py: its first loss, every buffer, and its export after a step)."""
 
 
 @pytest.fixture(scope="module")
@@ -199,12 +204,21 @@ def exported_logits(folder: Path) -> torch.Tensor:
         return model(input_ids=torch.arange(64).reshape(2, 32)).logits
 
 
+def validation_loss(run: Path, folder: Path) -> float:
+    """The model in folder's own loss (transformers' forward) on the validation blocks the run held out."""
+    (cache,) = (p for p in (run.parent / "token_cache").iterdir() if p.is_dir())
+    blocks = torch.from_numpy(np.load(cache / "val.npy").astype(np.int64))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():  # every block has seq - 1 targets: the mean of the blocks' means is the mean over tokens
+        return float(np.mean([model(input_ids=b[None], labels=b[None]).loss.item() for b in blocks]))
+
+
 @pytest.mark.parametrize("family", MECHANISMS)
 def test_family_resumes_bitwise_exports_what_it_trained_and_ddp_agrees(family, family_env, families, tmp_path,
                                                                        group_of_one):
     """fsdp2 rerun from its step-2 checkpoint gives the uninterrupted run's losses to step 4 bit for bit
     (tests/test_resume.py kills runs for real); ddp's agree to 1e-5; the export, in save_pretrained's layout,
-    computes the checkpoint's logits."""
+    computes the checkpoint's logits, and its own loss on the validation blocks is the trainer's last one."""
     model = f"local/{family}"
     train(family_env, tmp_path, model, "-e", "r", "--max-steps", "4")
     again = tmp_path / "again"
@@ -220,14 +234,23 @@ def test_family_resumes_bitwise_exports_what_it_trained_and_ddp_agrees(family, f
     torch.testing.assert_close(exported_logits(again / "r" / "hf"),
                                checkpoint_logits(again / "r" / "checkpoints" / "step-00000004", families[family],
                                                  group_of_one), rtol=0, atol=0)
+    final = events(tmp_path / "r", "eval")[-1]
+    assert final["step"] == 4
+    assert validation_loss(tmp_path / "r", tmp_path / "r" / "hf") == pytest.approx(final["loss"], abs=1e-5)
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in MECHANISMS and not f.startswith("llama")])
-def test_dense_family_trains_on_two_ranks_and_exports_what_it_trained(family, family_env, families, tmp_path,
-                                                                      group_of_one):
-    """The dense families whose forward is Llama's in its parts (the suite's Llama runs cover resume for them),
-    fine-tuned on conversations through the chat template their tokenizer carries."""
-    train(family_env, tmp_path, f"local/{family}", "-e", "r", "--max-steps", "2", dataset="chats")
+TWO_RANK = ["mistral", "qwen2", "qwen3", "phi3", *SHARDED]
+"""The dense families before 2026 (under auto's choice of strategy) and the 2026 ones with a mechanism of their own."""
+
+
+@pytest.mark.parametrize("family", TWO_RANK)
+def test_family_trains_on_two_ranks_and_exports_what_it_trained(family, family_env, families, tmp_path,
+                                                                group_of_one):
+    """A family whose forward is Llama's in its parts (the suite's Llama runs cover resume for them), and each 2026
+    family with a mechanism of its own under fsdp2, fine-tuned on conversations through the chat template their
+    tokenizer carries."""
+    strategy = ("--strategy", SHARDED[family]) if family in SHARDED else ()
+    train(family_env, tmp_path, f"local/{family}", "-e", "r", "--max-steps", "2", *strategy, dataset="chats")
     assert "conversations: " in (tmp_path / "r" / "train.log").read_text()
     assert sorted(losses(tmp_path / "r")) == [1, 2]
     assert header_names(tmp_path / "r" / "hf") == header_names(families[family])
@@ -258,6 +281,10 @@ def test_the_report_names_moe_routing_and_an_untested_family():
         "mixture of experts: 4 experts, 2 per token (every expert is held; activations, and MFU in training, count "
         "those a token is routed to)"]
     assert family_lines(family_config("llama", 1024, 0, 1)) == []
+    assert family_lines(family_config("gemma4", 1024, 0, 1)) == [
+        "layers differ in head_dim: every figure is counted layer by layer"]
+    assert family_lines(family_config("deepseek_v3", 1024, 0, 1))[0].startswith(
+        "mixture of experts: 4 experts, 2 per token")
     olmo = AutoConfig.for_model("olmo", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                 num_attention_heads=2)
     assert family_lines(olmo) == [f"warning: {untested_family(olmo)}; fsdp1.py attempts it"]

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import ROOT, losses, run_script, torchrun, wait_for
 
-from pipeline.config import resolve
+from pipeline.config_merge import resolve
 from pipeline.dist.launch import Launch, detect, first_host, tasks_per_node
 from pipeline.dist.liveness import watched_ranks
 from pipeline.errors import UserError

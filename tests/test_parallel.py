@@ -95,7 +95,7 @@ def test_truncated_weights_stop_the_load_with_the_file_named(tmp_path, tiny_mode
 
 
 def test_vocab_parallel_auto_is_on_where_the_sharding_allows_it():
-    from pipeline.config import from_flat
+    from pipeline.config_merge import from_flat
     from pipeline.strategies.registry import settle, uses_vocab_parallel
 
     def on(**kw) -> bool:

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, events, losses, torchrun
+from conftest import ROOT, events, losses, root_cause, torchrun
 from safetensors.numpy import load_file
 
 STEPS = ROOT / "tests" / "helpers" / "strategy_steps.py"
@@ -27,8 +27,24 @@ def steps(model_dir, out, world: int, *names: str) -> tuple[dict, dict]:
 
 @pytest.fixture(scope="module")
 def two_ranks(tiny_models, tmp_path_factory) -> tuple[dict, dict]:
-    """Every strategy on 2 ranks, the untied model (its head a parameter of its own in every layout)."""
-    return steps(tiny_models["untied"], tmp_path_factory.mktemp("two") / "two", 2, *STRATEGIES)
+    """Every strategy on 2 ranks, the untied model (its head a parameter of its own in every layout), in fp32 and in
+    fp16 with its loss scaling."""
+    return steps(tiny_models["untied"], tmp_path_factory.mktemp("two") / "two", 2, *STRATEGIES,
+                 *(f"{name}:fp16" for name in STRATEGIES))
+
+
+def test_fp16_trains_as_fp32_does_within_its_rounding_under_every_strategy(two_ranks):
+    """The loss scaled (ShardedGradScaler; DDP: GradScaler) and unscaled before the clipping, so the gradient norms
+    are fp32's and the steps apply: the same losses to 1e-4 (measured: 1.2e-5) and parameters to 1e-4 (4.8e-5)."""
+    got, params = two_ranks
+    for name in STRATEGIES:
+        fp16 = got[f"{name}:fp16"]
+        assert fp16["loss_scale"] == [65536.0] * 3  # no overflow: the scale holds (it grows after 2000 steps)
+        np.testing.assert_allclose(fp16["loss"], got["fsdp2"]["loss"], rtol=0, atol=1e-4, err_msg=name)
+        np.testing.assert_allclose(fp16["grad_norm"], got["fsdp2"]["grad_norm"], rtol=1e-3, err_msg=name)
+        worst = max(np.abs(params[k] - params[k.replace(f"{name}:fp16/", "fsdp2/")]).max()
+                    for k in params if k.startswith(f"{name}:fp16/"))
+        assert worst < 1e-4, (name, worst)
 
 
 def test_all_strategies_give_the_same_losses_gradient_norms_and_parameters(two_ranks):
@@ -112,6 +128,41 @@ def test_each_strategy_resumes_bitwise(train_env, tmp_path, strategy, knobs):
     assert all(c is not None and c > 0 for c in comm) if strategy != "fsdp1" else not any(comm)
 
 
+def test_an_fp16_overflow_skips_its_step_halves_the_scale_and_the_run_resumes_bitwise(train_env, tmp_path):
+    """At a loss scale of 2**22 the tiny model's first fp16 gradients overflow (2**21 is the largest that does not):
+    step 1 is skipped and the scale halved, not counted as divergence, and so on whenever its gradients grow past the
+    scale; a rerun from step 4 gives steps 5-8, their skips and the scale bit for bit (the scaler's state is in the
+    checkpoint); overflows that keep coming stop the run in one line."""
+    fp16 = ("--precision", "fp16", "--loss-scale", 2**22)
+    train(train_env, tmp_path, "fsdp2", 8, *fp16)
+
+    def steps() -> list[dict]:
+        return [{k: v for k, v in e.items() if k not in ("time", "time_ms", "tokens_per_s", "trained_tokens_per_s",
+                                                          "mem_gb")}
+                for e in map(json.loads, (tmp_path / "r" / "metrics.jsonl").read_text().splitlines())
+                if e["event"] in ("train", "skipped")]
+
+    first = steps()
+    assert (first[0]["event"], first[0]["step"], first[0]["overflow"], first[0]["loss_scale"]) == (
+        "skipped", 1, True, 2**21)
+    scale = 2**22
+    for e in first:  # each overflow halves the scale the next steps run at; the others keep it
+        scale = scale / 2 if e["event"] == "skipped" else scale
+        assert e["loss_scale"] == scale and e.get("overflow", True), e
+    assert [e["step"] for e in first] == list(range(1, 9))
+    again = train(train_env, tmp_path, "fsdp2", 8, *fp16, "--resume-from", "step-00000004")
+    assert "resumed from" in again.stdout and "at step 4" in again.stdout
+    assert steps()[8:] == first[4:]  # steps 5-8 again (applied or skipped), bit for bit
+    endless = torchrun(2, ROOT / "fsdp1.py", *run_args(train_env, tmp_path / "endless", "fsdp2", 8, "--precision",
+                                                         "fp16", "--loss-scale", 1e12, "--max-overflow-steps", 2),
+                       env=train_env["env"])
+    assert endless.returncode != 0
+    assert root_cause(endless.stderr) == (
+        "error: training diverged in fp16 at step 2: 2 steps in a row overflowed; the last good checkpoint is none (a "
+        "rerun starts from the base model); try --precision bf16 where the GPU has it, or fp32, or a lower --lr (now "
+        "0.003), then rerun to resume from it")
+
+
 def test_knobs_a_strategy_does_not_apply_are_named():
     from pipeline.config import ModelConfig
     from pipeline.strategies.registry import ignored_knobs
@@ -161,7 +212,7 @@ def test_cpu_offload_trains_as_without_it(train_env, tmp_path, strategy):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
 def test_fsdp1_cpu_offload_without_a_gpu_is_one_line():
-    from pipeline.config import resolve
+    from pipeline.config_merge import resolve
     from pipeline.errors import UserError
     from pipeline.strategies.registry import settle
 

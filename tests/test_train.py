@@ -70,10 +70,6 @@ def test_prepare_only_builds_the_cache_that_single_process_runs_then_reuse(tmp_p
     assert train_losses[0] == train_losses[1] and len(train_losses[0]) == 3
 
 
-FP16_REFUSED = ("--precision fp16 is not supported: nothing scales the loss, so small gradients would underflow to "
-                "zero; use --precision bf16 (Ampere or newer GPUs) or fp32")
-
-
 PREFLIGHT_REFUSALS = [
     (["-d", "{t}/missing", "-m", "local/tiny"], "--dataset-name {t}/missing does not exist"),
     (["-d", "{data}", "-m", "local/absent"], "model local/absent is not in the offline cache at {hub} (HF_HOME or "
@@ -82,7 +78,6 @@ PREFLIGHT_REFUSALS = [
     (["-d", "{data}", "-m", "local/tiny", "--seq-length", "4096"], "--seq-length 4096 is above the model's "
      "limit (max_position_embeddings 2048)"),
     (["-d", "{t}/empty", "-m", "local/tiny"], "--dataset-name {t}/empty is empty"),
-    (["-d", "{data}", "-m", "local/tiny", "--precision", "fp16"], FP16_REFUSED),
     (["-d", "{data}", "-m", "local/tiny", "--profile", "tiny"], "unknown profile 'tiny'; known profiles: "
      "cpu_debug, large_scale, multi_node, single_node"),
 ]
@@ -141,7 +136,7 @@ def test_vocab_parallel_head_trains_like_the_hf_head(tmp_path, train_env):
 def test_out_of_memory_hints_name_only_what_applies():
     import torch
 
-    from pipeline.config import from_flat
+    from pipeline.config_merge import from_flat
     from pipeline.dist.runtime import Dist
     from pipeline.strategies.registry import settle
     from pipeline.train.cli import out_of_memory_message

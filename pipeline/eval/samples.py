@@ -21,6 +21,7 @@ from pipeline.data.chat_tokens import render
 from pipeline.dist.runtime import Dist
 from pipeline.errors import UserError
 from pipeline.model.loss import CausalLMLoss
+from pipeline.model.modeling import trunk
 from pipeline.model.vocab_parallel import argmax_token, vocab_row_offset
 from pipeline.strategies.base import Strategy
 
@@ -125,6 +126,6 @@ def next_token(loss_fn: CausalLMLoss, ids: torch.Tensor) -> torch.Tensor:
         with autocast:
             logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1]
         return logits.argmax().view(1)
-    h = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0, -1]
+    h = trunk(model)(input_ids=ids, use_cache=False).last_hidden_state[0, -1]
     head = model.get_output_embeddings().weight
     return argmax_token(h, head.to_local(), vocab_row_offset(head.shape[0], loss_fn.group), loss_fn.group)

@@ -69,18 +69,40 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def is_router(module: nn.Linear, config) -> bool:
+    """Whether a linear layer is a mixture of experts' router (one output per expert): it picks experts, and an
+    adapter there would change the routing, not the experts."""
+    text = config.get_text_config()
+    experts = (getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
+               or getattr(text, "n_routed_experts", None))
+    return bool(experts) and module.out_features == experts
+
+
 def default_targets(model: nn.Module) -> list[str]:
     """The leaf names of every linear layer in the decoder blocks (q_proj, ..., down_proj), a mixture of experts'
-    router left out (it picks experts; an adapter there changes the routing, not the experts)."""
-    experts = getattr(model.config, "num_local_experts", None) or getattr(model.config, "num_experts", None)
+    router left out, and those peft would put on the fused experts instead (retargeted_by_peft)."""
     names = {name.rsplit(".", 1)[-1] for layer in decoder_layers(model) for name, m in layer.named_modules()
-             if isinstance(m, nn.Linear) and not (experts and m.out_features == experts)}
-    return sorted(names)
+             if isinstance(m, nn.Linear) and not is_router(m, model.config)}
+    return sorted(names - retargeted_by_peft(model, names))
+
+
+def retargeted_by_peft(model: nn.Module, names: set[str]) -> set[str]:
+    """The target names peft does not apply to the linear layers so named: for a family whose experts transformers 5
+    fused (DeepSeek-V3, GLM-4-MoE), peft reads gate_proj, up_proj and down_proj as transformers 4's per-expert layers
+    and moves them to the fused experts' parameters (its convert_peft_config_for_transformers), also away from the
+    dense layers and shared experts that really are named so. Adapters on fused parameters are not what this pipeline
+    trains, loads or merges: those names are left out (by default) or refused (named)."""
+    from peft import LoraConfig
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+
+    probe = LoraConfig(r=1, target_modules=sorted(names))
+    convert_peft_config_for_transformers(probe, model, None)
+    return set(names) - set(probe.target_modules or ())
 
 
 def chosen_targets(model: nn.Module, asked: str) -> list[str]:
     """--lora-targets resolved: the default, or the names given, each of which must name a linear layer of the
-    decoder blocks (one line listing those that do)."""
+    decoder blocks (one line listing those that do) that peft applies the adapter to."""
     available = default_targets(model)
     if not asked:
         return available
@@ -90,6 +112,10 @@ def chosen_targets(model: nn.Module, asked: str) -> list[str]:
     if missing:
         raise UserError(f"--lora-targets {', '.join(missing)}: no linear layer of {type(model).__name__}'s decoder "
                         f"blocks is named so; its linear layers are {', '.join(available)}")
+    if moved := sorted(retargeted_by_peft(model, set(wanted))):
+        raise UserError(f"--lora-targets {', '.join(moved)}: for {model.config.model_type} peft puts these on the "
+                        "fused experts' parameters instead of the layers so named, which this pipeline does not train; "
+                        f"name others of {', '.join(available)}")
     return sorted(set(wanted))
 
 

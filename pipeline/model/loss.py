@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.data.batches import Batch
+from pipeline.model.modeling import trunk
 from pipeline.model.vocab_parallel import (
     VocabParallelCrossEntropy,
     gather_rows,
@@ -48,7 +49,7 @@ class CausalLMLoss:
                 out = self.model(input_ids=batch.input_ids, labels=batch.labels, position_ids=batch.position_ids,
                                  use_cache=False, num_items_in_batch=num_items)
             return out.loss * self.world_size
-        h = self.model.base_model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+        h = trunk(self.model)(input_ids=batch.input_ids, position_ids=batch.position_ids,
                                   use_cache=False).last_hidden_state
         labels = gather_rows(shifted_labels(batch.labels), self.group).flatten()
         head = self.model.get_output_embeddings().weight

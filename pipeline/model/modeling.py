@@ -16,7 +16,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.errors import UserError
 
-TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe")
+TESTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
+                      "gemma4_text", "llama4_text", "qwen3_5_text", "qwen3_5_moe_text", "deepseek_v3", "glm4_moe",
+                      "olmo3", "ministral3")
 """The model_type of every family the suite trains end to end (prep/tiny.FAMILIES; README, "Model families")."""
 
 
@@ -73,6 +75,23 @@ def compute_buffers(model: nn.Module) -> None:
     model.initialize_weights()
 
 
+def layer_configs(config) -> list:
+    """The text config as each decoder layer sees it: transformers' per-layer views where layers differ (Gemma 4's
+    head sizes: reading such an attribute from the config itself raises), else the config for every layer."""
+    text = config.get_text_config()
+    if getattr(text, "is_heterogeneous", False):
+        return list(text.per_layer_config)
+    return [text] * text.num_hidden_layers
+
+
+def trunk(model: nn.Module) -> nn.Module:
+    """The decoder stack without its head (what returns last_hidden_state: `model.model` in every family the suite
+    trains), found by structure as the module holding the decoder layers: `model.base_model` is the causal LM itself
+    where base_model_prefix names a module it does not have (Llama 4)."""
+    layers = decoder_layers(model)
+    return next(m for m in model.modules() if any(child is layers for child in m.children()))
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks, in order, found by structure: the shallowest ModuleList holding the text config's
     num_hidden_layers modules (`model.model.layers` in every family the suite trains). base_model_prefix is not
@@ -81,7 +100,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     found = [(name.count("."), name, m) for name, m in model.named_modules()
              if isinstance(m, nn.ModuleList) and len(m) == n]
     shallowest = [f for f in found if f[0] == min((f[0] for f in found), default=0)]
-    if len(shallowest) != 1:
+    if n < 1 or len(shallowest) != 1:
         raise UserError(f"cannot find the {n} decoder layers of {type(model).__name__} to shard (found "
                         f"{len(shallowest)} lists of {n} modules at its shallowest depth: "
                         f"{', '.join(name for _, name, _ in shallowest) or 'none'})")
@@ -135,7 +154,8 @@ def param_counts(model: nn.Module) -> tuple[int, int]:
 
 def idle_expert_params(model: nn.Module) -> int:
     """Parameters of the experts one token is not routed to (0 for a dense model)."""
-    top_k = getattr(model.config, "num_experts_per_tok", None)
+    text = model.config.get_text_config()
+    top_k = getattr(text, "num_experts_per_tok", None) or getattr(text, "top_k_experts", None)
     if not top_k:
         return 0
     return sum(p.numel() * (p.shape[0] - top_k) // p.shape[0] for name, p in model.named_parameters()

@@ -20,7 +20,7 @@ from pathlib import Path
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import sha256_file, write_text_atomic
 from pipeline.model.weight_check import WeightCheck, check_weights, damaged, read_line
-from pipeline.strategies.memory import GIB, Estimate, Shape, Workload
+from pipeline.strategies.memory import GIB, Estimate, Shape, ShapeUnknown, Workload
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
@@ -315,10 +315,16 @@ def family_lines(config) -> list[str]:
     from pipeline.model.modeling import untested_family
 
     lines = []
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    if experts and getattr(config, "num_experts_per_tok", None):
-        lines.append(f"mixture of experts: {experts} experts, {config.num_experts_per_tok} per token (every expert "
-                     "is held; activations, and MFU in training, count those a token is routed to)")
+    text = config.get_text_config()
+    experts = (getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
+               or getattr(text, "n_routed_experts", None))
+    top_k = getattr(text, "num_experts_per_tok", None) or getattr(text, "top_k_experts", None)
+    if experts and top_k:
+        lines.append(f"mixture of experts: {experts} experts, {top_k} per token (every expert is held; activations, "
+                     "and MFU in training, count those a token is routed to)")
+    if getattr(text, "is_heterogeneous", False):
+        lines.append(f"layers differ in {', '.join(sorted(text.per_layer_attributes or ()))}: every figure is "
+                     "counted layer by layer")
     if why := untested_family(config):
         lines.append(f"warning: {why}; fsdp1.py attempts it")
     return lines
@@ -341,6 +347,11 @@ def format_report(rep: ModelReport, where: Path, skipped: list[str]) -> str:
     if rep.unexpected:
         lines.append(f"ignored tensors not used by {rep.model_class}: {', '.join(rep.unexpected[:5])}")
     lines.extend(family_lines(rep.config))
+    try:
+        rows = memory_rows(rep.config)
+    except ShapeUnknown as why:
+        lines.append(f"estimated peak memory per GPU: not available for this model ({why}); training still works")
+        return "\n".join(lines)
     seq = table_seq(rep.config)
     lines.append(f"estimated peak memory per GPU with fsdp1.py (bf16 compute; full fine-tuning: fp32 master weights, "
                  f"gradients and AdamW states; LoRA: a frozen bf16 base, fp32 adapters; QLoRA: the adapted weights in "
@@ -348,7 +359,7 @@ def format_report(rep: ModelReport, where: Path, skipped: list[str]) -> str:
                  "--activation-checkpointing on; plus about 1 GiB of CUDA context):")
     lines.append(f"  {'strategy, GPUs':<26} {'weights+AdamW':>13} {'gradients':>9} {'bf16 copies':>11} "
                  f"{'activations':>11} {'logits':>7} {'AdamW step':>10} {'peak':>9}")
-    for label, e in memory_rows(rep.config):
+    for label, e in rows:
         g = e.gib()
         lines.append(f"  {label:<26} {g['weights']:>13.2f} {g['gradients']:>9.2f} {g['copies']:>11.2f} "
                      f"{g['activations']:>11.2f} {g['logits']:>7.2f} {g['update']:>10.2f} {g['total']:>5.2f} GiB")

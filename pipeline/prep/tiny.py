@@ -94,14 +94,21 @@ PRESETS = {
         "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
     },
+    "llama-3.1-8b": {
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "dtype": "bfloat16",
+        "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    },
     "smollm2-135m": {
         "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
         "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192,
         "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True, "dtype": "bfloat16",
     },
 }
-"""Configs of real models (meta-llama/Llama-3.2-1B's and HuggingFaceTB/SmolLM2-135M's config.json), whose
-shapes the benchmarks train: the tokenizer's ids are a subset of the vocabulary."""
+"""Configs of real models (meta-llama/Llama-3.2-1B's, Llama-3.1-8B's and HuggingFaceTB/SmolLM2-135M's
+config.json), whose shapes the benchmarks train: the tokenizer's ids are a subset of the vocabulary."""
 
 
 FAMILIES = {
@@ -118,6 +125,35 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen3-moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 32, "decoder_sparse_step": 1}),
+    # the families of 2026: per-layer head sizes and a per-layer embedding (Gemma 4), chunked and NoPE attention
+    # with a shared expert (Llama 4), linear attention (Qwen 3.5), MLA with dense first layers (DeepSeek-V3), ...
+    "gemma4": ("Gemma4TextConfig", {"head_dim": 16, "global_head_dim": 32, "sliding_window": 8,
+                                    "layer_types": ["sliding_attention", "full_attention"],
+                                    "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 1024,
+                                    "final_logit_softcapping": 30.0, "tie_word_embeddings": True}),
+    "llama4": ("Llama4TextConfig", {"head_dim": 16, "intermediate_size": 32, "intermediate_size_mlp": 128,
+                                    "num_local_experts": 4, "num_experts_per_tok": 2, "interleave_moe_layer_step": 2,
+                                    "no_rope_layer_interval": 2, "attention_chunk_size": 8}),
+    "qwen3_5": ("Qwen3_5TextConfig", {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
+                                      "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                      "linear_num_key_heads": 4, "linear_num_value_heads": 8}),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
+                                             "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                             "linear_num_key_heads": 4, "linear_num_value_heads": 8, "num_experts": 4,
+                                             "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                             "shared_expert_intermediate_size": 32}),
+    "deepseek_v3": ("DeepseekV3Config", {"num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                         "moe_intermediate_size": 32, "n_shared_experts": 1,
+                                         "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+                                         "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8,
+                                         "qk_nope_head_dim": 16, "v_head_dim": 16}),
+    "glm4_moe": ("Glm4MoeConfig", {"head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                   "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                                   "use_qk_norm": True}),
+    "olmo3": ("Olmo3Config", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}),
+    "ministral3": ("Ministral3Config", {"head_dim": 16, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 128,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}}),
 }
 """The families the suite trains (README, "Model families"), as transformers' config class and what each needs
 beyond the common miniature shape (family_config): what sets the family apart is kept (Gemma's scaled embedding and
@@ -167,6 +203,16 @@ def build_tiny(out: Path, corpus: Path = DEFAULT_CORPUS, *, tied: bool = True, l
     return save_random(out, config, tokenizer, seed)
 
 
+def random_buffers(model: torch.nn.Module) -> None:
+    """The persistent buffers (in the weight files: Gemma 4's layer scalars, a router's score bias) set to random
+    values in [0.5, 1.5), as a real checkpoint holds values of its own: a loader or an export that dropped them would
+    then show, where their initial values (ones, zeros) could be reproduced by chance."""
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in model.state_dict():
+                buffer.copy_(torch.rand(buffer.shape) + 0.5)
+
+
 def save_random(out: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerFast, seed: int,
                 device: str = "cpu") -> Path:
     """The causal LM of config with seeded random weights in the config's dtype, and the tokenizer, saved to
@@ -174,6 +220,7 @@ def save_random(out: Path, config: PretrainedConfig, tokenizer: PreTrainedTokeni
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
+    random_buffers(model)
     # an Instruct model ends its turns with <|eot_id|>: generation stops there as well as at EOS
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(EOT)]
     out.mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,13 @@ from pipeline.dist.launch import Launch
 from pipeline.dist.launch import detect as detect_launch
 from pipeline.dist.runtime import Dist, gather_objects
 from pipeline.errors import UserError
-from pipeline.strategies.memory import GIB, Estimate, Shape, device_bytes
+from pipeline.strategies.memory import GIB, Estimate, Shape, ShapeUnknown, device_bytes
 from pipeline.strategies.registry import estimate, settle, traffic_bytes, workload
+
+AUTO_MARGIN = 0.2
+"""--strategy auto takes a whole replica only when its estimate plus this share fits: the estimate's largest error
+against the bytes measured in use is 15% (BENCHMARKS.md section 10), and on CPU glibc keeps freed memory for reuse
+(ddp's resident set settles 16% above its bytes in use there)."""
 
 
 @dataclass(frozen=True)
@@ -19,7 +24,8 @@ class MemoryPlan:
 
     config: Config
     """The run's config with --strategy auto (and so --sharding auto) resolved."""
-    estimate: Estimate
+    estimate: Estimate | None
+    """None where the model's shape cannot be read (memory.ShapeUnknown): the run goes on without it."""
     budget: int
     """Bytes per rank: --memory-gb, or the device's."""
     reason: str
@@ -33,8 +39,14 @@ def plan_memory(cfg: Config, hf_config, device: str, launch: Launch | None = Non
     launch = launch or detect_launch()
     # before joining; a launcher that does not say how many ranks share this host: plan as if all of them do
     world, local_world, local_rank = launch.world_size, launch.local_world_size or launch.world_size, launch.local_rank
-    m, shape = cfg.model, Shape.of(hf_config)
+    m = cfg.model
     budget = int(m.memory_gb * GIB) if m.memory_gb else device_bytes(device, local_world, local_rank)
+    try:
+        shape = Shape.of(hf_config)
+    except ShapeUnknown as why:  # no estimate: fsdp2, which fits what any strategy fits, and the reason said
+        chosen = "fsdp2" if m.strategy == "auto" else m.strategy
+        reason = f"fsdp2: the model's memory cannot be estimated ({why})" if m.strategy == "auto" else ""
+        return MemoryPlan(settle(replace(cfg, model=replace(m, strategy=chosen))), None, budget, reason)
     reason = ""
     if m.strategy == "auto":
         chosen, reason = choose(cfg, shape, budget, device, world, local_world)
@@ -73,11 +85,12 @@ def choose(cfg: Config, shape: Shape, budget: int, device: str, world: int, loca
     ddp, fsdp2 = (workload(replace(cfg, model=replace(m, strategy=s, sharding=sh)), device, world, local_world)
                   for s, sh in (("ddp", "NO_SHARD"), ("fsdp2", "FULL_SHARD")))
     need = estimate(shape, ddp).total
-    if need > budget:
-        return "fsdp2", (f"fsdp2: a whole replica would need {need / GIB:.2f} GiB per rank, more than "
-                         f"{budget / GIB:.2f} GiB")
+    if need * (1 + AUTO_MARGIN) > budget:
+        return "fsdp2", (f"fsdp2: a whole replica would need {need / GIB:.2f} GiB per rank, {AUTO_MARGIN:.0%} more "
+                         f"to be safe, of {budget / GIB:.2f} GiB")
     moved = {"ddp": traffic_bytes(shape, ddp), "fsdp2": traffic_bytes(shape, fsdp2)}
     pick = "ddp" if moved["ddp"] <= moved["fsdp2"] else "fsdp2"
     other = "fsdp2" if pick == "ddp" else "ddp"
-    return pick, (f"{pick}: a whole replica fits ({need / GIB:.2f} of {budget / GIB:.2f} GiB per rank) and {pick} "
+    return pick, (f"{pick}: a whole replica fits ({need / GIB:.2f} GiB per rank, {AUTO_MARGIN:.0%} more to be safe, of "
+                  f"{budget / GIB:.2f}) and {pick} "
                   f"moves {moved[pick] / 2**20:.0f} MiB per step per rank, {other} {moved[other] / 2**20:.0f} MiB")

@@ -231,6 +231,15 @@ class Strategy(ABC):
         wrapper's own no_sync() (DDP, FSDP1)."""
         return contextlib.nullcontext() if enabled else self.model.no_sync()
 
+    def grad_scaler(self, init_scale: float) -> torch.amp.GradScaler:
+        """fp16's dynamic loss scaling: torch's ShardedGradScaler, whose overflow check is all-reduced over the
+        ranks, so each shard's decision to skip a step and halve the scale is every rank's (a sharded gradient can
+        overflow on one rank only). It reads the optimizer's parameters' gradients, whatever holds them (FSDP's
+        DTensors, the manual strategy's flat shards)."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(self.dist.device.type, init_scale=init_scale)
+
     def loss(self) -> CausalLMLoss:
         """The loss function for this model as built (the model's own forward and loss)."""
         return CausalLMLoss(self.model, False, self.dist.world_size)

@@ -67,6 +67,10 @@ class DDP(Strategy):
     def shards(cls, work: Workload) -> int:
         return 1
 
+    def grad_scaler(self, init_scale: float) -> torch.amp.GradScaler:
+        """torch's GradScaler: DDP's gradients are all-reduced whole, so every rank finds the same overflow."""
+        return torch.amp.GradScaler(self.dist.device.type, init_scale=init_scale)
+
     @classmethod
     def gradient_bytes(cls, shape: Shape, work: Workload) -> int:
         """The buckets are the gradients (gradient_as_bucket_view), and they stay between steps."""

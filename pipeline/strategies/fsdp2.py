@@ -28,7 +28,7 @@ from pipeline.dist.runtime import build_mesh
 from pipeline.errors import UserError
 from pipeline.model import nf4
 from pipeline.model.loss import CausalLMLoss
-from pipeline.model.modeling import decoder_layers, untested_family
+from pipeline.model.modeling import decoder_layers, trunk, untested_family
 from pipeline.model.vocab_parallel import VocabParallelEmbedding, unsupported_terms
 from pipeline.strategies.base import Strategy
 
@@ -141,7 +141,7 @@ class FSDP2(Strategy):
         """fully_shard each decoder layer and the root.
 
         vocab_parallel: the embedding and LM head are sharded by vocabulary rows on the same mesh and left out of
-        FSDP (pipeline/model/vocab_parallel.py); the root FSDP module is then the decoder stack (`model.base_model`),
+        FSDP (pipeline/model/vocab_parallel.py); the root FSDP module is then the decoder stack (modeling.trunk),
         whose gradients are summed over ranks, not averaged, since the loss is already the mean over every rank's
         tokens.
         """
@@ -171,7 +171,7 @@ class FSDP2(Strategy):
         else:
             head.weight = nn.Parameter(distribute_tensor(head.weight, mesh, [Shard(0)]), head.weight.requires_grad)
         model.set_input_embeddings(VocabParallelEmbedding(weight, embed.padding_idx, mesh.get_group()))
-        fully_shard(model.base_model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload,
+        fully_shard(trunk(model), mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload,
                     ignored_params={weight, head.weight})
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -192,7 +192,7 @@ class FSDP2(Strategy):
     @property
     def root(self) -> FSDPModule:
         """The outermost FSDP module: the model itself, or its decoder stack when the head is vocabulary-parallel."""
-        return self.model if isinstance(self.model, FSDPModule) else self.model.base_model
+        return self.model if isinstance(self.model, FSDPModule) else trunk(self.model)
 
     def loss(self) -> CausalLMLoss:
         return CausalLMLoss(self.model, self.vocab_parallel, self.dist.world_size,

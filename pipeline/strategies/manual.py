@@ -320,6 +320,10 @@ class ManualZeRO3(Strategy):
     def state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
         self.release()
         model = {name: t for flat in self.flats for name, t in flat.rows(flat.shard, self.mesh).items()}
+        # the persistent buffers, whole on every rank (Gemma 4's layer scalars, a router's score bias): in the weight
+        # files, the checkpoints and the export, as the torch wrappers' state dicts hold them. What is left of the
+        # module's own state dict once its parameters moved into the flats is exactly those.
+        model.update(self.module.state_dict())
         if optimizer is None:
             return {"model": model}
         return {"model": model, "optim": self._optim_state(optimizer)}
@@ -361,3 +365,6 @@ class ManualZeRO3(Strategy):
         with torch.no_grad():
             for flat in self.flats:
                 flat.shard.copy_(flat.from_rows(rows))
+            for name, buffer in self.module.state_dict().items():  # the persistent buffers (state_dict)
+                if name in rows:
+                    buffer.copy_(rows[name])

@@ -28,67 +28,81 @@ CUDA_CONTEXT_BYTES = GIB
 """What the CUDA context and NCCL take on a GPU outside the caching allocator (about 0.5-1 GiB): kept free."""
 
 
+class ShapeUnknown(Exception):
+    """The model's shape cannot be read (a config transformers cannot build): every figure that needs it is left out,
+    saying why, and the stage goes on."""
+
+
 @dataclass(frozen=True)
 class Shape:
-    """Parameter counts of a Llama-style decoder, from its config alone (no model built). A mixture of experts
-    (num_experts_per_tok in the config: Mixtral, Qwen3-MoE) holds every expert's parameters, and a token's
-    activations are those of the experts it is routed to."""
+    """What the estimates need of a decoder, read from the model transformers builds of the config on the meta device
+    (no memory): its own structure, so families whose layers differ (Gemma 4's per-layer head sizes, Qwen 3.5's
+    linear-attention layers, DeepSeek's dense first layers) are counted as built, not as a formula of ours would. A
+    mixture of experts holds every expert's parameters, and a token's activations are those of the experts it is
+    routed to."""
 
     hidden: int
     intermediate: int
-    """Width of the MLP activations per token: the MLP's intermediate size, or experts-per-token x an expert's."""
+    """Width of the MLP activations per token, averaged over the layers: the MLP's intermediate size (a shared expert's
+    included), or experts-per-token x an expert's."""
     kv: int
-    """Width of the key (and of the value) projection: KV heads x head dim."""
+    """Width of the key (and of the value) projection, averaged over the layers."""
     layers: int
     vocab: int
     tied: bool
     layer_params: int
-    """Parameters of one decoder layer."""
+    """Parameters of the largest decoder layer (what a gathered unit holds at most)."""
+    body_params: int = 0
+    """Parameters of all decoder layers."""
+    total_params: int = 0
+    """Every parameter (a tied weight once)."""
     linears: tuple[tuple[str, int, int], ...] = ()
-    """(name, in, out) of each linear layer of a decoder block an adapter can target (Llama's names; a mixture of
-    experts' fused experts are not linear layers)."""
+    """(name, in, out) of every linear layer of every decoder block an adapter can target (the blocks' own names; a
+    mixture of experts' fused experts are not linear layers, nor is its router)."""
 
     @classmethod
     def of(cls, config) -> Shape:
-        hidden, layers = config.hidden_size, config.num_hidden_layers
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        q, kv_width = heads * head_dim, kv * head_dim
-        inter = getattr(config, "intermediate_size", None) or 4 * hidden
-        attn = hidden * (q + 2 * kv_width) + q * hidden
-        if getattr(config, "attention_bias", False):
-            attn += q + 2 * kv_width + hidden
-        mlp = 3 * hidden * inter + (2 * inter + hidden if getattr(config, "mlp_bias", False) else 0)
-        linears = (("q_proj", hidden, q), ("k_proj", hidden, kv_width), ("v_proj", hidden, kv_width),
-                   ("o_proj", q, hidden))
-        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-        if experts and getattr(config, "num_experts_per_tok", None):  # every expert held; top-k of them per token
-            each = getattr(config, "moe_intermediate_size", None) or inter
-            mlp = experts * 3 * hidden * each + experts * hidden  # the experts and the router
-            inter = config.num_experts_per_tok * each
-        else:
-            linears += (("gate_proj", hidden, inter), ("up_proj", hidden, inter), ("down_proj", inter, hidden))
-        return cls(hidden, inter, kv_width, layers, config.vocab_size,
-                   bool(getattr(config, "tie_word_embeddings", False)), attn + mlp + 2 * hidden, linears)
+        """The shape of the model config describes; ShapeUnknown when transformers cannot build it."""
+        from torch import nn
+
+        from pipeline.errors import UserError
+        from pipeline.model.adapters import default_targets
+        from pipeline.model.modeling import decoder_layers, meta_model
+
+        try:
+            model = meta_model(config)
+            blocks = decoder_layers(model)
+        except (UserError, ValueError, KeyError, AttributeError, TypeError, ImportError) as exc:
+            raise ShapeUnknown(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from None
+        text = config.get_text_config()
+        hidden = text.hidden_size
+        sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
+        widths = [_widths(block, text, hidden) for block in blocks]
+        targets = set(default_targets(model))  # what an adapter may go on: not a router, nor what peft moves
+        linears = tuple((name.rsplit(".", 1)[-1], m.in_features, m.out_features) for block in blocks
+                        for name, m in block.named_modules()
+                        if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets)
+        n = len(blocks)
+        return cls(hidden, sum(i for _, i in widths) // n, sum(k for k, _ in widths) // n, n, text.vocab_size,
+                   bool(getattr(text, "tie_word_embeddings", False)), max(sizes), sum(sizes),
+                   sum(p.numel() for p in model.parameters()), linears)
 
     def adapter_params(self, work: Workload) -> int:
         """Trainable parameters of the workload's adapter: r x (in + out) per adapted linear layer (DoRA: + out, its
         magnitude), in every block; 0 without one."""
         if work.adapter == "none":
             return 0
-        per_layer = sum(work.lora_rank * (i + o) + (o if work.adapter == "dora" else 0)
-                        for name, i, o in self.adapted_linears(work))
-        return self.layers * per_layer
+        return sum(work.lora_rank * (i + o) + (o if work.adapter == "dora" else 0)
+                   for name, i, o in self.adapted_linears(work))
 
     def quantized_params(self, work: Workload) -> int:
         """Base parameters held in NF4 (--adapter qlora: those of every adapted linear layer); 0 otherwise."""
         if work.adapter != "qlora":
             return 0
-        return self.layers * sum(i * o for name, i, o in self.adapted_linears(work))
+        return sum(i * o for name, i, o in self.adapted_linears(work))
 
     def adapted_linears(self, work: Workload) -> list[tuple[str, int, int]]:
-        """(name, in, out) of the linear layers of a block the workload's adapter targets."""
+        """(name, in, out) of the linear layers of every block the workload's adapter targets."""
         named = {t.strip() for t in work.lora_targets.split(",")} if work.lora_targets else None
         return [(name, i, o) for name, i, o in self.linears if named is None or name in named]
 
@@ -98,12 +112,32 @@ class Shape:
 
     @property
     def root_params(self) -> int:
-        """Embedding, LM head (when untied) and the final norm: FSDP's root unit."""
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+        """Everything outside the decoder layers (embedding, LM head when untied, the final norm, a per-layer
+        embedding table): FSDP's root unit."""
+        return self.num_params - self.body_params
 
     @property
     def num_params(self) -> int:
-        return self.root_params + self.layers * self.layer_params
+        return self.total_params
+
+
+def _widths(block, text, hidden: int) -> tuple[int, int]:
+    """(key width, MLP width per token) of one decoder block, from its modules: k_proj's output (else the hidden
+    size: attention without one, as MLA or linear attention, counted as wide as the residual), the gated MLPs'
+    up projections (a shared expert's included), and of fused experts ([experts, ...] parameters) those a token is
+    routed to."""
+    from torch import nn
+
+    linear = [(name.rsplit(".", 1)[-1], m) for name, m in block.named_modules() if isinstance(m, nn.Linear)]
+    keys = [m.out_features for name, m in linear if name == "k_proj"]
+    mlp = sum(m.out_features for name, m in linear if name == "up_proj")
+    mlp += sum(m.out_features // 2 for name, m in linear if name == "gate_up_proj")
+    top_k = getattr(text, "num_experts_per_tok", None) or getattr(text, "top_k_experts", None)
+    for name, p in block.named_parameters():
+        if p.ndim == 3 and ".experts." in f".{name}" and "down" in name.rsplit(".", 1)[-1]:
+            experts, a, b = p.shape  # down_proj of every expert: [E, hidden, inter] or [E, inter, hidden]
+            mlp += (top_k or experts) * (b if a == hidden else a)
+    return keys[0] if keys else hidden, mlp or 4 * hidden
 
 
 @dataclass(frozen=True)
@@ -182,19 +216,20 @@ HIDDEN_WIDTHS, KV_WIDTHS, INTERMEDIATE_WIDTHS = 8, 2, 4
 
 
 def layer_activation_bytes(shape: Shape, tokens: int, compute_bytes: int) -> int:
+    """One decoder layer's (its widths averaged over the layers: times shape.layers, every layer's)."""
     return tokens * (HIDDEN_WIDTHS * shape.hidden + KV_WIDTHS * shape.kv + INTERMEDIATE_WIDTHS * shape.intermediate) \
         * compute_bytes
 
 
 def adapter_activation_bytes(shape: Shape, work: Workload, tokens: int) -> int:
-    """What an adapter saves per decoder layer beyond the base layer's: DoRA scales both the base output and the
-    low-rank output by its magnitude, so autograd keeps both (two output widths per adapted linear layer: 0.30 GiB on
-    SmolLM2's shape at 256 tokens, where DoRA's measured peak is 0.31 GiB above LoRA's in fp32, BENCHMARKS.md section
-    16; under bf16 autocast the fp32 magnitude may make those outputs fp32, not measured). LoRA's own, a rank-wide
-    middle, is too small to count."""
+    """What an adapter saves per decoder layer (averaged over the layers) beyond the base layer's: DoRA scales both
+    the base output and the low-rank output by its magnitude, so autograd keeps both (two output widths per adapted
+    linear layer: 0.30 GiB on SmolLM2's shape at 256 tokens, where DoRA's measured peak is 0.31 GiB above LoRA's in
+    fp32, BENCHMARKS.md section 16; under bf16 autocast the fp32 magnitude may make those outputs fp32, not
+    measured). LoRA's own, a rank-wide middle, is too small to count."""
     if work.adapter != "dora":
         return 0
-    return tokens * 2 * sum(o for _, _, o in shape.adapted_linears(work)) * work.compute_bytes
+    return tokens * 2 * sum(o for _, _, o in shape.adapted_linears(work)) // shape.layers * work.compute_bytes
 
 
 class StrategyTerms(Protocol):

@@ -24,7 +24,7 @@ def replicated_bytes(shape: Shape, w: Workload) -> int:
 def sharded_bytes(shape: Shape, w: Workload) -> int:
     """FSDP's pattern: parameters all-gathered for use, gradients reduce-scattered. HYBRID_SHARD is counted as
     FULL_SHARD over every rank (its replicas' all-reduce left out): auto never chooses it."""
-    body = shape.layers * shape.layer_params
+    body = shape.body_params
     root = shape.hidden if w.vocab_parallel else shape.root_params  # a vocab-parallel head is never gathered
     # layers are gathered for the forward and again for the backward unless kept (SHARD_GRAD_OP); the root stays
     # gathered from its forward to its backward. Gathers happen every micro-step, the reduce-scatter once

@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeline import config as config_mod
-from pipeline.config import Config, add_config_arguments
+from pipeline import config_merge as config_mod
+from pipeline.config import Config
+from pipeline.config_merge import add_config_arguments
 from pipeline.dist.launch import detect as detect_launch
 from pipeline.dist.runtime import Dist, compute_dtype, init_distributed
 from pipeline.errors import ArgumentParser, UserError

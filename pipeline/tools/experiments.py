@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import from_flat, load_profile, require_dataset, save
+from pipeline.config_merge import from_flat, load_profile, require_dataset, save
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import read_yaml, write_text_atomic
 

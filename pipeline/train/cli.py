@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeline import config as config_mod
+from pipeline import config_merge as config_mod
 from pipeline.config import Config
 from pipeline.dist.launch import Launch
 from pipeline.dist.launch import detect as detect_launch

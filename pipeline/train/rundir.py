@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from pipeline import config as config_mod
+from pipeline import config_merge as config_mod
 from pipeline.config import Config
 from pipeline.dist.runtime import Dist, check_shared_dir
 from pipeline.errors import UserError

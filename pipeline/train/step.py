@@ -28,6 +28,8 @@ class StepResult:
     """False when the loss or gradient norm was not finite on some rank: the update was skipped."""
     targets: int
     """Tokens in the loss this step, over every rank."""
+    loss_scale: float | None = None
+    """fp16: the loss scale this step ran at (None without one)."""
 
 
 @dataclass
@@ -39,6 +41,8 @@ class Update:
     max_norm: float
     before: Callable[[], None] = lambda: None
     """Called just before an update is applied (an async checkpoint's copy must be complete by then)."""
+    scaler: torch.amp.GradScaler | None = None
+    """fp16: the loss scaling (Strategy.grad_scaler); its scale halves after an overflowing step."""
 
 
 def train_step(strategy: Strategy, loss_fn: CausalLMLoss, micro: Sequence[np.ndarray],
@@ -58,16 +62,25 @@ def train_step(strategy: Strategy, loss_fn: CausalLMLoss, micro: Sequence[np.nda
                     # each micro-batch's summed loss over the whole step's targets: their sum is the token mean
                     loss = loss_fn(batch, targets)
                 with timer.phase("backward"):
-                    loss.backward()
+                    (loss if update.scaler is None else update.scaler.scale(loss)).backward()
             total += loss.detach()
         with timer.phase("update"):
+            scale = None
+            if update.scaler is not None:  # the gradients back to their true size before they are measured
+                scale = update.scaler.get_scale()
+                update.scaler.unscale_(update.optimizer)
             norm = strategy.clip_grad_norm(update.max_norm or math.inf)
-            result = agree(total, norm, targets, strategy.dist.world_size)
+            result = agree(total, norm, targets, strategy.dist.world_size, scale)
             if result.applied:
                 update.before()
+                # also under fp16: the gradients are unscaled and every rank found them finite (agree), so the step
+                # is the optimizer's own (the scaler's step would hand the fused AdamW the sharded scaler's [1]-shaped
+                # overflow flag, which it cannot take)
                 update.optimizer.step()
                 strategy.after_optimizer_step()
                 update.scheduler.step()
+            if update.scaler is not None:  # an overflow halves the scale, a run of good steps doubles it
+                update.scaler.update()
             update.optimizer.zero_grad(set_to_none=True)
     comm = strategy.comm_seconds()
     if comm is not None:
@@ -76,7 +89,8 @@ def train_step(strategy: Strategy, loss_fn: CausalLMLoss, micro: Sequence[np.nda
     return result
 
 
-def agree(loss: torch.Tensor, norm: torch.Tensor, targets: int, world_size: int) -> StepResult:
+def agree(loss: torch.Tensor, norm: torch.Tensor, targets: int, world_size: int,
+          loss_scale: float | None = None) -> StepResult:
     """The step's global mean loss and gradient norm, and whether to apply it: one all-reduce (every rank must reach
     it) and one host sync per step, since every rank must take the same decision before stepping. The norm is
     already global (the clipping's collective), so only the loss is summed, beside a count of the ranks that saw a
@@ -86,4 +100,5 @@ def agree(loss: torch.Tensor, norm: torch.Tensor, targets: int, world_size: int)
     summed = torch.stack([loss.float(), bad])
     dist.all_reduce(summed)  # SUM: gloo has no AVG
     loss_sum, bad_ranks, local_norm = torch.cat([summed, norm.reshape(1)]).tolist()
-    return StepResult(loss_sum / world_size, local_norm, bad_ranks == 0 and math.isfinite(loss_sum), targets)
+    return StepResult(loss_sum / world_size, local_norm, bad_ranks == 0 and math.isfinite(loss_sum), targets,
+                      loss_scale)

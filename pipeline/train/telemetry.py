@@ -25,6 +25,7 @@ import torch
 
 from pipeline.errors import UserError, disk_problem, naming
 from pipeline.fsutil import write_atomic
+from pipeline.model.modeling import layer_configs
 from pipeline.strategies.memory import GIB
 from pipeline.train.signals import Interrupted
 
@@ -142,11 +143,12 @@ def memory_in_use(device: torch.device) -> int:
 def flops_per_token(config, num_matmul_params: int, seq_length: int, frozen_matmul_params: int = 0) -> float:
     """Training FLOPs per token (forward and backward), as torchtitan and PaLM count them: 6 x the parameters of
     the matrix products (the LM head included; of a mixture of experts, the experts a token is routed to:
-    modeling.param_counts) + 12 x layers x heads x head_dim x seq_length for attention. Of those parameters, the
+    modeling.param_counts) + 12 x heads x head_dim x seq_length per layer for attention. Of those parameters, the
     frozen_matmul_params of a frozen base (adapters) count 4: forward and the gradient of their input, no gradient of
     their own (DoRA's weight norms, r x (in + out) per layer and step rather than per token, are left out)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
+    attention = 12 * seq_length * sum(c.num_attention_heads * (getattr(c, "head_dim", None) or
+                                                                c.hidden_size // c.num_attention_heads)
+                                      for c in layer_configs(config))  # layer by layer: their heads may differ
     return 6 * (num_matmul_params - frozen_matmul_params) + 4 * frozen_matmul_params + attention
 
 

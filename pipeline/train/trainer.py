@@ -115,7 +115,11 @@ class Trainer:
         async_ckpt = cfg.run.async_ckpt == "on" or (cfg.run.async_ckpt == "auto" and d.device.type == "cuda")
         self.ckpt = Checkpointer(self.run_dir, d, cfg.train.keep_last, async_ckpt, plan.fingerprint)
         # an async checkpoint's copy of the weights and states must be complete before an update changes them
-        self.update = Update(self.optimizer, self.scheduler, cfg.optim.max_grad_norm, self.ckpt.staged)
+        # fp16: the loss scaled so small gradients do not flush to zero (the strategy's GradScaler)
+        self.scaler = self.strategy.grad_scaler(cfg.train.loss_scale) if self.dtype == torch.float16 else None
+        self.overflows = 0
+        """fp16: overflowing steps in a row."""
+        self.update = Update(self.optimizer, self.scheduler, cfg.optim.max_grad_norm, self.ckpt.staged, self.scaler)
         self.stops = stop_ids(plan.tokenizer, plan.model_dir) if plan.prompts else set()
         self.resumed_from = self.resume()
         log.info("model %s: %s parameters (%s trainable), %s compute, %s %s; %d train / %d val blocks of %d tokens; "
@@ -133,6 +137,10 @@ class Trainer:
             log.info("--strategy auto chose %s", mem.reason)
         if ignored := ignored_knobs(cfg):
             log.warning("%s: no effect under --strategy %s", ", ".join(ignored), cfg.strategy)
+        if mem.estimate is None:
+            log.info("estimated peak memory per rank: not available for this model; budget %.2f GiB",
+                     mem.budget / GIB)
+            return
         log.info("estimated peak memory per rank: %s; budget %.2f GiB", mem.estimate.describe(), mem.budget / GIB)
         if mem.estimate.total > mem.budget:
             log.warning("the estimate is above the budget: if a step runs out of memory, %s",
@@ -144,7 +152,8 @@ class Trainer:
         """Counters, sampler and schedule (JSON); model and optimizer are saved through DCP beside it."""
         return {"step": self.step, "samples_seen": self.samples_seen, "best_val": self.best_val,
                 "base_val": None if self.base_val is None else dataclasses.asdict(self.base_val),
-                "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict()}
+                "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
+                **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
@@ -152,6 +161,8 @@ class Trainer:
         self.base_val = HeldOut(**state["base_val"]) if state.get("base_val") else None  # absent before --eval-base
         self.sampler.load_state_dict(state["sampler"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):  # (a run resumed into fp16 starts at --loss-scale)
+            self.scaler.load_state_dict(state["scaler"])
         self.rescale_lr(float(state["scheduler"]["base_lrs"][0]))
         old, new = state["sampler"]["global_batch"], self.sampler.global_batch
         if old != new and self.dist.is_main:
@@ -223,7 +234,7 @@ class Trainer:
                 telemetry.event("resume", self.step, **self.resumed_from)
             mem = self.plan.memory
             telemetry.event("memory", self.step, strategy=self.cfg.model.strategy, sharding=self.cfg.model.sharding,
-                            estimate_gb=mem.estimate.gib(), budget_gb=round(mem.budget / GIB, 3))
+                            estimate_gb=mem.estimate and mem.estimate.gib(), budget_gb=round(mem.budget / GIB, 3))
             self.loop(telemetry)
         log.info("exported the %s", described(self.cfg))
 
@@ -247,7 +258,9 @@ class Trainer:
             telemetry.advance()
             window.add(result)
             if result.applied:
-                self.bad_steps = 0
+                self.bad_steps = self.overflows = 0
+            elif self.scaler is not None:
+                self.overflowed(telemetry, result)
             else:
                 self.skipped(telemetry, result)
             if self.step % self.cfg.train.log_freq == 0 or self.step == self.total_steps:
@@ -314,6 +327,25 @@ class Trainer:
                 f" --precision fp32 or a smaller --max-grad-norm (now {self.cfg.optim.max_grad_norm:g}), then rerun "
                 "to resume from it")
 
+    def overflowed(self, telemetry: Telemetry, result: StepResult) -> None:
+        """fp16: a step whose gradients overflowed at its loss scale: skipped, the scale halved (the scaler's update),
+        and not a sign of divergence, unless it keeps happening: --max-overflow-steps in a row, or a scale fallen
+        below 1, stop the run in one line."""
+        self.overflows += 1
+        scale = self.scaler.get_scale()
+        telemetry.event("skipped", self.step, overflow=True, in_a_row=self.overflows, loss_scale=scale,
+                        loss=finite_or_text(result.loss), grad_norm=finite_or_text(result.grad_norm))
+        if self.dist.is_main:
+            log.info("step %d skipped: fp16 gradients overflowed at loss scale %g; the scale is now %g", self.step,
+                     result.loss_scale, scale)
+        if self.overflows >= self.cfg.train.max_overflow_steps or scale < 1:
+            self.ckpt.wait()
+            why = (f"{self.overflows} steps in a row overflowed" if scale >= 1 else
+                   f"the loss scale fell to {scale:g}: fp16 cannot hold this run's values even unscaled")
+            raise UserError(f"training diverged in fp16 at step {self.step}: {why}; the last good checkpoint is "
+                            f"{self.last_checkpoint()}; try --precision bf16 where the GPU has it, or fp32, or a lower "
+                            f"--lr (now {self.cfg.optim.lr:g}), then rerun to resume from it")
+
     def train_step(self) -> StepResult:
         """One optimizer step (pipeline/train/step.py) over this rank's share of the sampler's next global batch."""
         # the step's targets over every rank and micro-step, from the global permutation: no communication
@@ -339,7 +371,8 @@ class Trainer:
                   "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": window.grad_norm,
                   "tokens_per_s": round(tokens_per_s, 1), "trained_tokens_per_s": round(window.targets / seconds, 1),
                   "mfu": None if mfu is None else round(mfu, 4),
-                  "time_ms": self.timer.read(), "mem_gb": self.memory()}
+                  "time_ms": self.timer.read(), "mem_gb": self.memory(),
+                  **({"loss_scale": self.scaler.get_scale()} if self.scaler is not None else {})}
         telemetry.event("train", self.step, **fields)
         t = fields["time_ms"]
         telemetry.human({"global_step": self.step, "epoch": fields["epoch"], "loss": round(fields["loss"], 4),

@@ -7,7 +7,7 @@ import sys
 for _switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ[_switch] = "1"
 
-from pipeline import config as config_mod  # noqa: E402
+from pipeline import config_merge as config_mod  # noqa: E402
 from pipeline.data.token_cache import build_lock  # noqa: E402
 from pipeline.train.blocks import cache_path  # noqa: E402
 from pipeline.train.preflight import preflight  # noqa: E402

@@ -8,14 +8,14 @@ import sys
 for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):  # as fsdp1.py sets them
     os.environ[switch] = "1"
 
-from pipeline import config  # noqa: E402
+from pipeline import config_merge  # noqa: E402
 from pipeline.errors import UserError  # noqa: E402
 from pipeline.strategies.registry import settle  # noqa: E402
 from pipeline.train.preflight import preflight  # noqa: E402
 
 for argv in json.load(sys.stdin):
     try:
-        preflight(settle(config.resolve(argv)))
+        preflight(settle(config_merge.resolve(argv)))
         print(json.dumps("ok"))
     except UserError as exc:
         print(json.dumps(str(exc)))
