@@ -27,7 +27,7 @@ def write(root: Path, rel: str, content: str | bytes) -> None:
 def rows_by_source(save_dir: Path) -> dict[str, list]:
     """Each source's rows in order: its text, or its messages for a conversation (whose text is empty)."""
     ds = datasets.load_from_disk(str(save_dir))
-    assert ds.column_names == ["text", "messages", "source"]
+    assert ds.column_names == ["text", "messages", "source", "chosen", "rejected"]
     out: dict[str, list] = {}
     for row in ds:
         assert (row["text"] == "") != (row["messages"] == [])

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.content_hash import HashRecord
@@ -62,6 +63,17 @@ def conversation_rows(ds) -> np.ndarray:
     column = ds.data.column("messages")
     lengths = pc.fill_null(pc.list_value_length(column), 0)
     return np.asarray(lengths.to_numpy(zero_copy_only=False)) > 0
+
+
+def preference_rows(ds) -> int:
+    """How many rows hold a preference pair: a non-empty `chosen` (DATA-HF's list of messages, or a hub dataset's
+    string), from the Arrow column alone."""
+    if "chosen" not in ds.column_names:
+        return 0
+    column = ds.data.column("chosen")
+    sizes = pc.list_value_length(column) if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) \
+        else pc.utf8_length(pc.cast(column, pa.string()))
+    return int(pc.sum(pc.greater(pc.fill_null(sizes, 0), 0)).as_py() or 0)
 
 
 DATA_RECORD = ".content-hashes.json"

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-OWN_ROW = {"text", "messages", "source"}
-"""The columns of a DATA-HF dataset: a record with these (a dataset's to_json or to_parquet) is one of its rows."""
+OWN_ROW = {"text", "messages", "source", "chosen", "rejected"}
+"""The columns of a DATA-HF dataset: a record with these (a dataset's to_json or to_parquet) is one of its rows (a
+preference pair when chosen is not empty: pipeline/prep/preferences.py)."""
 REASONS = ("malformed_message", "unknown_role", "empty", "no_assistant_turn", "not_alternating")
 """Why a conversation is skipped, in the order they are checked."""
 
@@ -44,6 +45,12 @@ def _messages(items: object, role_key: str, content_key: str, roles: dict[str, s
             raise BadConversation("unknown_role")
         out.append({"role": role, "content": _content(item[content_key])})
     return out
+
+
+def messages_of(items: object) -> list[dict]:
+    """An OpenAI-style list of {"role", "content"} messages, read and checked message by message (roles known,
+    content parts joined); BadConversation otherwise. Not checked as a whole conversation (check does that)."""
+    return _messages(items, "role", "content", {r: r for r in ROLES})
 
 
 def _side(value: object, role: str) -> list[dict]:

@@ -30,8 +30,9 @@ from pipeline.errors import ArgumentParser, UserError, naming
 from pipeline.folder_lock import beside, locked
 from pipeline.fsutil import left_by_a_dead_process, replace_dir, restore_replaced
 from pipeline.ownership import OWNER_FILE, check_apart, check_not_nested, check_only, check_target, mark
-from pipeline.prep.extract import SUPPORTED, Limits, Row, SkipFile, extract_file
+from pipeline.prep.extract import SUPPORTED, Limits, Row, SkipFile, extract_file, row_chars
 from pipeline.prep.organize import MANIFEST
+from pipeline.prep.preferences import Pair
 
 WRITE_CHARS = 8_000_000
 """A worker writes its buffered rows to its Arrow shard once they hold this many characters."""
@@ -95,13 +96,18 @@ def _dataset_file(path: Path) -> bool:
 # ----------------------------------------------------------------------------------------------- extraction
 
 
+MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
 FEATURES = datasets.Features({
     "text": datasets.Value("string"),
-    "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+    "messages": MESSAGES,
     "source": datasets.Value("string"),
+    "chosen": MESSAGES,
+    "rejected": MESSAGES,
 })
 """A text row has messages []; a conversation row has text "" (one dataset holds both, so a corpus of documents and
-chats trains in one run, each row in its own way)."""
+chats trains in one run, each row in its own way). A preference row has its chosen and rejected answers (each a
+list of assistant messages), and its prompt in messages (conversational) or in text (standard); the other rows have
+them empty. A dataset holds preference rows alone (DATA-HF refuses a folder that mixes them with others)."""
 
 
 @dataclass
@@ -121,6 +127,10 @@ class ChunkResult:
     """(reason, "file:line N") of each conversation skipped."""
     bad_rows: list[tuple[str, str]] = field(default_factory=list)
     """(reason, "file:line N") of each other row skipped (row_too_large)."""
+    pairs: Counter = field(default_factory=Counter)
+    """Preference pairs kept, by input form."""
+    bad_pairs: list[tuple[str, str]] = field(default_factory=list)
+    """(reason, "file:line N") of each preference record skipped."""
     wrapped: list[str] = field(default_factory=list)
     """"file: key" of each list of records read from inside an object."""
 
@@ -146,7 +156,7 @@ class ShardWriter:
         def add(row: Row) -> None:
             self.rows.append(row)
             self.sources.append(source)
-            self.buffered += len(row) if isinstance(row, str) else sum(len(m["content"]) for m in row)
+            self.buffered += row_chars(row)
             if self.buffered >= WRITE_CHARS:
                 self.flush()
 
@@ -155,10 +165,13 @@ class ShardWriter:
     def flush(self) -> None:
         if not self.rows:
             return
-        texts = [r if isinstance(r, str) else "" for r in self.rows]
-        chats = [[] if isinstance(r, str) else r for r in self.rows]
-        columns = [pa.array(texts, pa.string()), pa.array(chats, self.schema.field("messages").type),
-                   pa.array(self.sources, pa.string())]
+        texts = [r if isinstance(r, str) else r.prompt_text if isinstance(r, Pair) else "" for r in self.rows]
+        chats = [[] if isinstance(r, str) else r.prompt_messages if isinstance(r, Pair) else r for r in self.rows]
+        chosen = [r.chosen if isinstance(r, Pair) else [] for r in self.rows]
+        rejected = [r.rejected if isinstance(r, Pair) else [] for r in self.rows]
+        kind = self.schema.field("messages").type
+        columns = [pa.array(texts, pa.string()), pa.array(chats, kind), pa.array(self.sources, pa.string()),
+                   pa.array(chosen, kind), pa.array(rejected, kind)]
         try:
             self.writer.write_batch(pa.record_batch(columns, schema=self.schema))
         except OSError:
@@ -192,10 +205,13 @@ def extract_chunk(index: int, root: str, rels: list[str], shard: str, limits: Li
             res.bad_lines.extend(f"{rel}:{n}" for n in got.bad_lines)
             res.bad_chats.extend((reason, f"{rel}:{where}") for reason, where in got.bad_chats)
             res.bad_rows.extend((reason, f"{rel}:{where}") for reason, where in got.bad_rows)
+            res.bad_pairs.extend((reason, f"{rel}:{where}") for reason, where in got.bad_pairs)
             res.wrapped.extend(f"{rel}: {key}" for key in dict.fromkeys(got.wrapped))
             if not got.count:
-                res.skipped.append(("no_valid_conversation" if got.bad_chats else "no_valid_row", rel))
+                why = "no_valid_pair" if got.bad_pairs else "no_valid_conversation" if got.bad_chats else "no_valid_row"
+                res.skipped.append((why, rel))
                 continue
+            res.pairs.update(got.pair_forms)
             res.chars += got.chars
             res.rows += got.count
             res.conversations.update(got.formats)
@@ -314,6 +330,9 @@ def _report(cfg: CorpusConfig, results: list[ChunkResult], pre_skipped: dict) ->
                                 "where": [w for r in results for w in r.wrapped][:1000]},
         "limits": {"max_file_mb": cfg.max_file_mb, "max_row_mb": cfg.max_row_mb},
         "conversations": _conversation_report(results),
+        "preferences": {"rows": sum(sum(r.pairs.values()) for r in results),
+                        "by_form": dict(sorted(sum((r.pairs for r in results), Counter()).items())),
+                        "skipped": _by_reason(res.bad_pairs for res in results)},
         "num_proc": cfg.num_proc,
         "seconds": 0.0,
     }
@@ -381,6 +400,10 @@ def _build_locked(cfg: CorpusConfig, files: list[str], sizes: list[int], pre_ski
         if not report["rows"]:
             reasons = ", ".join(f"{r}: {v['count']}" for r, v in report["skipped"].items())
             raise UserError(f"no text extracted from {cfg.data_folder} ({reasons})")
+        if 0 < (pairs := report["preferences"]["rows"]) < report["rows"]:
+            raise UserError(f"{cfg.data_folder} mixes {pairs} preference pairs with {report['rows'] - pairs} text or "
+                            "conversation rows: a run trains on one kind (SFT or a preference objective); convert "
+                            "them from separate folders into separate datasets")
         write_layout(work / "dataset", [Path(r.shard) for r in results if r.rows])
         report["seconds"] = round(time.perf_counter() - start, 3)
         (work / "dataset" / REPORT).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -388,6 +411,20 @@ def _build_locked(cfg: CorpusConfig, files: list[str], sizes: list[int], pre_ski
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return report
+
+
+def _kind_lines(part: dict, kept: str, skipped: str, by: str) -> list[str]:
+    """The summary's lines for conversations or preference pairs: how many were kept by form, and the records
+    skipped by reason with where the first were."""
+    if not part["rows"] and not part["skipped"]:
+        return []
+    forms = ", ".join(f"{k} {v}" for k, v in part[by].items()) or "none kept"
+    lines = [f"  {kept}: {part['rows']:,} ({forms})"]
+    for reason, info in part["skipped"].items():
+        where = info["where"]
+        lines.append(f"  skipped {info['count']} {skipped} ({reason}): {', '.join(where[:3])}"
+                     f"{' ...' if len(where) > 3 else ''}")
+    return lines
 
 
 def format_summary(report: dict) -> str:
@@ -408,14 +445,8 @@ def format_summary(report: dict) -> str:
         where = report["records_in_wrappers"]["where"]
         lines.append(f"  lists of records read from inside an object: {wrapped} ({', '.join(where[:3])}"
                      f"{' ...' if len(where) > 3 else ''}; the object's other values are not text)")
-    chats = report["conversations"]
-    if chats["rows"] or chats["skipped"]:
-        formats = ", ".join(f"{k} {v}" for k, v in chats["by_format"].items()) or "none kept"
-        lines.append(f"  conversations: {chats['rows']:,} ({formats})")
-        for reason, info in chats["skipped"].items():
-            where = info["where"]
-            lines.append(f"  skipped {info['count']} conversations ({reason}): {', '.join(where[:3])}"
-                         f"{' ...' if len(where) > 3 else ''}")
+    lines += _kind_lines(report["preferences"], "preference pairs", "preference records", "by_form")
+    lines += _kind_lines(report["conversations"], "conversations", "conversations", "by_format")
     lines.append(f"  report: {Path(report['save_dir']) / REPORT}")
     return "\n".join(lines)
 

@@ -20,7 +20,7 @@ from typing import BinaryIO
 
 import yaml
 
-from pipeline.prep import conversations
+from pipeline.prep import conversations, preferences
 from pipeline.yaml_bounds import PARSER, YamlBoundsError, check_bounds
 
 TEXT_TYPES = (".txt", ".md")
@@ -161,12 +161,17 @@ def _parse(loader, text: str, reason: str):
         raise SkipFile(reason) from None
 
 
-Row = str | list[dict]
-"""One dataset row: text, or a conversation's messages (pipeline/prep/conversations.py)."""
+Row = str | list[dict] | preferences.Pair
+"""One dataset row: text, a conversation's messages (pipeline/prep/conversations.py), or a preference pair
+(pipeline/prep/preferences.py)."""
 
 
-def _chars(row: Row) -> int:
-    return len(row) if isinstance(row, str) else sum(len(m["content"]) for m in row)
+def row_chars(row: Row) -> int:
+    if isinstance(row, str):
+        return len(row)
+    if isinstance(row, preferences.Pair):
+        return row.chars
+    return sum(len(m["content"]) for m in row)
 
 
 @dataclass
@@ -183,6 +188,10 @@ class Extracted:
     bad_lines: list[int] = field(default_factory=list)
     bad_chats: list[tuple[str, str]] = field(default_factory=list)
     """Conversations skipped: (reason, where)."""
+    bad_pairs: list[tuple[str, str]] = field(default_factory=list)
+    """Preference records skipped: (reason, where)."""
+    pair_forms: Counter = field(default_factory=Counter)
+    """Preference pairs kept, by input form."""
     bad_rows: list[tuple[str, str]] = field(default_factory=list)
     """Other rows skipped: (reason, where), e.g. row_too_large."""
     formats: Counter = field(default_factory=Counter)
@@ -190,7 +199,7 @@ class Extracted:
 
     def row(self, row: Row, where: str) -> None:
         """Keep a row, unless it is longer than the limit."""
-        n = _chars(row)
+        n = row_chars(row)
         if n > self.limits.max_row_chars:
             self.bad_rows.append(("row_too_large", where))
             return
@@ -203,7 +212,17 @@ class Extracted:
 
     def add(self, record: object, where: str) -> None:
         """A parsed JSON value: a record of a kind we know (kept, or counted as skipped), a list of records wrapped
-        in an object (each read as a record), or text."""
+        in an object (each read as a record), or text. A preference record is looked for first: its prompt and
+        completion keys would otherwise read as a conversation."""
+        if form := preferences.detect(record):
+            try:
+                pair = preferences.to_pair(record, form)
+            except preferences.BadPair as exc:
+                self.bad_pairs.append((str(exc), where))
+            else:
+                self.pair_forms[form] += 1
+                self.row(pair, where)
+            return
         fmt = conversations.detect(record)
         if fmt == "row":  # one of our own rows read back (a dataset's to_json): as it was
             if record["messages"]:
@@ -232,6 +251,11 @@ class Extracted:
             self.row(messages, where)
 
 
+def is_record(value: object) -> bool:
+    """Whether a JSON value is a record of a kind read as such (a preference pair, a conversation, a row of ours)."""
+    return bool(preferences.detect(value) or conversations.detect(value))
+
+
 def wrapped_records(value: object) -> list[tuple[str, list]]:
     """The lists of records an object wraps ({"version": "1.0", "data": [{...}, ...]}): every list of objects among
     its values, and among those of the objects it holds, by path ("data", "splits.train"); [] for anything else. The
@@ -246,7 +270,7 @@ def wrapped_records(value: object) -> list[tuple[str, list]]:
             path = f"{prefix}{key}"
             if isinstance(item, list) and item and all(isinstance(x, dict) for x in item):
                 found.append((path, item))
-            elif isinstance(item, dict) and conversations.detect(item) is None:
+            elif isinstance(item, dict) and not is_record(item):
                 stack.append((f"{path}.", item))
     return sorted(found, key=lambda f: f[0])
 
@@ -268,10 +292,10 @@ def _yaml_rows(text: str, out: Extracted) -> None:
         raise SkipFile("invalid_yaml") from None
     docs = _parse(lambda t: list(yaml.load_all(t, Loader=_DataLoader)), text, "invalid_yaml")
     for i, doc in enumerate(docs, 1):
-        if isinstance(doc, list) and any(conversations.detect(x) for x in doc):
+        if isinstance(doc, list) and any(is_record(x) for x in doc):
             for j, part in enumerate(doc, 1):
                 out.add(part, f"document {i} item {j}")
-        elif conversations.detect(doc) or wrapped_records(doc):
+        elif is_record(doc) or wrapped_records(doc):
             out.add(doc, f"document {i}")
         elif row := "\n".join(strings_in(doc)):
             out.row(row, f"document {i}")
@@ -329,7 +353,7 @@ def _jsonl_rows(path: Path, encoding: str, out: Extracted) -> None:
             held |= _json_line(line if len(line) <= out.limits.max_row_chars else None, lineno, out)
     if not held:
         raise SkipFile("empty")
-    if out.bad_lines and not out.count and not out.bad_chats and not out.bad_rows:
+    if out.bad_lines and not out.count and not out.bad_chats and not out.bad_rows and not out.bad_pairs:
         raise SkipFile("invalid_jsonl")
 
 
@@ -396,7 +420,7 @@ def extract_file(path: Path, limits: Limits | None = None, sink: Callable[[Row],
         _parquet_rows(path, out)
     else:
         _sniffed_rows(path, out)
-    if not out.count and not out.bad_chats and not out.bad_rows:
+    if not out.count and not out.bad_chats and not out.bad_rows and not out.bad_pairs:
         raise SkipFile("no_text")
     return out
 

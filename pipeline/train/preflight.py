@@ -21,6 +21,7 @@ from pipeline.data.dataset import (
     conversation_rows,
     dataset_fingerprint,
     load_text_dataset,
+    preference_rows,
     size_fingerprint,
     tokenizer_fingerprint,
 )
@@ -145,6 +146,10 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
     if cfg.model.adapter != "none":  # --lora-targets naming no linear layer: one line, before any weight is read
         chosen_targets(meta_model(hf_config), cfg.model.lora_targets)
     dataset = load_text_dataset(cfg.data.dataset_name)
+    if pairs := preference_rows(dataset):
+        # SFT on them would train the prompts alone (or, read as text, the rejected answers too): refused, not guessed
+        raise UserError(f"{cfg.data.dataset_name} holds {pairs:,} preference pairs (chosen and rejected answers); "
+                        "fsdp1.py trains text and conversations, and has no preference objective (DPO) yet")
     chats = bool(conversation_rows(dataset).any())
     tokenizer = load_tokenizer(cfg, model_dir, chats)
     spec = BlockSpec(cfg.data.seq_length, cfg.data.val_fraction, cfg.run.seed, chats, cfg.data.train_on,

@@ -1,0 +1,149 @@
+"""Preference records (a chosen and a rejected answer to one prompt) in the forms TRL reads, turned into one: a Pair.
+
+    standard         {"prompt": "...", "chosen": "...", "rejected": "..."}
+    conversational   {"prompt": [messages], "chosen": [messages], "rejected": [messages]}
+    implicit prompt  {"chosen": [messages], "rejected": [messages]}: whole conversations sharing their first turns,
+                     which are the prompt
+
+Any record with a "chosen" or a "rejected" key is one of these or is skipped by reason; never text (its rejected
+answers would be trained on) nor a conversation. An unpaired preference record (KTO's prompt, completion and label)
+is skipped by reason too: a completion labelled bad must not become a conversation to imitate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.prep import conversations
+
+REASONS = ("missing_field", "malformed_message", "empty_answer", "same_answers", "prompt_not_shared",
+           "not_alternating", "unpaired_preference")
+"""Why a preference record is skipped."""
+ANSWER_ROLE = "assistant"
+
+
+class BadPair(Exception):
+    """A record in a preference form that cannot be trained on; the message is one of REASONS."""
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One preference row. A conversational pair has its prompt as messages (rendered by the chat template); a
+    standard one as text (concatenated with the answers as they are)."""
+
+    prompt_text: str
+    prompt_messages: list[dict]
+    chosen: list[dict]
+    """The chosen answer: assistant messages continuing the prompt (a standard pair's: one, its text)."""
+    rejected: list[dict]
+
+    @property
+    def conversational(self) -> bool:
+        return bool(self.prompt_messages)
+
+    @property
+    def chars(self) -> int:
+        return len(self.prompt_text) + sum(len(m["content"]) for m in (*self.prompt_messages, *self.chosen,
+                                                                       *self.rejected))
+
+
+def detect(record: object) -> str | None:
+    """The preference form of a JSON value ("standard", "conversational", "implicit", "row" for a pair of our own
+    datasets read back, or "unpaired" for a KTO record, "incomplete" for a chosen without a rejected or the reverse),
+    None when it is no preference record."""
+    if not isinstance(record, dict):
+        return None
+    if "text" in record and isinstance(record.get("messages"), list) and set(record) <= conversations.OWN_ROW:
+        return "row" if record.get("chosen") or record.get("rejected") else None  # one of our datasets' rows
+    if "chosen" in record or "rejected" in record:
+        if "chosen" not in record or "rejected" not in record:
+            return "incomplete"
+        if "prompt" not in record:
+            return "implicit"
+        return "standard" if isinstance(record["prompt"], str) else "conversational"
+    if "label" in record and "completion" in record and "prompt" in record:
+        return "unpaired"
+    return None
+
+
+def to_pair(record: dict, form: str) -> Pair:
+    """The record (of form, from detect) as a checked Pair; BadPair with the reason when it cannot be trained on."""
+    if form == "incomplete":
+        raise BadPair("missing_field")
+    if form == "unpaired":
+        raise BadPair("unpaired_preference")
+    if form == "row":  # read back from our own dataset: the prompt in messages (conversational) or in text
+        if not isinstance(record["text"], str):
+            raise BadPair("malformed_message")
+        prompt = _messages(record["messages"])
+        pair = Pair(record["text"] if not prompt else "", prompt, _messages(record.get("chosen") or []),
+                    _messages(record.get("rejected") or []))
+        if prompt:
+            _check_turns(pair)
+    elif form == "standard":
+        parts = (record["prompt"], record["chosen"], record["rejected"])
+        if not all(isinstance(p, str) for p in parts):
+            raise BadPair("malformed_message")
+        prompt, chosen, rejected = parts
+        pair = Pair(prompt, [], [_answer(chosen)], [_answer(rejected)])
+    elif form == "conversational":
+        prompt = _messages(record["prompt"])
+        pair = Pair("", prompt, _messages(record["chosen"]), _messages(record["rejected"]))
+        _check_turns(pair)
+    else:
+        pair = _split_shared_prompt(_messages(record["chosen"]), _messages(record["rejected"]))
+        _check_turns(pair)
+    _check_answers(pair)
+    return pair
+
+
+def _answer(text: str) -> dict:
+    return {"role": ANSWER_ROLE, "content": text}
+
+
+def _messages(value: object) -> list[dict]:
+    """A message list as conversations reads one (roles checked, content parts joined)."""
+    if isinstance(value, str):
+        raise BadPair("malformed_message")
+    try:
+        return conversations.messages_of(value)
+    except conversations.BadConversation as exc:
+        raise BadPair("malformed_message" if str(exc) != "unknown_role" else "not_alternating") from None
+
+
+def _split_shared_prompt(chosen: list[dict], rejected: list[dict]) -> Pair:
+    """The implicit-prompt form: the longest run of first messages the two conversations share, ending before an
+    assistant turn, is the prompt; what follows in each is its answer."""
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    while shared and chosen[shared - 1]["role"] == ANSWER_ROLE:  # the answers start with the assistant's turn
+        shared -= 1
+    if not shared or chosen[shared - 1]["role"] != "user":
+        raise BadPair("prompt_not_shared")
+    return Pair("", chosen[:shared], chosen[shared:], rejected[shared:])
+
+
+def _check_turns(pair: Pair) -> None:
+    """The prompt ends with a user turn, each answer starts with the assistant's, and prompt + answer is a trainable
+    conversation (system first if at all, then user and assistant alternating)."""
+    prompt = pair.prompt_messages
+    if not prompt or prompt[-1]["role"] != "user":
+        raise BadPair("not_alternating")
+    for answer in (pair.chosen, pair.rejected):
+        if answer and answer[0]["role"] != ANSWER_ROLE:
+            raise BadPair("not_alternating")
+        try:
+            conversations.check([*prompt, *answer])
+        except conversations.BadConversation as exc:
+            reason = str(exc)
+            raise BadPair("empty_answer" if reason in ("empty", "no_assistant_turn") else "not_alternating") \
+                from None
+
+
+def _check_answers(pair: Pair) -> None:
+    for answer in (pair.chosen, pair.rejected):
+        if not answer or any(not m["content"].strip() for m in answer):
+            raise BadPair("empty_answer")
+    if pair.chosen == pair.rejected:
+        raise BadPair("same_answers")
