@@ -9,7 +9,7 @@ DEMO_MODEL := local/tiny-llama
 # the README's one HF_HOME: the demo's model goes where the quick start's models go (set HF_HOME to use another)
 export HF_HOME ?= $(CURDIR)/.cache/huggingface
 
-.PHONY: venv demo test test-fast smoke lint bench bench-chat bench-gpu clean-demo lm-eval
+.PHONY: venv demo test test-fast smoke lint bench bench-chat bench-gpu gpu-check gpu-wheels clean-demo lm-eval
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -76,9 +76,8 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 	@echo "  LoRA run:            $(DEMO)/outputs/chat-lora (adapter/ in PEFT's format on chat/hf, hf/ merged)"
 
 # Two pytest workers, one test file each at a time (module fixtures stay shared): most of a test's time is process
-# start-up and checkpoint I/O, so two overlap on 2 cores (measured 2026-11-24 on this project's 2-core machine:
-# 10:53 with --strategy auto as the default, on an AVX-512 EPYC; 11:54 with the model-family matrix of
-# tests/test_families.py, 8:29-9:23 before it; 17:52 on the slower machine of earlier sessions)
+# start-up and checkpoint I/O, so two overlap on 2 cores (measured 2026-11-26: 28:00 for 447 tests on a 2-core AVX2
+# EPYC about 1.8x slower than the AVX-512 one of 2026-11-24, where 356 tests took 10:53; CI's last run: 26:35)
 test: $(STAMP) $(LM_EVAL_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
@@ -115,3 +114,14 @@ lint: $(STAMP)
 
 clean-demo:
 	rm -rf $(DEMO)
+
+# Everything GPU-only in one command that fits a lent GPU's window (bench/gpu_check.py): on the GPU machine, whose
+# image has torch but lacks some wheels (`make gpu-wheels` here first, and carry .whl), it runs with the image's
+# python; DRY=1 rehearses every part on this machine's CPU with tiny shapes (tests/test_gpu_check.py runs it).
+# PARTS=a,b runs those parts only; GPU_CHECK_ARGS passes more (--workdir, --results).
+gpu-check: $(if $(DRY),$(STAMP) $(LM_EVAL_STAMP))
+	$(if $(DRY),$(PY),$(PYTHON)) bench/gpu_check.py $(if $(DRY),--dry) $(if $(PARTS),--parts $(PARTS)) $(GPU_CHECK_ARGS)
+
+# The wheels the GPU image lacks, at this project's pins, into .whl/ (../shared/gpu/wheels.sh)
+gpu-wheels:
+	../shared/gpu/wheels.sh $(shell grep -hE '^(peft|torchao|accelerate)==' requirements.txt requirements-bench.txt)

@@ -35,9 +35,14 @@ from common import BENCH, ROOT, bench_env, machine, table, torchrun_cmd, update_
 from pipeline.train.telemetry import read_metrics
 
 SEQ = 2048
-OURS_FLAGS = ["--precision", "bf16", "--seq-length", SEQ, "--log-freq", 5, "--ckpt-freq", 0, "--eval-freq", 0,
-              "--lr", 3e-4, "--warmup-steps", 5, "--max-steps", 10**6, "--async-ckpt", "off"]
+OURS_FLAGS = ["--precision", "bf16", "--log-freq", 5, "--ckpt-freq", 0, "--eval-freq", 0, "--lr", 3e-4,
+              "--warmup-steps", 5, "--max-steps", 10**6, "--async-ckpt", "off"]
 VARIANTS: dict[str, tuple[str, list, str]] = {
+    "ours-default": ("ours", [], "fsdp1.py, its defaults"),
+    "ours-default-compile": ("ours", ["--compile", "on"], "fsdp1.py, its defaults, compile per layer"),
+    "ours-lora": ("ours", ["--adapter", "lora", "--lora-rank", 16], "fsdp1.py, LoRA r16 on every linear layer"),
+    "ours-qlora": ("ours", ["--adapter", "qlora", "--lora-rank", 16], "fsdp1.py, QLoRA r16 (NF4 base)"),
+    "hf-peft-lora": ("hf", ["--lora-rank", 16], "HF Trainer + peft LoRA r16 on every linear layer"),
     "ours-hfloss": ("ours", ["--vocab-parallel", "off"], "fsdp1.py, HF model loss (full logits)"),
     "ours-chunked": ("ours", ["--vocab-parallel", "on"], "fsdp1.py, chunked fused loss"),
     "ours-chunked-compile": ("ours", ["--vocab-parallel", "on", "--compile", "on"],
@@ -68,9 +73,10 @@ class Inputs:
     """train.npy of the token cache, which the HF worker reads too."""
 
 
-def prepare(work: Path) -> Inputs:
-    """The 1B-shaped model, a dataset of real text (this machine's Python sources, about 16 MB) and its token cache
-    at seq 2048 as fsdp1.py's defaults key it, once each."""
+def prepare(work: Path, preset: str = "llama-3.2-1b", seq: int = SEQ, corpus_mb: int = 16) -> Inputs:
+    """A preset-shaped model ("tiny": pipeline.tiny's 2-layer model, for rehearsals on CPU), a dataset of real text
+    (this machine's Python sources, corpus_mb MB; 0: the bundled demo corpus) and its token cache at seq as
+    fsdp1.py's defaults key it, once each."""
     from data_prep import gather
     from datasets import load_from_disk
     from transformers import AutoTokenizer
@@ -78,21 +84,24 @@ def prepare(work: Path) -> Inputs:
     from pipeline.data.dataset import BlockSpec, dataset_fingerprint
     from pipeline.data.token_cache import build_blocks, token_cache_dir
     from pipeline.prep.corpus import CorpusConfig, build_dataset
-    from pipeline.prep.tiny import build_preset
+    from pipeline.prep.tiny import build_preset, build_tiny
 
-    model = work / "llama-3.2-1b"
+    model = work / preset
     if not (model / "config.json").exists():
-        build_preset(model, "llama-3.2-1b")
+        build_tiny(model) if preset == "tiny" else build_preset(model, preset)
     data = work / "dataset"
     if not data.exists():
         raw = work / "raw"
-        raw.mkdir(parents=True, exist_ok=True)
-        gather(raw, 16 * 2**20)
+        if corpus_mb:
+            raw.mkdir(parents=True, exist_ok=True)
+            gather(raw, corpus_mb * 2**20)
+        else:
+            shutil.copytree(ROOT / "examples" / "raw", raw, ignore=shutil.ignore_patterns("chats"), dirs_exist_ok=True)
         build_dataset(CorpusConfig(raw, data, num_proc=os.cpu_count() or 1))
     ds = load_from_disk(str(data))
-    cache = token_cache_dir(work / "runs" / "token_cache", dataset_fingerprint(ds), model, BlockSpec(SEQ, 0.01, 0))
+    cache = token_cache_dir(work / "runs" / "token_cache", dataset_fingerprint(ds), model, BlockSpec(seq, 0.01, 0))
     if not (cache / "meta.json").exists():
-        build_blocks(ds, AutoTokenizer.from_pretrained(model), BlockSpec(SEQ, 0.01, 0), os.cpu_count() or 1, cache)
+        build_blocks(ds, AutoTokenizer.from_pretrained(model), BlockSpec(seq, 0.01, 0), os.cpu_count() or 1, cache)
     return Inputs(model, data, cache / "train.npy")
 
 
@@ -125,7 +134,7 @@ def run_ours(args, name: str, flags: list, inputs: Inputs, batch: int) -> dict:
     runs = args.workdir / "runs"
     metrics = runs / name / "metrics.jsonl"
     cmd = torchrun_cmd(1, ROOT / "fsdp1.py", "-e", name, "--save-dir", runs, "-d", inputs.data, "-m", inputs.model,
-                       "-b", batch, *OURS_FLAGS, *flags)
+                       "-b", batch, "--seq-length", args.seq, *OURS_FLAGS, *flags)
     shutil.rmtree(runs / name, ignore_errors=True)
     started = time.time()
     saves = 2 if "--ckpt-freq" in flags else 0  # checkpoint variants run until two saves are complete
@@ -143,8 +152,8 @@ def run_ours(args, name: str, flags: list, inputs: Inputs, batch: int) -> dict:
     first = next(e for e in events if e["event"] == "train")
     train = [e for e in events if e["event"] == "train"]
     return {"tokens_per_s": [e["tokens_per_s"] for e in steady],
-            "peak_alloc_gib": max(e["mem_gb"]["peak_alloc"] for e in train),
-            "peak_reserved_gib": max(e["mem_gb"]["peak_reserved"] for e in train),
+            "peak_alloc_gib": max(e["mem_gb"].get("peak_alloc") or 0 for e in train),
+            "peak_reserved_gib": max(e["mem_gb"].get("peak_reserved") or 0 for e in train),
             "time_ms": {k: statistics.median(e["time_ms"][k] for e in steady) for k in steady[0]["time_ms"]},
             "first_window_end_s": round(first["time"] - started, 1), "loss": train[-1]["loss"],
             "checkpoints": [{k: e[k] for k in ("step", "seconds", "stall_seconds", "bytes")}
@@ -162,7 +171,7 @@ def run_hf(args, name: str, flags: list, inputs: Inputs, batch: int) -> dict:
         return {"error": error_of(proc.stdout + proc.stderr, proc.returncode)}
     r = json.loads(out.read_text())
     ends = [t for s, t in zip(r["steps"], r["step_end"], strict=True) if s >= args.discard]
-    tokens = batch * SEQ * 5
+    tokens = batch * args.seq * 5
     return {"tokens_per_s": [tokens / (b - a) for a, b in zip(ends[:-1], ends[1:], strict=True)],
             "peak_alloc_gib": r["peak_alloc_gib"], "peak_reserved_gib": r["peak_reserved_gib"],
             "wrapper": r["wrapper"]}
@@ -175,7 +184,7 @@ def error_of(output: str, code: int | None) -> str:
     return f"exit {code}: {lines[-1][:200] if lines else 'no output'}"
 
 
-def model_figures(model: Path) -> tuple[float, float]:
+def model_figures(model: Path, seq: int = SEQ) -> tuple[float, float]:
     """FLOPs per token as the trainer counts them, and pipeline/strategies/memory.py's estimate in GiB for the estimator
     variant (fsdp2 on 1 GPU, bf16, batch 1, the model's own loss, activation checkpointing), without the CUDA
     context (max_memory_allocated, which it is compared with, does not include it)."""
@@ -190,8 +199,8 @@ def model_figures(model: Path) -> tuple[float, float]:
     config = AutoConfig.from_pretrained(model)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
-    work = Workload("fsdp2", "FULL_SHARD", 1, 1, 2, 1, SEQ, activation_checkpointing=True)
-    return flops_per_token(config, param_counts(meta)[1], SEQ), estimate(Shape.of(config), work).total / GIB
+    work = Workload("fsdp2", "FULL_SHARD", 1, 1, 2, 1, seq, activation_checkpointing=True)
+    return flops_per_token(config, param_counts(meta)[1], seq), estimate(Shape.of(config), work).total / GIB
 
 
 def shown(path: Path) -> str:
@@ -199,7 +208,8 @@ def shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def report(args, results: list[dict]) -> str:
+def report(args, results: list[dict], model: str = "Llama-3.2-1B's config", command: str = "") -> str:
+    """The table of results (one JSON line each); command: how it was made (default: this script's)."""
     peak = 989e12
     rows = []
     hf_best: dict[int, float] = {}
@@ -216,17 +226,21 @@ def report(args, results: list[dict]) -> str:
         med = statistics.median(tps)
         ratio = f"{med / hf_best[r['batch']]:.2f}" if r["system"] == "ours" and hf_best.get(r["batch"]) else "-"
         reserved = f"{r['peak_reserved_gib']:.1f}" if r.get("peak_reserved_gib") else "-"
+        alloc = f"{r['peak_alloc_gib']:.1f}" if r.get("peak_alloc_gib") else "-"  # the HF worker's on CPU: none
+        mfu = f"{med * r['flops_per_token'] / peak:.1%}" if r.get("flops_per_token") else "-"
         rows.append([label, r["batch"], f"{med:,.0f} ({min(tps):,.0f}-{max(tps):,.0f})",
-                     f"{r['batch'] * SEQ / med:.3f}", f"{med * r['flops_per_token'] / peak:.1%}",
-                     f"{r['peak_alloc_gib']:.1f} / {reserved}", ratio])
+                     f"{r['batch'] * r.get('seq', SEQ) / med:.3f}", mfu,
+                     f"{alloc} / {reserved}", ratio])
     first = results[0]
+    command = command or ("`make bench-gpu` (`python bench/train_speed_gpu.py --variants all --write`); this table: "
+                          f"`--report-only --results {shown(args.results)}`")
+    counted = max(r.get("flops_per_token") or 0 for r in results)
     lines = [
         f"- Machine: {first['machine']}.",
-        "- Command: `make bench-gpu` (`python bench/train_speed_gpu.py --variants all --write`); this table: "
-        f"`--report-only --results {shown(args.results)}` ({len({r['session'] for r in results})} invocations).",
-        f"- Model: Llama-3.2-1B's config ({first['flops_per_token'] / 1e9:.2f} GFLOPs per token counted), random "
-        f"weights, bf16 file; seq {SEQ}, bf16 compute, fp32 master weights and AdamW states, 1 GPU; steady state "
-        f"over steps {args.discard + 1}-{args.steps} in windows of 5.",
+        f"- Command: {command} ({len({r['session'] for r in results})} invocations).",
+        f"- Model: {model} ({counted / 1e9:.2f} GFLOPs per token counted), random weights, bf16 file; seq "
+        f"{first.get('seq', SEQ)}, bf16 compute, fp32 master weights and AdamW states, 1 GPU; steady state over steps "
+        f"{args.discard + 1}-{args.steps} in windows of 5.",
         "",
         table(["system", "batch", "tokens/s median (min-max of windows)", "s/step", "MFU",
                "peak GiB alloc / reserved", "x best HF Trainer at this batch"], rows),
@@ -247,6 +261,7 @@ def main() -> None:
     p.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "gpu")
     p.add_argument("--variants", default="all", help=f"comma-separated, or all: {', '.join(VARIANTS)}")
     p.add_argument("--batch", default="8", help="comma-separated batch sizes per GPU, each variant at each")
+    p.add_argument("--seq", type=int, default=SEQ)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--discard", type=int, default=10)
     p.add_argument("--timeout", type=float, default=420)
@@ -270,8 +285,8 @@ def measure(args) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/train_speed_gpu.py needs a CUDA GPU")
     names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
-    inputs = prepare(args.workdir)
-    fpt, estimate = model_figures(inputs.model)
+    inputs = prepare(args.workdir, seq=args.seq)
+    fpt, estimate = model_figures(inputs.model, args.seq)
     session = f"{os.uname().nodename}-{int(time.time())}"
     args.results.parent.mkdir(parents=True, exist_ok=True)
     for batch in (int(b) for b in args.batch.split(",")):
@@ -281,7 +296,7 @@ def measure(args) -> None:
             t0 = time.time()
             b = 1 if name == "ours-estimator" else batch
             r = run(args, name, flags, inputs, b)
-            r.update(variant=name, system=system, batch=b, flops_per_token=fpt, machine=machine(),
+            r.update(variant=name, system=system, batch=b, seq=args.seq, flops_per_token=fpt, machine=machine(),
                      session=session, wall_s=round(time.time() - t0, 1), estimate_gib=estimate)
             with open(args.results, "a") as f:
                 f.write(json.dumps(r) + "\n")

@@ -1,0 +1,380 @@
+"""make gpu-check: everything that only a GPU can check or measure, in one command that fits a lent GPU's window.
+
+    make gpu-wheels                      # here, before the GPU call: the wheels the GPU image lacks, into .whl/
+    make gpu-check                       # on the GPU (carry .whl): about 8 minutes on an H100
+    make gpu-check PARTS=adapters        # one part again, in a second call
+    make gpu-check DRY=1                 # the rehearsal: every part on the CPU, tiny shapes, a few steps
+
+Parts, in order, each in its own process under its own time budget (a part that hangs is killed and the next one
+runs), each writing its results to the results file (JSON lines) as they complete, so what finished comes back
+even when a later part runs out of time:
+
+    setup        every import the run needs, with versions, and the device; nothing else runs without it
+    correctness  the tests that need CUDA (tests/test_gpu.py; CPU offload under fsdp1 and fsdp2 with pinned
+                 memory), and beside them a few steps of fsdp2, ddp, LoRA and QLoRA on the tiny model, each
+                 killed after a checkpoint and resumed, its losses equal to an uninterrupted run's
+    full_speed   Llama-3.2-1B's shape, seq 2048, bf16: fsdp1.py with its defaults, compile off and on, against
+                 the compiled HF Trainer at the same batch (tokens/s, MFU, peak memory)
+    adapters     LoRA and QLoRA on Llama-3.1-8B's shape against HF Trainer + peft LoRA (tokens/s, peak memory;
+                 the QLoRA goal: 8B in 10 GiB)
+    extras       fp16 with dynamic loss scaling: a few steps on the tiny model, the scale in the metrics
+
+Then BENCHMARKS.md's GPU sections (train_speed_gpu, adapters_gpu) are rewritten from the results (not in a dry
+run, whose tables go to its work folder). Exit status: 0 when every part passed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from common import ROOT, bench_env, machine, update_section
+
+REQUIRED = ("torch", "transformers", "tokenizers", "datasets", "pyarrow", "safetensors", "peft", "torchao",
+            "accelerate", "huggingface_hub", "yaml", "psutil", "tqdm")
+"""What fsdp1.py and the HF worker import; the GPU image lacks some (make gpu-wheels fetches them)."""
+
+
+@dataclass(frozen=True)
+class Part:
+    budget_s: int
+    """Seconds on the GPU before the part is killed."""
+    dry_budget_s: int
+    """Seconds in the CPU rehearsal."""
+
+
+PARTS = {"setup": Part(20, 60), "correctness": Part(180, 300), "full_speed": Part(150, 240),
+         "adapters": Part(110, 240), "extras": Part(20, 90)}
+"""Budgets: 480 s on a GPU in all (the issue's window is 8 minutes of a 15-minute lease)."""
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What each part trains: the real shapes on a GPU, tiny ones in a dry run."""
+
+    speed_preset: str
+    adapter_preset: str
+    seq: int
+    batch: int
+    steps: int
+    discard: int
+    corpus_mb: int
+    """Real text to train on: this machine's Python sources, in MB (0: the bundled demo corpus)."""
+
+
+GPU = Shapes("llama-3.2-1b", "llama-3.1-8b", 2048, 8, 20, 10, 16)
+DRY = Shapes("tiny", "tiny", 64, 2, 10, 5, 0)
+
+
+class Results:
+    """The results file: one JSON object per line, each with the part, the session and the time it was written."""
+
+    def __init__(self, path: Path, session: str, part: str) -> None:
+        self.path, self.session, self.part = path, session, part
+
+    def write(self, **record: object) -> None:
+        line = json.dumps({"part": self.part, "session": self.session, "time": round(time.time(), 1), **record})
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+        print(line, flush=True)
+
+    def read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------------------------------- parts
+
+
+def setup(args, out: Results) -> None:
+    """Every import satisfied, with its version; the device named. Raises (the part fails) when one is missing."""
+    import importlib
+
+    versions, missing = {}, []
+    for name in REQUIRED:
+        try:
+            versions[name] = getattr(importlib.import_module(name), "__version__", "?")
+        except Exception as exc:  # an ImportError, or a wheel built against another torch failing at import
+            missing.append(f"{name} ({type(exc).__name__}: {str(exc)[:120]})")
+    import torch
+
+    cuda = torch.cuda.is_available()
+    out.write(item="imports", versions=versions, missing=missing, cuda=cuda,
+              device=torch.cuda.get_device_name(0) if cuda else "cpu", machine=machine())
+    if missing:
+        raise SystemExit(f"missing: {', '.join(missing)}; fetch wheels with `make gpu-wheels` and carry .whl")
+    if not cuda and not args.dry:
+        raise SystemExit("no CUDA GPU here: run `make gpu-check DRY=1` for the rehearsal on CPU")
+
+
+def tiny_inputs(work: Path) -> dict:
+    """The demo corpus as a dataset and the tiny model in an HF_HOME of the work folder, once."""
+    from pipeline.prep.corpus import CorpusConfig, build_dataset
+    from pipeline.prep.hub import import_local
+    from pipeline.prep.tiny import build_tiny
+
+    data, hf = work / "tiny-dataset", work / "tiny-hf"
+    if not (data / "state.json").exists():
+        shutil.copytree(ROOT / "examples" / "raw", work / "tiny-raw", ignore=shutil.ignore_patterns("chats"),
+                        dirs_exist_ok=True)
+        build_dataset(CorpusConfig(work / "tiny-raw", data, num_proc=1, overwrite=True))
+    if not (hf / "hub").exists():
+        import_local(build_tiny(work / "tiny-model"), "local/tiny", "main", hf / "hub")
+    return {"dataset": data, "env": {**bench_env(), "HF_HOME": str(hf)}}
+
+
+RESUME_CASES = {"fsdp2": ["--strategy", "fsdp2"], "ddp": ["--strategy", "ddp"],
+                "lora": ["--strategy", "fsdp2", "--adapter", "lora"],
+                "qlora": ["--strategy", "ddp", "--adapter", "qlora"]}
+DRY_RESUME_CASES = ("fsdp2", "qlora")
+"""A dry run's cases: the two furthest apart (sharded full fine-tuning; 4-bit adapters under ddp); the others
+differ from them by their flags alone."""
+GPU_TESTS = ["tests/test_gpu.py", "tests/test_strategies.py", "-k", "gpu or cpu_offload"]
+"""The tests that need CUDA: test_gpu.py, and CPU offload under fsdp1 and fsdp2 with pinned memory."""
+
+
+def tiny_run(work: Path, inputs: dict, name: str, flags: list[str], steps: int, *extra: object) -> list[str]:
+    return [sys.executable, str(ROOT / "fsdp1.py"), "-e", name, "--save-dir", str(work), "-d", str(inputs["dataset"]),
+            "-m", "local/tiny", "--config", str(ROOT / "configs" / "demo.yaml"), "--log-freq", "1", "--eval-freq",
+            "0", "--max-steps", str(steps), "--ckpt-freq", "2", "--async-ckpt", "off", *flags, *map(str, extra)]
+
+
+def train_losses(run: Path) -> dict[int, float]:
+    from pipeline.train.telemetry import read_metrics
+
+    metrics = run / "metrics.jsonl"
+    return {e["step"]: e["loss"] for e in read_metrics(metrics) if e["event"] == "train"} if metrics.exists() else {}
+
+
+def started(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+    """cmd in a session of its own (killed as a group), its output appended to log (a pipe left unread would block
+    it)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as f:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def last_line(log: Path) -> str:
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.exists() else []
+    return lines[-1][:300] if lines else ""
+
+
+def killed_and_resumed(work: Path, inputs: dict, cases: dict[str, list[str]], steps: int = 4) -> dict[str, dict]:
+    """Every case run to the end and, beside it, the same run killed (SIGKILL, its process group) once its step-2
+    checkpoint is complete, then rerun to the end: the steps after the checkpoint must give the uninterrupted run's
+    losses. The cases run side by side (tiny models: launch time is all there is), so the part costs two launches."""
+    for name in cases:
+        shutil.rmtree(work / name, ignore_errors=True)
+    def run(name: str, flags: list[str], which: str) -> subprocess.Popen:
+        return started(tiny_run(work / name, inputs, which, flags, steps), inputs["env"], work / f"{name}-{which}.log")
+
+    refs = {n: run(n, f, "ref") for n, f in cases.items()}
+    cuts = {n: run(n, f, "cut") for n, f in cases.items()}
+    killed = dict.fromkeys(cases, False)
+    while any(p.poll() is None and not killed[n] for n, p in cuts.items()):
+        for name, proc in cuts.items():
+            # state.json is written once the checkpoint is complete (pipeline/train/checkpoint.py)
+            if proc.poll() is None and not killed[name] and (work / name / "cut" / "state.json").exists():
+                os.killpg(proc.pid, signal.SIGKILL)
+                killed[name] = True
+        time.sleep(0.01)
+    for proc in [*refs.values(), *cuts.values()]:
+        proc.wait()
+    resumes = {n: run(n, f, "cut") for n, f in cases.items()}
+    out, log = {}, lambda name, which: last_line(work / f"{name}-{which}.log")
+    for name, proc in resumes.items():
+        proc.wait()
+        reference, resumed = train_losses(work / name / "ref"), train_losses(work / name / "cut")
+        worst = max((abs(resumed.get(s, math.inf) - v) / abs(v) for s, v in reference.items()), default=math.inf)
+        ok = (refs[name].returncode == 0 and proc.returncode == 0 and killed[name] and len(reference) == steps
+              and sorted(resumed) == sorted(reference) and worst <= 1e-5)
+        out[name] = {"ok": ok, "flags": cases[name], "killed_after_checkpoint": killed[name],
+                     "exit": [refs[name].returncode, proc.returncode], "largest_relative_loss_difference": worst,
+                     "first_loss": reference.get(1), "last_loss": reference.get(steps),
+                     "error": None if ok else log(name, "cut") or log(name, "ref")}
+    return out
+
+
+def correctness(args, out: Results) -> None:
+    """The CUDA-only tests (beside the runs), then every case killed and resumed; raises when one fails."""
+    tests = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              *(["tests/test_gpu.py"] if args.dry else GPU_TESTS)],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    cases = {n: RESUME_CASES[n] for n in DRY_RESUME_CASES} if args.dry else RESUME_CASES
+    failed = []
+    for name, result in killed_and_resumed(args.workdir / "resume", tiny_inputs(args.workdir), cases).items():
+        out.write(item=f"resume {name}", **result)
+        if not result["ok"]:
+            failed.append(name)
+    output, _ = tests.communicate()
+    summary = (output.strip().splitlines() or ["no output"])[-1]
+    # a dry run has no CUDA: every test is skipped, which is its pass
+    passed = tests.returncode == 0 and (not args.dry or "passed" not in summary)
+    out.write(item="CUDA tests", ok=passed, summary=summary,
+              failures=[line for line in output.splitlines() if line.startswith("FAILED")][:20])
+    if not passed:
+        failed.append("CUDA tests")
+    if failed:
+        raise SystemExit(f"failed: {', '.join(failed)}")
+
+
+def speed(args, out: Results, preset: str, variants: list[str]) -> None:
+    """Each variant measured as bench/train_speed_gpu.py does, one result line each (its format)."""
+    import statistics
+
+    import train_speed_gpu as tsg
+
+    shapes = DRY if args.dry else GPU
+    inputs = tsg.prepare(args.workdir / preset, preset, shapes.seq, shapes.corpus_mb)
+    fpt, _ = tsg.model_figures(inputs.model, shapes.seq)
+    budget = PARTS[out.part].dry_budget_s if args.dry else PARTS[out.part].budget_s
+    run_args = argparse.Namespace(workdir=args.workdir / preset, steps=shapes.steps, discard=shapes.discard,
+                                  timeout=budget, seq=shapes.seq)
+    errors = []
+    for name in variants:
+        system, flags, _ = tsg.VARIANTS[name]
+        t0 = time.time()
+        r = (tsg.run_ours if system == "ours" else tsg.run_hf)(run_args, name, flags, inputs, shapes.batch)
+        adapter = "lora" in name
+        out.write(item=name, variant=name, system=system, batch=shapes.batch, seq=shapes.seq, preset=preset,
+                  flops_per_token=None if adapter else fpt, machine=machine(), wall_s=round(time.time() - t0, 1),
+                  **r)
+        if "error" in r:
+            errors.append(f"{name}: {r['error']}")
+        else:
+            print(f"{name}: {statistics.median(r['tokens_per_s']):,.0f} tokens/s", flush=True)
+    if errors:
+        raise SystemExit("; ".join(errors))
+
+
+def full_speed(args, out: Results) -> None:
+    # a dry run leaves compilation out (minutes of C++ builds on 2 cores); its flags are all that differs
+    variants = ["ours-default", "hf"] if args.dry else ["ours-default", "ours-default-compile", "hf-compile"]
+    speed(args, out, (DRY if args.dry else GPU).speed_preset, variants)
+
+
+def adapters(args, out: Results) -> None:
+    variants = ["ours-qlora", "hf-peft-lora"] if args.dry else ["ours-lora", "ours-qlora", "hf-peft-lora"]
+    speed(args, out, (DRY if args.dry else GPU).adapter_preset, variants)
+
+
+def extras(args, out: Results) -> None:
+    """fp16 with dynamic loss scaling: a few steps, finite losses that fall, the scale logged."""
+    from pipeline.train.telemetry import read_metrics
+
+    inputs = tiny_inputs(args.workdir)
+    work = args.workdir / "fp16"
+    shutil.rmtree(work, ignore_errors=True)
+    proc = subprocess.run(tiny_run(work, inputs, "fp16", [], 8, "--precision", "fp16", "--ckpt-freq", "0"),
+                          cwd=ROOT, env=inputs["env"], capture_output=True, text=True)
+    metrics = work / "fp16" / "metrics.jsonl"
+    train = [e for e in read_metrics(metrics) if e["event"] == "train"] if metrics.exists() else []
+    loss = [e["loss"] for e in train]
+    ok = (proc.returncode == 0 and len(loss) == 8 and all(map(math.isfinite, loss)) and loss[-1] < loss[0]
+          and all(e.get("loss_scale") for e in train))
+    out.write(item="fp16", ok=ok, exit=proc.returncode, losses=loss, loss_scale=[e.get("loss_scale") for e in train],
+              error=None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["no output"])[-1])
+    if not ok:
+        raise SystemExit("fp16 did not train as it should")
+
+
+RUN = {"setup": setup, "correctness": correctness, "full_speed": full_speed, "adapters": adapters, "extras": extras}
+
+
+# ------------------------------------------------------------------------------------------------- the driver
+
+
+def run_part(args, name: str, session: str) -> dict:
+    """The part in a child process under its budget; what it wrote stays in the results file either way."""
+    budget = PARTS[name].dry_budget_s if args.dry else PARTS[name].budget_s
+    cmd = [sys.executable, __file__, "--part", name, "--session", session, "--workdir", str(args.workdir),
+           "--results", str(args.results), *(["--dry"] if args.dry else [])]
+    log = args.workdir / f"{name}.log"
+    start = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=bench_env(), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=budget)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the part and every run it started
+            proc.wait()
+            code = None
+    tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
+    status = "passed" if code == 0 else "timed out" if code is None else "failed"
+    return {"status": status, "seconds": round(time.time() - start, 1), "budget_s": budget,
+            "last_line": tail[0][:300] if tail else ""}
+
+
+def write_tables(args, results: list[dict]) -> list[Path]:
+    """The GPU sections from the latest result of each speed variant: into BENCHMARKS.md, or the work folder's
+    tables.md in a dry run."""
+    import train_speed_gpu as tsg
+
+    shapes = DRY if args.dry else GPU
+    table_args = argparse.Namespace(results=args.results, discard=shapes.discard, steps=shapes.steps)
+    command = f"`make gpu-check` (bench/gpu_check.py; results: {tsg.shown(args.results)})"
+    written = []
+    for part, section, model in (("full_speed", "train_speed_gpu", f"{shapes.speed_preset}'s config"),
+                                 ("adapters", "adapters_gpu", f"{shapes.adapter_preset}'s config")):
+        latest = {r["variant"]: r for r in results if r["part"] == part and "variant" in r}
+        if not latest:
+            continue
+        body = tsg.report(table_args, list(latest.values()), model, command)
+        if args.dry:
+            path = args.workdir / f"{section}.md"
+            path.write_text(body + "\n")
+            written.append(path)
+        else:
+            update_section(section, body)
+    return written
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry", action="store_true", help="the rehearsal: on the CPU, tiny shapes, a few steps")
+    p.add_argument("--parts", default="all", help=f"comma-separated, or all: {', '.join(PARTS)}")
+    p.add_argument("--workdir", type=Path, default=None, help="default .bench/gpu-check (dry: .bench/gpu-check-dry)")
+    p.add_argument("--results", type=Path, default=None, help="JSON lines, appended (default WORKDIR/results.jsonl)")
+    p.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)
+    p.add_argument("--session", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.workdir = (args.workdir or ROOT / ".bench" / ("gpu-check-dry" if args.dry else "gpu-check")).resolve()
+    args.results = (args.results or args.workdir / "results.jsonl").resolve()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.part:  # a child: one part
+        RUN[args.part](args, Results(args.results, args.session, args.part))
+        return
+    names = list(PARTS) if args.parts == "all" else args.parts.split(",")
+    if unknown := [n for n in names if n not in PARTS]:
+        raise SystemExit(f"unknown part(s) {', '.join(unknown)}; known: {', '.join(PARTS)}")
+    session = f"{os.uname().nodename}-{int(time.time())}"
+    summary = Results(args.results, session, "summary")
+    statuses = {}
+    for name in names:
+        statuses[name] = run_part(args, name, session)
+        summary.write(item=name, **statuses[name])
+        if name == "setup" and statuses[name]["status"] != "passed":
+            break  # nothing else can run without its imports or its device
+    for path in write_tables(args, summary.read()):
+        print(f"tables: {path}")
+    failed = [n for n, s in statuses.items() if s["status"] != "passed"]
+    not_passed = ", ".join(f"{n} ({statuses[n]['status']})" for n in failed)
+    print(f"gpu-check: {len(statuses) - len(failed)} of {len(names)} parts passed"
+          + (f"; not: {not_passed}" if failed else ""))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""`make gpu-check DRY=1`: the GPU window's one command rehearsed on the CPU, so that it cannot rot between lent GPUs:
+every part passes, each result is in the results file, the killed runs resume to the uninterrupted runs' losses and
+the GPU tables are written (to the work folder: BENCHMARKS.md is left alone)."""
+
+import json
+import subprocess
+
+import pytest
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_dry_run_passes_every_part_and_writes_its_tables(tmp_path):
+    before = (ROOT / "BENCHMARKS.md").read_text()
+    proc = subprocess.run(["make", "-s", "gpu-check", "DRY=1", f"GPU_CHECK_ARGS=--workdir {tmp_path}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("gpu-check: 5 of 5 parts passed")
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    summary = {r["item"]: r["status"] for r in results if r["part"] == "summary"}
+    assert summary == dict.fromkeys(["setup", "correctness", "full_speed", "adapters", "extras"], "passed")
+    items = {(r["part"], r["item"]): r for r in results if r["part"] != "summary"}
+    assert not items[("setup", "imports")]["missing"]
+    for case in ("resume fsdp2", "resume qlora"):
+        resumed = items[("correctness", case)]
+        assert resumed["killed_after_checkpoint"] and resumed["largest_relative_loss_difference"] == 0.0, resumed
+    for part, variant in (("full_speed", "ours-default"), ("full_speed", "hf"), ("adapters", "ours-qlora"),
+                          ("adapters", "hf-peft-lora")):
+        assert min(items[(part, variant)]["tokens_per_s"]) > 0
+    fp16 = items[("extras", "fp16")]
+    assert fp16["loss_scale"] == [65536.0] * 8 and fp16["losses"][-1] < fp16["losses"][0]
+    speed = (tmp_path / "train_speed_gpu.md").read_text()
+    assert "| fsdp1.py, its defaults | 2 |" in speed and "| HF Trainer (FSDP2, bf16, fused AdamW) | 2 |" in speed
+    adapters = (tmp_path / "adapters_gpu.md").read_text()
+    assert "| fsdp1.py, QLoRA r16 (NF4 base) | 2 |" in adapters
+    assert (ROOT / "BENCHMARKS.md").read_text() == before
