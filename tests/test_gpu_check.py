@@ -33,5 +33,5 @@ def test_the_dry_run_passes_every_part_and_writes_its_tables(tmp_path):
     speed = (tmp_path / "train_speed_gpu.md").read_text()
     assert "| fsdp1.py, its defaults | 2 |" in speed and "| HF Trainer (FSDP2, bf16, fused AdamW) | 2 |" in speed
     adapters = (tmp_path / "adapters_gpu.md").read_text()
-    assert "| fsdp1.py, QLoRA r16 (NF4 base) | 2 |" in adapters
+    assert "| fsdp1.py, QLoRA r16 (NF4 base), activation checkpointing | 2 |" in adapters
     assert (ROOT / "BENCHMARKS.md").read_text() == before
