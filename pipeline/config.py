@@ -316,6 +316,38 @@ class TrainConfig(Section):
                f"--lm-eval-include {self.lm_eval_include} names no task to run; add --lm-eval-tasks T1,T2")
 
 
+Objective = Literal["sft", "dpo", "ipo", "simpo", "orpo"]
+
+
+@dataclass
+class ObjectiveConfig(Section):
+    objective: Objective = "sft"
+    """What the run trains for: sft (next-token loss on the targets of text and conversations), or, on a dataset of
+    preference pairs, dpo, ipo (both against a reference: the base with the adapters off), simpo or orpo (no
+    reference)."""
+    pref_beta: float = 0.1
+    """dpo, ipo, simpo: beta, how far the policy may move from the reference (simpo: the reward scale)."""
+    pref_label_smoothing: float = 0.0
+    """dpo: the share of pairs assumed mislabelled (conservative DPO, cDPO); below 0.5."""
+    simpo_gamma: float = 0.5
+    """simpo: the target reward margin, divided by beta as TRL's simpo_gamma is."""
+    orpo_lambda: float = 0.1
+    """orpo: the weight of the odds-ratio term beside the chosen answer's negative log-likelihood."""
+
+    def check(self) -> None:
+        _check(self.pref_beta > 0, f"--pref-beta must be above 0, got {self.pref_beta:g}")
+        _check(0 <= self.pref_label_smoothing < 0.5,
+               f"--pref-label-smoothing must be in [0, 0.5), got {self.pref_label_smoothing:g}")
+        _check(self.pref_label_smoothing == 0 or self.objective == "dpo",
+               f"--pref-label-smoothing is for --objective dpo, not {self.objective}")
+        _check(self.simpo_gamma >= 0, f"--simpo-gamma must be >= 0, got {self.simpo_gamma:g}")
+        _check(self.orpo_lambda > 0, f"--orpo-lambda must be above 0, got {self.orpo_lambda:g}")
+
+    @property
+    def preference(self) -> bool:
+        return self.objective != "sft"
+
+
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
@@ -323,6 +355,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -339,4 +372,4 @@ class Config:
 
 
 SECTIONS = {"run": RunConfig, "data": DataConfig, "model": ModelConfig, "optim": OptimConfig,
-                  "train": TrainConfig}
+            "train": TrainConfig, "objective": ObjectiveConfig}

@@ -63,14 +63,210 @@ def test_a_folder_mixing_pairs_with_text_is_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_training_on_pairs_is_refused_in_one_line_until_an_objective_reads_them(tmp_path, train_env):
-    """An SFT run on a pairs dataset would train the prompts alone: fsdp1.py refuses it before anything is built."""
+def test_the_objective_and_the_data_must_agree_in_one_line(tmp_path, train_env):
+    """SFT on pairs would train the prompts alone; a preference objective on text has nothing to compare; DPO and
+    IPO need a reference. Each refused before anything is built."""
     from conftest import ROOT, preflight_errors
 
     write_jsonl(tmp_path / "data" / "pairs.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}] * 3)
     build_dataset(CorpusConfig(tmp_path / "data", tmp_path / "pairs", num_proc=1))
-    (refusal,) = preflight_errors([["-e", "r", "-d", tmp_path / "pairs", "-m", "local/tiny", "--save-dir",
-                                    tmp_path / "runs", "--config", ROOT / "configs" / "demo.yaml"]], train_env["env"])
-    assert refusal == (f"{tmp_path / 'pairs'} holds 3 preference pairs (chosen and rejected answers); fsdp1.py trains "
-                       "text and conversations, and has no preference objective (DPO) yet")
+    common = ["-e", "r", "-m", "local/tiny", "--save-dir", tmp_path / "runs", "--config",
+              ROOT / "configs" / "demo.yaml"]
+    refusals = preflight_errors([[*common, "-d", tmp_path / "pairs"],
+                                 [*common, "-d", train_env["dataset"], "--objective", "simpo"],
+                                 [*common, "-d", tmp_path / "pairs", "--objective", "dpo"],
+                                 [*common, "-d", tmp_path / "pairs", "--objective", "orpo"]], train_env["env"])
+    assert refusals == [
+        f"{tmp_path / 'pairs'} holds 3 preference pairs (chosen and rejected answers): train them with --objective "
+        "dpo, ipo, simpo or orpo",
+        f"--objective simpo trains on preference pairs and {train_env['dataset']} holds none (DATA-HF reads records "
+        "with chosen and rejected answers as pairs)",
+        "--objective dpo needs a reference model: train adapters (--adapter lora, dora or qlora; the reference is the "
+        "base with them off), or use --objective simpo or orpo, which need none",
+        "ok"]
     assert not (tmp_path / "runs").exists()
+
+
+def test_each_answer_of_packed_pairs_has_the_log_probability_the_model_gives_it_alone(tiny_models):
+    """Pairs tokenized (conversational by the chat template, standard as TRL concatenates them), packed several to a
+    block with positions restarting: each answer's summed log-probability from the packed forward equals the model's
+    own forward of that sequence alone, and its target count is its trained tokens."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.data import packing
+    from pipeline.data.batches import make_batch
+    from pipeline.data.pair_tokens import CHOSEN, REJECTED, count_pairs, pack_pairs, tokenize_pair
+    from pipeline.objectives.head import Head, token_logps
+    from pipeline.objectives.preference import answers
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["tied"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["tied"], dtype=torch.float32).eval()
+    pairs = [tokenize_pair(tokenizer, "", chat("What is 2+2?"), [chat("", "It is 4.")[1]],
+                           [chat("", "Five, I think.")[1]], "26 Jul 2024", None),
+             tokenize_pair(tokenizer, "The sky is", [], [{"role": "assistant", "content": " blue."}],
+                           [{"role": "assistant", "content": " a green cheese."}], "26 Jul 2024", None),
+             tokenize_pair(tokenizer, "", chat("Hi", "Hello!", "Name a colour."), [chat("", "Red.")[1]],
+                           [chat("", "Seven.")[1]], "26 Jul 2024", None)]
+    blocks, flags = pack_pairs(pairs, 256, tokenizer.eos_token_id)
+    assert count_pairs(flags) == 3 and len(blocks) < 3  # several pairs share a block
+    with torch.no_grad():
+        logps, labels = token_logps(Head(model, False, 1), make_batch(blocks, flags, torch.device("cpu")))
+        got = answers(torch.from_numpy(flags.astype(np.int64)), labels, logps)
+        for kind, role in (("chosen", CHOSEN), ("rejected", REJECTED)):
+            starts = ((flags & packing.START) > 0) & ((flags & role) > 0)
+            order = [(b, a) for b in range(len(blocks)) for a in np.flatnonzero(starts[b])]
+            assert len(order) == 3
+            for k, (b, a) in enumerate(order):
+                pair = next(p for p in pairs
+                            if np.array_equal(getattr(p, kind), blocks[b, a:a + len(getattr(p, kind))]))
+                ids = torch.from_numpy(getattr(pair, kind).astype(np.int64))[None]
+                alone = model(input_ids=ids).logits[0, :-1].log_softmax(-1)
+                trained = torch.from_numpy(getattr(pair, f"{kind}_trained"))[1:]
+                own = alone.gather(1, ids[0, 1:, None]).squeeze(1)[trained].sum()
+                torch.testing.assert_close(got[kind][k], own, rtol=0, atol=1e-5)
+                assert got[f"{kind}_len"][k] == int(trained.sum())
+
+
+def test_a_dataset_of_pairs_becomes_blocks_of_whole_pairs(tmp_path, tiny_models):
+    """DATA-HF's pair rows through the token cache: every kept pair in one block, its chosen answer right before its
+    rejected one, both starting with the same prompt; the counts in meta.json."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from pipeline.data import packing
+    from pipeline.data.dataset import BlockSpec
+    from pipeline.data.pair_tokens import CHOSEN, REJECTED
+    from pipeline.data.token_cache import build_blocks
+
+    rows = [{"prompt": f"Question {i}: what is {i} plus {i}?", "chosen": f" {2 * i}.", "rejected": f" {2 * i + 1}."}
+            for i in range(40)]
+    rows.append({"prompt": "x " * 400, "chosen": "a", "rejected": "b"})  # its prompt is cut from the left
+    write_jsonl(tmp_path / "data" / "pairs.jsonl", rows)
+    build_dataset(CorpusConfig(tmp_path / "data", tmp_path / "ds", num_proc=1))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["tied"])
+    build_blocks(datasets.load_from_disk(str(tmp_path / "ds")), tokenizer,
+                 BlockSpec(128, 0.1, 0, pairs=True, chat_date="26 Jul 2024"), 1, tmp_path / "cache")
+    meta = json.loads((tmp_path / "cache" / "meta.json").read_text())
+    assert meta["pairs"] == {"kept": 40, "truncated": 1, "dropped_too_long": 0, "malformed": 0,
+                             "template_mismatch": 0}
+    assert meta["pairs_kept"] == 41 and meta["train_blocks"] + meta["val_blocks"] == meta["blocks"]
+    seen = 0
+    for split in ("train", "val"):
+        ids, flags = np.load(tmp_path / "cache" / f"{split}.npy"), np.load(tmp_path / "cache" / f"{split}_flags.npy")
+        for block, flag in zip(ids, flags, strict=True):
+            starts = list(np.flatnonzero(flag & packing.START)) + [len(block)]
+            kinds = [("chosen" if flag[a] & CHOSEN else "rejected" if flag[a] & REJECTED else "pad", a, b)
+                     for a, b in zip(starts[:-1], starts[1:], strict=True)]
+            for (k1, a1, b1), (k2, a2, b2) in zip(kinds[::2], kinds[1::2], strict=False):
+                if k1 == "pad":
+                    break
+                assert (k1, k2) == ("chosen", "rejected")
+                prompt = int(np.argmax(flag[a1:b1] & packing.TRAIN))
+                assert np.array_equal(block[a1:a1 + prompt], block[a2:a2 + prompt])
+                chosen, rejected = (tokenizer.decode(block[a:b][flag[a:b] & packing.TRAIN > 0]) for a, b in
+                                    ((a1, b1), (a2, b2)))
+                assert chosen != rejected and chosen.endswith(tokenizer.eos_token)
+                seen += 1
+    assert seen == 41
+
+
+def test_dpo_on_packed_pairs_has_the_gradient_of_dpo_on_each_pair_alone(tiny_models):
+    """The objective over a packed block (policy and reference log-probabilities read per answer from the block)
+    gives the loss and every parameter's gradient that DPO written out over each pair's sequences alone gives, and
+    its TRL-named metrics; at a reference equal to the policy every pair's loss is ln 2."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.data.batches import make_batch
+    from pipeline.data.pair_tokens import pack_pairs, tokenize_pair
+    from pipeline.objectives.head import Head, token_logps
+    from pipeline.objectives.preference import PreferenceObjective, answers
+    from pipeline.objectives.preference_losses import PreferenceSettings
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["tied"])
+    policy = AutoModelForCausalLM.from_pretrained(tiny_models["tied"], dtype=torch.float32)
+    ref_model = AutoModelForCausalLM.from_pretrained(tiny_models["untied"], dtype=torch.float32).eval()
+    pairs = [tokenize_pair(tokenizer, f"Sum {i} and {i}:", [], [{"role": "assistant", "content": f" {2 * i}"}],
+                           [{"role": "assistant", "content": f" not {i}"}], "", None) for i in range(4)]
+    blocks, flags = pack_pairs(pairs, 64, tokenizer.eos_token_id)
+    batch = make_batch(blocks, flags, torch.device("cpu"))
+    torch_flags = torch.from_numpy(flags.astype(np.int64))
+
+    def reference_of(model):
+        def reference(b):
+            got = answers(torch_flags, *token_logps(Head(model, False, 1), b)[::-1])
+            return got["chosen"], got["rejected"]
+        return reference
+
+    with torch.no_grad():
+        same = PreferenceObjective(Head(policy, False, 1), PreferenceSettings("dpo", 0.1), reference_of(policy))
+        torch.testing.assert_close(same(batch, 4), torch.tensor(np.log(2), dtype=torch.float32))
+    objective = PreferenceObjective(Head(policy, False, 1), PreferenceSettings("dpo", 0.1), reference_of(ref_model))
+    loss = objective(batch, 4)
+    loss.backward()
+    packed = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    policy.zero_grad()
+
+    def logp(model, ids, trained):
+        ids = torch.from_numpy(ids.astype(np.int64))[None]
+        picked = model(input_ids=ids).logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None]).squeeze(1)
+        return picked[torch.from_numpy(trained)[1:]].sum()
+
+    terms = []
+    for p in pairs:
+        with torch.no_grad():
+            ref = logp(ref_model, p.chosen, p.chosen_trained) - logp(ref_model, p.rejected, p.rejected_trained)
+        margin = logp(policy, p.chosen, p.chosen_trained) - logp(policy, p.rejected, p.rejected_trained) - ref
+        terms.append(-torch.nn.functional.logsigmoid(0.1 * margin))
+    alone = torch.stack(terms).sum() / 4
+    alone.backward()
+    torch.testing.assert_close(loss, alone, rtol=0, atol=1e-6)
+    for name, param in policy.named_parameters():
+        torch.testing.assert_close(packed[name], param.grad, rtol=1e-4, atol=1e-7, msg=name)
+    metrics = objective.read_metrics(reduce=False)
+    assert set(metrics) == {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+                            "logps/chosen", "logps/rejected"}
+    assert metrics["rewards/margins"] == pytest.approx(metrics["rewards/chosen"] - metrics["rewards/rejected"])
+
+
+def test_dpo_with_lora_and_simpo_train_on_two_ranks_and_dpo_resumes_bitwise(tmp_path, train_env):
+    """DPO with LoRA starts at ln 2 (the adapters are zero, so the policy is its reference) on the base validation
+    and the first step, its rewards part as it trains and a rerun from a checkpoint repeats the steps after it bit for
+    bit; SimPO full fine-tuning trains without a reference."""
+    import shutil
+
+    from conftest import ROOT, events, torchrun
+
+    rows = [{"prompt": f"What is {a} plus {b}?", "chosen": f" {a + b}.", "rejected": f" {a * b + 7} maybe."}
+            for a in range(1, 11) for b in range(1, 11)]
+    write_jsonl(tmp_path / "data" / "pairs.jsonl", rows)
+    build_dataset(CorpusConfig(tmp_path / "data", tmp_path / "pairs", num_proc=1))
+
+    def run(name: str, *extra: object):
+        proc = torchrun(2, ROOT / "fsdp1.py", "-e", name, "-d", tmp_path / "pairs", "-m", "local/tiny", "--save-dir",
+                        tmp_path / "runs", "--config", ROOT / "configs" / "demo.yaml", "--seq-length", 128,
+                        "--max-steps", 6, "--log-freq", 1, "--ckpt-freq", 3, "--lr", 1e-2, *extra,
+                        env=train_env["env"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    done = run("dpo", "--adapter", "lora", "--objective", "dpo", "--strategy", "fsdp2")
+    dpo = tmp_path / "runs" / "dpo"
+    train, evals = events(dpo, "train"), events(dpo, "eval")
+    assert train[0]["loss"] == pytest.approx(0.6931472, abs=1e-6) and evals[0]["loss"] == pytest.approx(0.6931472)
+    assert train[-1]["loss"] < 0.69 and train[-1]["rewards/accuracies"] > 0.5
+    assert train[-1]["rewards/margins"] == pytest.approx(train[-1]["rewards/chosen"] - train[-1]["rewards/rejected"])
+    assert evals[-1]["loss"] < evals[0]["loss"] and "rewards/accuracies" in evals[-1]
+    assert f"validation dpo loss 0.6931 -> {evals[-1]['loss']:.4f} over " in done.stdout + done.stderr
+    shutil.copytree(dpo, tmp_path / "runs" / "again")
+    run("again", "--adapter", "lora", "--objective", "dpo", "--strategy", "fsdp2", "--resume-from", "step-00000003")
+    again = events(tmp_path / "runs" / "again", "train")
+    assert [e["step"] for e in again] == [1, 2, 3, 4, 5, 6, 4, 5, 6]
+    keys = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
+    assert [[e[k] for k in keys] for e in again[6:]] == [[e[k] for k in keys] for e in train[3:]]
+    run("simpo", "--objective", "simpo", "--pref-beta", 2, "--lr", 1e-3)
+    simpo = events(tmp_path / "runs" / "simpo", "eval")
+    assert simpo[-1]["loss"] < simpo[0]["loss"]

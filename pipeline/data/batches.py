@@ -20,6 +20,9 @@ class Batch:
     position_ids: torch.Tensor | None
     """[batch, seq], restarting at each packed sequence; None for plain text blocks (0..seq-1). With them, the
     model's mask keeps attention within each sequence (transformers derives it from the restarts)."""
+    flags: torch.Tensor | None = None
+    """[batch, seq] the blocks' packing flags (int64), which an objective may read (a preference pair's answers);
+    None for plain text blocks."""
 
 
 def _to(x: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -38,7 +41,9 @@ def make_batch(ids: np.ndarray, flags: np.ndarray | None, device: torch.device,
     if valid_rows is not None:
         labels[valid_rows:] = IGNORE
     input_ids = _to(ids, device)
-    return Batch(input_ids, _to(labels, device), None if flags is None else _to(packing.positions(flags), device))
+    if flags is None:
+        return Batch(input_ids, _to(labels, device), None)
+    return Batch(input_ids, _to(labels, device), _to(packing.positions(flags), device), _to(flags, device))
 
 
 def count_targets(ids: np.ndarray, flags: np.ndarray | None, valid_rows: int | None = None) -> int:

@@ -82,13 +82,15 @@ def _reach(starts: np.ndarray, capacity: int | None) -> int | None:
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], date: str, train_on: str,
-                          keep_as_text: re.Pattern | None = None, capacity: int | None = None) -> Rendered:
+                          keep_as_text: re.Pattern | None = None, capacity: int | None = None,
+                          first_trained: int = 0) -> Rendered:
     """Render, tokenize and mask one conversation; BadConversation or TemplateMismatch when it cannot be.
     keep_as_text: the special-token texts (special_texts) that stay text inside message contents; None lets them
     become special tokens, as the tokenizer does by default.
     capacity: the tokens fit will cut the conversation to. When there are more, only the assistant turns that start
     among the first capacity tokens are found (and checked against the template): the mask and cuts past those
-    tokens are incomplete, and fit(rendered, capacity) reads none of them. None finds every turn."""
+    tokens are incomplete, and fit(rendered, capacity) reads none of them. None finds every turn.
+    first_trained: the assistant turns before this message are context, not targets (a preference pair's prompt)."""
     if any(m.get("role") not in ROLES or not isinstance(m.get("content"), str) for m in messages):
         raise BadConversation("malformed_message")
     check(messages)
@@ -98,7 +100,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], date: str, train_on: 
     else:
         ids, offsets = _encode(tokenizer, full, split_special=False, at=0)
     starts = np.asarray(offsets, dtype=np.int64)
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first_trained]
     spans = _assistant_spans(tokenizer, messages, turns, date, full, _reach(starts, capacity))
     if train_on == "last":
         # a last turn not found starts past the first capacity tokens: fit drops the conversation either way

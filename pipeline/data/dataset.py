@@ -145,17 +145,21 @@ class BlockSpec:
     special_tokens_in_data: bool = False
     """A special token's text inside a text row or a message becomes that token (the tokenizer's default); off, it
     stays text, so data cannot end a document or forge a chat turn."""
+    pairs: bool = False
+    """The dataset holds preference pairs: blocks of packed pairs (pipeline/data/pair_tokens.py)."""
 
     @property
     def flagged(self) -> bool:
         """Whether blocks carry per-token flags (anything but plain text cut into blocks)."""
-        return self.chats or self.document_mask
+        return self.chats or self.document_mask or self.pairs
 
     def key(self) -> dict:
         """The fields that matter for this data (chat settings only with conversations, the document mask only when
         on, a template by its hash), so a text run's key is what it was before conversations existed."""
         key = {"seq_length": self.seq_length, "val_fraction": self.val_fraction, "seed": self.seed}
-        if self.chats:
+        if self.pairs:
+            key["pairs"] = True
+        if self.chats or self.pairs:
             key.update(train_on=self.train_on, chat_date=self.chat_date,
                        chat_template=hashlib.sha256(self.chat_template.encode()).hexdigest()[:16]
                        if self.chat_template else "")

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.data import chat_tokens, packing
+from pipeline.data import chat_tokens, packing, pair_tokens
 from pipeline.data.dataset import BlockSpec, conversation_rows, tokenizer_fingerprint
 from pipeline.data.text_tokens import release_freed_memory, tokenize_rows
 from pipeline.errors import UserError, disk_problem, naming
@@ -212,6 +212,33 @@ def _tokenize_chats(batch: dict, tokenizer, spec: BlockSpec) -> dict:
     return out
 
 
+def _tokenize_pairs(batch: dict, tokenizer, spec: BlockSpec) -> dict:
+    """Each preference row -> its two answers' ids and trained masks and its status (pair_tokens.STATUS), fitted
+    into one block."""
+    keep_as_text = None if spec.special_tokens_in_data else chat_tokens.special_texts(tokenizer)
+    return pair_tokens.tokenize_pairs_batch(batch, tokenizer, spec.chat_date, spec.seq_length, keep_as_text)
+
+
+def _pair_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Preference rows tokenized, fitted and packed whole into blocks, each chosen answer before its rejected one;
+    what happened to them, by status."""
+    with datasets_bars(sys.stderr.isatty()), naming(work):
+        tokenized = ds.map(_tokenize_pairs, remove_columns=ds.column_names, desc="tokenizing preference pairs",
+                           fn_kwargs={"tokenizer": tokenizer, "spec": spec},
+                           **_map_kwargs(work, "pairs", num_proc, len(ds)))
+    codes = np.asarray(tokenized.data.column("status").to_numpy())
+    status = Counter(pair_tokens.STATUS[c] for c in codes.tolist())
+    kept = np.flatnonzero(codes <= pair_tokens.STATUS.index("truncated"))
+    columns = {name: _ragged(tokenized, name, np.uint32 if name in ("chosen", "rejected") else np.uint8)
+               for name in ("chosen", "chosen_trained", "rejected", "rejected_trained")}
+    pairs = [pair_tokens.TokenPair(columns["chosen"][i], columns["chosen_trained"][i].astype(bool),
+                                   columns["rejected"][i], columns["rejected_trained"][i].astype(bool), 0)
+             for i in kept]
+    blocks, flags = pair_tokens.pack_pairs(pairs, spec.seq_length, tokenizer.eos_token_id) if pairs else (
+        np.zeros((0, spec.seq_length), np.uint32), np.zeros((0, spec.seq_length), np.uint8))
+    return blocks, flags, {s: status.get(s, 0) for s in pair_tokens.STATUS}
+
+
 def _map_kwargs(work: Path, name: str, num_proc: int, rows: int) -> dict:
     """datasets.map arguments: workers only when each gets a batch or more of rows; its Arrow output in our work
     folder (by default datasets writes beside the dataset's own files)."""
@@ -373,6 +400,20 @@ class _SplitWriter:
                 array.flush()
 
 
+def _write_blocks(final: Path, out: Path, work: Path, spec: BlockSpec, blocks: np.ndarray, flags: np.ndarray,
+                  statuses: dict, rows: int) -> None:
+    """Pair blocks split into final/ with their meta.json, then renamed to out."""
+    writer = _SplitWriter(final, len(blocks), spec)
+    writer.add(blocks, flags)
+    writer.close()
+    n_val = int(writer.is_val.sum())
+    meta = {"pairs": statuses, "pair_blocks": len(blocks), "pairs_kept": pair_tokens.count_pairs(flags),
+            "targets": writer.targets, "blocks": len(blocks), "train_blocks": len(blocks) - n_val, "val_blocks": n_val,
+            "seq_length": spec.seq_length, "rows": rows, "flags": True}
+    (final / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    _publish(final, out, work)
+
+
 def build_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, out: Path) -> None:
     """Tokenize, pack and split into out/ (assembled in OUT.partial/, then renamed into place)."""
     work = out.with_name(f"{out.name}.partial")
@@ -380,6 +421,9 @@ def build_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, out: Path) -> No
     final = work / "blocks"
     shutil.rmtree(final, ignore_errors=True)
     final.mkdir()
+    if spec.pairs:  # a dataset of pairs holds nothing else (DATA-HF refuses a mix)
+        _write_blocks(final, out, work, spec, *_pair_blocks(ds, tokenizer, spec, num_proc, work), len(ds))
+        return
     chats = conversation_rows(ds)
     # a hub dataset may have messages and no text column: its rows without a conversation have nothing to train
     text_rows = ds.select(np.flatnonzero(~chats) if "text" in ds.column_names else [])
@@ -407,6 +451,10 @@ def build_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, out: Path) -> No
     meta.update({"blocks": n_blocks, "train_blocks": n_blocks - n_val, "val_blocks": n_val,
                  "seq_length": spec.seq_length, "rows": len(ds), "flags": spec.flagged})
     (final / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    _publish(final, out, work)
+
+
+def _publish(final: Path, out: Path, work: Path) -> None:
     try:
         os.rename(final, out)
     except OSError:

@@ -4,7 +4,7 @@ rank, the same value whatever the world size or the batch size."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,16 +32,23 @@ class HeldOut:
         return math.inf if self.loss > 700 else math.exp(self.loss)  # exp overflows there; NaN stays NaN
 
 
+Items = Callable[[np.ndarray, "np.ndarray | None", int], int]
+"""What a mean is over, of blocks, their flags and how many rows are real: target tokens (count_targets), or a
+preference objective's pairs."""
+
+
 @torch.no_grad()
-def held_out_loss(strategy: Strategy, parts: Sequence[Part], batch_size: int, d: Dist) -> HeldOut | None:
+def held_out_loss(strategy: Strategy, parts: Sequence[Part], batch_size: int, d: Dist,
+                  loss_fn: Callable | None = None, items: Items = count_targets) -> HeldOut | None:
     """The loss over every block of parts, dealt round-robin to the ranks; None when there are none. A collective:
     every rank runs the same forwards on the same shapes (the vocabulary-parallel loss and FSDP's gathers are
     collectives inside each), then one all-reduce; None too when the blocks hold no target token. The model is left
-    in the mode it was in, its root released."""
+    in the mode it was in, its root released. loss_fn: the objective (default: the strategy's causal-LM loss), whose
+    mean is over items."""
     total = sum(len(blocks) for blocks, _ in parts)
     if total == 0:
         return None
-    loss_fn, model = strategy.loss(), strategy.model
+    loss_fn, model = loss_fn or strategy.loss(), strategy.model
     training = model.training
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=d.device)
@@ -55,7 +62,7 @@ def held_out_loss(strategy: Strategy, parts: Sequence[Part], batch_size: int, d:
             rows = None if flags is None else flags[idx]
             # over num_items = world size, the losses summed over ranks are the global sum (pipeline/model/loss.py)
             loss = loss_fn(make_batch(blocks[idx], rows, d.device, valid), d.world_size)
-            tokens = count_targets(blocks[idx], rows, valid)
+            tokens = items(blocks[idx], rows, valid)
             sums += torch.stack([loss.double(), torch.tensor(tokens, dtype=torch.float64, device=d.device)])
     dist.all_reduce(sums)
     strategy.release()  # the root stays gathered after a forward without backward

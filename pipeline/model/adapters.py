@@ -13,10 +13,11 @@ filling each rank's rows of the NF4 weights.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -280,6 +281,23 @@ def staging_like(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     rows = torch.empty(param.to_local().shape, dtype=dtype, device=param.device)
     return DTensor.from_local(rows, param.device_mesh, param.placements, run_check=False, shape=param.shape,
                               stride=param.stride())
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The model without its adapters: the base it was built on (a preference objective's reference). peft's own
+    switch, which also stops the adapters' gradients while off: called under no_grad, and restored before the
+    backward."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def adapter_transform(cfg: ModelConfig, dtype: torch.dtype) -> LowRankAdapter | None:

@@ -66,7 +66,7 @@ def gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
     return out
 
 
-def _sum_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def sum_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The inverse of _gather_rows: x summed over ranks, each rank keeping its own block of rows (a collective)."""
     world = _world(group)
     if world == 1:
@@ -134,7 +134,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         loss, grad_h, grad_w = head_pass(gather_rows(h_local, group), w_local, labels, vocab_start, group, True,
                                          num_items, weight_grad)
         # every rank's tokens got gradient from every rank's vocabulary share: sum, keep this rank's rows
-        ctx.save_for_backward(_sum_rows(grad_h, group), *([grad_w.to(w_local.dtype)] if weight_grad else []))
+        ctx.save_for_backward(sum_rows(grad_h, group), *([grad_w.to(w_local.dtype)] if weight_grad else []))
         return loss
 
     @staticmethod
@@ -152,7 +152,7 @@ class _VocabParallelLookup(torch.autograd.Function):
         local = gather_rows(ids_local, group) - vocab_start
         mine = (local >= 0) & (local < w_local.shape[0])
         local = torch.where(mine, local, 0)
-        out = _sum_rows(torch.nn.functional.embedding(local, w_local) * mine[..., None], group)
+        out = sum_rows(torch.nn.functional.embedding(local, w_local) * mine[..., None], group)
         if padding_idx is not None:  # nn.Embedding's padding row gets no gradient
             mine = mine & (local != padding_idx - vocab_start)
         ctx.save_for_backward(local, mine)

@@ -37,6 +37,7 @@ from pipeline.model.modeling import (
 from pipeline.model.naming import WeightNames
 from pipeline.model.transforms import ModelTransform
 from pipeline.model.weights import load_weights, read_weights
+from pipeline.objectives.head import Head
 from pipeline.strategies.memory import Shape, Workload
 from pipeline.strategies.traffic import replicated_bytes, sharded_bytes
 
@@ -243,6 +244,12 @@ class Strategy(ABC):
     def loss(self) -> CausalLMLoss:
         """The loss function for this model as built (the model's own forward and loss)."""
         return CausalLMLoss(self.model, False, self.dist.world_size)
+
+    def head(self) -> Head:
+        """How this model's output layer runs, for objectives other than the causal-LM loss (the same path as
+        loss(): vocabulary-parallel where it is, autocast where the strategy keeps fp32 parameters)."""
+        loss = self.loss()
+        return Head(loss.model, loss.vocab_parallel, loss.world_size, loss.group, loss.autocast)
 
     def release(self) -> None:  # noqa: B027 (a no-op for wrappers that never leave parameters gathered)
         """Free parameters left gathered (by a forward without backward): before saving, exporting or a step."""

@@ -88,6 +88,10 @@ def resolve(argv: list[str] | None) -> tuple[Config, AdapterFolder | None, argpa
         base_dir(adapter.path, adapter.base_model, "" if args.adapter_dir is None else model)
     # a run config's prompts are the trainer's: not read here (nor required to exist)
     cfg = config_mod.merge({**parsed, "experiment_name": "evaluate", "model_name": model, "sample_prompts": ""})
+    if cfg.objective.preference:  # its held-out figures would be the next-token loss of both answers: not that
+        raise UserError(f"pipeline.evaluate scores the next-token loss of text and conversations, not --objective "
+                        f"{cfg.objective.objective}: a preference run's validation (loss and rewards on the held-out "
+                        "pairs) is in its metrics.jsonl eval events")
     if not cfg.data.dataset_name and Tasks.of(cfg.train) is None:
         raise UserError("nothing to evaluate: give a dataset (-d DATASET, or --config RUN/config.yaml) for the "
                         "held-out loss, or --lm-eval-tasks, or both")

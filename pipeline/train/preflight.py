@@ -6,6 +6,7 @@ resolves (the model folder, its config, the dataset, the run's fingerprint) is t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -32,6 +33,7 @@ from pipeline.model.adapters import chosen_targets
 from pipeline.model.modeling import meta_model
 from pipeline.model.weight_check import WeightCheck, read_line, unchanged_weights, weights_digest
 from pipeline.model.weight_files import read_index
+from pipeline.objectives.build import REFERENCE_OBJECTIVES
 from pipeline.ownership import check_apart, check_not_nested, check_target
 from pipeline.prep.hub import resolve_model_dir
 from pipeline.strategies.auto import MemoryPlan, plan_memory
@@ -72,6 +74,8 @@ def run_fingerprint(cfg: Config, model_dir: Path, hf_config, dataset, spec: Bloc
         "dataset": dataset_fingerprint(dataset),
         **spec.key(),
         **({"adapter": adapter_settings(cfg.model)} if cfg.model.adapter != "none" else {}),
+        # an SFT run's fingerprint has no such field, so runs from before preference objectives still resume
+        **({"objective": dataclasses.asdict(cfg.objective)} if cfg.objective.preference else {}),
     }
 
 
@@ -129,6 +133,22 @@ def check_base_weights(cfg: Config, model_dir: Path) -> WeightCheck:
     return check
 
 
+def check_objective(cfg: Config, pairs: int) -> None:
+    """The objective fits the data: pairs train with a preference objective (SFT on them would train the prompts
+    alone), text and conversations with sft; a reference objective has its reference."""
+    objective, data = cfg.objective.objective, cfg.data.dataset_name
+    if pairs and objective == "sft":
+        raise UserError(f"{data} holds {pairs:,} preference pairs (chosen and rejected answers): train them with "
+                        "--objective dpo, ipo, simpo or orpo")
+    if not pairs and objective != "sft":
+        raise UserError(f"--objective {objective} trains on preference pairs and {data} holds none (DATA-HF reads "
+                        "records with chosen and rejected answers as pairs)")
+    if objective in REFERENCE_OBJECTIVES and cfg.model.adapter == "none":
+        raise UserError(f"--objective {objective} needs a reference model: train adapters (--adapter lora, dora or "
+                        "qlora; the reference is the base with them off), or use --objective simpo or orpo, which "
+                        "need none")
+
+
 def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
     """The model, its tokenizer and the dataset as the config names them, the blocks' spec and the run's fingerprint,
     with every cheap check of them; no run folder is read. Identical on every rank. What pipeline.evaluate plans
@@ -146,15 +166,12 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
     if cfg.model.adapter != "none":  # --lora-targets naming no linear layer: one line, before any weight is read
         chosen_targets(meta_model(hf_config), cfg.model.lora_targets)
     dataset = load_text_dataset(cfg.data.dataset_name)
-    if pairs := preference_rows(dataset):
-        # SFT on them would train the prompts alone (or, read as text, the rejected answers too): refused, not guessed
-        raise UserError(f"{cfg.data.dataset_name} holds {pairs:,} preference pairs (chosen and rejected answers); "
-                        "fsdp1.py trains text and conversations, and has no preference objective (DPO) yet")
+    check_objective(cfg, preference_rows(dataset))
     chats = bool(conversation_rows(dataset).any())
     tokenizer = load_tokenizer(cfg, model_dir, chats)
     spec = BlockSpec(cfg.data.seq_length, cfg.data.val_fraction, cfg.run.seed, chats, cfg.data.train_on,
                      cfg.data.chat_date, cfg.data.chat_template and tokenizer.chat_template, cfg.data.document_mask,
-                     cfg.data.allow_special_tokens_in_data)
+                     cfg.data.allow_special_tokens_in_data, pairs=cfg.objective.preference)
     fingerprint = run_fingerprint(cfg, model_dir, hf_config, dataset, spec)
     check_cache_root(cfg, inputs(cfg, model_dir))
     device = "cuda" if torch.cuda.is_available() else "cpu"

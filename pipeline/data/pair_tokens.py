@@ -1,0 +1,125 @@
+"""Preference pairs to token ids and packed blocks: both answers of a pair in the same block, never split.
+
+Each answer is one sequence, the prompt followed by it: a conversational pair rendered by the chat template (the
+answer's turns trained, their end-of-turn token included, pipeline/data/chat_tokens.py), a standard one concatenated
+as TRL does (BOS where the tokenizer has one, the prompt, the answer and EOS, the answer and EOS trained). A pair
+longer than a block has its prompt cut from the left, as TRL's keep_end truncation does, in both answers alike; one
+whose answers alone do not fit is dropped. Pairs are packed best-fit decreasing by their two lengths together; in
+a block the chosen answer comes right before its rejected one, each starting a sequence (positions restart, so no
+sequence attends to another), and the flags say which is which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.data import chat_tokens, packing
+from pipeline.prep.conversations import BadConversation
+
+CHOSEN = 4
+"""Flag bit of every token of a chosen answer's sequence (packing's TRAIN is 1, START 2)."""
+REJECTED = 8
+"""Flag bit of every token of a rejected answer's sequence."""
+STATUS = ("kept", "truncated", "dropped_too_long", "malformed", "template_mismatch")
+
+
+@dataclass
+class TokenPair:
+    chosen: np.ndarray
+    chosen_trained: np.ndarray
+    rejected: np.ndarray
+    rejected_trained: np.ndarray
+    prompt: int
+    """Tokens of the prompt at the start of both (the part truncation may cut)."""
+
+    def __len__(self) -> int:
+        return len(self.chosen) + len(self.rejected)
+
+
+def tokenize_pair(tokenizer, prompt_text: str, prompt: list[dict], chosen: list[dict], rejected: list[dict],
+                  date: str, keep_as_text) -> TokenPair:
+    """One pair's two sequences and their trained masks; BadConversation or TemplateMismatch when it cannot be."""
+    if prompt:
+        c = chat_tokens.tokenize_conversation(tokenizer, [*prompt, *chosen], date, "assistant", keep_as_text,
+                                              first_trained=len(prompt))
+        r = chat_tokens.tokenize_conversation(tokenizer, [*prompt, *rejected], date, "assistant", keep_as_text,
+                                              first_trained=len(prompt))
+        shared = int(np.argmax(c.trained)) if c.trained.any() else 0
+        if not np.array_equal(c.ids[:shared], r.ids[:shared]):
+            raise chat_tokens.TemplateMismatch
+        return TokenPair(c.ids, c.trained, r.ids, r.trained, shared)
+    head = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    ids = [*head, *_encode(tokenizer, prompt_text)]
+    pair = []
+    for answer in (chosen, rejected):
+        tail = [*_encode(tokenizer, answer[0]["content"]), tokenizer.eos_token_id]
+        pair += [np.asarray(ids + tail, dtype=np.uint32), np.r_[np.zeros(len(ids), bool), np.ones(len(tail), bool)]]
+    return TokenPair(*pair, len(ids))
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    """A text part as data: a special token's text inside it stays text."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"]
+
+
+def fit_pair(pair: TokenPair, capacity: int) -> tuple[TokenPair | None, str]:
+    """The pair within capacity tokens, its prompt cut from the left in both answers if need be (keeping one prompt
+    token: nothing predicts a sequence's first); (None, "dropped_too_long") when the answers alone are too long."""
+    over = len(pair) - capacity
+    if over <= 0:
+        return pair, "kept"
+    cut = -(-over // 2)
+    if cut > pair.prompt - 1:
+        return None, "dropped_too_long"
+    return TokenPair(pair.chosen[cut:], pair.chosen_trained[cut:], pair.rejected[cut:], pair.rejected_trained[cut:],
+                     pair.prompt - cut), "truncated"
+
+
+def pack_pairs(pairs: list[TokenPair], capacity: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks [n, capacity] uint32, flags uint8) of the pairs packed best-fit decreasing by their two lengths, the
+    chosen answer before its rejected one; the room left in a block is padding, one more untrained sequence."""
+    bins = packing.best_fit_decreasing(np.array([len(p) for p in pairs], dtype=np.int64), capacity)
+    blocks = np.full((len(bins), capacity), pad_id, dtype=np.uint32)
+    flags = np.zeros((len(bins), capacity), dtype=np.uint8)
+    for b, members in enumerate(bins):
+        at = 0
+        for i in members:
+            for ids, trained, role in ((pairs[i].chosen, pairs[i].chosen_trained, CHOSEN),
+                                       (pairs[i].rejected, pairs[i].rejected_trained, REJECTED)):
+                blocks[b, at:at + len(ids)] = ids
+                flags[b, at:at + len(ids)] = np.where(trained, packing.TRAIN, 0) | role
+                flags[b, at] |= packing.START
+                at += len(ids)
+        if at < capacity:
+            flags[b, at] = packing.START
+    return blocks, flags
+
+
+def count_pairs(flags: np.ndarray, valid_rows: int | None = None) -> int:
+    """Pairs in these blocks' flags (the chosen answers' starts), of the first valid_rows rows."""
+    rows = flags if valid_rows is None else flags[:valid_rows]
+    return int((((rows & packing.START) > 0) & ((rows & CHOSEN) > 0)).sum())
+
+
+def tokenize_pairs_batch(batch: dict, tokenizer, date: str, capacity: int, keep_as_text) -> dict:
+    """datasets.map over preference rows: each pair fitted into a block, as (chosen ids, chosen mask, rejected ids,
+    rejected mask, status)."""
+    out: dict[str, list] = {"chosen": [], "chosen_trained": [], "rejected": [], "rejected_trained": [], "status": []}
+    for text, prompt, chosen, rejected in zip(batch["text"], batch["messages"], batch["chosen"], batch["rejected"],
+                                              strict=True):
+        try:
+            fitted, status = fit_pair(tokenize_pair(tokenizer, text, prompt, chosen, rejected, date, keep_as_text),
+                                      capacity)
+        except BadConversation:
+            fitted, status = None, "malformed"
+        except chat_tokens.TemplateMismatch:
+            fitted, status = None, "template_mismatch"
+        empty_ids, empty_mask = np.zeros(0, np.uint32), np.zeros(0, np.uint8)
+        out["chosen"].append(fitted.chosen if fitted else empty_ids)
+        out["chosen_trained"].append(fitted.chosen_trained.astype(np.uint8) if fitted else empty_mask)
+        out["rejected"].append(fitted.rejected if fitted else empty_ids)
+        out["rejected_trained"].append(fitted.rejected_trained.astype(np.uint8) if fitted else empty_mask)
+        out["status"].append(STATUS.index(status))
+    return out
