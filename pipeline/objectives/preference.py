@@ -29,7 +29,7 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/acc
 
 Reference = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]
 """The reference's summed log-probabilities of the batch's chosen and rejected answers (every pair in the rows the
-objective reads, in their order): the base with its adapters off, or the precomputed cache (objectives/reference.py)."""
+objective reads, in their order): the base with its adapters off (objectives/reference.py)."""
 
 
 def answers(flags: torch.Tensor, labels: torch.Tensor, logps: torch.Tensor) -> dict[str, torch.Tensor]:
