@@ -19,8 +19,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.config_merge import from_flat
 from pipeline.data.batches import make_batch
-from pipeline.dist.runtime import init_distributed
+from pipeline.distributed.runtime import init_distributed
 from pipeline.errors import run_cli
+from pipeline.objectives.causal_lm import CausalLMLoss
 from pipeline.strategies.registry import STRATEGIES, make_strategy, settle
 from pipeline.train.export import export_model
 
@@ -30,11 +31,11 @@ def exported_against_trained(strategy, folder: Path, batch, items: float, scratc
     against the trained model's. Collectives inside."""
     optimizer = torch.optim.AdamW([p for g in strategy.param_groups(0.0) for p in g["params"]], lr=1e-3)
     with strategy.gradient_sync(True):
-        strategy.loss()(batch, items).backward()
+        CausalLMLoss(strategy.head())(batch, items).backward()
     optimizer.step()
     trained = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in strategy.export_state().items()}
     with torch.no_grad():
-        loss = strategy.loss()(batch, items).item()
+        loss = CausalLMLoss(strategy.head())(batch, items).item()
     out = scratch / "export"
     export_model(strategy, folder, out, torch.float32, d)
     if not d.is_main:
@@ -65,7 +66,7 @@ def main() -> None:
             strategy.load_weights(Path(folder))
             items = d.world_size * rows.shape[0] * (rows.shape[1] - 1)
             with torch.no_grad():
-                ours = strategy.loss()(batch, items).item()
+                ours = CausalLMLoss(strategy.head())(batch, items).item()
             results.append({"family": family, "strategy": name, "ours": ours, "theirs": theirs,
                             "attn": strategy.module.config._attn_implementation,
                             "vocab_parallel": bool(getattr(strategy, "vocab_parallel", False)),

@@ -36,7 +36,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from pipeline import config_merge as config_mod
-    from pipeline.dist.runtime import init_distributed
+    from pipeline.distributed.runtime import init_distributed
     from pipeline.train.preflight import preflight
     from pipeline.train.telemetry import setup_logging
     from pipeline.train.trainer import Trainer

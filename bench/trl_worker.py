@@ -25,7 +25,8 @@ from trl import SFTConfig, SFTTrainer
 from pipeline.data import packing
 from pipeline.data.batches import count_targets, make_batch
 from pipeline.data.chat_tokens import tokenize_conversation
-from pipeline.model.loss import CausalLMLoss
+from pipeline.model.head import Head
+from pipeline.objectives.causal_lm import CausalLMLoss
 
 MARKED = {
     "message['content'] | trim + '<|eot_id|>' }}{%- endfor %}":
@@ -74,7 +75,7 @@ def first_losses(trainer: SFTTrainer, tokenizer, by_ids: dict, seq: int) -> dict
         rendered = [by_ids[tuple(ids[a:b])] for a, b in zip(starts, starts[1:], strict=False)]
         blocks, flags = packing.pack([r.ids for r in rendered], [r.trained for r in rendered], seq,
                                      tokenizer.eos_token_id)
-        ours = CausalLMLoss(model, False, 1)(make_batch(blocks, flags, torch.device("cpu")),
+        ours = CausalLMLoss(Head(model, False, 1))(make_batch(blocks, flags, torch.device("cpu")),
                                              count_targets(blocks, flags)).item()
     return {"trl": trl_loss, "ours": ours, "conversations": len(rendered)}
 

@@ -235,7 +235,7 @@ def family_models(tmp_path_factory) -> dict:
 @pytest.fixture
 def group_of_one(monkeypatch):
     """This pytest process as a gloo group of one (the env it sets is restored afterwards)."""
-    from pipeline.dist.runtime import free_port, init_distributed
+    from pipeline.distributed.runtime import free_port, init_distributed
 
     for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT=str(free_port())).items():

@@ -21,6 +21,7 @@ from pipeline.errors import UserError
 from pipeline.model import nf4
 from pipeline.model.adapters import is_adapter_key, local
 from pipeline.model.registry import transforms_for
+from pipeline.objectives.causal_lm import CausalLMLoss
 from pipeline.prep.tiny import FAMILIES
 from pipeline.strategies.registry import make_strategy
 
@@ -99,7 +100,7 @@ def test_every_family_trains_the_loss_peft_gives_with_the_same_adapter(family, s
     assert not set_peft_model_state_dict(reference, adapter.adapter_state(s.model, s.module)).unexpected_keys
     batch = make_batch(np.random.default_rng(1).integers(0, 512, size=(2, 16)), None, group_of_one.device)
     with torch.no_grad():
-        ours = s.loss()(batch, 2 * 15).item()
+        ours = CausalLMLoss(s.head())(batch, 2 * 15).item()
         theirs = reference(input_ids=batch.input_ids, labels=batch.labels).loss.item()
         base = reference.get_base_model()
         with reference.disable_adapter():

@@ -13,6 +13,7 @@ from transformers import AutoConfig, PreTrainedModel
 from pipeline.config_merge import from_flat
 from pipeline.data.batches import make_batch
 from pipeline.model.transforms import ModelTransform
+from pipeline.objectives.causal_lm import CausalLMLoss
 from pipeline.prep.tiny import FAMILIES
 from pipeline.strategies.registry import STRATEGIES, make_strategy, settle
 from pipeline.train.optim import build_optimizer, build_scheduler
@@ -60,8 +61,9 @@ def test_every_strategy_applies_the_transforms_to_the_plain_meta_model_before_ch
     rows = np.random.default_rng(0).integers(0, 500, size=(2, 16))
     norm_before = strategy.module.model.norm.weight
     for _ in range(2):
-        result = train_step(strategy, strategy.loss(), [rows], lambda r: make_batch(r, None, group_of_one.device),
-                            2 * 15, update, PhaseTimer(group_of_one.device))
+        result = train_step(strategy, CausalLMLoss(strategy.head()), [rows],
+                            lambda r: make_batch(r, None, group_of_one.device), 2 * 15, update,
+                            PhaseTimer(group_of_one.device))
         assert result.applied
     assert probe.steps == 2
     if name in ("fsdp2", "ddp"):  # the frozen norm kept out of the update where the parameter stays itself
@@ -107,12 +109,12 @@ def test_every_strategy_trains_and_exports_the_model_from_pretrained_gives(famil
     rows = np.random.default_rng(1).integers(0, 512, size=(2, 16))
     batch = make_batch(rows, None, group_of_one.device)
     with torch.no_grad():
-        ours = strategy.loss()(batch, 2 * 15).item()
+        ours = CausalLMLoss(strategy.head())(batch, 2 * 15).item()
         theirs = reference(input_ids=batch.input_ids, labels=batch.labels).loss.item()
     assert ours == pytest.approx(theirs, abs=1e-5)
     optimizer = torch.optim.AdamW([p for g in strategy.param_groups(0.0) for p in g["params"]], lr=1e-2)
     with strategy.gradient_sync(True):
-        strategy.loss()(batch, 2 * 15).backward()
+        CausalLMLoss(strategy.head())(batch, 2 * 15).backward()
     optimizer.step()
     trained = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in strategy.export_state().items()}
     export_model(strategy, model_dir, tmp_path / "hf", torch.float32, group_of_one)
@@ -123,4 +125,4 @@ def test_every_strategy_trains_and_exports_the_model_from_pretrained_gives(famil
         assert torch.equal(state[key], value.cpu()), key
     with torch.no_grad():
         assert exported(input_ids=batch.input_ids, labels=batch.labels).loss.item() == pytest.approx(
-            strategy.loss()(batch, 2 * 15).item(), abs=1e-5)
+            CausalLMLoss(strategy.head())(batch, 2 * 15).item(), abs=1e-5)

@@ -17,7 +17,8 @@ from pipeline.data.batches import Batch, count_targets, make_batch
 from pipeline.data.chat_tokens import Rendered, TemplateMismatch, fit, render, special_texts, tokenize_conversation
 from pipeline.data.dataset import load_text_dataset
 from pipeline.errors import UserError
-from pipeline.model.loss import CausalLMLoss
+from pipeline.model.head import Head
+from pipeline.objectives.causal_lm import CausalLMLoss
 from pipeline.prep.tiny import CHAT_TEMPLATE
 
 CHATML = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -259,7 +260,7 @@ def test_packed_loss_equals_the_token_weighted_mean_of_each_conversation(tiny_mo
     assert len(blocks) == 1  # all four share one block, so attention would cross them without the mask
     n = count_targets(blocks, flags)
     batch = make_batch(blocks, flags, torch.device("cpu"))
-    packed = CausalLMLoss(model, False, 1)(batch, n).item()
+    packed = CausalLMLoss(Head(model, False, 1))(batch, n).item()
     total = 0.0
     for r in rendered:
         labels = torch.where(torch.from_numpy(r.trained), torch.from_numpy(r.ids.astype(np.int64)), -100)
@@ -268,7 +269,7 @@ def test_packed_loss_equals_the_token_weighted_mean_of_each_conversation(tiny_mo
         total += out.loss.item()
     assert n == sum(int(r.trained[1:].sum()) for r in rendered)
     assert packed == pytest.approx(total / n, abs=1e-5)
-    unmasked = CausalLMLoss(model, False, 1)(Batch(batch.input_ids, batch.labels, None), n).item()
+    unmasked = CausalLMLoss(Head(model, False, 1))(Batch(batch.input_ids, batch.labels, None), n).item()
     assert abs(unmasked - total / n) > 1e-3  # without the restarts, later conversations see earlier ones
 
 

@@ -15,8 +15,8 @@ import yaml
 from conftest import ROOT, losses, run_script, torchrun, wait_for
 
 from pipeline.config_merge import resolve
-from pipeline.dist.launch import Launch, detect, first_host, tasks_per_node
-from pipeline.dist.liveness import watched_ranks
+from pipeline.distributed.launch import Launch, detect, first_host, tasks_per_node
+from pipeline.distributed.liveness import watched_ranks
 from pipeline.errors import UserError
 
 pytestmark = pytest.mark.slow

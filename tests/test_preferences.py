@@ -98,8 +98,9 @@ def test_each_answer_of_packed_pairs_has_the_log_probability_the_model_gives_it_
     from pipeline.data import packing
     from pipeline.data.batches import make_batch
     from pipeline.data.pair_tokens import CHOSEN, REJECTED, count_pairs, pack_pairs, tokenize_pair
-    from pipeline.objectives.head import Head, token_logps
+    from pipeline.model.head import Head
     from pipeline.objectives.preference import answers
+    from pipeline.objectives.token_logps import token_logps
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_models["tied"])
     model = AutoModelForCausalLM.from_pretrained(tiny_models["tied"], dtype=torch.float32).eval()
@@ -182,9 +183,10 @@ def test_dpo_on_packed_pairs_has_the_gradient_of_dpo_on_each_pair_alone(tiny_mod
 
     from pipeline.data.batches import make_batch
     from pipeline.data.pair_tokens import pack_pairs, tokenize_pair
-    from pipeline.objectives.head import Head, token_logps
+    from pipeline.model.head import Head
     from pipeline.objectives.preference import PreferenceObjective, answers
     from pipeline.objectives.preference_losses import PreferenceSettings
+    from pipeline.objectives.token_logps import token_logps
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_models["tied"])
     policy = AutoModelForCausalLM.from_pretrained(tiny_models["tied"], dtype=torch.float32)

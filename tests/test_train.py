@@ -137,7 +137,7 @@ def test_out_of_memory_hints_name_only_what_applies():
     import torch
 
     from pipeline.config_merge import from_flat
-    from pipeline.dist.runtime import Dist
+    from pipeline.distributed.runtime import Dist
     from pipeline.strategies.registry import settle
     from pipeline.train.cli import out_of_memory_message
 

@@ -9,7 +9,6 @@ KV cache: each new token costs one forward over the sequence so far (prompts are
 
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from pipeline.data.chat_tokens import render
-from pipeline.dist.runtime import Dist
+from pipeline.distributed.runtime import Dist
 from pipeline.errors import UserError
-from pipeline.model.loss import CausalLMLoss
+from pipeline.model.head import Head
 from pipeline.model.modeling import trunk
 from pipeline.model.vocab_parallel import argmax_token, vocab_row_offset
 from pipeline.strategies.base import Strategy
@@ -95,7 +94,7 @@ def stop_ids(tokenizer, model_dir: Path) -> set[int]:
 def complete(strategy: Strategy, prompts: list[Prompt], max_tokens: int, stops: set[int], d: Dist) -> list[list[int]]:
     """Each prompt's greedy completion (at most max_tokens, ending before a stop token). A collective: every rank
     runs the same forwards, then takes rank 0's token. The model is left in its mode, its root released."""
-    loss_fn, model = strategy.loss(), strategy.model
+    head, model = strategy.head(), strategy.model
     training = model.training
     model.eval()
     completions = []
@@ -103,7 +102,7 @@ def complete(strategy: Strategy, prompts: list[Prompt], max_tokens: int, stops: 
         ids = torch.tensor([prompt.ids], dtype=torch.long, device=d.device)
         out: list[int] = []
         while len(out) < max_tokens:
-            token = next_token(loss_fn, ids)
+            token = next_token(head, ids)
             dist.broadcast(token, src=0)  # ranks that computed in another order still continue alike
             value = int(token.item())  # a host sync per token: sampling is not the training loop
             if value in stops:
@@ -116,16 +115,15 @@ def complete(strategy: Strategy, prompts: list[Prompt], max_tokens: int, stops: 
     return completions
 
 
-def next_token(loss_fn: CausalLMLoss, ids: torch.Tensor) -> torch.Tensor:
+def next_token(head: Head, ids: torch.Tensor) -> torch.Tensor:
     """The argmax of the next token's logits, as a 1-element tensor on the device. Through the model's own forward
     (its head, any final soft cap), or, with the vocabulary-parallel head, each rank's best of its rows and the best
     of those (a collective)."""
-    model = loss_fn.model
-    autocast = torch.autocast(ids.device.type, loss_fn.autocast) if loss_fn.autocast else contextlib.nullcontext()
-    if not loss_fn.vocab_parallel:
-        with autocast:
+    model = head.model
+    if not head.vocab_parallel:
+        with head.autocasting(ids.device):
             logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1]
         return logits.argmax().view(1)
     h = trunk(model)(input_ids=ids, use_cache=False).last_hidden_state[0, -1]
-    head = model.get_output_embeddings().weight
-    return argmax_token(h, head.to_local(), vocab_row_offset(head.shape[0], loss_fn.group), loss_fn.group)
+    weight = model.get_output_embeddings().weight
+    return argmax_token(h, weight.to_local(), vocab_row_offset(weight.shape[0], head.group), head.group)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.dist.collectives import all_gather_flat, reduce_scatter_flat
+from pipeline.distributed.collectives import all_gather_flat, reduce_scatter_flat
 
 IGNORE = -100
 LOGIT_TERMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")

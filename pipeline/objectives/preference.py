@@ -19,9 +19,11 @@ import torch.distributed as dist
 from pipeline.data import packing
 from pipeline.data.batches import Batch
 from pipeline.data.pair_tokens import CHOSEN, REJECTED, count_pairs
+from pipeline.model.head import Head
 from pipeline.model.vocab_parallel import IGNORE, gather_rows
-from pipeline.objectives.head import Head, token_logps
+from pipeline.objectives.objective import HeldOut
 from pipeline.objectives.preference_losses import PairTerms, PreferenceSettings, pair_terms
+from pipeline.objectives.token_logps import token_logps
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")
@@ -51,15 +53,23 @@ def answers(flags: torch.Tensor, labels: torch.Tensor, logps: torch.Tensor) -> d
 class PreferenceObjective:
     """DPO, IPO, SimPO or ORPO over a batch of packed pairs, strategy-blind: the head says how the model is run."""
 
+    unit = "pairs"
+
     def __init__(self, head: Head, settings: PreferenceSettings, reference: Reference | None):
         self.head, self.settings, self.reference = head, settings, reference
+        self.name = f"{settings.objective} loss"
         self.window: torch.Tensor | None = None
         """Pairs, then each metric summed over them, since the window was last read (on the device: read once per
         window)."""
 
     def items(self, ids: np.ndarray, flags: np.ndarray | None, valid_rows: int | None = None) -> int:
-        """What the step's loss is divided by: its pairs (count_targets' signature)."""
         return count_pairs(flags, valid_rows)
+
+    def closing(self, base: HeldOut, final: HeldOut) -> str:
+        b, f = base.metrics, final.metrics
+        return (f"{self.name} {base.loss:.4f} -> {final.loss:.4f} over {final.tokens} pairs; preference accuracy "
+                f"{b['rewards/accuracies']:.3f} -> {f['rewards/accuracies']:.3f}, mean margin "
+                f"{b['rewards/margins']:.4f} -> {f['rewards/margins']:.4f}")
 
     @contextlib.contextmanager
     def window_apart(self) -> Iterator[None]:

@@ -12,9 +12,10 @@ from collections.abc import Callable
 import torch
 
 from pipeline.data.batches import Batch
+from pipeline.model.head import Head
 from pipeline.model.vocab_parallel import gather_rows
-from pipeline.objectives.head import Head, token_logps
 from pipeline.objectives.preference import answers
+from pipeline.objectives.token_logps import token_logps
 
 
 def adapters_off(head: Head, disabled: Callable[[], contextlib.AbstractContextManager]) -> Callable:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pipeline.config import Config
-from pipeline.dist.launch import Launch
-from pipeline.dist.launch import detect as detect_launch
-from pipeline.dist.runtime import Dist, gather_objects
+from pipeline.distributed.launch import Launch
+from pipeline.distributed.launch import detect as detect_launch
+from pipeline.distributed.runtime import Dist, gather_objects
 from pipeline.errors import UserError
 from pipeline.strategies.memory import GIB, Estimate, Shape, ShapeUnknown, device_bytes
 from pipeline.strategies.registry import estimate, settle, traffic_bytes, workload

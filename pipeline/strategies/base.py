@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from pipeline.config import Config, ModelConfig
-from pipeline.dist.runtime import Dist
-from pipeline.model.loss import CausalLMLoss
+from pipeline.distributed.runtime import Dist
+from pipeline.model.head import Head
 from pipeline.model.modeling import (
     compute_buffers,
     decoder_layers,
@@ -37,7 +37,6 @@ from pipeline.model.modeling import (
 from pipeline.model.naming import WeightNames
 from pipeline.model.transforms import ModelTransform
 from pipeline.model.weights import load_weights, read_weights
-from pipeline.objectives.head import Head
 from pipeline.strategies.memory import Shape, Workload
 from pipeline.strategies.traffic import replicated_bytes, sharded_bytes
 
@@ -241,15 +240,9 @@ class Strategy(ABC):
 
         return ShardedGradScaler(self.dist.device.type, init_scale=init_scale)
 
-    def loss(self) -> CausalLMLoss:
-        """The loss function for this model as built (the model's own forward and loss)."""
-        return CausalLMLoss(self.model, False, self.dist.world_size)
-
     def head(self) -> Head:
-        """How this model's output layer runs, for objectives other than the causal-LM loss (the same path as
-        loss(): vocabulary-parallel where it is, autocast where the strategy keeps fp32 parameters)."""
-        loss = self.loss()
-        return Head(loss.model, loss.vocab_parallel, loss.world_size, loss.group, loss.autocast)
+        """How this model's output layer runs, for the objectives and the sampler: here the model's own forward."""
+        return Head(self.model, False, self.dist.world_size)
 
     def release(self) -> None:  # noqa: B027 (a no-op for wrappers that never leave parameters gathered)
         """Free parameters left gathered (by a forward without backward): before saving, exporting or a step."""

@@ -17,7 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.config import ModelConfig
-from pipeline.model.loss import CausalLMLoss
+from pipeline.model.head import Head
 from pipeline.model.modeling import retie
 from pipeline.strategies.base import Strategy
 from pipeline.strategies.memory import Shape, Workload
@@ -104,9 +104,9 @@ class DDP(Strategy):
             wrapped.register_comm_hook(self.clock, timed_allreduce)
         return wrapped
 
-    def loss(self) -> CausalLMLoss:
-        return CausalLMLoss(self.model, False, self.dist.world_size,
-                            autocast=None if self.dtype == torch.float32 else self.dtype)
+    def head(self) -> Head:
+        return Head(self.model, False, self.dist.world_size,
+                    autocast=None if self.dtype == torch.float32 else self.dtype)
 
     def comm_seconds(self) -> float | None:
         return None if self.clock is None else self.clock.exposed()

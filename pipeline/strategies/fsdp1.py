@@ -23,7 +23,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
 from pipeline.config import Config
-from pipeline.dist.runtime import build_mesh
+from pipeline.distributed.runtime import build_mesh
 from pipeline.errors import UserError
 from pipeline.model.modeling import decoder_layers, plain_name, retie
 from pipeline.strategies.base import Strategy

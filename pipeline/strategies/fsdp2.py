@@ -23,11 +23,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from pipeline.config import VOCAB_PARALLEL_SHARDINGS, ModelConfig
-from pipeline.dist.collectives import CommClock, all_gather_flat, reduce_scatter_flat
-from pipeline.dist.runtime import build_mesh
+from pipeline.distributed.collectives import CommClock, all_gather_flat, reduce_scatter_flat
+from pipeline.distributed.runtime import build_mesh
 from pipeline.errors import UserError
 from pipeline.model import nf4
-from pipeline.model.loss import CausalLMLoss
+from pipeline.model.head import Head
 from pipeline.model.modeling import decoder_layers, trunk, untested_family
 from pipeline.model.vocab_parallel import VocabParallelEmbedding, unsupported_terms
 from pipeline.strategies.base import Strategy
@@ -194,9 +194,9 @@ class FSDP2(Strategy):
         """The outermost FSDP module: the model itself, or its decoder stack when the head is vocabulary-parallel."""
         return self.model if isinstance(self.model, FSDPModule) else trunk(self.model)
 
-    def loss(self) -> CausalLMLoss:
-        return CausalLMLoss(self.model, self.vocab_parallel, self.dist.world_size,
-                            self.mesh.get_group() if self.vocab_parallel else None)
+    def head(self) -> Head:
+        return Head(self.model, self.vocab_parallel, self.dist.world_size,
+                    self.mesh.get_group() if self.vocab_parallel else None)
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         self.root.set_requires_gradient_sync(enabled)

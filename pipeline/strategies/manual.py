@@ -36,8 +36,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from pipeline.dist.collectives import CommClock, all_gather_flat, reduce_scatter_flat
-from pipeline.dist.runtime import build_mesh
+from pipeline.distributed.collectives import CommClock, all_gather_flat, reduce_scatter_flat
+from pipeline.distributed.runtime import build_mesh
 from pipeline.model.modeling import decoder_layers
 from pipeline.model.weights import read_weights
 from pipeline.strategies.base import Strategy

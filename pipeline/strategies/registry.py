@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 
 from pipeline.config import VOCAB_PARALLEL_SHARDINGS, Config, ModelConfig, flag
-from pipeline.dist.runtime import Dist, compute_dtype
+from pipeline.distributed.runtime import Dist, compute_dtype
 from pipeline.errors import UserError
 from pipeline.model.transforms import ModelTransform
 from pipeline.strategies.base import Strategy

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from pipeline import config_merge as config_mod
 from pipeline.config import Config
 from pipeline.config_merge import add_config_arguments
-from pipeline.dist.launch import detect as detect_launch
-from pipeline.dist.runtime import Dist, compute_dtype, init_distributed
+from pipeline.distributed.launch import detect as detect_launch
+from pipeline.distributed.runtime import Dist, compute_dtype, init_distributed
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.eval.adapter_folder import (
     WEIGHTS,
@@ -41,9 +41,11 @@ from pipeline.eval.adapter_folder import (
     read_adapter_folder,
 )
 from pipeline.eval.harness import Tasks, check_tasks, run_tasks
-from pipeline.eval.heldout import HeldOut, held_out_loss
+from pipeline.eval.heldout import held_out_loss
 from pipeline.fsutil import sha256_file, write_text_atomic
 from pipeline.model.registry import transforms_for
+from pipeline.objectives.causal_lm import CausalLMLoss
+from pipeline.objectives.objective import HeldOut
 from pipeline.prep.hub import resolve_model_dir
 from pipeline.strategies.auto import check_agreed
 from pipeline.strategies.registry import make_strategy, settle
@@ -188,7 +190,7 @@ def evaluate(cfg: Config, plan: Plan, adapter: AdapterFolder | None, split: str,
     strategy.load_weights(plan.model_dir)
     if adapter is not None:
         load_adapter(strategy, adapter)
-    result = held_out_loss(strategy, parts, cfg.train.batch_size, d)
+    result = held_out_loss(strategy, parts, cfg.train.batch_size, d, CausalLMLoss(strategy.head()))
     if result is None:
         raise UserError(f"the {split} blocks of {cfg.data.dataset_name} hold no token the loss counts (--train-on "
                         f"{cfg.data.train_on}); use --split all or another --train-on")

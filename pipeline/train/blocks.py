@@ -12,8 +12,8 @@ from pathlib import Path
 
 from pipeline.config import Config
 from pipeline.data.token_cache import Blocks, beyond_vocabulary, ensure_token_cache, open_blocks, token_cache_dir
-from pipeline.dist.launch import Launch
-from pipeline.dist.runtime import Dist, gather_objects
+from pipeline.distributed.launch import Launch
+from pipeline.distributed.runtime import Dist, gather_objects
 from pipeline.errors import UserError
 from pipeline.train.preflight import Plan
 from pipeline.train.telemetry import log

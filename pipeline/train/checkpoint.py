@@ -33,8 +33,8 @@ import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from pipeline.dist.liveness import is_collective_failure
-from pipeline.dist.runtime import Dist, gather_objects
+from pipeline.distributed.liveness import is_collective_failure
+from pipeline.distributed.runtime import Dist, gather_objects
 from pipeline.errors import UserError
 from pipeline.fsutil import hash_file, write_text_atomic
 from pipeline.model.weight_check import check_same_base, unchanged_weights

@@ -12,11 +12,11 @@ import torch.distributed as dist
 
 from pipeline import config_merge as config_mod
 from pipeline.config import Config
-from pipeline.dist.launch import Launch
-from pipeline.dist.launch import detect as detect_launch
-from pipeline.dist.liveness import PeerWatch, is_collective_failure, watch_parent
-from pipeline.dist.runtime import Dist, init_distributed
-from pipeline.dist.spawn import nproc_arg, run_workers
+from pipeline.distributed.launch import Launch
+from pipeline.distributed.launch import detect as detect_launch
+from pipeline.distributed.liveness import PeerWatch, is_collective_failure, watch_parent
+from pipeline.distributed.runtime import Dist, init_distributed
+from pipeline.distributed.spawn import nproc_arg, run_workers
 from pipeline.errors import UserError, first_line, naming
 from pipeline.eval.harness import Tasks, check_tasks
 from pipeline.strategies.auto import check_agreed
@@ -57,7 +57,7 @@ def out_of_memory_message(cfg: Config, d: Dist) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """fsdp1.py: resolve the config, check everything cheap, then join the process group and train; with
-    --nproc-per-node N, check, then start N workers that do (pipeline/dist/spawn.py)."""
+    --nproc-per-node N, check, then start N workers that do (pipeline/distributed/spawn.py)."""
     nproc, argv = nproc_arg(sys.argv[1:] if argv is None else list(argv))
     cfg = settle(config_mod.resolve(argv))
     launch = detect_launch()  # a launcher's missing variable is one line before any heavy work

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from pipeline.config import Config
-from pipeline.dist.runtime import DTYPES, Dist, init_distributed
+from pipeline.distributed.runtime import DTYPES, Dist, init_distributed
 from pipeline.errors import ArgumentParser, UserError, naming
 from pipeline.fsutil import replace_dir
 from pipeline.model.adapters import ADAPTER_FILES, LowRankAdapter

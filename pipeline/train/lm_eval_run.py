@@ -10,7 +10,7 @@ import traceback
 import torch
 
 from pipeline.config import Config
-from pipeline.dist.runtime import Dist, compute_dtype
+from pipeline.distributed.runtime import Dist, compute_dtype
 from pipeline.errors import UserError, first_line
 from pipeline.eval.harness import Tasks, run_tasks
 from pipeline.fsutil import write_text_atomic

@@ -26,7 +26,7 @@ from pipeline.data.dataset import (
     size_fingerprint,
     tokenizer_fingerprint,
 )
-from pipeline.dist.launch import Launch
+from pipeline.distributed.launch import Launch
 from pipeline.errors import UserError
 from pipeline.eval.samples import Prompt, read_prompts
 from pipeline.model.adapters import chosen_targets

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from pipeline import config_merge as config_mod
 from pipeline.config import Config
-from pipeline.dist.runtime import Dist, check_shared_dir
+from pipeline.distributed.runtime import Dist, check_shared_dir
 from pipeline.errors import UserError
 from pipeline.folder_lock import hold
 from pipeline.fsutil import write_text_atomic

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.data.batches import Batch
-from pipeline.model.loss import CausalLMLoss
+from pipeline.objectives.objective import Objective
 from pipeline.strategies.base import Strategy
 from pipeline.train.telemetry import PhaseTimer
 
@@ -45,7 +45,7 @@ class Update:
     """fp16: the loss scaling (Strategy.grad_scaler); its scale halves after an overflowing step."""
 
 
-def train_step(strategy: Strategy, loss_fn: CausalLMLoss, micro: Sequence[np.ndarray],
+def train_step(strategy: Strategy, objective: Objective, micro: Sequence[np.ndarray],
                make_batch: Callable[[np.ndarray], Batch], targets: int, update: Update, timer: PhaseTimer
                ) -> StepResult:
     """One optimizer step over the micro-batches micro (each made by make_batch), applied only when the loss and
@@ -60,7 +60,7 @@ def train_step(strategy: Strategy, loss_fn: CausalLMLoss, micro: Sequence[np.nda
             with strategy.gradient_sync(i == len(micro) - 1):
                 with timer.phase("forward"):
                     # each micro-batch's summed loss over the whole step's targets: their sum is the token mean
-                    loss = loss_fn(batch, targets)
+                    loss = objective(batch, targets)
                 with timer.phase("backward"):
                     (loss if update.scaler is None else update.scaler.scale(loss)).backward()
             total += loss.detach()

@@ -19,16 +19,16 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import Config
-from pipeline.data.batches import Batch, count_targets, make_batch
+from pipeline.data.batches import Batch, make_batch
 from pipeline.data.sampler import BlockSampler
-from pipeline.dist.runtime import Dist, compute_dtype
+from pipeline.distributed.runtime import Dist, compute_dtype
 from pipeline.errors import UserError
-from pipeline.eval.heldout import HeldOut, held_out_loss
+from pipeline.eval.heldout import held_out_loss
 from pipeline.eval.samples import complete, stop_ids
 from pipeline.model.modeling import untested_family
 from pipeline.model.registry import transforms_for
 from pipeline.objectives.build import make_objective
-from pipeline.objectives.preference import PreferenceObjective
+from pipeline.objectives.objective import HeldOut
 from pipeline.strategies.memory import GIB
 from pipeline.strategies.registry import ignored_knobs, make_strategy, out_of_memory_hints
 from pipeline.train.blocks import check_one_batch, prepare_blocks
@@ -103,7 +103,7 @@ class Trainer:
         self.memory_base = memory_in_use(d.device)
         reset_peak_memory(d.device)
         self.model = self.strategy.build(plan.hf_config)
-        self.loss = make_objective(cfg.objective, self.strategy)
+        self.objective = make_objective(cfg.objective, self.strategy.head())
         self.optimizer = build_optimizer(self.strategy.param_groups(cfg.optim.weight_decay), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.step, self.samples_seen, self.best_val = 0, 0, math.inf
@@ -275,12 +275,8 @@ class Trainer:
             if (self.cfg.train.ckpt_freq and self.step % self.cfg.train.ckpt_freq == 0) or time_to_save:
                 self.save()
         final = self.evaluate(telemetry)
-        if final and self.base_val and self.dist.is_main and self.cfg.objective.preference:
-            log.info("validation %s loss %.4f -> %.4f over %d pairs, base -> step %d", self.cfg.objective.objective,
-                     self.base_val.loss, final.loss, final.tokens, self.step)
-        elif final and self.base_val and self.dist.is_main:
-            log.info("validation loss %.4f -> %.4f (ppl %.2f -> %.2f) over %d tokens, base -> step %d",
-                     self.base_val.loss, final.loss, self.base_val.ppl, final.ppl, final.tokens, self.step)
+        if final and self.base_val and self.dist.is_main:
+            log.info("validation %s, base -> step %d", self.objective.closing(self.base_val, final), self.step)
         self.save()
         self.ckpt.wait()
         export_run(self.strategy, self.cfg, self.plan.model_dir, self.dist, self.plan.spec.chat_template,
@@ -354,17 +350,11 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step (pipeline/train/step.py) over this rank's share of the sampler's next global batch."""
         # the step's targets over every rank and micro-step, from the global permutation: no communication
-        targets = self.count_targets(self.sampler.upcoming())
-        return train_step(self.strategy, self.loss, self.sampler.next_step(),
-                          lambda idx: self.batch(self.blocks.train, self.blocks.train_flags, idx), targets,
+        idx, flags = self.sampler.upcoming(), self.blocks.train_flags
+        items = self.objective.items(self.blocks.train[idx], None if flags is None else flags[idx])
+        return train_step(self.strategy, self.objective, self.sampler.next_step(),
+                          lambda idx: self.batch(self.blocks.train, self.blocks.train_flags, idx), items,
                           self.update, self.timer)
-
-    def count_targets(self, idx: np.ndarray) -> int:
-        """What the step's loss is divided by: its targets (sft) or its pairs (a preference objective)."""
-        flags = self.blocks.train_flags
-        if isinstance(self.loss, PreferenceObjective):
-            return self.loss.items(self.blocks.train[idx], flags[idx])
-        return count_targets(self.blocks.train[idx], None if flags is None else flags[idx])
 
     def batch(self, blocks: np.ndarray, flags: np.ndarray | None, idx: np.ndarray) -> Batch:
         return make_batch(blocks[idx], None if flags is None else flags[idx], self.dist.device)
@@ -381,8 +371,8 @@ class Trainer:
                   "mfu": None if mfu is None else round(mfu, 4),
                   "time_ms": self.timer.read(), "mem_gb": self.memory(),
                   **({"loss_scale": self.scaler.get_scale()} if self.scaler is not None else {}),
-                  # a collective (the ranks' pairs summed): every rank logs the window
-                  **(self.loss.read_metrics(reduce=True) if isinstance(self.loss, PreferenceObjective) else {})}
+                  # a collective (a preference objective's pairs summed over the ranks): every rank logs the window
+                  **self.objective.read_metrics(reduce=True)}
         telemetry.event("train", self.step, **fields)
         t = fields["time_ms"]
         telemetry.human({"global_step": self.step, "epoch": fields["epoch"], "loss": round(fields["loss"], 4),
@@ -409,21 +399,14 @@ class Trainer:
             self.sample(telemetry)
         sampled = time.perf_counter()
         parts = [(self.blocks.val, self.blocks.val_flags)]
-        figures = {}
-        if isinstance(self.loss, PreferenceObjective):  # the objective and its rewards over the validation pairs
-            with self.loss.window_apart():
-                val = held_out_loss(self.strategy, parts, self.cfg.train.batch_size, self.dist, self.loss,
-                                    self.loss.items)
-                figures = self.loss.read_metrics(reduce=True)  # a collective: every rank evaluates
-        else:
-            val = held_out_loss(self.strategy, parts, self.cfg.train.batch_size, self.dist)
+        val = held_out_loss(self.strategy, parts, self.cfg.train.batch_size, self.dist, self.objective)
         if val is None:
             return None
         # held_out_loss ends in a host sync (the summed loss read back), so the clock covers the whole pass; to the
         # microsecond, since a tiny model's pass can take under a millisecond
         costs = {"seconds": round(time.perf_counter() - sampled, 6),
                  **({"sample_seconds": round(sampled - start, 6)} if self.plan.prompts else {})}
-        telemetry.event("eval", self.step, loss=val.loss, ppl=val.ppl, **figures, **costs)
+        telemetry.event("eval", self.step, loss=val.loss, ppl=val.ppl, **val.metrics, **costs)
         telemetry.human({"global_step": self.step, "eval_loss": round(val.loss, 5), "eval_ppl": round(val.ppl, 3)})
         if self.cfg.run.save_best and self.step > 0 and val.loss < self.best_val:  # step 0 is the base, not a result
             self.best_val = val.loss

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeline.dist.runtime import init_distributed
+from pipeline.distributed.runtime import init_distributed
 from pipeline.errors import run_cli
 from pipeline.train.step import agree
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.config import ModelConfig
-from pipeline.dist.runtime import init_distributed
+from pipeline.distributed.runtime import init_distributed
 from pipeline.errors import run_cli
 from pipeline.model import nf4
 from pipeline.model.registry import transforms_for

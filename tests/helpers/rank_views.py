@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from pipeline.config_merge import from_flat
-from pipeline.dist.runtime import gather_objects, init_distributed
+from pipeline.distributed.runtime import gather_objects, init_distributed
 from pipeline.errors import UserError, run_cli
 from pipeline.strategies.auto import check_agreed
 from pipeline.strategies.registry import settle

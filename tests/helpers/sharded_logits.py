@@ -9,7 +9,7 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from pipeline.config import ModelConfig
-from pipeline.dist.runtime import init_distributed
+from pipeline.distributed.runtime import init_distributed
 from pipeline.errors import run_cli
 from pipeline.strategies.registry import make_strategy
 

@@ -19,8 +19,9 @@ from transformers import AutoConfig
 from pipeline.config import Config
 from pipeline.config_merge import from_flat
 from pipeline.data.batches import make_batch
-from pipeline.dist.runtime import init_distributed
+from pipeline.distributed.runtime import init_distributed
 from pipeline.errors import run_cli
+from pipeline.objectives.causal_lm import CausalLMLoss
 from pipeline.strategies.registry import make_strategy, settle
 from pipeline.train.optim import build_optimizer, build_scheduler
 from pipeline.train.step import Update, train_step
@@ -40,7 +41,7 @@ def train(model_dir: Path, run: str, d) -> dict:
     hf_config = AutoConfig.from_pretrained(model_dir)
     strategy.build(hf_config)
     strategy.load_weights(model_dir)
-    loss_fn = strategy.loss()
+    loss_fn = CausalLMLoss(strategy.head())
     optimizer = build_optimizer(strategy.param_groups(cfg.optim.weight_decay), cfg)
     scaler = strategy.grad_scaler(cfg.train.loss_scale) if dtype == torch.float16 else None
     update = Update(optimizer, build_scheduler(optimizer, cfg, STEPS), cfg.optim.max_grad_norm, scaler=scaler)

@@ -11,9 +11,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.config import ModelConfig
 from pipeline.data.batches import count_targets, make_batch
-from pipeline.dist.runtime import init_distributed
+from pipeline.distributed.runtime import init_distributed
 from pipeline.errors import run_cli
-from pipeline.model.loss import CausalLMLoss
+from pipeline.objectives.causal_lm import CausalLMLoss
 from pipeline.strategies.registry import make_strategy
 
 
@@ -23,7 +23,7 @@ def build(model_dir: Path, d, vocab_parallel: bool) -> tuple[torch.nn.Module, Ca
     strategy = make_strategy(cfg, d, torch.float32)
     model = strategy.build(AutoConfig.from_pretrained(model_dir))
     strategy.load_weights(model_dir)
-    return model, strategy.loss()
+    return model, CausalLMLoss(strategy.head())
 
 
 def global_mean(x: torch.Tensor, world: int) -> float:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pipeline.dist import launch as launch_mod
+from pipeline.distributed import launch as launch_mod
 from pipeline.errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -49,8 +49,8 @@ def free_port() -> int:
 
 
 def init_distributed(timeout: timedelta = timedelta(minutes=60)) -> Dist:
-    """Join the process group of whatever launched us (pipeline.dist.launch: torchrun, the plain variables, srun; plain
-    `python` is a group of one): NCCL for CUDA tensors, gloo for CPU ones."""
+    """Join the process group of whatever launched us (pipeline.distributed.launch: torchrun, the plain variables,
+    srun; plain `python` is a group of one): NCCL for CUDA tensors, gloo for CPU ones."""
     launch = launch_mod.detect()
     if launch.launcher == "single":
         launch = replace(launch, master_port=free_port())

@@ -22,7 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from pipeline.dist.runtime import Dist
+from pipeline.distributed.runtime import Dist
 
 LOGGER = "pipeline"
 """The run's logger (train/telemetry.py gives it train.log), named here: this room comes before train/."""

@@ -1,5 +1,5 @@
-"""The model's output as objectives read it: how the strategy runs its head (a Head), and each target token's
-log-probability through it, with autograd, without full-width fp32 logits where the head is vocabulary-parallel.
+"""Each target token's log-probability through the strategy's output layer (pipeline/model/head.py), with autograd,
+without full-width fp32 logits where the head is vocabulary-parallel.
 
 Two paths, as for the causal-LM loss:
 - the model's own forward (ddp, fsdp1, manual, fsdp2 without the vocabulary-parallel head): its logits, their
@@ -12,14 +12,11 @@ Two paths, as for the causal-LM loss:
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from pipeline.data.batches import Batch
+from pipeline.model.head import Head
 from pipeline.model.modeling import trunk
 from pipeline.model.vocab_parallel import (
     CHUNK_ELEMENTS,
@@ -29,24 +26,6 @@ from pipeline.model.vocab_parallel import (
     sum_rows,
     vocab_row_offset,
 )
-
-
-@dataclass(frozen=True)
-class Head:
-    """The model as a strategy built it, and how its output layer runs: what every objective needs of a strategy
-    (Strategy.head)."""
-
-    model: nn.Module
-    """What a forward calls: the model as wrapped."""
-    vocab_parallel: bool
-    world_size: int
-    group: dist.ProcessGroup | None = None
-    """The vocabulary-parallel head's group."""
-    autocast: torch.dtype | None = None
-    """Run the forward under torch.autocast in this dtype (a strategy whose parameters stay fp32: ddp)."""
-
-    def autocasting(self, device: torch.device) -> contextlib.AbstractContextManager:
-        return torch.autocast(device.type, self.autocast) if self.autocast else contextlib.nullcontext()
 
 
 def token_logps(head: Head, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,30 @@
+"""How a strategy runs the built model's output layer: what every objective (pipeline/objectives/) and the greedy
+sampler need of a strategy, and nothing else of it."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Head:
+    """The model as a strategy built it, and how its output layer runs (Strategy.head)."""
+
+    model: nn.Module
+    """What a forward calls: the model as wrapped."""
+    vocab_parallel: bool
+    """The output layer is sharded by vocabulary rows over group (fsdp2's default): every rank scores every rank's
+    rows against its share (pipeline/model/vocab_parallel.py); else the model's own forward on this rank's rows."""
+    world_size: int
+    group: dist.ProcessGroup | None = None
+    """The vocabulary-parallel head's group."""
+    autocast: torch.dtype | None = None
+    """Run the forward under torch.autocast in this dtype (a strategy whose parameters stay fp32: ddp)."""
+
+    def autocasting(self, device: torch.device) -> contextlib.AbstractContextManager:
+        return torch.autocast(device.type, self.autocast) if self.autocast else contextlib.nullcontext()

@@ -1,0 +1,56 @@
+"""What the trainer, validation and the evaluate command know of an objective: one interface, so none of them tells
+the causal-LM loss from a preference objective (pipeline/objectives/build.py picks which)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from pipeline.data.batches import Batch
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """An objective's figures over held-out blocks (pipeline/eval/heldout.py): validation, pipeline.evaluate."""
+
+    loss: float
+    """The objective's mean loss per item (the causal-LM loss: cross-entropy per target token, in nats)."""
+    tokens: int
+    """Items the mean is over: target tokens, or a preference objective's pairs."""
+    blocks: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The objective's own figures over the same items (a preference objective's rewards/*, logps/*)."""
+
+    @property
+    def ppl(self) -> float:
+        return math.inf if self.loss > 700 else math.exp(self.loss)  # exp overflows there; NaN stays NaN
+
+
+class Objective(Protocol):
+    name: str
+    """What its loss is called in the run's closing line ("loss", "dpo loss")."""
+    unit: str
+    """What its mean is over: "tokens" or "pairs"."""
+
+    def __call__(self, batch: Batch, num_items: float) -> torch.Tensor:
+        """The batch's share of the step's loss, its sum divided by num_items (the step's items over every rank and
+        micro-step). A collective where the head is vocabulary-parallel: every rank calls it with the same shapes."""
+
+    def items(self, ids: np.ndarray, flags: np.ndarray | None, valid_rows: int | None = None) -> int:
+        """What the loss of these blocks is a mean over (target tokens, pairs), with rows from valid_rows on
+        padding."""
+
+    def read_metrics(self, reduce: bool) -> dict[str, float]:
+        """The figures it kept since last read (means over the window's items), then reset; {} for none. reduce:
+        over every rank first (a collective: every rank calls it)."""
+
+    def window_apart(self) -> contextlib.AbstractContextManager:
+        """A pass whose figures are read on their own (validation): the training window is set aside meanwhile."""
+
+    def closing(self, base: HeldOut, final: HeldOut) -> str:
+        """The run's closing comparison of the validation figures, base -> final."""
