@@ -323,8 +323,12 @@ Objective = Literal["sft", "dpo", "ipo", "simpo", "orpo"]
 class ObjectiveConfig(Section):
     objective: Objective = "sft"
     """What the run trains for: sft (next-token loss on the targets of text and conversations), or, on a dataset of
-    preference pairs, dpo, ipo (both against a reference: the base with the adapters off), simpo or orpo (no
-    reference)."""
+    preference pairs, dpo, ipo (both against a reference: the base with the adapters off, or under full fine-tuning
+    the base's log-probabilities computed once before the first step), simpo or orpo (no reference)."""
+    reference_model: str = ""
+    """dpo, ipo: the reference, when not the base: a Hub id or folder found as --model-name is (the SFT model a
+    run aligns from), of the policy's architecture and vocabulary; its log-probabilities are computed once before
+    the first step and kept beside the token cache."""
     pref_beta: float = 0.1
     """dpo, ipo, simpo: beta, how far the policy may move from the reference (simpo: the reward scale)."""
     pref_label_smoothing: float = 0.0
@@ -342,6 +346,8 @@ class ObjectiveConfig(Section):
                f"--pref-label-smoothing is for --objective dpo, not {self.objective}")
         _check(self.simpo_gamma >= 0, f"--simpo-gamma must be >= 0, got {self.simpo_gamma:g}")
         _check(self.orpo_lambda > 0, f"--orpo-lambda must be above 0, got {self.orpo_lambda:g}")
+        _check(not self.reference_model or self.objective in ("dpo", "ipo"),
+               f"--reference-model is for --objective dpo or ipo, not {self.objective}")
 
     @property
     def preference(self) -> bool:

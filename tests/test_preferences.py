@@ -2,6 +2,7 @@
 as text or conversations."""
 
 import json
+import re
 from pathlib import Path
 
 import datasets
@@ -63,26 +64,41 @@ def test_a_folder_mixing_pairs_with_text_is_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_the_objective_and_the_data_must_agree_in_one_line(tmp_path, train_env):
-    """SFT on pairs would train the prompts alone; a preference objective on text has nothing to compare; DPO and
-    IPO need a reference. Each refused before anything is built."""
+def test_the_objective_the_data_and_the_reference_must_agree_in_one_line(tmp_path, train_env):
+    """SFT on pairs would train the prompts alone; a preference objective on text has nothing to compare; a
+    --reference-model must score the policy's tokens in the policy's architecture. Each refused before any weight is
+    read; DPO under full fine-tuning (the base as reference) and with another reference of the same shape pass."""
     from conftest import ROOT, preflight_errors
+
+    from pipeline.prep.tiny import build_tiny
 
     write_jsonl(tmp_path / "data" / "pairs.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}] * 3)
     build_dataset(CorpusConfig(tmp_path / "data", tmp_path / "pairs", num_proc=1))
+    other_vocab = build_tiny(tmp_path / "other-vocab", vocab_size=512)
     common = ["-e", "r", "-m", "local/tiny", "--save-dir", tmp_path / "runs", "--config",
               ROOT / "configs" / "demo.yaml"]
-    refusals = preflight_errors([[*common, "-d", tmp_path / "pairs"],
+    pairs = [*common, "-d", tmp_path / "pairs"]
+    untied = ["-m", "local/tiny-untied", "--objective", "dpo"]
+    refusals = preflight_errors([pairs,
                                  [*common, "-d", train_env["dataset"], "--objective", "simpo"],
-                                 [*common, "-d", tmp_path / "pairs", "--objective", "dpo"],
-                                 [*common, "-d", tmp_path / "pairs", "--objective", "orpo"]], train_env["env"])
+                                 [*pairs, "--objective", "dpo"],
+                                 [*pairs, "--objective", "orpo", "--reference-model", "local/tiny"],
+                                 [*pairs, "--objective", "dpo", "--reference-model", other_vocab],
+                                 [*pairs, *untied, "--reference-model", "local/tiny"],
+                                 [*pairs, *untied, "--reference-model", "local/tiny-untied", "--adapter", "lora"]],
+                                train_env["env"])
     assert refusals == [
         f"{tmp_path / 'pairs'} holds 3 preference pairs (chosen and rejected answers): train them with --objective "
         "dpo, ipo, simpo or orpo",
         f"--objective simpo trains on preference pairs and {train_env['dataset']} holds none (DATA-HF reads records "
         "with chosen and rejected answers as pairs)",
-        "--objective dpo needs a reference model: train adapters (--adapter lora, dora or qlora; the reference is the "
-        "base with them off), or use --objective simpo or orpo, which need none",
+        "ok",
+        "--reference-model is for --objective dpo or ipo, not orpo",
+        f"--reference-model {other_vocab} has another vocabulary than local/tiny (vocab_size 512 vs 1024, or other "
+        "tokens): a reference scores the policy's tokens, so it must share its tokenizer",
+        "--reference-model local/tiny does not fit local/tiny-untied's architecture: its tensor lm_head.weight is "
+        "missing, not of shape [1024, 64]; the reference is run in the policy's model, so it must be the same "
+        "architecture",
         "ok"]
     assert not (tmp_path / "runs").exists()
 
@@ -272,3 +288,91 @@ def test_dpo_with_lora_and_simpo_train_on_two_ranks_and_dpo_resumes_bitwise(tmp_
     run("simpo", "--objective", "simpo", "--pref-beta", 2, "--lr", 1e-3)
     simpo = events(tmp_path / "runs" / "simpo", "eval")
     assert simpo[-1]["loss"] < simpo[0]["loss"]
+
+
+def test_full_fine_tuning_dpo_computes_its_reference_once_and_resumes_bitwise(tmp_path, train_env):
+    """DPO without adapters: the base's log-probabilities of every pair computed once before the first step, under
+    the run's strategy (fsdp2's vocabulary-parallel head), so step 1 and the base validation are ln 2; a rerun from a
+    checkpoint reuses them from beside the token cache and repeats the steps after it bit for bit, under another
+    strategy too; the run ends with the preference accuracy base -> final."""
+    import shutil
+
+    from conftest import ROOT, events, torchrun
+
+    rows = [{"prompt": f"What is {a} plus {b}?", "chosen": f" {a + b}.", "rejected": f" {a * b + 7} maybe."}
+            for a in range(1, 11) for b in range(1, 11)]
+    write_jsonl(tmp_path / "data" / "pairs.jsonl", rows)
+    build_dataset(CorpusConfig(tmp_path / "data", tmp_path / "pairs", num_proc=1))
+
+    def run(name: str, *extra: object) -> str:
+        proc = torchrun(2, ROOT / "fsdp1.py", "-e", name, "-d", tmp_path / "pairs", "-m", "local/tiny", "--save-dir",
+                        tmp_path / "runs", "--config", ROOT / "configs" / "demo.yaml", "--seq-length", 128,
+                        "--max-steps", 6, "--log-freq", 1, "--ckpt-freq", 3, "--lr", 3e-3, "--objective", "dpo",
+                        "--precision", "fp32", *extra, env=train_env["env"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout + proc.stderr
+
+    said = run("full", "--strategy", "fsdp2")
+    full = tmp_path / "runs" / "full"
+    train, evals = events(full, "train"), events(full, "eval")
+    assert "reference log-probabilities of 100 pairs under local/tiny: computed in " in said
+    assert train[0]["loss"] == pytest.approx(0.6931472, abs=1e-6) and evals[0]["loss"] == pytest.approx(0.6931472)
+    assert train[0]["rewards/chosen"] == pytest.approx(0, abs=1e-6) and evals[0]["rewards/margins"] == pytest.approx(0)
+    assert train[-1]["loss"] < 0.69 and evals[-1]["loss"] < evals[0]["loss"]
+    final = evals[-1]
+    assert re.search(rf"validation dpo loss 0\.6931 -> {final['loss']:.4f} over \d+ pairs; preference accuracy "
+                     rf"0\.000 -> {final['rewards/accuracies']:.3f}, mean margin 0\.0000 -> "
+                     rf"{final['rewards/margins']:.4f}, base -> step 6", said), said[-2000:]
+    for strategy in ("fsdp2", "ddp"):
+        shutil.copytree(full, tmp_path / "runs" / strategy, ignore=shutil.ignore_patterns("hf"))
+        said = run(strategy, "--strategy", strategy, "--resume-from", "step-00000003")
+        assert "reference log-probabilities of 100 pairs under local/tiny: reused " in said
+        again = events(tmp_path / "runs" / strategy, "train")
+        assert [e["step"] for e in again] == [1, 2, 3, 4, 5, 6, 4, 5, 6]
+        keys = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
+        repeated = [e[k] for e in again[6:] for k in keys]
+        if strategy == "fsdp2":
+            assert repeated == [e[k] for e in train[3:] for k in keys]
+        else:  # another strategy: the same reference, the model's own head instead of the vocabulary-parallel one
+            assert repeated == pytest.approx([e[k] for e in train[3:] for k in keys], rel=1e-4, abs=1e-5)
+
+
+def test_the_reference_pass_resumes_from_its_saved_chunks(tmp_path, tiny_models, group_of_one, monkeypatch):
+    """The pass before full fine-tuning's first step saves every chunk as it finishes: rerun after a kill, it reads
+    the chunks done (here one holding marked values, to see it read) and computes only the rest, which equal an
+    uninterrupted pass's; each pair's values are the model's own log-probabilities of its answers."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.data.batches import make_batch
+    from pipeline.data.pair_tokens import pack_pairs, tokenize_pair
+    from pipeline.model.head import Head
+    from pipeline.objectives import reference_pass
+    from pipeline.objectives.preference import answers
+    from pipeline.objectives.token_logps import token_logps
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["tied"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["tied"], dtype=torch.float32).eval()
+    pairs = [tokenize_pair(tokenizer, f"Sum {i} and {i}:", [], [{"role": "assistant", "content": f" {2 * i}"}],
+                           [{"role": "assistant", "content": f" not {i * 37}"}], "", None) for i in range(12)]
+    blocks, flags = pack_pairs(pairs, 48, tokenizer.eos_token_id)
+    assert len(blocks) >= 4
+    monkeypatch.setattr(reference_pass, "CHUNK_BLOCKS", 2)
+    head = Head(model, False, 1)
+    whole = reference_pass.reference_pass(head, blocks, flags, 3, group_of_one, tmp_path / "a")
+    with torch.no_grad():
+        got = answers(torch.from_numpy(flags.astype(np.int64)),
+                      *token_logps(head, make_batch(blocks, flags, torch.device("cpu")))[::-1])
+    listed = whole.reshape(-1, 2)[~np.isnan(whole.reshape(-1, 2)[:, 0])]
+    np.testing.assert_allclose(listed, torch.stack([got["chosen"], got["rejected"]], 1).numpy(), rtol=1e-5)
+    assert len(listed) == 12
+    saved = sorted((tmp_path / "a").iterdir())
+    assert [p.name for p in saved] == [f"chunk-{i:05d}.npy" for i in range(len(saved))]
+    marked = np.where(np.isnan(whole[:2]), np.nan, 7.0).astype(np.float32)
+    np.save(saved[0], marked)
+    for later in saved[1:]:
+        later.unlink()
+    resumed = reference_pass.reference_pass(head, blocks, flags, 3, group_of_one, tmp_path / "a")
+    np.testing.assert_array_equal(resumed[:2], marked)
+    np.testing.assert_array_equal(resumed[2:], whole[2:])

@@ -23,6 +23,9 @@ class Batch:
     flags: torch.Tensor | None = None
     """[batch, seq] the blocks' packing flags (int64), which an objective may read (a preference pair's answers);
     None for plain text blocks."""
+    ref: torch.Tensor | None = None
+    """[batch, pairs, 2] float32: a reference's log-probabilities of each pair's chosen and rejected answers,
+    computed before training (pipeline/objectives/reference_pass.py), NaN past a row's pairs; None without."""
 
 
 def _to(x: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -33,8 +36,9 @@ def _to(x: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def make_batch(ids: np.ndarray, flags: np.ndarray | None, device: torch.device,
-               valid_rows: int | None = None) -> Batch:
-    """The batch of these blocks; rows from valid_rows on are padding and have no targets."""
+               valid_rows: int | None = None, ref: np.ndarray | None = None) -> Batch:
+    """The batch of these blocks; rows from valid_rows on are padding and have no targets. ref: the blocks'
+    reference log-probabilities, where the objective has them."""
     labels = ids.astype(np.int64)
     if flags is not None:
         labels = np.where(flags & packing.TRAIN, labels, IGNORE)
@@ -43,7 +47,8 @@ def make_batch(ids: np.ndarray, flags: np.ndarray | None, device: torch.device,
     input_ids = _to(ids, device)
     if flags is None:
         return Batch(input_ids, _to(labels, device), None)
-    return Batch(input_ids, _to(labels, device), _to(packing.positions(flags), device), _to(flags, device))
+    ref_t = None if ref is None else torch.from_numpy(np.ascontiguousarray(ref, dtype=np.float32)).to(device)
+    return Batch(input_ids, _to(labels, device), _to(packing.positions(flags), device), _to(flags, device), ref_t)
 
 
 def count_targets(ids: np.ndarray, flags: np.ndarray | None, valid_rows: int | None = None) -> int:

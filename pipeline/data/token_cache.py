@@ -66,6 +66,10 @@ class Blocks:
     train_flags: np.ndarray | None = None
     """(n_train, seq_length) packing.TRAIN | packing.START per token; None for plain text blocks."""
     val_flags: np.ndarray | None = None
+    train_ref: np.ndarray | None = None
+    """(n_train, pairs, 2) a reference's log-probabilities of each block's pairs, where the objective has them
+    (pipeline/objectives/reference_pass.py)."""
+    val_ref: np.ndarray | None = None
 
 
 def token_cache_dir(cache_root: Path, dataset_fp: str, model_dir: Path, spec: BlockSpec) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -15,8 +16,16 @@ from pipeline.distributed.runtime import Dist
 from pipeline.objectives.objective import HeldOut, Objective
 from pipeline.strategies.base import Strategy
 
-Part = tuple[np.ndarray, "np.ndarray | None"]
-"""Blocks (n, seq) and their packing flags (None for plain text), as the token cache holds a split."""
+
+class Part(NamedTuple):
+    """A split as the token cache holds it."""
+
+    blocks: np.ndarray
+    """(n, seq) token ids."""
+    flags: np.ndarray | None
+    """Their packing flags (None for plain text)."""
+    ref: np.ndarray | None = None
+    """A reference's log-probabilities of their pairs, where the objective has them."""
 
 
 @torch.no_grad()
@@ -27,7 +36,7 @@ def held_out_loss(strategy: Strategy, parts: Sequence[Part], batch_size: int, d:
     are collectives inside each), then one all-reduce and the objective's figures read over the ranks; None too when
     the blocks hold no item. The model is left in the mode it was in, its root released, and the objective's
     training window as it was."""
-    total = sum(len(blocks) for blocks, _ in parts)
+    total = sum(len(part.blocks) for part in parts)
     if total == 0:
         return None
     model = strategy.model
@@ -46,7 +55,7 @@ def held_out_loss(strategy: Strategy, parts: Sequence[Part], batch_size: int, d:
 def _sums(parts: Sequence[Part], batch_size: int, d: Dist, objective: Objective) -> torch.Tensor:
     """This rank's (summed loss, items) over its share of parts."""
     sums = torch.zeros(2, dtype=torch.float64, device=d.device)
-    for blocks, flags in parts:
+    for blocks, flags, ref in parts:
         mine = np.arange(d.rank, len(blocks), d.world_size)
         for b in range(math.ceil(math.ceil(len(blocks) / d.world_size) / batch_size)):
             idx = mine[b * batch_size:(b + 1) * batch_size]
@@ -56,7 +65,8 @@ def _sums(parts: Sequence[Part], batch_size: int, d: Dist, objective: Objective)
             rows = None if flags is None else flags[idx]
             # over num_items = world size, the losses summed over ranks are the global sum
             # (pipeline/objectives/causal_lm.py)
-            loss = objective(make_batch(blocks[idx], rows, d.device, valid), d.world_size)
+            batch = make_batch(blocks[idx], rows, d.device, valid, None if ref is None else ref[idx])
+            loss = objective(batch, d.world_size)
             tokens = objective.items(blocks[idx], rows, valid)
             sums += torch.stack([loss.double(), torch.tensor(tokens, dtype=torch.float64, device=d.device)])
     return sums

@@ -13,17 +13,21 @@ from pipeline.objectives.causal_lm import CausalLMLoss
 from pipeline.objectives.objective import Objective
 from pipeline.objectives.preference import PreferenceObjective
 from pipeline.objectives.preference_losses import PreferenceSettings
-from pipeline.objectives.reference import adapters_off
+from pipeline.objectives.reference import adapters_off, precomputed
 
 REFERENCE_OBJECTIVES = ("dpo", "ipo")
-"""Objectives measured against a reference: the base with the adapters off (preflight refuses them without)."""
+"""Objectives measured against a reference: the base with the adapters off, or log-probabilities computed before
+training (full fine-tuning, --reference-model)."""
 
 
-def make_objective(o: ObjectiveConfig, head: Head) -> Objective:
-    """What the trainer calls on each micro-batch, blind to which: (batch, items of the step) -> loss."""
+def make_objective(o: ObjectiveConfig, head: Head, computed_reference: bool = False) -> Objective:
+    """What the trainer calls on each micro-batch, blind to which: (batch, items of the step) -> loss.
+    computed_reference: the batches carry the reference's log-probabilities (Batch.ref)."""
     if not o.preference:
         return CausalLMLoss(head)
     settings = PreferenceSettings(o.objective, o.pref_beta, o.pref_label_smoothing, o.simpo_gamma, o.orpo_lambda)
     off: Callable[[], contextlib.AbstractContextManager] = functools.partial(adapters_disabled, head.model)
-    reference = adapters_off(head, off) if o.objective in REFERENCE_OBJECTIVES else None
+    reference = None
+    if o.objective in REFERENCE_OBJECTIVES:
+        reference = precomputed(head) if computed_reference else adapters_off(head, off)
     return PreferenceObjective(head, settings, reference)

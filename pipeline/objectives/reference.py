@@ -1,7 +1,8 @@
-"""The reference model of DPO and IPO, without a second model resident while training: with adapters (LoRA, DoRA,
-QLoRA) the base is the reference, the model with its adapters switched off (as peft, TRL and torchtune do), one
-forward without gradient per micro-step and no extra weights. Full fine-tuning against a reference (a pass of the
-base over every pair before the first step, kept beside the token cache) is not built yet: preflight refuses it.
+"""The reference model of DPO and IPO, without a second model resident while training:
+- with adapters (LoRA, DoRA, QLoRA) the base is the reference, the model with its adapters switched off (as peft, TRL
+  and torchtune do): one forward without gradient per micro-step and no extra weights;
+- full fine-tuning, or another model named by --reference-model: every pair's log-probabilities computed once before
+  the first step (pipeline/objectives/reference_pass.py) and carried by the batch (Batch.ref).
 """
 
 from __future__ import annotations
@@ -28,5 +29,19 @@ def adapters_off(head: Head, disabled: Callable[[], contextlib.AbstractContextMa
         flags = batch.flags if not head.vocab_parallel else gather_rows(batch.flags, head.group)
         got = answers(flags, labels, logps)
         return got["chosen"], got["rejected"]
+
+    return reference
+
+
+def precomputed(head: Head) -> Callable:
+    """The reference of the pass before training: the log-probabilities the batch carries (Batch.ref, [rows, pairs,
+    2], NaN past a row's pairs), in the order answers() lists the rows' pairs (every rank's rows on the
+    vocabulary-parallel path, as the policy's)."""
+
+    def reference(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        ref = batch.ref if not head.vocab_parallel else gather_rows(batch.ref, head.group)
+        flat = ref.flatten(0, 1)
+        flat = flat[~torch.isnan(flat[:, 0])]
+        return flat[:, 0], flat[:, 1]
 
     return reference

@@ -41,7 +41,7 @@ from pipeline.eval.adapter_folder import (
     read_adapter_folder,
 )
 from pipeline.eval.harness import Tasks, check_tasks, run_tasks
-from pipeline.eval.heldout import held_out_loss
+from pipeline.eval.heldout import Part, held_out_loss
 from pipeline.fsutil import sha256_file, write_text_atomic
 from pipeline.model.registry import transforms_for
 from pipeline.objectives.causal_lm import CausalLMLoss
@@ -180,8 +180,8 @@ def evaluate(cfg: Config, plan: Plan, adapter: AdapterFolder | None, split: str,
     """The token cache (found or built), the model distributed and filled, and its loss over the split; and the
     cache's folder. A collective."""
     blocks = prepare_blocks(cfg, plan, d)
-    parts = [(blocks.val, blocks.val_flags)] + ([(blocks.train, blocks.train_flags)] if split == "all" else [])
-    if not sum(len(b) for b, _ in parts):  # --split all always has blocks: training needs one batch of them
+    parts = [Part(blocks.val, blocks.val_flags)] + ([Part(blocks.train, blocks.train_flags)] if split == "all" else [])
+    if not sum(len(p.blocks) for p in parts):  # --split all always has blocks: training needs one batch of them
         raise UserError(f"{cfg.data.dataset_name} has no validation blocks at --val-fraction {cfg.data.val_fraction:g}"
                         f" and --seq-length {cfg.data.seq_length}; pass --split all, or the run's --val-fraction")
     dtype = compute_dtype(cfg.model.precision, d.device)

@@ -41,6 +41,15 @@ from pipeline.train.checkpoint import read_state
 from pipeline.train.export import check_replaceable, run_exports
 
 
+@dataclass(frozen=True)
+class ReferencePlan:
+    model_dir: Path
+    name: str
+    """As the user named it (--model-name or --reference-model)."""
+    weights: str
+    """Its weights' digest (weight_check.weights_digest): the key of its log-probabilities beside the token cache."""
+
+
 @dataclass
 class Plan:
     """What preflight resolved: everything later stages need, found without heavy work."""
@@ -56,6 +65,9 @@ class Plan:
     """--strategy auto resolved, and the estimated peak memory per rank."""
     prompts: list[Prompt] = field(default_factory=list)
     """--sample-prompts, tokenized."""
+    reference: ReferencePlan | None = None
+    """dpo, ipo without adapters or with --reference-model: the model whose log-probabilities are computed before
+    the first step (pipeline/objectives/reference_pass.py)."""
 
     @property
     def config(self) -> Config:
@@ -75,7 +87,9 @@ def run_fingerprint(cfg: Config, model_dir: Path, hf_config, dataset, spec: Bloc
         **spec.key(),
         **({"adapter": adapter_settings(cfg.model)} if cfg.model.adapter != "none" else {}),
         # an SFT run's fingerprint has no such field, so runs from before preference objectives still resume
-        **({"objective": dataclasses.asdict(cfg.objective)} if cfg.objective.preference else {}),
+        # (and reference_model only where given, so runs from before it still resume)
+        **({"objective": {k: v for k, v in dataclasses.asdict(cfg.objective).items()
+                          if k != "reference_model" or v}} if cfg.objective.preference else {}),
     }
 
 
@@ -93,6 +107,10 @@ def check_fingerprint(run_dir: Path, saved: dict, current: dict, older: dict | N
     older = older or {}
     for key in [*current, *(k for k in saved if k not in current)]:
         if saved.get(key) not in (current.get(key), older.get(key, current.get(key))):
+            if key == "reference_weights":
+                raise UserError(f"refusing to resume {run_dir}: it was trained against a reference with weights "
+                                f"{saved[key][:16]}..., and the reference's weights now are {current[key][:16]}...; "
+                                "restore them, or pass --no-resume to start a new run against this reference")
             if key == "base_weights":
                 raise UserError(f"refusing to resume {run_dir}: its adapters were trained on base model "
                                 f"{current['model_name']} with weights {saved[key][:16]}..., and the weights there "
@@ -135,7 +153,7 @@ def check_base_weights(cfg: Config, model_dir: Path) -> WeightCheck:
 
 def check_objective(cfg: Config, pairs: int) -> None:
     """The objective fits the data: pairs train with a preference objective (SFT on them would train the prompts
-    alone), text and conversations with sft; a reference objective has its reference."""
+    alone), text and conversations with sft."""
     objective, data = cfg.objective.objective, cfg.data.dataset_name
     if pairs and objective == "sft":
         raise UserError(f"{data} holds {pairs:,} preference pairs (chosen and rejected answers): train them with "
@@ -143,10 +161,36 @@ def check_objective(cfg: Config, pairs: int) -> None:
     if not pairs and objective != "sft":
         raise UserError(f"--objective {objective} trains on preference pairs and {data} holds none (DATA-HF reads "
                         "records with chosen and rejected answers as pairs)")
-    if objective in REFERENCE_OBJECTIVES and cfg.model.adapter == "none":
-        raise UserError(f"--objective {objective} needs a reference model: train adapters (--adapter lora, dora or "
-                        "qlora; the reference is the base with them off), or use --objective simpo or orpo, which "
-                        "need none")
+
+
+def plan_reference(cfg: Config, model_dir: Path, hf_config) -> ReferencePlan | None:
+    """The reference whose log-probabilities a pass computes before training: --reference-model, or the base under
+    full fine-tuning (an adapter run's reference is its base with the adapters off: None). A reference of another
+    vocabulary or other tensors than the policy's is one line, before any weight is read."""
+    o = cfg.objective
+    if o.objective not in REFERENCE_OBJECTIVES or (cfg.model.adapter != "none" and not o.reference_model):
+        return None
+    if not o.reference_model:
+        return ReferencePlan(model_dir, cfg.model.model_name, weights_digest(check_base_weights(cfg, model_dir)))
+    from transformers import AutoConfig, AutoTokenizer
+
+    ref_dir = resolve_model_dir(o.reference_model)
+    ref_config = AutoConfig.from_pretrained(ref_dir)
+    mine, theirs = getattr(hf_config, "vocab_size", None), getattr(ref_config, "vocab_size", None)
+    if mine != theirs or AutoTokenizer.from_pretrained(ref_dir).get_vocab() != \
+            AutoTokenizer.from_pretrained(model_dir).get_vocab():
+        raise UserError(f"--reference-model {o.reference_model} has another vocabulary than {cfg.model.model_name} "
+                        f"(vocab_size {theirs} vs {mine}, or other tokens): a reference scores the policy's tokens, "
+                        "so it must share its tokenizer")
+    policy, ref = read_index(model_dir), read_index(ref_dir)
+    for name, entry in policy.items():
+        if name not in ref or list(ref[name].shape) != list(entry.shape):
+            found = "missing" if name not in ref else f"of shape {list(ref[name].shape)}"
+            raise UserError(f"--reference-model {o.reference_model} does not fit {cfg.model.model_name}'s "
+                            f"architecture: its tensor {name} is {found}, not of shape {list(entry.shape)}; the "
+                            "reference is run in the policy's model, so it must be the same architecture")
+    check = unchanged_weights(ref_dir, o.reference_model)
+    return ReferencePlan(ref_dir, o.reference_model, weights_digest(check))
 
 
 def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
@@ -225,6 +269,9 @@ def preflight(cfg: Config, launch: Launch | None = None) -> Plan:
         check = check_base_weights(cfg, plan.model_dir)
         if cfg.model.adapter != "none":  # the adapters are trained on these weights: a resume must find them again
             plan.fingerprint["base_weights"] = weights_digest(check)
+    plan.reference = plan_reference(cfg, plan.model_dir, plan.hf_config)
+    if plan.reference is not None:  # a resume against another reference would compare with other log-probabilities
+        plan.fingerprint["reference_weights"] = plan.reference.weights
     if state and not cfg.run.no_resume:
         # runs from before a field existed resume: their dataset by sizes, adapter runs without base_weights
         check_fingerprint(cfg.run_dir, state["fingerprint"], plan.fingerprint,

@@ -23,7 +23,7 @@ from pipeline.data.batches import Batch, make_batch
 from pipeline.data.sampler import BlockSampler
 from pipeline.distributed.runtime import Dist, compute_dtype
 from pipeline.errors import UserError
-from pipeline.eval.heldout import held_out_loss
+from pipeline.eval.heldout import Part, held_out_loss
 from pipeline.eval.samples import complete, stop_ids
 from pipeline.model.modeling import untested_family
 from pipeline.model.registry import transforms_for
@@ -36,6 +36,7 @@ from pipeline.train.checkpoint import Checkpointer, state_problem, step_name
 from pipeline.train.export import described, export_run, run_exports
 from pipeline.train.optim import build_optimizer, build_scheduler
 from pipeline.train.preflight import Plan
+from pipeline.train.reference import with_reference
 from pipeline.train.signals import Interrupted, StopRequest
 from pipeline.train.step import StepResult, Update, train_step
 from pipeline.train.telemetry import (
@@ -103,7 +104,9 @@ class Trainer:
         self.memory_base = memory_in_use(d.device)
         reset_peak_memory(d.device)
         self.model = self.strategy.build(plan.hf_config)
-        self.objective = make_objective(cfg.objective, self.strategy.head())
+        if plan.reference is not None:  # before the checkpoint or base fills the model: the pass loads the reference
+            self.blocks = with_reference(self.blocks, plan.reference, self.strategy, self.dtype, cfg.train.batch_size)
+        self.objective = make_objective(cfg.objective, self.strategy.head(), plan.reference is not None)
         self.optimizer = build_optimizer(self.strategy.param_groups(cfg.optim.weight_decay), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.step, self.samples_seen, self.best_val = 0, 0, math.inf
@@ -353,11 +356,12 @@ class Trainer:
         idx, flags = self.sampler.upcoming(), self.blocks.train_flags
         items = self.objective.items(self.blocks.train[idx], None if flags is None else flags[idx])
         return train_step(self.strategy, self.objective, self.sampler.next_step(),
-                          lambda idx: self.batch(self.blocks.train, self.blocks.train_flags, idx), items,
-                          self.update, self.timer)
+                          self.train_batch, items, self.update, self.timer)
 
-    def batch(self, blocks: np.ndarray, flags: np.ndarray | None, idx: np.ndarray) -> Batch:
-        return make_batch(blocks[idx], None if flags is None else flags[idx], self.dist.device)
+    def train_batch(self, idx: np.ndarray) -> Batch:
+        b = self.blocks
+        return make_batch(b.train[idx], None if b.train_flags is None else b.train_flags[idx], self.dist.device,
+                          ref=None if b.train_ref is None else b.train_ref[idx])
 
     def log_window(self, telemetry: Telemetry, window: Window) -> None:
         if not window.applied:  # every step of the window was skipped: logged one by one already
@@ -398,7 +402,7 @@ class Trainer:
         if self.plan.prompts:
             self.sample(telemetry)
         sampled = time.perf_counter()
-        parts = [(self.blocks.val, self.blocks.val_flags)]
+        parts = [Part(self.blocks.val, self.blocks.val_flags, self.blocks.val_ref)]
         val = held_out_loss(self.strategy, parts, self.cfg.train.batch_size, self.dist, self.objective)
         if val is None:
             return None

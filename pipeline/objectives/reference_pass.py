@@ -1,0 +1,148 @@
+"""The reference of DPO and IPO when the reference is not the model being trained with its adapters off (full
+fine-tuning, or --reference-model): every pair's log-probabilities under the reference, computed once before the first
+step by the model as the strategy built it (the reference's weights loaded into it), and kept beside the token cache
+(in REFERENCE_DIR, under a key of the reference's weights and the compute dtype), so a resume or a second run on the
+same reference and data reuses them and nothing but the policy is resident while training.
+
+The pass saves its results chunk by chunk, so a kill during it resumes from the chunks done. Each node's first process
+saves them (the token cache may be local to a node); a chunk counts as done only where every process finds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pipeline.data import packing
+from pipeline.data.batches import make_batch
+from pipeline.data.pair_tokens import CHOSEN, count_pairs
+from pipeline.distributed.runtime import Dist
+from pipeline.fsutil import save_npy_atomic, write_text_atomic
+from pipeline.model.head import Head
+from pipeline.model.vocab_parallel import gather_rows
+from pipeline.objectives.preference import answers
+from pipeline.objectives.token_logps import token_logps
+
+REFERENCE_DIR = "reference"
+"""The token cache's subfolder holding references' log-probabilities of its pairs, one folder per key."""
+CHUNK_BLOCKS = 256
+"""Blocks per saved chunk of the pass: what a kill during it loses at most."""
+FORMAT = 1
+"""Part of the key: a change to what the pass computes makes earlier results unused."""
+
+
+def reference_folder(cache: Path, weights_digest: str, dtype: torch.dtype) -> Path:
+    """Where the log-probabilities of a token cache's pairs under a reference with these weights are kept."""
+    key = json.dumps({"format": FORMAT, "weights": weights_digest, "dtype": str(dtype)}, sort_keys=True)
+    return cache / REFERENCE_DIR / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _everywhere(found: bool, d: Dist) -> bool:
+    """Whether every process found it (each node may have its own copy of the cache). A collective."""
+    flag = torch.tensor([float(found)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # a CPU tensor: gloo, no device sync
+    return bool(flag.item())
+
+
+def max_pairs(flags: np.ndarray) -> int:
+    """The most pairs one block holds."""
+    starts = ((flags & packing.START) > 0) & ((flags & CHOSEN) > 0)
+    return int(starts.sum(1).max()) if len(flags) else 0
+
+
+def _deal(n: int, rank: int, world: int, batch_size: int, b: int) -> tuple[np.ndarray, int]:
+    """Rank rank's b-th batch of range(n) dealt round-robin, padded with block 0 (valid: how many are real). Every
+    rank can compute every other's: no communication."""
+    idx = np.arange(rank, n, world)[b * batch_size:(b + 1) * batch_size]
+    return np.concatenate([idx, np.zeros(batch_size - len(idx), dtype=idx.dtype)]), len(idx)
+
+
+@torch.no_grad()
+def _chunk(head: Head, blocks: np.ndarray, flags: np.ndarray, batch_size: int, d: Dist, width: int) -> np.ndarray:
+    """The (chosen, rejected) log-probabilities of each pair of these blocks: [blocks, width, 2], NaN past a block's
+    pairs. The blocks are dealt to the ranks; every rank returns the whole. A collective."""
+    n, world = len(blocks), d.world_size
+    out = np.full((n, width, 2), np.nan, dtype=np.float32)
+    batches = math.ceil(math.ceil(n / world) / batch_size)
+    mine: dict[int, np.ndarray] = {}
+    for b in range(batches):
+        idx, valid = _deal(n, d.rank, world, batch_size, b)
+        batch = make_batch(blocks[idx], flags[idx], d.device, valid)
+        logps, labels = token_logps(head, batch)
+        rows_flags = batch.flags if not head.vocab_parallel else gather_rows(batch.flags, head.group)
+        got = answers(rows_flags, labels, logps)
+        values = torch.stack([got["chosen"], got["rejected"]], 1).float().cpu().numpy()
+        # whose rows these are: this rank's, or on the vocabulary-parallel path every rank's in rank order
+        ranks = range(world) if head.vocab_parallel else [d.rank]
+        dealt = [_deal(n, r, world, batch_size, b) for r in ranks]
+        owners = [(int(i), k < valid_r) for idx_r, valid_r in dealt for k, i in enumerate(idx_r)]
+        counts = [count_pairs(flags[i:i + 1]) for i, _ in owners]
+        for (i, real), part in zip(owners, np.split(values, np.cumsum(counts)[:-1]), strict=True):
+            if real:  # a padding row repeats block 0, whose own row is someone's real one
+                mine[i] = part
+    parts = [mine]
+    if not head.vocab_parallel and world > 1:  # each rank holds its own blocks': every rank gets all of them
+        parts = [None] * world
+        dist.all_gather_object(parts, mine)
+    for part in parts:
+        for i, values in part.items():
+            out[i, :len(values)] = values
+    return out
+
+
+def reference_pass(head: Head, blocks: np.ndarray, flags: np.ndarray, batch_size: int, d: Dist,
+                   work: Path) -> np.ndarray:
+    """Every pair's (chosen, rejected) summed log-probabilities under the model as it is: [blocks, pairs, 2]
+    float32, NaN past a block's pairs, resumed from the chunks saved in work/. A collective."""
+    width = max(max_pairs(flags), 1)
+    out = np.full((len(blocks), width, 2), np.nan, dtype=np.float32)
+    for start in range(0, len(blocks), CHUNK_BLOCKS):
+        stop = min(start + CHUNK_BLOCKS, len(blocks))
+        saved = work / f"chunk-{start // CHUNK_BLOCKS:05d}.npy"
+        if _everywhere(saved.exists(), d):
+            out[start:stop] = np.load(saved)
+            continue
+        out[start:stop] = _chunk(head, blocks[start:stop], flags[start:stop], batch_size, d, width)
+        if d.is_local_main:
+            work.mkdir(parents=True, exist_ok=True)
+            save_npy_atomic(saved, out[start:stop])
+        dist.barrier()
+    return out
+
+
+def ensure_reference(head: Head, cache: Path, folder: Path, splits: dict[str, tuple[np.ndarray, np.ndarray]],
+                     batch_size: int, d: Dist, load: Callable[[], None],
+                     off: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                     ) -> tuple[dict[str, np.ndarray], str]:
+    """Each split's reference log-probabilities ({name: [blocks, pairs, 2]}) and what happened ("reused" or
+    "computed in S s"): read from folder when every process finds them there, else computed by the model after
+    load() has put the reference's weights in it (off: the context that makes the model the reference, the
+    adapters switched off in an adapter run), saved, and the model left in training mode. A collective."""
+    if _everywhere((folder / "meta.json").exists(), d):
+        return {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in splits}, "reused"
+    started = time.perf_counter()
+    load()
+    head.model.eval()
+    with off():
+        found = {name: reference_pass(head, blocks, flags, batch_size, d, folder.with_name(folder.name + ".partial")
+                                      / name) for name, (blocks, flags) in splits.items()}
+    head.model.train()
+    if d.is_local_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, values in found.items():
+            save_npy_atomic(folder / f"{name}.npy", values)
+        pairs = {name: count_pairs(flags) for name, (_, flags) in splits.items()}
+        write_text_atomic(folder / "meta.json", json.dumps({"pairs": pairs, "cache": cache.name}, indent=2) + "\n")
+        shutil.rmtree(folder.with_name(folder.name + ".partial"), ignore_errors=True)
+    dist.barrier()
+    return found, f"computed in {time.perf_counter() - started:.1f} s"

@@ -1,0 +1,36 @@
+"""The reference log-probabilities of a DPO or IPO run that has no adapters to switch off (or names
+--reference-model), as the ranks meet them: found beside the token cache or computed, before the model is filled for
+training."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import torch
+
+from pipeline.data.pair_tokens import count_pairs
+from pipeline.data.token_cache import Blocks
+from pipeline.model.adapters import adapters_disabled
+from pipeline.objectives.reference_pass import ensure_reference, reference_folder
+from pipeline.strategies.base import Strategy
+from pipeline.train.preflight import ReferencePlan
+from pipeline.train.telemetry import log
+
+
+def with_reference(blocks: Blocks, ref: ReferencePlan, strategy: Strategy, dtype: torch.dtype,
+                   batch_size: int) -> Blocks:
+    """The blocks with the reference's log-probabilities of their pairs: found beside the token cache, or computed
+    by the model with the reference's weights loaded into it (an adapter run's with its adapters off). The model's
+    weights are then the reference's: the checkpoint or the base must fill it after. A collective."""
+    folder = reference_folder(blocks.path, ref.weights, dtype)
+    splits = {"train": (blocks.train, blocks.train_flags), "val": (blocks.val, blocks.val_flags)}
+    off = functools.partial(adapters_disabled, strategy.model) if strategy.freezes_base else contextlib.nullcontext
+    found, how = ensure_reference(strategy.head(), blocks.path, folder, splits, batch_size, strategy.dist,
+                                  lambda: strategy.load_weights(ref.model_dir), off)
+    strategy.release()  # the root stays gathered after forwards without backward
+    if strategy.dist.is_main:
+        pairs = sum(count_pairs(flags) for _, flags in splits.values())
+        log.info("reference log-probabilities of %d pairs under %s: %s (%s)", pairs, ref.name, how, folder)
+    return dataclasses.replace(blocks, train_ref=found["train"], val_ref=found["val"])
