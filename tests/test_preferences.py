@@ -255,6 +255,8 @@ def test_dpo_with_lora_and_simpo_train_on_two_ranks_and_dpo_resumes_bitwise(tmp_
     and the first step, its rewards part as it trains and a rerun from a checkpoint repeats the steps after it bit for
     bit; SimPO full fine-tuning trains without a reference."""
     import shutil
+    import subprocess
+    import sys
 
     from conftest import ROOT, events, torchrun
 
@@ -279,6 +281,21 @@ def test_dpo_with_lora_and_simpo_train_on_two_ranks_and_dpo_resumes_bitwise(tmp_
     assert train[-1]["rewards/margins"] == pytest.approx(train[-1]["rewards/chosen"] - train[-1]["rewards/rejected"])
     assert evals[-1]["loss"] < evals[0]["loss"] and "rewards/accuracies" in evals[-1]
     assert f"validation dpo loss 0.6931 -> {evals[-1]['loss']:.4f} over " in done.stdout + done.stderr
+    # pipeline.evaluate: the adapter against its base with it off, as validated; the base alone, without a reference
+    for model, reference in ((dpo / "adapter", "the base, adapter off"), ("local/tiny", None)):
+        proc = subprocess.run([sys.executable, "-m", "pipeline.evaluate", str(model), "--config",
+                               str(dpo / "config.yaml"), "--out", tmp_path / "e.json"], cwd=ROOT,
+                              capture_output=True, text=True,
+                              env={**train_env["env"], "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        report = json.loads((tmp_path / "e.json").read_text())
+        assert report["reference"] == reference and report["pairs"] > 0
+        if reference:
+            assert report["loss"] == pytest.approx(evals[-1]["loss"], abs=1e-5)
+            assert report["preference_accuracy"] == evals[-1]["rewards/accuracies"]
+        else:  # rewards beta times the model's own log-probabilities
+            assert report["rewards/chosen"] == pytest.approx(0.1 * report["logps/chosen"], rel=1e-5)
+            assert "reference  none (the model's own log-probabilities)" in proc.stdout
     shutil.copytree(dpo, tmp_path / "runs" / "again")
     run("again", "--adapter", "lora", "--objective", "dpo", "--strategy", "fsdp2", "--resume-from", "step-00000003")
     again = events(tmp_path / "runs" / "again", "train")
@@ -294,8 +311,11 @@ def test_full_fine_tuning_dpo_computes_its_reference_once_and_resumes_bitwise(tm
     """DPO without adapters: the base's log-probabilities of every pair computed once before the first step, under
     the run's strategy (fsdp2's vocabulary-parallel head), so step 1 and the base validation are ln 2; a rerun from a
     checkpoint reuses them from beside the token cache and repeats the steps after it bit for bit, under another
-    strategy too; the run ends with the preference accuracy base -> final."""
+    strategy too; the run ends with the preference accuracy base -> final, and pipeline.evaluate gives the same
+    figures for the export and for the base against itself (ln 2, accuracy 0)."""
     import shutil
+    import subprocess
+    import sys
 
     from conftest import ROOT, events, torchrun
 
@@ -323,6 +343,24 @@ def test_full_fine_tuning_dpo_computes_its_reference_once_and_resumes_bitwise(tm
     assert re.search(rf"validation dpo loss 0\.6931 -> {final['loss']:.4f} over \d+ pairs; preference accuracy "
                      rf"0\.000 -> {final['rewards/accuracies']:.3f}, mean margin 0\.0000 -> "
                      rf"{final['rewards/margins']:.4f}, base -> step 6", said), said[-2000:]
+    # pipeline.evaluate on the same pairs: the run's final validation, and the base against itself
+    reports = []
+    for model, loss, margin in ((full / "hf", final["loss"], final["rewards/margins"]), ("local/tiny", 0.6931472, 0)):
+        proc = subprocess.run([sys.executable, "-m", "pipeline.evaluate", str(model), "--config",
+                               str(full / "config.yaml"), "--reference", "local/tiny", "--out", tmp_path / "e.json"],
+                              cwd=ROOT, capture_output=True, text=True,
+                              env={**train_env["env"], "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        report = json.loads((tmp_path / "e.json").read_text())
+        assert (report["objective"], report["reference"], report["split"]) == ("dpo", "local/tiny", "val")
+        # (the base against itself: margins of float noise, its reference computed by 2 ranks' vocabulary-parallel
+        # head and the model here by its own, so its accuracy is that noise's sign, not asserted)
+        assert report["loss"] == pytest.approx(loss, abs=1e-5) and report["mean_margin"] == pytest.approx(margin,
+                                                                                                          abs=1e-5)
+        assert "under local/tiny: reused" in proc.stderr
+        assert f"dpo loss   {report['loss']:.5f}\naccuracy   {report['preference_accuracy']:.4f}\n" in proc.stdout
+        reports.append(report)
+    assert reports[0]["preference_accuracy"] == final["rewards/accuracies"]
     for strategy in ("fsdp2", "ddp"):
         shutil.copytree(full, tmp_path / "runs" / strategy, ignore=shutil.ignore_patterns("hf"))
         said = run(strategy, "--strategy", strategy, "--resume-from", "step-00000003")

@@ -2,7 +2,8 @@
 - with adapters (LoRA, DoRA, QLoRA) the base is the reference, the model with its adapters switched off (as peft, TRL
   and torchtune do): one forward without gradient per micro-step and no extra weights;
 - full fine-tuning, or another model named by --reference-model: every pair's log-probabilities computed once before
-  the first step (pipeline/objectives/reference_pass.py) and carried by the batch (Batch.ref).
+  the first step (pipeline/objectives/reference_pass.py) and carried by the batch (Batch.ref);
+- none, for pipeline.evaluate's preference accuracy of a model alone.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from collections.abc import Callable
 
 import torch
 
+from pipeline.data import packing
 from pipeline.data.batches import Batch
+from pipeline.data.pair_tokens import CHOSEN
 from pipeline.model.head import Head
 from pipeline.model.vocab_parallel import gather_rows
 from pipeline.objectives.preference import answers
@@ -43,5 +46,19 @@ def precomputed(head: Head) -> Callable:
         flat = ref.flatten(0, 1)
         flat = flat[~torch.isnan(flat[:, 0])]
         return flat[:, 0], flat[:, 1]
+
+    return reference
+
+
+def none(head: Head) -> Callable:
+    """No reference: every answer's reference log-probability 0, so the rewards are beta times the model's own
+    log-probabilities and the preference accuracy is how often it gives the chosen answer the higher one
+    (pipeline.evaluate of a model without --reference)."""
+
+    def reference(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        flags = batch.flags if not head.vocab_parallel else gather_rows(batch.flags, head.group)
+        pairs = int((((flags & packing.START) > 0) & ((flags & CHOSEN) > 0)).sum())  # a host sync per batch
+        zeros = torch.zeros(pairs, device=flags.device)
+        return zeros, zeros
 
     return reference

@@ -7,6 +7,12 @@ also (or only) lm-evaluation-harness tasks, offline, on the same model (eval/har
     python -m pipeline.evaluate outputs/RUN/hf --config outputs/RUN/config.yaml --out after.json
     torchrun --nproc_per_node 4 -m pipeline.evaluate org/big-model --adapter outputs/RUN/adapter -d DATA --split all
     python -m pipeline.evaluate outputs/RUN/hf --lm-eval-tasks my_qa --lm-eval-include tasks/ --out bench.json
+    python -m pipeline.evaluate outputs/RUN/hf -d hf_datasets/pairs --reference local/tiny-llama
+
+On a dataset of preference pairs it scores the pairs as DPO does (--objective and --pref-beta choose how): the loss,
+the preference accuracy (how often the chosen answer's reward is the higher) and the mean margin, against --reference
+(its log-probabilities computed once and kept beside the token cache), an adapter's base with the adapter off, or
+without either the model's own log-probabilities.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch.distributed as dist
 from pipeline import config_merge as config_mod
 from pipeline.config import Config
 from pipeline.config_merge import add_config_arguments
+from pipeline.data.dataset import load_text_dataset, preference_rows
 from pipeline.distributed.launch import detect as detect_launch
 from pipeline.distributed.runtime import Dist, compute_dtype, init_distributed
 from pipeline.errors import ArgumentParser, UserError
@@ -44,17 +51,20 @@ from pipeline.eval.harness import Tasks, check_tasks, run_tasks
 from pipeline.eval.heldout import Part, held_out_loss
 from pipeline.fsutil import sha256_file, write_text_atomic
 from pipeline.model.registry import transforms_for
-from pipeline.objectives.causal_lm import CausalLMLoss
+from pipeline.objectives.build import REFERENCE_OBJECTIVES, make_objective
 from pipeline.objectives.objective import HeldOut
+from pipeline.objectives.reference import none as no_reference
+from pipeline.objectives.reference import precomputed
 from pipeline.prep.hub import resolve_model_dir
 from pipeline.strategies.auto import check_agreed
 from pipeline.strategies.registry import make_strategy, settle
 from pipeline.train.blocks import prepare_blocks
-from pipeline.train.preflight import Plan, check_base_weights, resolve_inputs
+from pipeline.train.preflight import Plan, check_base_weights, plan_reference, resolve_inputs
+from pipeline.train.reference import with_reference
 from pipeline.train.telemetry import finite_or_text
 
 SPLITS = ("val", "all")
-OWN = ("model", "adapter_dir", "split", "out")
+OWN = ("model", "adapter_dir", "split", "out", "reference")
 """This command's own arguments; every other one is a config key."""
 
 
@@ -71,6 +81,9 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--split", choices=SPLITS, default="val", help="val: the blocks training holds out (default); "
                    "all: every block, training and validation")
     p.add_argument("--out", type=Path, default=None, help="also write the results to this JSON file")
+    p.add_argument("--reference", default=None, help="preference pairs: the reference model the rewards are measured "
+                   "against (a hub id or folder of MODEL's vocabulary and architecture; default: an adapter's base, "
+                   "else none)")
     # the run's flags but those this command sets: the model (MODEL), the adapter (--adapter's folder), the run name
     add_config_arguments(p, leave_out=frozenset({"model_name", "experiment_name", "adapter"}))
     return p
@@ -90,10 +103,7 @@ def resolve(argv: list[str] | None) -> tuple[Config, AdapterFolder | None, argpa
         base_dir(adapter.path, adapter.base_model, "" if args.adapter_dir is None else model)
     # a run config's prompts are the trainer's: not read here (nor required to exist)
     cfg = config_mod.merge({**parsed, "experiment_name": "evaluate", "model_name": model, "sample_prompts": ""})
-    if cfg.objective.preference:  # its held-out figures would be the next-token loss of both answers: not that
-        raise UserError(f"pipeline.evaluate scores the next-token loss of text and conversations, not --objective "
-                        f"{cfg.objective.objective}: a preference run's validation (loss and rewards on the held-out "
-                        "pairs) is in its metrics.jsonl eval events")
+    cfg = scored_as(cfg, args.reference)
     if not cfg.data.dataset_name and Tasks.of(cfg.train) is None:
         raise UserError("nothing to evaluate: give a dataset (-d DATASET, or --config RUN/config.yaml) for the "
                         "held-out loss, or --lm-eval-tasks, or both")
@@ -105,6 +115,23 @@ def resolve(argv: list[str] | None) -> tuple[Config, AdapterFolder | None, argpa
     # no dropout: evaluation runs in eval mode anyway, and the setting is not in the folder
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_dropout=0.0, **settings))
     return settle(cfg), adapter, args
+
+
+def scored_as(cfg: Config, reference: str | None) -> Config:
+    """Pairs are scored by a preference objective (dpo unless another is given: the next-token loss of both answers
+    would say nothing of the preference), with --reference as its reference model; anything else by the causal-LM
+    loss."""
+    pairs = bool(cfg.data.dataset_name) and bool(preference_rows(load_text_dataset(cfg.data.dataset_name)))
+    if reference and not pairs:
+        raise UserError("--reference is for a dataset of preference pairs: the rewards of their answers are measured "
+                        "against it")
+    if not pairs:
+        return cfg
+    objective = cfg.objective.objective if cfg.objective.preference else "dpo"
+    if reference and objective not in REFERENCE_OBJECTIVES:
+        raise UserError(f"--reference is for --objective dpo or ipo, not {objective}, which has no reference")
+    return dataclasses.replace(cfg, objective=dataclasses.replace(cfg.objective, objective=objective,
+                                                                  reference_model=reference or ""))
 
 
 def check_out(out: Path | None) -> None:
@@ -187,10 +214,19 @@ def evaluate(cfg: Config, plan: Plan, adapter: AdapterFolder | None, split: str,
     dtype = compute_dtype(cfg.model.precision, d.device)
     strategy = make_strategy(cfg.model, d, dtype, transforms_for(cfg.model, dtype))
     strategy.build(plan.hf_config)
+    head, reference = strategy.head(), None
+    if cfg.objective.reference_model:  # before the model's own weights: the pass loads the reference's
+        blocks = with_reference(blocks, plan_reference(cfg, plan.model_dir, plan.hf_config), strategy, dtype,
+                                cfg.train.batch_size)
+        parts = [Part(blocks.val, blocks.val_flags, blocks.val_ref)] + \
+            ([Part(blocks.train, blocks.train_flags, blocks.train_ref)] if split == "all" else [])
+        reference = precomputed(head)
+    elif adapter is None:
+        reference = no_reference(head)
     strategy.load_weights(plan.model_dir)
     if adapter is not None:
         load_adapter(strategy, adapter)
-    result = held_out_loss(strategy, parts, cfg.train.batch_size, d, CausalLMLoss(strategy.head()))
+    result = held_out_loss(strategy, parts, cfg.train.batch_size, d, make_objective(cfg.objective, head, reference))
     if result is None:
         raise UserError(f"the {split} blocks of {cfg.data.dataset_name} hold no token the loss counts (--train-on "
                         f"{cfg.data.train_on}); use --split all or another --train-on")
@@ -209,20 +245,33 @@ def identity(cfg: Config, adapter: AdapterFolder | None, args: argparse.Namespac
 
 
 def held_out_figures(cfg: Config, args: argparse.Namespace, result: HeldOut) -> dict:
-    """The held-out loss and the data it was measured on."""
-    return {
-        "dataset": cfg.data.dataset_name, "split": args.split, "seq_length": cfg.data.seq_length,
-        "loss": finite_or_text(result.loss), "ppl": finite_or_text(result.ppl),
-        "tokens": result.tokens, "blocks": result.blocks,
-    }
+    """The held-out loss and the data it was measured on; for pairs, the objective's figures instead of the
+    perplexity."""
+    data = {"dataset": cfg.data.dataset_name, "split": args.split, "seq_length": cfg.data.seq_length,
+            "loss": finite_or_text(result.loss), "blocks": result.blocks}
+    if not cfg.objective.preference:
+        return {**data, "ppl": finite_or_text(result.ppl), "tokens": result.tokens}
+    reference = cfg.objective.reference_model or ("the base, adapter off" if cfg.model.adapter != "none" else None)
+    return {**data, "objective": cfg.objective.objective, "pref_beta": cfg.objective.pref_beta,
+            "reference": reference if cfg.objective.objective in REFERENCE_OBJECTIVES else None, "pairs": result.tokens,
+            "preference_accuracy": result.metrics["rewards/accuracies"],
+            "mean_margin": result.metrics["rewards/margins"], **result.metrics}
 
 
 def table(report: dict) -> str:
-    rows = {"model": report["base_model"] + (f" + adapter {report['adapter']}" if report["adapter"] else ""),
-            "dataset": f"{report['dataset']} ({report['split']}: {report['blocks']:,} blocks of "
-                       f"{report['seq_length']} tokens, {report['tokens']:,} target tokens)",
-            "loss": _figure(report["loss"], ".5f"), "ppl": _figure(report["ppl"], ".3f")}
-    return "\n".join(f"{k:<8} {v}" for k, v in rows.items())
+    model = report["base_model"] + (f" + adapter {report['adapter']}" if report["adapter"] else "")
+    cut = f"{report['dataset']} ({report['split']}: {report['blocks']:,} blocks of {report['seq_length']} tokens, "
+    if "pairs" not in report:
+        rows = {"model": model, "dataset": cut + f"{report['tokens']:,} target tokens)",
+                "loss": _figure(report["loss"], ".5f"), "ppl": _figure(report["ppl"], ".3f")}
+    else:
+        rows = {"model": model, "dataset": cut + f"{report['pairs']:,} pairs)",
+                "reference": report["reference"] or "none (the model's own log-probabilities)",
+                f"{report['objective']} loss": _figure(report["loss"], ".5f"),
+                "accuracy": format(report["preference_accuracy"], ".4f"),
+                "margin": format(report["mean_margin"], ".4f")}
+    width = max(map(len, rows)) + 1
+    return "\n".join(f"{k:<{width}} {v}" for k, v in rows.items())
 
 
 def _figure(value: float | str, spec: str) -> str:

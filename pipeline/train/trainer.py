@@ -29,6 +29,7 @@ from pipeline.model.modeling import untested_family
 from pipeline.model.registry import transforms_for
 from pipeline.objectives.build import make_objective
 from pipeline.objectives.objective import HeldOut
+from pipeline.objectives.reference import precomputed
 from pipeline.strategies.memory import GIB
 from pipeline.strategies.registry import ignored_knobs, make_strategy, out_of_memory_hints
 from pipeline.train.blocks import check_one_batch, prepare_blocks
@@ -106,7 +107,8 @@ class Trainer:
         self.model = self.strategy.build(plan.hf_config)
         if plan.reference is not None:  # before the checkpoint or base fills the model: the pass loads the reference
             self.blocks = with_reference(self.blocks, plan.reference, self.strategy, self.dtype, cfg.train.batch_size)
-        self.objective = make_objective(cfg.objective, self.strategy.head(), plan.reference is not None)
+        head = self.strategy.head()
+        self.objective = make_objective(cfg.objective, head, plan.reference and precomputed(head))
         self.optimizer = build_optimizer(self.strategy.param_groups(cfg.optim.weight_decay), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.step, self.samples_seen, self.best_val = 0, 0, math.inf
