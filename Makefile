@@ -66,6 +66,15 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 	$(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf --prompt "How do I make soup?" --max-new-tokens 48
 	$(PY) -m pipeline.chat $(DEMO)/outputs/chat-lora/adapter --prompt "How do I make soup?" --max-new-tokens 48
 	@echo
+	@echo "== DPO: LoRA adapters on the chat model taught from preference pairs to answer rather than brush a question"
+	@echo "   off (the reference is the chat model: the adapters off); the run ends with its preference accuracy"
+	$(PY) DATA-HF.py --data_folder examples/preferences --save_dir $(DEMO)/hf_datasets/pairs --overwrite
+	rm -rf $(DEMO)/outputs/dpo
+	$(PY) fsdp1.py --nproc-per-node 2 -e dpo --save-dir $(DEMO)/outputs \
+		-d $(DEMO)/hf_datasets/pairs -m $(DEMO)/outputs/chat/hf --config configs/demo_dpo.yaml
+	$(PY) -m pipeline.evaluate $(DEMO)/outputs/dpo/hf --reference $(DEMO)/outputs/chat/hf \
+		--config $(DEMO)/outputs/dpo/config.yaml
+	@echo
 	@echo "demo outputs:"
 	@echo "  splits + manifest:   $(DEMO)/splits/manifest.jsonl"
 	@echo "  Arrow dataset:       $(DEMO)/hf_datasets/corpus (report: prep_report.json inside it)"
@@ -74,6 +83,7 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 	@echo "                       lm_eval.json: the lm-eval task on hf/, eval.json: pipeline.evaluate of hf/)"
 	@echo "  chat run:            $(DEMO)/outputs/chat (try it: $(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf)"
 	@echo "  LoRA run:            $(DEMO)/outputs/chat-lora (adapter/ in PEFT's format on chat/hf, hf/ merged)"
+	@echo "  DPO run:             $(DEMO)/outputs/dpo (metrics.jsonl: rewards/* and logps/* per window and eval)"
 
 # Two pytest workers, one test file each at a time (module fixtures stay shared): most of a test's time is process
 # start-up and checkpoint I/O, so two overlap on 2 cores (measured 2026-11-26: 28:00 for 447 tests on a 2-core AVX2

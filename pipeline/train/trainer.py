@@ -384,7 +384,9 @@ class Trainer:
         telemetry.human({"global_step": self.step, "epoch": fields["epoch"], "loss": round(fields["loss"], 4),
                          "lr": f"{fields['lr']:.3g}", "grad_norm": round(fields["grad_norm"], 4),
                          "tok/s": round(tokens_per_s), "trained_tok/s": round(fields["trained_tokens_per_s"]),
-                         "mfu": fields["mfu"], **{f"time/{k}": t[k] for k in t},
+                         "mfu": fields["mfu"], **{k: round(fields[k], 4) for k in ("rewards/accuracies",
+                                                                                   "rewards/margins") if k in fields},
+                         **{f"time/{k}": t[k] for k in t},
                          "mem/peak_alloc_gb": fields["mem_gb"]["peak_alloc"]})
 
     def memory(self) -> dict:
@@ -413,7 +415,11 @@ class Trainer:
         costs = {"seconds": round(time.perf_counter() - sampled, 6),
                  **({"sample_seconds": round(sampled - start, 6)} if self.plan.prompts else {})}
         telemetry.event("eval", self.step, loss=val.loss, ppl=val.ppl, **val.metrics, **costs)
-        telemetry.human({"global_step": self.step, "eval_loss": round(val.loss, 5), "eval_ppl": round(val.ppl, 3)})
+        # a preference objective's mean is over pairs: its exp is no perplexity, its accuracy and margin say more
+        m = val.metrics
+        shown = ({"eval_accuracy": round(m["rewards/accuracies"], 4), "eval_margin": round(m["rewards/margins"], 4)}
+                 if "rewards/accuracies" in m else {"eval_ppl": round(val.ppl, 3)})
+        telemetry.human({"global_step": self.step, "eval_loss": round(val.loss, 5), **shown})
         if self.cfg.run.save_best and self.step > 0 and val.loss < self.best_val:  # step 0 is the base, not a result
             self.best_val = val.loss
             export_run(self.strategy, self.cfg, self.plan.model_dir, self.dist, self.plan.spec.chat_template,
