@@ -103,7 +103,9 @@ def resolve(argv: list[str] | None) -> tuple[Config, AdapterFolder | None, argpa
         base_dir(adapter.path, adapter.base_model, "" if args.adapter_dir is None else model)
     # a run config's prompts are the trainer's: not read here (nor required to exist)
     cfg = config_mod.merge({**parsed, "experiment_name": "evaluate", "model_name": model, "sample_prompts": ""})
-    cfg = scored_as(cfg, args.reference)
+    if args.reference and not cfg.data.dataset_name:
+        raise UserError("--reference is for a dataset of preference pairs: the rewards of their answers are measured "
+                        "against it")
     if not cfg.data.dataset_name and Tasks.of(cfg.train) is None:
         raise UserError("nothing to evaluate: give a dataset (-d DATASET, or --config RUN/config.yaml) for the "
                         "held-out loss, or --lm-eval-tasks, or both")
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 def held_out(cfg: Config, adapter: AdapterFolder | None, args: argparse.Namespace) -> dict:
     """The held-out part of the report on rank 0, {} on the others. Joins the process group and leaves it: lm-eval
     then runs on rank 0 alone."""
-    plan = resolve_inputs(cfg)
+    plan = resolve_inputs(scored_as(cfg, args.reference))
     cfg = plan.config  # --strategy auto resolved
     weights = check_base_weights(cfg, plan.model_dir)
     d = init_distributed(timedelta(seconds=cfg.run.collective_timeout_s))
