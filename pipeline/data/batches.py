@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -57,3 +59,34 @@ def count_targets(ids: np.ndarray, flags: np.ndarray | None, valid_rows: int | N
     if flags is None:
         return rows * (ids.shape[1] - 1)
     return int(packing.targets(flags[:rows]).sum())
+
+
+class Part(NamedTuple):
+    """A split as the token cache holds it (Blocks.part), and the batches of its rows."""
+
+    blocks: np.ndarray
+    """(n, seq) token ids."""
+    flags: np.ndarray | None
+    """Their packing flags (None for plain text)."""
+    ref: np.ndarray | None = None
+    """A reference's log-probabilities of their pairs, where the objective has them."""
+
+    def flags_at(self, idx: np.ndarray) -> np.ndarray | None:
+        return None if self.flags is None else self.flags[idx]
+
+    def batch(self, idx: np.ndarray, device: torch.device, valid_rows: int | None = None) -> Batch:
+        """The batch of these rows (make_batch)."""
+        return make_batch(self.blocks[idx], self.flags_at(idx), device, valid_rows,
+                          None if self.ref is None else self.ref[idx])
+
+
+def rounds(n: int, world_size: int, batch_size: int) -> int:
+    """How many batches each rank runs when n blocks are dealt to the ranks (dealt): the same on every rank."""
+    return math.ceil(math.ceil(n / world_size) / batch_size)
+
+
+def dealt(n: int, rank: int, world_size: int, batch_size: int, b: int) -> tuple[np.ndarray, int]:
+    """Rank rank's b-th batch of n blocks dealt round-robin, padded with block 0 to batch_size rows, and how many are
+    real (valid_rows: the padding has no targets). Every rank can compute every other's, without communication."""
+    idx = np.arange(rank, n, world_size)[b * batch_size:(b + 1) * batch_size]
+    return np.concatenate([idx, np.zeros(batch_size - len(idx), dtype=idx.dtype)]), len(idx)

@@ -97,10 +97,14 @@ def pack_pairs(pairs: list[TokenPair], capacity: int, pad_id: int) -> tuple[np.n
     return blocks, flags
 
 
+def pair_starts(flags):
+    """Where each pair starts: the first token of its chosen answer, True there ([rows, seq], numpy or torch alike)."""
+    return ((flags & packing.START) > 0) & ((flags & CHOSEN) > 0)
+
+
 def count_pairs(flags: np.ndarray, valid_rows: int | None = None) -> int:
-    """Pairs in these blocks' flags (the chosen answers' starts), of the first valid_rows rows."""
-    rows = flags if valid_rows is None else flags[:valid_rows]
-    return int((((rows & packing.START) > 0) & ((rows & CHOSEN) > 0)).sum())
+    """Pairs in these blocks' flags, of the first valid_rows rows."""
+    return int(pair_starts(flags if valid_rows is None else flags[:valid_rows]).sum())
 
 
 def tokenize_pairs_batch(batch: dict, tokenizer, date: str, capacity: int, keep_as_text) -> dict:

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.data import chat_tokens, packing, pair_tokens
+from pipeline.data.batches import Part
 from pipeline.data.dataset import BlockSpec, conversation_rows, tokenizer_fingerprint
 from pipeline.data.text_tokens import release_freed_memory, tokenize_rows
 from pipeline.errors import UserError, disk_problem, naming
@@ -70,6 +71,12 @@ class Blocks:
     """(n_train, pairs, 2) a reference's log-probabilities of each block's pairs, where the objective has them
     (pipeline/objectives/reference_pass.py)."""
     val_ref: np.ndarray | None = None
+
+    def part(self, split: str) -> Part:
+        """The train or val split, with its flags and reference values."""
+        if split == "train":
+            return Part(self.train, self.train_flags, self.train_ref)
+        return Part(self.val, self.val_flags, self.val_ref)
 
 
 def token_cache_dir(cache_root: Path, dataset_fp: str, model_dir: Path, spec: BlockSpec) -> Path:

@@ -3,29 +3,15 @@ token of every rank), the same value whatever the world size or the batch size, 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.data.batches import make_batch
+from pipeline.data.batches import Part, dealt, rounds
 from pipeline.distributed.runtime import Dist
 from pipeline.objectives.objective import HeldOut, Objective
 from pipeline.strategies.base import Strategy
-
-
-class Part(NamedTuple):
-    """A split as the token cache holds it."""
-
-    blocks: np.ndarray
-    """(n, seq) token ids."""
-    flags: np.ndarray | None
-    """Their packing flags (None for plain text)."""
-    ref: np.ndarray | None = None
-    """A reference's log-probabilities of their pairs, where the objective has them."""
 
 
 @torch.no_grad()
@@ -55,18 +41,14 @@ def held_out_loss(strategy: Strategy, parts: Sequence[Part], batch_size: int, d:
 def _sums(parts: Sequence[Part], batch_size: int, d: Dist, objective: Objective) -> torch.Tensor:
     """This rank's (summed loss, items) over its share of parts."""
     sums = torch.zeros(2, dtype=torch.float64, device=d.device)
-    for blocks, flags, ref in parts:
-        mine = np.arange(d.rank, len(blocks), d.world_size)
-        for b in range(math.ceil(math.ceil(len(blocks) / d.world_size) / batch_size)):
-            idx = mine[b * batch_size:(b + 1) * batch_size]
+    for part in parts:
+        n = len(part.blocks)
+        for b in range(rounds(n, d.world_size, batch_size)):
             # a rank short of blocks pads with block 0, whose rows do not count
-            valid = len(idx)
-            idx = np.concatenate([idx, np.zeros(batch_size - valid, dtype=idx.dtype)])
-            rows = None if flags is None else flags[idx]
+            idx, valid = dealt(n, d.rank, d.world_size, batch_size, b)
             # over num_items = world size, the losses summed over ranks are the global sum
             # (pipeline/objectives/causal_lm.py)
-            batch = make_batch(blocks[idx], rows, d.device, valid, None if ref is None else ref[idx])
-            loss = objective(batch, d.world_size)
-            tokens = objective.items(blocks[idx], rows, valid)
+            loss = objective(part.batch(idx, d.device, valid), d.world_size)
+            tokens = objective.items(part.blocks[idx], part.flags_at(idx), valid)
             sums += torch.stack([loss.double(), torch.tensor(tokens, dtype=torch.float64, device=d.device)])
     return sums

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.model.vocab_parallel import gather_rows
+
 
 @dataclass(frozen=True)
 class Head:
@@ -28,3 +30,8 @@ class Head:
 
     def autocasting(self, device: torch.device) -> contextlib.AbstractContextManager:
         return torch.autocast(device.type, self.autocast) if self.autocast else contextlib.nullcontext()
+
+    def every_row(self, x: torch.Tensor) -> torch.Tensor:
+        """A batch's per-row tensor (flags, reference values) for the rows the head's outputs cover: every rank's
+        on the vocabulary-parallel path (a collective), else this rank's own."""
+        return gather_rows(x, self.group) if self.vocab_parallel else x

@@ -32,8 +32,6 @@ class CausalLMLoss:
     step's share of the global loss, and the gradient is that of the global loss.
     """
 
-    name, unit = "loss", "tokens"
-
     def __init__(self, head: Head):
         self.head = head
 

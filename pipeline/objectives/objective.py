@@ -32,11 +32,6 @@ class HeldOut:
 
 
 class Objective(Protocol):
-    name: str
-    """What its loss is called in the run's closing line ("loss", "dpo loss")."""
-    unit: str
-    """What its mean is over: "tokens" or "pairs"."""
-
     def __call__(self, batch: Batch, num_items: float) -> torch.Tensor:
         """The batch's share of the step's loss, its sum divided by num_items (the step's items over every rank and
         micro-step). A collective where the head is vocabulary-parallel: every rank calls it with the same shapes."""

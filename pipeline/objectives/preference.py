@@ -1,7 +1,7 @@
 """The preference objective of a batch of packed pairs (pipeline/data/pair_tokens.py): each answer's summed
-log-probability through the model's head (pipeline/objectives/head.py), the reference's for the same answers, and the
-loss of each pair (pipeline/objectives/preference_losses.py), summed over the batch's pairs and divided by the pairs of
-the whole step, as the causal-LM loss divides by its targets.
+log-probability through the model's head (pipeline/objectives/token_logps.py), the reference's for the same answers,
+and the loss of each pair (pipeline/objectives/preference_losses.py), summed over the batch's pairs and divided by the
+pairs of the whole step, as the causal-LM loss divides by its targets.
 
 What the trainer reads besides the loss: the window's TRL-named figures (rewards/chosen, rewards/rejected,
 rewards/margins, rewards/accuracies, logps/chosen, logps/rejected), summed pair by pair and averaged when read.
@@ -20,7 +20,7 @@ from pipeline.data import packing
 from pipeline.data.batches import Batch
 from pipeline.data.pair_tokens import CHOSEN, REJECTED, count_pairs
 from pipeline.model.head import Head
-from pipeline.model.vocab_parallel import IGNORE, gather_rows
+from pipeline.model.vocab_parallel import IGNORE
 from pipeline.objectives.objective import HeldOut
 from pipeline.objectives.preference_losses import PairTerms, PreferenceSettings, pair_terms
 from pipeline.objectives.token_logps import token_logps
@@ -31,7 +31,7 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/acc
 
 Reference = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]
 """The reference's summed log-probabilities of the batch's chosen and rejected answers (every pair in the rows the
-objective reads, in their order): the base with its adapters off (objectives/reference.py)."""
+objective reads, in their order): objectives/reference.py."""
 
 
 def answers(flags: torch.Tensor, labels: torch.Tensor, logps: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -50,14 +50,18 @@ def answers(flags: torch.Tensor, labels: torch.Tensor, logps: torch.Tensor) -> d
             "rejected_len": lengths[rejected]}
 
 
+def sequence_logps(head: Head, batch: Batch) -> dict[str, torch.Tensor]:
+    """answers() of the batch under the model the head runs: per pair, each answer's summed log-probability and
+    target count (every rank's pairs on the vocabulary-parallel path). A collective there."""
+    logps, labels = token_logps(head, batch)
+    return answers(head.every_row(batch.flags), labels, logps)
+
+
 class PreferenceObjective:
     """DPO, IPO, SimPO or ORPO over a batch of packed pairs, strategy-blind: the head says how the model is run."""
 
-    unit = "pairs"
-
     def __init__(self, head: Head, settings: PreferenceSettings, reference: Reference | None):
         self.head, self.settings, self.reference = head, settings, reference
-        self.name = f"{settings.objective} loss"
         self.window: torch.Tensor | None = None
         """Pairs, then each metric summed over them, since the window was last read (on the device: read once per
         window)."""
@@ -67,8 +71,8 @@ class PreferenceObjective:
 
     def closing(self, base: HeldOut, final: HeldOut) -> str:
         b, f = base.metrics, final.metrics
-        return (f"{self.name} {base.loss:.4f} -> {final.loss:.4f} over {final.tokens} pairs; preference accuracy "
-                f"{b['rewards/accuracies']:.3f} -> {f['rewards/accuracies']:.3f}, mean margin "
+        return (f"{self.settings.objective} loss {base.loss:.4f} -> {final.loss:.4f} over {final.tokens} pairs; "
+                f"preference accuracy {b['rewards/accuracies']:.3f} -> {f['rewards/accuracies']:.3f}, mean margin "
                 f"{b['rewards/margins']:.4f} -> {f['rewards/margins']:.4f}")
 
     @contextlib.contextmanager
@@ -81,9 +85,7 @@ class PreferenceObjective:
             self.window = kept
 
     def __call__(self, batch: Batch, num_items: float) -> torch.Tensor:
-        logps, labels = token_logps(self.head, batch)
-        flags = batch.flags if not self.head.vocab_parallel else gather_rows(batch.flags, self.head.group)
-        got = answers(flags, labels, logps)
+        got = sequence_logps(self.head, batch)
         ref_c = ref_r = None
         if self.reference is not None:
             with torch.no_grad():

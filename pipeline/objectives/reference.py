@@ -13,13 +13,10 @@ from collections.abc import Callable
 
 import torch
 
-from pipeline.data import packing
 from pipeline.data.batches import Batch
-from pipeline.data.pair_tokens import CHOSEN
+from pipeline.data.pair_tokens import pair_starts
 from pipeline.model.head import Head
-from pipeline.model.vocab_parallel import gather_rows
-from pipeline.objectives.preference import answers
-from pipeline.objectives.token_logps import token_logps
+from pipeline.objectives.preference import sequence_logps
 
 
 def adapters_off(head: Head, disabled: Callable[[], contextlib.AbstractContextManager]) -> Callable:
@@ -28,9 +25,7 @@ def adapters_off(head: Head, disabled: Callable[[], contextlib.AbstractContextMa
 
     def reference(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         with disabled():
-            logps, labels = token_logps(head, batch)
-        flags = batch.flags if not head.vocab_parallel else gather_rows(batch.flags, head.group)
-        got = answers(flags, labels, logps)
+            got = sequence_logps(head, batch)
         return got["chosen"], got["rejected"]
 
     return reference
@@ -42,8 +37,7 @@ def precomputed(head: Head) -> Callable:
     vocabulary-parallel path, as the policy's)."""
 
     def reference(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        ref = batch.ref if not head.vocab_parallel else gather_rows(batch.ref, head.group)
-        flat = ref.flatten(0, 1)
+        flat = head.every_row(batch.ref).flatten(0, 1)
         flat = flat[~torch.isnan(flat[:, 0])]
         return flat[:, 0], flat[:, 1]
 
@@ -56,9 +50,8 @@ def none(head: Head) -> Callable:
     (pipeline.evaluate of a model without --reference)."""
 
     def reference(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        flags = batch.flags if not head.vocab_parallel else gather_rows(batch.flags, head.group)
-        pairs = int((((flags & packing.START) > 0) & ((flags & CHOSEN) > 0)).sum())  # a host sync per batch
-        zeros = torch.zeros(pairs, device=flags.device)
+        pairs = int(pair_starts(head.every_row(batch.flags)).sum())  # a host sync per batch
+        zeros = torch.zeros(pairs, device=batch.flags.device)
         return zeros, zeros
 
     return reference

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import shutil
 import time
 from collections.abc import Callable
@@ -23,15 +22,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.data import packing
-from pipeline.data.batches import make_batch
-from pipeline.data.pair_tokens import CHOSEN, count_pairs
+from pipeline.data.batches import Part, dealt, make_batch, rounds
+from pipeline.data.pair_tokens import count_pairs, pair_starts
 from pipeline.distributed.runtime import Dist
 from pipeline.fsutil import save_npy_atomic, write_text_atomic
 from pipeline.model.head import Head
-from pipeline.model.vocab_parallel import gather_rows
-from pipeline.objectives.preference import answers
-from pipeline.objectives.token_logps import token_logps
+from pipeline.objectives.preference import sequence_logps
 
 REFERENCE_DIR = "reference"
 """The token cache's subfolder holding references' log-probabilities of its pairs, one folder per key."""
@@ -54,39 +50,22 @@ def _everywhere(found: bool, d: Dist) -> bool:
     return bool(flag.item())
 
 
-def max_pairs(flags: np.ndarray) -> int:
-    """The most pairs one block holds."""
-    starts = ((flags & packing.START) > 0) & ((flags & CHOSEN) > 0)
-    return int(starts.sum(1).max()) if len(flags) else 0
-
-
-def _deal(n: int, rank: int, world: int, batch_size: int, b: int) -> tuple[np.ndarray, int]:
-    """Rank rank's b-th batch of range(n) dealt round-robin, padded with block 0 (valid: how many are real). Every
-    rank can compute every other's: no communication."""
-    idx = np.arange(rank, n, world)[b * batch_size:(b + 1) * batch_size]
-    return np.concatenate([idx, np.zeros(batch_size - len(idx), dtype=idx.dtype)]), len(idx)
-
-
 @torch.no_grad()
 def _chunk(head: Head, blocks: np.ndarray, flags: np.ndarray, batch_size: int, d: Dist, width: int) -> np.ndarray:
     """The (chosen, rejected) log-probabilities of each pair of these blocks: [blocks, width, 2], NaN past a block's
     pairs. The blocks are dealt to the ranks; every rank returns the whole. A collective."""
     n, world = len(blocks), d.world_size
     out = np.full((n, width, 2), np.nan, dtype=np.float32)
-    batches = math.ceil(math.ceil(n / world) / batch_size)
     mine: dict[int, np.ndarray] = {}
-    for b in range(batches):
-        idx, valid = _deal(n, d.rank, world, batch_size, b)
-        batch = make_batch(blocks[idx], flags[idx], d.device, valid)
-        logps, labels = token_logps(head, batch)
-        rows_flags = batch.flags if not head.vocab_parallel else gather_rows(batch.flags, head.group)
-        got = answers(rows_flags, labels, logps)
+    for b in range(rounds(n, world, batch_size)):
+        idx, valid = dealt(n, d.rank, world, batch_size, b)
+        got = sequence_logps(head, make_batch(blocks[idx], flags[idx], d.device, valid))
         values = torch.stack([got["chosen"], got["rejected"]], 1).float().cpu().numpy()
         # whose rows these are: this rank's, or on the vocabulary-parallel path every rank's in rank order
         ranks = range(world) if head.vocab_parallel else [d.rank]
-        dealt = [_deal(n, r, world, batch_size, b) for r in ranks]
-        owners = [(int(i), k < valid_r) for idx_r, valid_r in dealt for k, i in enumerate(idx_r)]
-        counts = [count_pairs(flags[i:i + 1]) for i, _ in owners]
+        owners = [(int(i), k < valid_r) for idx_r, valid_r in (dealt(n, r, world, batch_size, b) for r in ranks)
+                  for k, i in enumerate(idx_r)]
+        counts = pair_starts(flags[[i for i, _ in owners]]).sum(1)
         for (i, real), part in zip(owners, np.split(values, np.cumsum(counts)[:-1]), strict=True):
             if real:  # a padding row repeats block 0, whose own row is someone's real one
                 mine[i] = part
@@ -104,7 +83,7 @@ def reference_pass(head: Head, blocks: np.ndarray, flags: np.ndarray, batch_size
                    work: Path) -> np.ndarray:
     """Every pair's (chosen, rejected) summed log-probabilities under the model as it is: [blocks, pairs, 2]
     float32, NaN past a block's pairs, resumed from the chunks saved in work/. A collective."""
-    width = max(max_pairs(flags), 1)
+    width = max(int(pair_starts(flags).sum(1).max()) if len(flags) else 0, 1)  # the most pairs one block holds
     out = np.full((len(blocks), width, 2), np.nan, dtype=np.float32)
     for start in range(0, len(blocks), CHUNK_BLOCKS):
         stop = min(start + CHUNK_BLOCKS, len(blocks))
@@ -120,7 +99,7 @@ def reference_pass(head: Head, blocks: np.ndarray, flags: np.ndarray, batch_size
     return out
 
 
-def ensure_reference(head: Head, cache: Path, folder: Path, splits: dict[str, tuple[np.ndarray, np.ndarray]],
+def ensure_reference(head: Head, cache: Path, folder: Path, splits: dict[str, Part],
                      batch_size: int, d: Dist, load: Callable[[], None],
                      off: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
                      ) -> tuple[dict[str, np.ndarray], str]:
@@ -131,18 +110,19 @@ def ensure_reference(head: Head, cache: Path, folder: Path, splits: dict[str, tu
     if _everywhere((folder / "meta.json").exists(), d):
         return {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in splits}, "reused"
     started = time.perf_counter()
+    partial = folder.with_name(folder.name + ".partial")
     load()
     head.model.eval()
     with off():
-        found = {name: reference_pass(head, blocks, flags, batch_size, d, folder.with_name(folder.name + ".partial")
-                                      / name) for name, (blocks, flags) in splits.items()}
+        found = {name: reference_pass(head, part.blocks, part.flags, batch_size, d, partial / name)
+                 for name, part in splits.items()}
     head.model.train()
     if d.is_local_main:
         folder.mkdir(parents=True, exist_ok=True)
         for name, values in found.items():
             save_npy_atomic(folder / f"{name}.npy", values)
-        pairs = {name: count_pairs(flags) for name, (_, flags) in splits.items()}
+        pairs = {name: count_pairs(part.flags) for name, part in splits.items()}
         write_text_atomic(folder / "meta.json", json.dumps({"pairs": pairs, "cache": cache.name}, indent=2) + "\n")
-        shutil.rmtree(folder.with_name(folder.name + ".partial"), ignore_errors=True)
+        shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
     return found, f"computed in {time.perf_counter() - started:.1f} s"

@@ -48,7 +48,7 @@ from pipeline.eval.adapter_folder import (
     read_adapter_folder,
 )
 from pipeline.eval.harness import Tasks, check_tasks, run_tasks
-from pipeline.eval.heldout import Part, held_out_loss
+from pipeline.eval.heldout import held_out_loss
 from pipeline.fsutil import sha256_file, write_text_atomic
 from pipeline.model.registry import transforms_for
 from pipeline.objectives.build import REFERENCE_OBJECTIVES, make_objective
@@ -209,8 +209,7 @@ def evaluate(cfg: Config, plan: Plan, adapter: AdapterFolder | None, split: str,
     """The token cache (found or built), the model distributed and filled, and its loss over the split; and the
     cache's folder. A collective."""
     blocks = prepare_blocks(cfg, plan, d)
-    parts = [Part(blocks.val, blocks.val_flags)] + ([Part(blocks.train, blocks.train_flags)] if split == "all" else [])
-    if not sum(len(p.blocks) for p in parts):  # --split all always has blocks: training needs one batch of them
+    if not len(blocks.val) and split == "val":  # --split all always has blocks: training needs one batch of them
         raise UserError(f"{cfg.data.dataset_name} has no validation blocks at --val-fraction {cfg.data.val_fraction:g}"
                         f" and --seq-length {cfg.data.seq_length}; pass --split all, or the run's --val-fraction")
     dtype = compute_dtype(cfg.model.precision, d.device)
@@ -218,16 +217,14 @@ def evaluate(cfg: Config, plan: Plan, adapter: AdapterFolder | None, split: str,
     strategy.build(plan.hf_config)
     head, reference = strategy.head(), None
     if cfg.objective.reference_model:  # before the model's own weights: the pass loads the reference's
-        blocks = with_reference(blocks, plan_reference(cfg, plan.model_dir, plan.hf_config), strategy, dtype,
-                                cfg.train.batch_size)
-        parts = [Part(blocks.val, blocks.val_flags, blocks.val_ref)] + \
-            ([Part(blocks.train, blocks.train_flags, blocks.train_ref)] if split == "all" else [])
+        blocks = with_reference(blocks, plan_reference(cfg, plan), strategy, dtype, cfg.train.batch_size)
         reference = precomputed(head)
     elif adapter is None:
         reference = no_reference(head)
     strategy.load_weights(plan.model_dir)
     if adapter is not None:
         load_adapter(strategy, adapter)
+    parts = [blocks.part("val"), *([blocks.part("train")] if split == "all" else [])]
     result = held_out_loss(strategy, parts, cfg.train.batch_size, d, make_objective(cfg.objective, head, reference))
     if result is None:
         raise UserError(f"the {split} blocks of {cfg.data.dataset_name} hold no token the loss counts (--train-on "

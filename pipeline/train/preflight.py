@@ -163,22 +163,23 @@ def check_objective(cfg: Config, pairs: int) -> None:
                         "records with chosen and rejected answers as pairs)")
 
 
-def plan_reference(cfg: Config, model_dir: Path, hf_config) -> ReferencePlan | None:
+def plan_reference(cfg: Config, plan: Plan, base: WeightCheck | None = None) -> ReferencePlan | None:
     """The reference whose log-probabilities a pass computes before training: --reference-model, or the base under
     full fine-tuning (an adapter run's reference is its base with the adapters off: None). A reference of another
-    vocabulary or other tensors than the policy's is one line, before any weight is read."""
-    o = cfg.objective
+    vocabulary or other tensors than the policy's is one line, before any weight is read. base: the base weights'
+    check where preflight has made it already."""
+    o, model_dir = cfg.objective, plan.model_dir
     if o.objective not in REFERENCE_OBJECTIVES or (cfg.model.adapter != "none" and not o.reference_model):
         return None
     if not o.reference_model:
-        return ReferencePlan(model_dir, cfg.model.model_name, weights_digest(check_base_weights(cfg, model_dir)))
+        base = base or check_base_weights(cfg, model_dir)
+        return ReferencePlan(model_dir, cfg.model.model_name, weights_digest(base))
     from transformers import AutoConfig, AutoTokenizer
 
     ref_dir = resolve_model_dir(o.reference_model)
     ref_config = AutoConfig.from_pretrained(ref_dir)
-    mine, theirs = getattr(hf_config, "vocab_size", None), getattr(ref_config, "vocab_size", None)
-    if mine != theirs or AutoTokenizer.from_pretrained(ref_dir).get_vocab() != \
-            AutoTokenizer.from_pretrained(model_dir).get_vocab():
+    mine, theirs = getattr(plan.hf_config, "vocab_size", None), getattr(ref_config, "vocab_size", None)
+    if mine != theirs or AutoTokenizer.from_pretrained(ref_dir).get_vocab() != plan.tokenizer.get_vocab():
         raise UserError(f"--reference-model {o.reference_model} has another vocabulary than {cfg.model.model_name} "
                         f"(vocab_size {theirs} vs {mine}, or other tokens): a reference scores the policy's tokens, "
                         "so it must share its tokenizer")
@@ -261,7 +262,7 @@ def preflight(cfg: Config, launch: Launch | None = None) -> Plan:
     exports = {**run_exports(cfg), **(run_exports(cfg, best=True) if cfg.run.save_best else {})}
     for folder in exports:  # what the run replaces at its end: refused now
         check_replaceable(cfg.run_dir / folder, f"the run's export folder {folder}/:")
-    state = read_state(cfg.run_dir)
+    state, check = read_state(cfg.run_dir), None
     if not state or cfg.run.no_resume or cfg.model.adapter != "none":
         # the base weights are read (a fresh start; every start of an adapter run): their headers and content now,
         # before any process waits on another
@@ -269,7 +270,7 @@ def preflight(cfg: Config, launch: Launch | None = None) -> Plan:
         check = check_base_weights(cfg, plan.model_dir)
         if cfg.model.adapter != "none":  # the adapters are trained on these weights: a resume must find them again
             plan.fingerprint["base_weights"] = weights_digest(check)
-    plan.reference = plan_reference(cfg, plan.model_dir, plan.hf_config)
+    plan.reference = plan_reference(cfg, plan, check)
     if plan.reference is not None:  # a resume against another reference would compare with other log-probabilities
         plan.fingerprint["reference_weights"] = plan.reference.weights
     if state and not cfg.run.no_resume:

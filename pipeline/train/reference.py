@@ -25,12 +25,12 @@ def with_reference(blocks: Blocks, ref: ReferencePlan, strategy: Strategy, dtype
     by the model with the reference's weights loaded into it (an adapter run's with its adapters off). The model's
     weights are then the reference's: the checkpoint or the base must fill it after. A collective."""
     folder = reference_folder(blocks.path, ref.weights, dtype)
-    splits = {"train": (blocks.train, blocks.train_flags), "val": (blocks.val, blocks.val_flags)}
+    splits = {name: blocks.part(name) for name in ("train", "val")}
     off = functools.partial(adapters_disabled, strategy.model) if strategy.freezes_base else contextlib.nullcontext
     found, how = ensure_reference(strategy.head(), blocks.path, folder, splits, batch_size, strategy.dist,
                                   lambda: strategy.load_weights(ref.model_dir), off)
     strategy.release()  # the root stays gathered after forwards without backward
     if strategy.dist.is_main:
-        pairs = sum(count_pairs(flags) for _, flags in splits.values())
+        pairs = sum(count_pairs(part.flags) for part in splits.values())
         log.info("reference log-probabilities of %d pairs under %s: %s (%s)", pairs, ref.name, how, folder)
     return dataclasses.replace(blocks, train_ref=found["train"], val_ref=found["val"])

@@ -19,11 +19,10 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import Config
-from pipeline.data.batches import Batch, make_batch
 from pipeline.data.sampler import BlockSampler
 from pipeline.distributed.runtime import Dist, compute_dtype
 from pipeline.errors import UserError
-from pipeline.eval.heldout import Part, held_out_loss
+from pipeline.eval.heldout import held_out_loss
 from pipeline.eval.samples import complete, stop_ids
 from pipeline.model.modeling import untested_family
 from pipeline.model.registry import transforms_for
@@ -355,15 +354,10 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step (pipeline/train/step.py) over this rank's share of the sampler's next global batch."""
         # the step's targets over every rank and micro-step, from the global permutation: no communication
-        idx, flags = self.sampler.upcoming(), self.blocks.train_flags
-        items = self.objective.items(self.blocks.train[idx], None if flags is None else flags[idx])
+        idx, train = self.sampler.upcoming(), self.blocks.part("train")
+        items = self.objective.items(train.blocks[idx], train.flags_at(idx))
         return train_step(self.strategy, self.objective, self.sampler.next_step(),
-                          self.train_batch, items, self.update, self.timer)
-
-    def train_batch(self, idx: np.ndarray) -> Batch:
-        b = self.blocks
-        return make_batch(b.train[idx], None if b.train_flags is None else b.train_flags[idx], self.dist.device,
-                          ref=None if b.train_ref is None else b.train_ref[idx])
+                          lambda rows: train.batch(rows, self.dist.device), items, self.update, self.timer)
 
     def log_window(self, telemetry: Telemetry, window: Window) -> None:
         if not window.applied:  # every step of the window was skipped: logged one by one already
@@ -406,8 +400,8 @@ class Trainer:
         if self.plan.prompts:
             self.sample(telemetry)
         sampled = time.perf_counter()
-        parts = [Part(self.blocks.val, self.blocks.val_flags, self.blocks.val_ref)]
-        val = held_out_loss(self.strategy, parts, self.cfg.train.batch_size, self.dist, self.objective)
+        val = held_out_loss(self.strategy, [self.blocks.part("val")], self.cfg.train.batch_size, self.dist,
+                            self.objective)
         if val is None:
             return None
         # held_out_loss ends in a host sync (the summed loss read back), so the clock covers the whole pass; to the
