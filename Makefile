@@ -132,6 +132,8 @@ clean-demo:
 gpu-check: $(if $(DRY),$(STAMP) $(LM_EVAL_STAMP))
 	$(if $(DRY),$(PY),$(PYTHON)) bench/gpu_check.py $(if $(DRY),--dry) $(if $(PARTS),--parts $(PARTS)) $(GPU_CHECK_ARGS)
 
-# The wheels the GPU image lacks, at this project's pins, into .whl/ (../shared/gpu/wheels.sh)
+# The wheels the GPU image lacks or has at other versions (transformers 5.17 there on 2026-11-26), at this project's
+# pins, into .whl/ (../shared/gpu/wheels.sh); regex because transformers checks its version at import
 gpu-wheels:
-	../shared/gpu/wheels.sh $(shell grep -hE '^(peft|torchao|accelerate)==' requirements.txt requirements-bench.txt)
+	../shared/gpu/wheels.sh regex==2026.11.19 \
+	  $(shell grep -hE '^(transformers|tokenizers|peft|torchao|accelerate)==' requirements.txt requirements-bench.txt)

@@ -211,8 +211,14 @@ def shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def report(args, results: list[dict], model: str = "Llama-3.2-1B's config", command: str = "") -> str:
-    """The table of results (one JSON line each); command: how it was made (default: this script's)."""
+FULL = "fp32 master weights and AdamW states"
+ADAPTERS = "frozen bf16 base (NF4 under QLoRA), fp32 adapters and their AdamW states"
+
+
+def report(args, results: list[dict], model: str = "Llama-3.2-1B's config", command: str = "",
+           trained: str = FULL) -> str:
+    """The table of results (one JSON line each); command: how it was made (default: this script's); trained: what
+    the rows keep and update."""
     peak = 989e12
     rows = []
     hf_best: dict[int, float] = {}
@@ -241,9 +247,9 @@ def report(args, results: list[dict], model: str = "Llama-3.2-1B's config", comm
     lines = [
         f"- Machine: {first['machine']}.",
         f"- Command: {command} ({len({r['session'] for r in results})} invocations).",
-        f"- Model: {model} ({counted / 1e9:.2f} GFLOPs per token counted), random weights, bf16 file; seq "
-        f"{first.get('seq', SEQ)}, bf16 compute, fp32 master weights and AdamW states, 1 GPU; steady state over steps "
-        f"{args.discard + 1}-{args.steps} in windows of 5.",
+        f"- Model: {model} ({f'{counted / 1e9:.2f} GFLOPs per token counted' if counted else 'no MFU: adapters'}),"
+        f" random weights, bf16 file; seq {first.get('seq', SEQ)}, bf16 compute, {trained}, 1 GPU; steady state over "
+        f"steps {args.discard + 1}-{args.steps} in windows of 5.",
         "",
         table(["system", "batch", "tokens/s median (min-max of windows)", "s/step", "MFU",
                "peak GiB alloc / reserved", "x best HF Trainer at this batch"], rows),

@@ -4,6 +4,7 @@ the GPU tables are written (to the work folder: BENCHMARKS.md is left alone)."""
 
 import json
 import subprocess
+import sys
 
 import pytest
 from conftest import ROOT
@@ -35,3 +36,22 @@ def test_the_dry_run_passes_every_part_and_writes_its_tables(tmp_path):
     adapters = (tmp_path / "adapters_gpu.md").read_text()
     assert "| fsdp1.py, QLoRA r16 (NF4 base), activation checkpointing | 2 |" in adapters
     assert (ROOT / "BENCHMARKS.md").read_text() == before
+
+
+def test_tables_from_a_file_of_several_calls_and_a_bad_budget_is_one_line(tmp_path):
+    """The committed H200 results (three calls) make the tables again, each variant's latest result a row."""
+    script = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry", "--workdir", str(tmp_path)]
+    proc = subprocess.run([*script, "--tables-only", "--results", str(ROOT / "bench/data/gpu_h200_2026-11-26.jsonl")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    speed = (tmp_path / "train_speed_gpu.md").read_text()
+    assert "| fsdp1.py, its defaults, compile per layer | 8 | 56,990 (56,508-57,235) |" in speed
+    assert "(2 invocations)" in speed and "NVIDIA H200" in speed
+    adapters = (tmp_path / "adapters_gpu.md").read_text()
+    assert "| HF Trainer + peft LoRA r16 on every linear layer, gradient checkpointing | 2 | 6,650" in adapters
+    assert "no MFU: adapters" in adapters
+    bad = subprocess.run([*script, "--budget", "adapter=60"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1].endswith(
+        "argument --budget: adapter=60: want PART=SECONDS with PART one of setup, correctness, full_speed, adapters, "
+        "extras")
