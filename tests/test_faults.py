@@ -117,12 +117,13 @@ def test_another_global_batch_and_lr_continue_from_the_next_unseen_block(train_e
             "epoch 0)") in more.stdout
     state = json.loads((tmp_path / "r" / "state.json").read_text())
     assert state["samples_seen"] == 5 * 4 + 3 * 2
-    # demo.yaml: peak 3e-3, 5 warm-up steps, cosine to step 8; the new peak takes over from step 5
+    # demo.yaml: peak 3e-3, 5 warm-up steps, cosine to step 8; the new peak takes over from step 5 (the lr logged
+    # is the one each step applied: step 5 the last of the warm-up's, 4/5 of the old peak)
     assert "--lr changed from 0.003 to 0.001: the schedule continues at step 5 with the new peak" in more.stdout
     lrs = {e["step"]: e["lr"] for e in map(json.loads, (tmp_path / "r" / "metrics.jsonl").read_text().splitlines())
            if e["event"] == "train"}
-    assert lrs[5] == pytest.approx(3e-3) and lrs[6] == pytest.approx(1e-3 * 0.75) and lrs[7] == pytest.approx(
-        1e-3 * 0.25)
+    assert lrs[5] == pytest.approx(3e-3 * 4 / 5) and lrs[6] == pytest.approx(1e-3) and lrs[7] == pytest.approx(
+        1e-3 * 0.75) and lrs[8] == pytest.approx(1e-3 * 0.25)
 
 
 def test_a_diverging_run_skips_bad_steps_stops_in_one_line_and_keeps_only_finite_checkpoints(train_env, tmp_path):

@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 import yaml
@@ -39,7 +40,8 @@ def test_two_rank_run_trains_and_writes_its_run_directory(tmp_path, train_env):
     assert ckpts[-1]["path"] == str(run / "checkpoints" / "step-00000040")
     written = [f for f in (run / "checkpoints" / "step-00000040").iterdir() if f.name != "manifest.json"]
     assert ckpts[-1]["bytes"] == sum(f.stat().st_size for f in written)
-    assert train[-1]["lr"] == 0.0  # cosine to zero at the last step
+    # the lr each step applied: the last step's is the cosine's (HF's schedule) one step before zero
+    assert train[-1]["lr"] == pytest.approx(3e-3 * 0.5 * (1 + math.cos(math.pi * 34 / 35)))
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert (saved["lr"], saved["seq_length"], saved["max_steps"], saved["experiment_name"]) == (3e-3, 128, 40, "demo")
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -32,6 +32,8 @@ class CausalLMLoss:
     step's share of the global loss, and the gradient is that of the global loss.
     """
 
+    counted = "trained_tokens"
+
     def __init__(self, head: Head):
         self.head = head
 

@@ -32,6 +32,9 @@ class HeldOut:
 
 
 class Objective(Protocol):
+    counted: str
+    """What items() counts, as the log names its rate: "trained_tokens" or "pairs" (`trained_tokens_per_s`...)."""
+
     def __call__(self, batch: Batch, num_items: float) -> torch.Tensor:
         """The batch's share of the step's loss, its sum divided by num_items (the step's items over every rank and
         micro-step). A collective where the head is vocabulary-parallel: every rank calls it with the same shapes."""

@@ -60,6 +60,8 @@ def sequence_logps(head: Head, batch: Batch) -> dict[str, torch.Tensor]:
 class PreferenceObjective:
     """DPO, IPO, SimPO or ORPO over a batch of packed pairs, strategy-blind: the head says how the model is run."""
 
+    counted = "pairs"
+
     def __init__(self, head: Head, settings: PreferenceSettings, reference: Reference | None):
         self.head, self.settings, self.reference = head, settings, reference
         self.window: torch.Tensor | None = None

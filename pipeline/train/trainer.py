@@ -68,17 +68,19 @@ class Window:
     """Sum of the applied steps' losses."""
     grad_norm: float = math.nan
     """The last applied step's."""
+    lr: float = math.nan
+    """The learning rate the last applied step used (the schedule has moved on once it is applied)."""
     targets: int = 0
     """Tokens in the loss, over every rank."""
     started: float = field(default_factory=time.perf_counter)
 
-    def add(self, result: StepResult) -> None:
+    def add(self, result: StepResult, lr: float) -> None:
         self.steps += 1
         self.targets += result.targets
         if result.applied:
             self.applied += 1
             self.loss += result.loss
-            self.grad_norm = result.grad_norm
+            self.grad_norm, self.lr = result.grad_norm, lr
 
     def seconds(self) -> float:
         return time.perf_counter() - self.started
@@ -258,11 +260,12 @@ class Trainer:
                 if not self.cfg.train.ckpt_freq:  # --ckpt-freq 0 checkpoints each epoch's start (a small dataset's
                     self.save()  # hundred epochs under --ckpt-freq N are not a hundred checkpoints)
                 continue
+            lr = self.optimizer.param_groups[0]["lr"]  # what this step applies: the update advances the schedule
             result = self.train_step()
             self.step += 1
             self.samples_seen += self.sampler.global_batch
             telemetry.advance()
-            window.add(result)
+            window.add(result, lr)
             if result.applied:
                 self.bad_steps = self.overflows = 0
             elif self.scaler is not None:
@@ -366,8 +369,9 @@ class Trainer:
         tokens_per_s = self.sampler.global_batch * self.cfg.data.seq_length * window.steps / seconds
         mfu = (tokens_per_s / self.dist.world_size * self.flops_per_token / self.peak) if self.peak else None
         fields = {"epoch": self.sampler.epoch, "loss": window.loss / window.applied,
-                  "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": window.grad_norm,
-                  "tokens_per_s": round(tokens_per_s, 1), "trained_tokens_per_s": round(window.targets / seconds, 1),
+                  "lr": window.lr, "grad_norm": window.grad_norm,
+                  "tokens_per_s": round(tokens_per_s, 1),
+                  f"{self.objective.counted}_per_s": round(window.targets / seconds, 3),
                   "mfu": None if mfu is None else round(mfu, 4),
                   "time_ms": self.timer.read(), "mem_gb": self.memory(),
                   **({"loss_scale": self.scaler.get_scale()} if self.scaler is not None else {}),
@@ -375,9 +379,11 @@ class Trainer:
                   **self.objective.read_metrics(reduce=True)}
         telemetry.event("train", self.step, **fields)
         t = fields["time_ms"]
+        rate = "pairs/s" if self.objective.counted == "pairs" else "trained_tok/s"
         telemetry.human({"global_step": self.step, "epoch": fields["epoch"], "loss": round(fields["loss"], 4),
                          "lr": f"{fields['lr']:.3g}", "grad_norm": round(fields["grad_norm"], 4),
-                         "tok/s": round(tokens_per_s), "trained_tok/s": round(fields["trained_tokens_per_s"]),
+                         "tok/s": round(tokens_per_s),
+                         rate: round(fields[f"{self.objective.counted}_per_s"], 2 if rate == "pairs/s" else None),
                          "mfu": fields["mfu"], **{k: round(fields[k], 4) for k in ("rewards/accuracies",
                                                                                    "rewards/margins") if k in fields},
                          **{f"time/{k}": t[k] for k in t},
