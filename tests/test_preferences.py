@@ -398,7 +398,8 @@ def test_the_reference_pass_resumes_from_its_saved_chunks(tmp_path, tiny_models,
     assert len(blocks) >= 4
     monkeypatch.setattr(reference_pass, "CHUNK_BLOCKS", 2)
     head = Head(model, False, 1)
-    whole = reference_pass.reference_pass(head, blocks, flags, 3, group_of_one, tmp_path / "a")
+    whole, read, chunks = reference_pass.reference_pass(head, blocks, flags, 3, group_of_one, tmp_path / "a")
+    assert (read, chunks) == (0, -(-len(blocks) // 2))
     with torch.no_grad():
         got = answers(torch.from_numpy(flags.astype(np.int64)),
                       *token_logps(head, make_batch(blocks, flags, torch.device("cpu")))[::-1])
@@ -411,6 +412,79 @@ def test_the_reference_pass_resumes_from_its_saved_chunks(tmp_path, tiny_models,
     np.save(saved[0], marked)
     for later in saved[1:]:
         later.unlink()
-    resumed = reference_pass.reference_pass(head, blocks, flags, 3, group_of_one, tmp_path / "a")
+    resumed, read, _ = reference_pass.reference_pass(head, blocks, flags, 3, group_of_one, tmp_path / "a")
+    assert read == 1
     np.testing.assert_array_equal(resumed[:2], marked)
     np.testing.assert_array_equal(resumed[2:], whole[2:])
+
+
+@pytest.mark.slow
+def test_answer_logps_equal_each_familys_own_forward_packed_and_unpacked_under_fsdp2_and_ddp(tmp_path):
+    """Three families (Llama, Qwen3's q/k norms and head size, Mistral's sliding window; Gemma's scaled embedding
+    takes no vocabulary-parallel head), each
+    answer's summed log-probability as training computes it (pipeline/objectives/preference.sequence_logps) against
+    transformers' forward of that sequence alone: three pairs packed in one block and one pair per block, under fsdp2
+    with the vocabulary-parallel head (every rank's pairs) and ddp (the plain head), 2 real ranks, fp32."""
+    from conftest import ROOT, torchrun
+
+    from pipeline.prep.tiny import build_family
+
+    families = {f: build_family(tmp_path / f, f) for f in ("llama", "qwen3", "mistral")}
+    out = tmp_path / "logps.json"
+    proc = torchrun(2, ROOT / "tests" / "helpers" / "pair_logps.py", out, *(f"{f}={d}" for f, d in families.items()))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert {(r["family"], r["strategy"], r["layout"]) for r in results} == {
+        (f, s, layout) for f in families for s in ("fsdp2", "ddp") for layout in ("packed", "unpacked")}
+    for r in results:
+        vocab_parallel = r["strategy"] == "fsdp2"
+        assert r["vocab_parallel"] is vocab_parallel, r
+        assert r["rows"] == (1 if r["layout"] == "packed" else 3), r
+        assert r["matched"] == sorted([0, 1, 2] * (2 if vocab_parallel else 1)), r  # each pair once per rank's rows
+        assert r["worst"] < 1e-5, r
+
+
+@pytest.mark.slow
+def test_a_run_killed_during_its_reference_pass_resumes_the_pass_from_its_saved_chunks(tmp_path, train_env):
+    """Full-fine-tuning DPO SIGKILLed (torchrun and its workers) once the reference pass has saved its first chunk of
+    256 blocks and before it finished: the same command again reads that chunk, computes the rest, and trains from
+    ln 2 with every reward 0 at step 1 (the reference equal to the policy: a wrong resumed value would show)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, events, kill_tree
+
+    from pipeline.prep.tiny import build_tiny
+
+    # about 1,700 pairs, 3 per block of 64 tokens: 3 chunks, the kill leaving two to do; a model wide enough that a
+    # chunk takes a second or two
+    rows = [{"prompt": f"Add {a} and {b}.", "chosen": f" {a + b}", "rejected": f" {a * b + 1}"}
+            for a in range(42) for b in range(42)]
+    write_jsonl(tmp_path / "data" / "pairs.jsonl", rows)
+    build_dataset(CorpusConfig(tmp_path / "data", tmp_path / "pairs", num_proc=1))
+    model = build_tiny(tmp_path / "model", layers=4, hidden=256)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "fsdp1.py"), "-e", "dpo", "-d", str(tmp_path / "pairs"), "-m", str(model), "--save-dir",
+           str(tmp_path / "runs"), "--config", str(ROOT / "configs" / "demo.yaml"), "--seq-length", "64",
+           "--max-steps", "2", "--log-freq", "1", "--objective", "dpo", "--precision", "fp32", "--val-fraction", "0"]
+    env = {**train_env["env"], "PYTHONPATH": str(ROOT)}
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        references = tmp_path / "runs" / "token_cache"
+        while proc.poll() is None and not list(references.glob("*/reference/*.partial/train/chunk-00000.npy")):
+            time.sleep(0.02)
+        kill_tree(proc)
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
+    assert not list(references.glob("*/reference/*/meta.json")), "the pass finished before the kill"
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = again.stdout + again.stderr
+    assert re.search(r"reference log-probabilities of \d+ pairs under \S+: computed in [0-9.]+ s, 1 of 3 chunks "
+                     r"read from an interrupted pass", said), said[-3000:]
+    first = events(tmp_path / "runs" / "dpo", "train")[0]
+    assert first["loss"] == pytest.approx(0.6931472, abs=1e-6)
+    assert first["rewards/chosen"] == pytest.approx(0, abs=1e-5) and first["rewards/rejected"] == pytest.approx(
+        0, abs=1e-5)
+    assert not list(references.glob("*/reference/*.partial"))

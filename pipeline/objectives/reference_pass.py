@@ -80,33 +80,38 @@ def _chunk(head: Head, blocks: np.ndarray, flags: np.ndarray, batch_size: int, d
 
 
 def reference_pass(head: Head, blocks: np.ndarray, flags: np.ndarray, batch_size: int, d: Dist,
-                   work: Path) -> np.ndarray:
+                   work: Path) -> tuple[np.ndarray, int, int]:
     """Every pair's (chosen, rejected) summed log-probabilities under the model as it is: [blocks, pairs, 2]
-    float32, NaN past a block's pairs, resumed from the chunks saved in work/. A collective."""
+    float32, NaN past a block's pairs, resumed from the chunks saved in work/; with (chunks read from there,
+    chunks). A collective."""
     width = max(int(pair_starts(flags).sum(1).max()) if len(flags) else 0, 1)  # the most pairs one block holds
     out = np.full((len(blocks), width, 2), np.nan, dtype=np.float32)
-    for start in range(0, len(blocks), CHUNK_BLOCKS):
+    starts = range(0, len(blocks), CHUNK_BLOCKS)
+    resumed = 0
+    for start in starts:
         stop = min(start + CHUNK_BLOCKS, len(blocks))
         saved = work / f"chunk-{start // CHUNK_BLOCKS:05d}.npy"
         if _everywhere(saved.exists(), d):
             out[start:stop] = np.load(saved)
+            resumed += 1
             continue
         out[start:stop] = _chunk(head, blocks[start:stop], flags[start:stop], batch_size, d, width)
         if d.is_local_main:
             work.mkdir(parents=True, exist_ok=True)
             save_npy_atomic(saved, out[start:stop])
         dist.barrier()
-    return out
+    return out, resumed, len(starts)
 
 
 def ensure_reference(head: Head, cache: Path, folder: Path, splits: dict[str, Part],
                      batch_size: int, d: Dist, load: Callable[[], None],
                      off: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
                      ) -> tuple[dict[str, np.ndarray], str]:
-    """Each split's reference log-probabilities ({name: [blocks, pairs, 2]}) and what happened ("reused" or
-    "computed in S s"): read from folder when every process finds them there, else computed by the model after
-    load() has put the reference's weights in it (off: the context that makes the model the reference, the
-    adapters switched off in an adapter run), saved, and the model left in training mode. A collective."""
+    """Each split's reference log-probabilities ({name: [blocks, pairs, 2]}) and what happened ("reused", or
+    "computed in S s" with how many chunks an interrupted pass had saved): read from folder when every process finds
+    them there, else computed by the model after load() has put the reference's weights in it (off: the context
+    that makes the model the reference, the adapters switched off in an adapter run), saved, and the model left in
+    training mode. A collective."""
     if _everywhere((folder / "meta.json").exists(), d):
         return {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in splits}, "reused"
     started = time.perf_counter()
@@ -114,9 +119,11 @@ def ensure_reference(head: Head, cache: Path, folder: Path, splits: dict[str, Pa
     load()
     head.model.eval()
     with off():
-        found = {name: reference_pass(head, part.blocks, part.flags, batch_size, d, partial / name)
-                 for name, part in splits.items()}
+        passes = {name: reference_pass(head, part.blocks, part.flags, batch_size, d, partial / name)
+                  for name, part in splits.items()}
     head.model.train()
+    found = {name: values for name, (values, _, _) in passes.items()}
+    resumed, chunks = (sum(p[i] for p in passes.values()) for i in (1, 2))
     if d.is_local_main:
         folder.mkdir(parents=True, exist_ok=True)
         for name, values in found.items():
@@ -125,4 +132,5 @@ def ensure_reference(head: Head, cache: Path, folder: Path, splits: dict[str, Pa
         write_text_atomic(folder / "meta.json", json.dumps({"pairs": pairs, "cache": cache.name}, indent=2) + "\n")
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
-    return found, f"computed in {time.perf_counter() - started:.1f} s"
+    how = f"computed in {time.perf_counter() - started:.1f} s"
+    return found, how + (f", {resumed} of {chunks} chunks read from an interrupted pass" if resumed else "")
