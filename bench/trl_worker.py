@@ -103,6 +103,8 @@ def main() -> None:
         max_length=args.seq, packing=True, assistant_only_loss=True, max_steps=args.max_steps, learning_rate=3e-4,
         warmup_steps=5, lr_scheduler_type="cosine", adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8,
         weight_decay=0.0, max_grad_norm=1.0, use_cpu=True, ddp_backend="gloo", optim="adamw_torch", report_to=[],
+        # TRL's configs default to bf16 autocast and gradient checkpointing: fp32 and none, as our run
+        bf16=False, gradient_checkpointing=False,
         save_strategy="no", eval_strategy="no", logging_steps=10**9, disable_tqdm=True, seed=0,
         dataset_num_proc=1, dataloader_num_workers=0)
     timer = StepTimes()

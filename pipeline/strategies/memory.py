@@ -7,6 +7,11 @@ DDP. On top of that: the compute-dtype copies a step gathers (FSDP) or casts (DD
 unsharded gradients on their way to the reduce-scatter, the activations saved for backward, and the logits of the
 loss. The figures are peaks per rank above what the process held before the model was built (CUDA: the caching
 allocator's peak, without the CUDA context; CPU: resident memory); BENCHMARKS.md compares them with measured peaks.
+
+A preference objective adds no term: its pairs are packed into the same blocks, its log-probabilities come through
+the same head (the same logits term), and its reference is either precomputed (full fine-tuning: a few floats per
+pair beside the token cache) or the base with the adapters off, a forward without gradient that runs before the
+policy's and frees its activations as it goes, so its peak stays under the policy's forward and backward.
 """
 
 from __future__ import annotations
