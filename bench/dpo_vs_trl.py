@@ -221,7 +221,6 @@ def speed(args) -> None:
             gaps = [b["time"] - a["time"] for a, b in zip(train[args.discard - 1:], steady, strict=False)]
             runs["ours"].append({
                 "step_s": statistics.median(gaps),
-                "pairs_per_s": statistics.median(e["pairs_per_s"] for e in steady),
                 "pairs_per_step": per_block * args.batch * args.world, "peak_rss_gb": max(out.peak_rss_gb()[:2]),
                 "reference_s": reference_seconds(work / "runs" / "speed" / "train.log")})
             batch = max(1, round(per_block * args.batch))
@@ -236,7 +235,7 @@ def speed(args) -> None:
             gaps = [b - a for a, b in zip(ends[args.discard - 1:-1], ends[args.discard:], strict=True)]
             step_s = statistics.median(gaps)
             runs["trl"].append({"step_s": step_s, "pairs_per_step": batch * args.world,
-                                "pairs_per_s": batch * args.world / step_s, "tokens_per_pair": r["tokens_per_pair"],
+                                "tokens_per_pair": r["tokens_per_pair"],
                                 "peak_rss_gb": max(launched.peak_rss_gb()[:2])})
             print(json.dumps({case: {k: v[-1] for k, v in runs.items()}}), flush=True)
     settings = {k: getattr(args, k) for k in ("repeats", "world", "seq", "batch", "steps", "discard")}

@@ -1,7 +1,7 @@
 """make gpu-check: everything that only a GPU can check or measure, in one command that fits a lent GPU's window.
 
     make gpu-wheels                      # here, before the GPU call: the wheels the GPU image lacks, into .whl/
-    make gpu-check                       # on the GPU (carry .whl): 7 to 8 minutes on an H200
+    make gpu-check                       # on the GPU (carry .whl): at most 560 s, its parts' budgets
     make gpu-check PARTS=adapters        # one part again, in a second call
     make gpu-check DRY=1                 # the rehearsal: every part on the CPU, tiny shapes, a few steps
 

@@ -12,7 +12,7 @@ Speed (no --order): TRL's own shuffled order, padding (its padding-free path is 
 reference model a copy (full fine-tuning) or the adapters switched off (LoRA).
 
 Rank 0 writes {"logs": [TRL's per-step log], "step_end": [...], "matched", "token_mismatches", "pairs",
-"tokens_per_pair", "answer_tokens_per_pair", "trainable"} to --out.
+"tokens_per_pair", "trainable"} to --out.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 class InOrder(DPOTrainer):
-    """The dataset's own order: the driver put it in ours."""
+    """The dataset's own order: the driver put it in ours. The Trainer has no public setting for that
+    (`train_sampling_strategy` is random, group_by_length or batch_rebalance), so its sampler hook is overridden; were
+    the hook renamed, TRL would shuffle and the step-by-step comparison would show it at once."""
 
     def _get_train_sampler(self, train_dataset=None):
         return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
@@ -160,7 +162,6 @@ def main() -> None:
     # the real tokens of a pair (its prompt twice and both answers), padding left out
     lengths = [2 * len(r["prompt_ids"]) + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in rows]
     result["tokens_per_pair"] = float(np.mean(lengths))
-    result["answer_tokens_per_pair"] = float(np.mean([len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in rows]))
     trainer.train()
     if trainer.args.process_index == 0:
         result.update(logs=record.logs, step_end=record.step_end, world=world)

@@ -123,7 +123,8 @@ def ensure_reference(head: Head, cache: Path, folder: Path, splits: dict[str, Pa
                   for name, part in splits.items()}
     head.model.train()
     found = {name: values for name, (values, _, _) in passes.items()}
-    resumed, chunks = (sum(p[i] for p in passes.values()) for i in (1, 2))
+    resumed = sum(read for _, read, _ in passes.values())
+    chunks = sum(n for _, _, n in passes.values())
     if d.is_local_main:
         folder.mkdir(parents=True, exist_ok=True)
         for name, values in found.items():

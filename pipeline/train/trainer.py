@@ -71,7 +71,7 @@ class Window:
     lr: float = math.nan
     """The learning rate the last applied step used (the schedule has moved on once it is applied)."""
     targets: int = 0
-    """Tokens in the loss, over every rank."""
+    """What the loss is a mean over (target tokens, or pairs: the objective's items), over every rank."""
     started: float = field(default_factory=time.perf_counter)
 
     def add(self, result: StepResult, lr: float) -> None:
