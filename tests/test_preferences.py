@@ -488,3 +488,30 @@ def test_a_run_killed_during_its_reference_pass_resumes_the_pass_from_its_saved_
     assert first["rewards/chosen"] == pytest.approx(0, abs=1e-5) and first["rewards/rejected"] == pytest.approx(
         0, abs=1e-5)
     assert not list(references.glob("*/reference/*.partial"))
+
+
+@pytest.mark.slow
+def test_dpo_trains_alike_under_fsdp1_and_the_hand_written_zero3(tmp_path, train_env):
+    """The objective is strategy-blind: full-fine-tuning DPO under fsdp1 and manual starts at ln 2 with zero rewards
+    and takes the same steps under both (2 ranks, fp32)."""
+    from conftest import ROOT, events, torchrun
+
+    rows = [{"prompt": f"What is {a} plus {b}?", "chosen": f" {a + b}.", "rejected": f" {a * b + 7} maybe."}
+            for a in range(1, 9) for b in range(1, 9)]
+    write_jsonl(tmp_path / "data" / "pairs.jsonl", rows)
+    build_dataset(CorpusConfig(tmp_path / "data", tmp_path / "pairs", num_proc=1))
+    runs = {}
+    for strategy in ("fsdp1", "manual"):
+        proc = torchrun(2, ROOT / "fsdp1.py", "-e", strategy, "-d", tmp_path / "pairs", "-m", "local/tiny",
+                        "--save-dir", tmp_path / "runs", "--config", ROOT / "configs" / "demo.yaml", "--seq-length",
+                        128, "--max-steps", 3, "--log-freq", 1, "--ckpt-freq", 0, "--eval-freq", 0, "--lr", 3e-3,
+                        "--objective", "dpo", "--precision", "fp32", "--strategy", strategy, env=train_env["env"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[strategy] = events(tmp_path / "runs" / strategy, "train")
+    for train in runs.values():
+        assert train[0]["loss"] == pytest.approx(0.6931472, abs=1e-6) and train[0]["rewards/margins"] == pytest.approx(
+            0, abs=1e-5)
+        assert train[-1]["loss"] < 0.69
+    keys = ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen")
+    assert [e[k] for e in runs["manual"] for k in keys] == pytest.approx(
+        [e[k] for e in runs["fsdp1"] for k in keys], rel=1e-4, abs=1e-5)
