@@ -94,6 +94,38 @@ def test_conversations_in_every_format_and_malformed_ones_counted(tmp_path):
     assert report["skipped"] == {"no_valid_conversation": {"count": 1, "paths": ["allbad.jsonl"]}}
 
 
+def test_tool_calls_and_reasoning_traces_are_skipped_by_reason_never_trained_without_them(tmp_path):
+    """Until they are trained as such (issue 49), a conversation or a preference pair holding tool calls (an
+    assistant turn's tool_calls, a tool result, ShareGPT's function_call/observation, a row's tools) or a reasoning
+    trace is skipped and counted by that reason, rather than trained with the calls or the trace dropped."""
+    call = {"role": "assistant", "content": "Let me look.",
+            "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]}
+    thought = {"role": "assistant", "content": "4", "reasoning_content": "2 and 2 make 4."}
+    lines = [
+        {"messages": chat("Weather in Oslo?") + [call]},
+        {"messages": chat("Weather?", "Checking.") + [{"role": "tool", "content": "sunny"}]},
+        {"conversations": [{"from": "human", "value": "Weather?"}, {"from": "function_call", "value": "{}"},
+                           {"from": "observation", "value": "sunny"}, {"from": "gpt", "value": "Sunny."}]},
+        {"messages": chat("Hi", "Hello"), "tools": [{"type": "function", "function": {"name": "weather"}}]},
+        {"messages": chat("2+2?") + [thought]},
+        {"messages": chat("2+2?") + [{"role": "assistant", "content": "4", "thinking": "easy"}]},
+        {"messages": chat("Hi", "Hello")},
+    ]
+    write(tmp_path / "data", "chats.jsonl", "\n".join(map(json.dumps, lines)) + "\n")
+    pair = {"prompt": chat("2+2?"), "chosen": [thought], "rejected": [{"role": "assistant", "content": "5"}]}
+    write(tmp_path / "pairs", "pairs.jsonl", json.dumps(pair) + "\n" + json.dumps(
+        {"prompt": chat("2+2?"), "chosen": [{"role": "assistant", "content": "4"}],
+         "rejected": [{"role": "assistant", "content": "5"}]}) + "\n")
+    report = build(tmp_path / "data", tmp_path / "out", num_proc=1)
+    assert rows_by_source(tmp_path / "out") == {"chats.jsonl": [chat("Hi", "Hello")]}
+    assert {r: v["where"] for r, v in report["conversations"]["skipped"].items()} == {
+        "tool_calls": [f"chats.jsonl:line {n}" for n in (1, 2, 3, 4)],
+        "reasoning_trace": ["chats.jsonl:line 5", "chats.jsonl:line 6"]}
+    prefs = build(tmp_path / "pairs", tmp_path / "out_pairs", num_proc=1)["preferences"]
+    assert prefs["rows"] == 1 and {r: v["where"] for r, v in prefs["skipped"].items()} == {
+        "reasoning_trace": ["pairs.jsonl:line 1"]}
+
+
 def build(data: Path, save: Path, **kw) -> dict:
     return build_dataset(CorpusConfig(data, save, num_proc=kw.pop("num_proc", 2), **kw))
 

@@ -16,8 +16,15 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 OWN_ROW = {"text", "messages", "source", "chosen", "rejected"}
 """The columns of a DATA-HF dataset: a record with these (a dataset's to_json or to_parquet) is one of its rows (a
 preference pair when chosen is not empty: pipeline/prep/preferences.py)."""
-REASONS = ("malformed_message", "unknown_role", "empty", "no_assistant_turn", "not_alternating")
+REASONS = ("malformed_message", "unknown_role", "tool_calls", "reasoning_trace", "empty", "no_assistant_turn",
+           "not_alternating")
 """Why a conversation is skipped, in the order they are checked."""
+TOOL_ROLES = {"tool", "function", "function_call", "observation", "ipython"}
+"""Roles of tool calls and their results (OpenAI's, ShareGPT's as LLaMA-Factory writes it, Llama 3.1's)."""
+TOOL_KEYS = ("tool_calls", "function_call")
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+"""A message's tool calls and reasoning trace: not trained yet, so a conversation with them is skipped by reason
+(tool_calls, reasoning_trace) rather than trained without them (the calls or the trace silently dropped)."""
 
 
 class BadConversation(Exception):
@@ -40,7 +47,12 @@ def _messages(items: object, role_key: str, content_key: str, roles: dict[str, s
     for item in items:
         if not isinstance(item, dict) or not isinstance(item.get(role_key), str) or content_key not in item:
             raise BadConversation("malformed_message")
-        role = roles.get(item[role_key].strip().lower())
+        name = item[role_key].strip().lower()
+        if name in TOOL_ROLES or any(item.get(k) for k in TOOL_KEYS):
+            raise BadConversation("tool_calls")
+        if any(item.get(k) for k in REASONING_KEYS):
+            raise BadConversation("reasoning_trace")
+        role = roles.get(name)
         if role is None:
             raise BadConversation("unknown_role")
         out.append({"role": role, "content": _content(item[content_key])})
@@ -81,6 +93,8 @@ def detect(record: object) -> str | None:
 def to_messages(record: dict, fmt: str) -> list[dict]:
     """The record (of format fmt, from detect) as checked messages; BadConversation when it cannot be trained on."""
     if fmt == "messages":
+        if record.get("tools"):  # function schemas for the template: a conversation with tool calls
+            raise BadConversation("tool_calls")
         messages = _messages(record["messages"], "role", "content", {r: r for r in ROLES})
     elif fmt == "sharegpt":
         messages = _messages(record["conversations"], "from", "value", SHAREGPT_ROLES)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from pipeline.prep import conversations
 
-REASONS = ("missing_field", "malformed_message", "empty_answer", "same_answers", "prompt_not_shared",
-           "not_alternating", "unpaired_preference")
+REASONS = ("missing_field", "malformed_message", "tool_calls", "reasoning_trace", "empty_answer", "same_answers",
+           "prompt_not_shared", "not_alternating", "unpaired_preference")
 """Why a preference record is skipped."""
 ANSWER_ROLE = "assistant"
 
@@ -108,7 +108,10 @@ def _messages(value: object) -> list[dict]:
     try:
         return conversations.messages_of(value)
     except conversations.BadConversation as exc:
-        raise BadPair("malformed_message" if str(exc) != "unknown_role" else "not_alternating") from None
+        reason = str(exc)
+        if reason in ("tool_calls", "reasoning_trace"):  # what the pair holds that is not trained yet
+            raise BadPair(reason) from None
+        raise BadPair("malformed_message" if reason != "unknown_role" else "not_alternating") from None
 
 
 def _split_shared_prompt(chosen: list[dict], rejected: list[dict]) -> Pair:
