@@ -35,9 +35,7 @@ from pipeline.data import packing
 from pipeline.data.pair_tokens import CHOSEN, REJECTED
 from pipeline.data.sampler import BlockSampler
 from pipeline.data.token_cache import open_blocks
-
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-"""Our default LoRA targets (every linear layer of the decoder)."""
+from pipeline.model.adapters import default_targets
 
 
 class InOrder(DPOTrainer):
@@ -144,8 +142,9 @@ def main() -> None:
         bf16=False, gradient_checkpointing=args.grad_ckpt,
         optim="adamw_torch_fused", report_to=[], save_strategy="no", eval_strategy="no", logging_steps=1,
         disable_tqdm=True, seed=args.seed, data_seed=args.seed, dataset_num_proc=1, dataloader_num_workers=0)
-    peft = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=LORA_TARGETS,
-                      task_type="CAUSAL_LM") if args.lora_rank else None
+    # our default targets (every linear layer of the decoder), by our own rule
+    peft = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                      target_modules=default_targets(model), task_type="CAUSAL_LM") if args.lora_rank else None
     record = Record()
     trainer = (InOrder if args.order else DPOTrainer)(model=model, args=config, train_dataset=records,
                                                       processing_class=tokenizer, peft_config=peft,

@@ -21,6 +21,14 @@ def write_jsonl(path: Path, rows: list) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def arithmetic_pairs(tmp_path: Path, n: int) -> None:
+    """A DATA-HF dataset of n x n standard pairs (a sum against a wrong product) at tmp_path/pairs."""
+    rows = [{"prompt": f"What is {a} plus {b}?", "chosen": f" {a + b}.", "rejected": f" {a * b + 7} maybe."}
+            for a in range(1, n + 1) for b in range(1, n + 1)]
+    write_jsonl(tmp_path / "data" / "pairs.jsonl", rows)
+    build_dataset(CorpusConfig(tmp_path / "data", tmp_path / "pairs", num_proc=1))
+
+
 def test_pairs_in_every_form_are_kept_as_pairs_and_bad_ones_skipped_by_reason(tmp_path):
     rows = [
         {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
@@ -260,10 +268,7 @@ def test_dpo_with_lora_and_simpo_train_on_two_ranks_and_dpo_resumes_bitwise(tmp_
 
     from conftest import ROOT, events, torchrun
 
-    rows = [{"prompt": f"What is {a} plus {b}?", "chosen": f" {a + b}.", "rejected": f" {a * b + 7} maybe."}
-            for a in range(1, 11) for b in range(1, 11)]
-    write_jsonl(tmp_path / "data" / "pairs.jsonl", rows)
-    build_dataset(CorpusConfig(tmp_path / "data", tmp_path / "pairs", num_proc=1))
+    arithmetic_pairs(tmp_path, 10)
 
     def run(name: str, *extra: object):
         proc = torchrun(2, ROOT / "fsdp1.py", "-e", name, "-d", tmp_path / "pairs", "-m", "local/tiny", "--save-dir",
@@ -319,10 +324,7 @@ def test_full_fine_tuning_dpo_computes_its_reference_once_and_resumes_bitwise(tm
 
     from conftest import ROOT, events, torchrun
 
-    rows = [{"prompt": f"What is {a} plus {b}?", "chosen": f" {a + b}.", "rejected": f" {a * b + 7} maybe."}
-            for a in range(1, 11) for b in range(1, 11)]
-    write_jsonl(tmp_path / "data" / "pairs.jsonl", rows)
-    build_dataset(CorpusConfig(tmp_path / "data", tmp_path / "pairs", num_proc=1))
+    arithmetic_pairs(tmp_path, 10)
 
     def run(name: str, *extra: object) -> str:
         proc = torchrun(2, ROOT / "fsdp1.py", "-e", name, "-d", tmp_path / "pairs", "-m", "local/tiny", "--save-dir",
@@ -496,10 +498,7 @@ def test_dpo_trains_alike_under_fsdp1_and_the_hand_written_zero3(tmp_path, train
     and takes the same steps under both (2 ranks, fp32)."""
     from conftest import ROOT, events, torchrun
 
-    rows = [{"prompt": f"What is {a} plus {b}?", "chosen": f" {a + b}.", "rejected": f" {a * b + 7} maybe."}
-            for a in range(1, 9) for b in range(1, 9)]
-    write_jsonl(tmp_path / "data" / "pairs.jsonl", rows)
-    build_dataset(CorpusConfig(tmp_path / "data", tmp_path / "pairs", num_proc=1))
+    arithmetic_pairs(tmp_path, 8)
     runs = {}
     for strategy in ("fsdp1", "manual"):
         proc = torchrun(2, ROOT / "fsdp1.py", "-e", strategy, "-d", tmp_path / "pairs", "-m", "local/tiny",

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.data.batches import Part, dealt, make_batch, rounds
+from pipeline.data.batches import Part, dealt, rounds
 from pipeline.data.pair_tokens import count_pairs, pair_starts
 from pipeline.distributed.runtime import Dist
 from pipeline.fsutil import save_npy_atomic, write_text_atomic
@@ -59,7 +59,7 @@ def _chunk(head: Head, blocks: np.ndarray, flags: np.ndarray, batch_size: int, d
     mine: dict[int, np.ndarray] = {}
     for b in range(rounds(n, world, batch_size)):
         idx, valid = dealt(n, d.rank, world, batch_size, b)
-        got = sequence_logps(head, make_batch(blocks[idx], flags[idx], d.device, valid))
+        got = sequence_logps(head, Part(blocks, flags).batch(idx, d.device, valid))
         values = torch.stack([got["chosen"], got["rejected"]], 1).float().cpu().numpy()
         # whose rows these are: this rank's, or on the vocabulary-parallel path every rank's in rank order
         ranks = range(world) if head.vocab_parallel else [d.rank]
