@@ -44,7 +44,7 @@ def conversations(work: Path, copies: int) -> Path:
     out = work / f"chats-x{copies}"
     if out.exists():
         return out
-    chats = [r for f in sorted((ROOT / "examples" / "raw" / "chats").glob("*.json*"))
+    chats = [r.messages for f in sorted((ROOT / "examples" / "raw" / "chats").glob("*.json*"))
              for r in extract_file(f).rows if not isinstance(r, str)]
     raw = work / f"chats-x{copies}-raw"
     shutil.rmtree(raw, ignore_errors=True)

@@ -164,8 +164,8 @@ def conversation_pairs(work: Path) -> Path:
     out = work / "chat-pairs"
     if (out / "state.json").exists():
         return out
-    chats = [r for f in sorted((ROOT / "examples" / "raw" / "chats").glob("*.json*"))
-             for r in extract_file(f).rows if not isinstance(r, str) and r and r[-1]["role"] == "assistant"]
+    chats = [r.messages for f in sorted((ROOT / "examples" / "raw" / "chats").glob("*.json*"))
+             for r in extract_file(f).rows if not isinstance(r, str) and r.messages[-1]["role"] == "assistant"]
     raw = work / "chat-pairs-raw"
     shutil.rmtree(raw, ignore_errors=True)
     raw.mkdir(parents=True)

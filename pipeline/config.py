@@ -119,6 +119,9 @@ class DataConfig(Section):
     train_on: TrainOn = "assistant"
     """Conversations (rows with messages): the tokens in the loss. assistant: every assistant turn (its content and
     end-of-turn token); last: the last assistant turn only; all: every token of the rendered conversation."""
+    train_on_reasoning: bool = True
+    """An assistant turn's reasoning trace (reasoning_content, thinking or reasoning, rendered by the template): on,
+    a target like the answer; off, context (the tokens from the turn's start to the trace's end are not trained)."""
     chat_date: str = "26 Jul 2024"
     """The date Llama 3.1/3.2 chat templates print as "Today Date" (they take today's otherwise): pinned, so the
     token cache and an exact resume do not change with the day."""

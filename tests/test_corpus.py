@@ -27,12 +27,17 @@ def write(root: Path, rel: str, content: str | bytes) -> None:
 def rows_by_source(save_dir: Path) -> dict[str, list]:
     """Each source's rows in order: its text, or its messages for a conversation (whose text is empty)."""
     ds = datasets.load_from_disk(str(save_dir))
-    assert ds.column_names == ["text", "messages", "source", "chosen", "rejected"]
+    assert ds.column_names == ["text", "messages", "source", "chosen", "rejected", "tools"]
     out: dict[str, list] = {}
     for row in ds:
         assert (row["text"] == "") != (row["messages"] == [])
-        out.setdefault(row["source"], []).append(row["text"] or row["messages"])
+        out.setdefault(row["source"], []).append(row["text"] or stored(row["messages"]))
     return out
+
+
+def stored(messages: list[dict]) -> list[dict]:
+    """Messages as read back, without the optional fields (None in the dataset) they do not have."""
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
 
 
 def chat(*turns: str, system: str | None = None) -> list[dict]:
@@ -94,21 +99,31 @@ def test_conversations_in_every_format_and_malformed_ones_counted(tmp_path):
     assert report["skipped"] == {"no_valid_conversation": {"count": 1, "paths": ["allbad.jsonl"]}}
 
 
-def test_tool_calls_and_reasoning_traces_are_skipped_by_reason_never_trained_without_them(tmp_path):
-    """Until they are trained as such (issue 49), a conversation or a preference pair holding tool calls (an
-    assistant turn's tool_calls, a tool result, ShareGPT's function_call/observation, a row's tools) or a reasoning
-    trace is skipped and counted by that reason, rather than trained with the calls or the trace dropped."""
-    call = {"role": "assistant", "content": "Let me look.",
-            "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]}
+def test_tool_calls_and_reasoning_traces_are_kept_as_fields_and_bad_ones_skipped_by_reason(tmp_path):
+    """A conversation's tool calls (OpenAI's tool_calls, the older function_call, ShareGPT's function_call and
+    observation), tool results, tool schemas and reasoning traces are stored as the template will take them: calls
+    as a JSON list with arguments as objects, schemas as a JSON list. A tool result that answers no call, arguments
+    that are not a JSON object and a schema that is not one are skipped by reason; a preference pair holding a
+    trace is skipped (preference objectives do not train them)."""
+    weather = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function",
+                            "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]}
+    result = {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
     thought = {"role": "assistant", "content": "4", "reasoning_content": "2 and 2 make 4."}
     lines = [
-        {"messages": chat("Weather in Oslo?") + [call]},
-        {"messages": chat("Weather?", "Checking.") + [{"role": "tool", "content": "sunny"}]},
-        {"conversations": [{"from": "human", "value": "Weather?"}, {"from": "function_call", "value": "{}"},
-                           {"from": "observation", "value": "sunny"}, {"from": "gpt", "value": "Sunny."}]},
-        {"messages": chat("Hi", "Hello"), "tools": [{"type": "function", "function": {"name": "weather"}}]},
+        {"messages": chat("Weather in Oslo?") + [call, result, {"role": "assistant", "content": "Sunny."}],
+         "tools": [weather]},
+        {"conversations": [{"from": "human", "value": "Weather?"},
+                           {"from": "function_call", "value": "{\"name\": \"weather\", \"arguments\": {}}"},
+                           {"from": "observation", "value": "sunny"}, {"from": "gpt", "value": "Sunny."}],
+         "tools": json.dumps([weather["function"]])},
         {"messages": chat("2+2?") + [thought]},
         {"messages": chat("2+2?") + [{"role": "assistant", "content": "4", "thinking": "easy"}]},
+        {"messages": chat("Weather?", "Checking.") + [{"role": "tool", "content": "sunny"}]},
+        {"messages": chat("Weather?") + [{**call, "tool_calls": [{"function": {"name": "weather",
+                                                                               "arguments": "{city"}}]}]},
+        {"messages": chat("Hi", "Hello"), "tools": [{"type": "function", "function": {"description": "no name"}}]},
         {"messages": chat("Hi", "Hello")},
     ]
     write(tmp_path / "data", "chats.jsonl", "\n".join(map(json.dumps, lines)) + "\n")
@@ -117,10 +132,22 @@ def test_tool_calls_and_reasoning_traces_are_skipped_by_reason_never_trained_wit
         {"prompt": chat("2+2?"), "chosen": [{"role": "assistant", "content": "4"}],
          "rejected": [{"role": "assistant", "content": "5"}]}) + "\n")
     report = build(tmp_path / "data", tmp_path / "out", num_proc=1)
-    assert rows_by_source(tmp_path / "out") == {"chats.jsonl": [chat("Hi", "Hello")]}
+    stored_call = {"role": "assistant", "content": "", "tool_calls": json.dumps(
+        [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}, "id": "c1"}])}
+    sharegpt_call = {"role": "assistant", "content": "", "tool_calls": json.dumps(
+        [{"type": "function", "function": {"name": "weather", "arguments": {}}}])}
+    assert rows_by_source(tmp_path / "out") == {"chats.jsonl": [
+        chat("Weather in Oslo?") + [stored_call, result, {"role": "assistant", "content": "Sunny."}],
+        chat("Weather?") + [sharegpt_call, {"role": "tool", "content": "sunny"},
+                            {"role": "assistant", "content": "Sunny."}],
+        chat("2+2?") + [thought],
+        chat("2+2?") + [{"role": "assistant", "content": "4", "reasoning_content": "easy"}],
+        chat("Hi", "Hello")]}
+    tools = datasets.load_from_disk(str(tmp_path / "out"))["tools"]
+    assert tools == [json.dumps([weather]), json.dumps([weather["function"]]), "", "", ""]
     assert {r: v["where"] for r, v in report["conversations"]["skipped"].items()} == {
-        "tool_calls": [f"chats.jsonl:line {n}" for n in (1, 2, 3, 4)],
-        "reasoning_trace": ["chats.jsonl:line 5", "chats.jsonl:line 6"]}
+        "orphan_tool_result": ["chats.jsonl:line 5"], "bad_tool_arguments": ["chats.jsonl:line 6"],
+        "bad_tool_schema": ["chats.jsonl:line 7"]}
     prefs = build(tmp_path / "pairs", tmp_path / "out_pairs", num_proc=1)["preferences"]
     assert prefs["rows"] == 1 and {r: v["where"] for r, v in prefs["skipped"].items()} == {
         "reasoning_trace": ["pairs.jsonl:line 1"]}

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import datasets
 import pytest
+from test_corpus import stored
 
 from pipeline.errors import UserError
 from pipeline.prep.corpus import CorpusConfig, build_dataset
@@ -44,7 +45,7 @@ def test_pairs_in_every_form_are_kept_as_pairs_and_bad_ones_skipped_by_reason(tm
     write_jsonl(tmp_path / "data" / "pairs.jsonl", rows)
     report = build_dataset(CorpusConfig(tmp_path / "data", tmp_path / "out", num_proc=1))
     ds = datasets.load_from_disk(str(tmp_path / "out"))
-    got = [(r["text"], r["messages"], r["chosen"], r["rejected"]) for r in ds]
+    got = [(r["text"], *(stored(r[k]) for k in ("messages", "chosen", "rejected"))) for r in ds]
     assert got == [
         ("The sky is", [], chat("", " blue.")[1:], chat("", " green.")[1:]),
         ("", chat("Hi?"), chat("", "Hello!")[1:], chat("", "Go away.")[1:]),
@@ -60,7 +61,7 @@ def test_pairs_in_every_form_are_kept_as_pairs_and_bad_ones_skipped_by_reason(tm
     ds.to_json(str(tmp_path / "again" / "rows.jsonl"))
     build_dataset(CorpusConfig(tmp_path / "again", tmp_path / "out2", num_proc=1))
     again = datasets.load_from_disk(str(tmp_path / "out2"))
-    assert [(r["text"], r["messages"], r["chosen"], r["rejected"]) for r in again] == got
+    assert [(r["text"], *(stored(r[k]) for k in ("messages", "chosen", "rejected"))) for r in again] == got
 
 
 def test_a_folder_mixing_pairs_with_text_is_one_line(tmp_path):
@@ -175,7 +176,7 @@ def test_a_dataset_of_pairs_becomes_blocks_of_whole_pairs(tmp_path, tiny_models)
                  BlockSpec(128, 0.1, 0, pairs=True, chat_date="26 Jul 2024"), 1, tmp_path / "cache")
     meta = json.loads((tmp_path / "cache" / "meta.json").read_text())
     assert meta["pairs"] == {"kept": 40, "truncated": 1, "dropped_too_long": 0, "malformed": 0,
-                             "template_mismatch": 0}
+                             "template_mismatch": 0, "template_error": 0}
     assert meta["pairs_kept"] == 41 and meta["train_blocks"] + meta["val_blocks"] == meta["blocks"]
     seen = 0
     for split in ("train", "val"):

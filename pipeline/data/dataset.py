@@ -147,6 +147,8 @@ class BlockSpec:
     stays text, so data cannot end a document or forge a chat turn."""
     pairs: bool = False
     """The dataset holds preference pairs: blocks of packed pairs (pipeline/data/pair_tokens.py)."""
+    train_reasoning: bool = True
+    """A trained assistant turn's reasoning trace is a target (off: context)."""
 
     @property
     def flagged(self) -> bool:
@@ -163,6 +165,8 @@ class BlockSpec:
             key.update(train_on=self.train_on, chat_date=self.chat_date,
                        chat_template=hashlib.sha256(self.chat_template.encode()).hexdigest()[:16]
                        if self.chat_template else "")
+        if self.chats and not self.train_reasoning:
+            key["train_reasoning"] = False
         if self.document_mask:
             key["document_mask"] = True
         if self.special_tokens_in_data:

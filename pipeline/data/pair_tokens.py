@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from jinja2.exceptions import TemplateError
 
 from pipeline.data import chat_tokens, packing
 from pipeline.prep.conversations import BadConversation
@@ -22,7 +23,7 @@ CHOSEN = 4
 """Flag bit of every token of a chosen answer's sequence (packing's TRAIN is 1, START 2)."""
 REJECTED = 8
 """Flag bit of every token of a rejected answer's sequence."""
-STATUS = ("kept", "truncated", "dropped_too_long", "malformed", "template_mismatch")
+STATUS = ("kept", "truncated", "dropped_too_long", "malformed", "template_mismatch", "template_error")
 
 
 @dataclass
@@ -120,6 +121,8 @@ def tokenize_pairs_batch(batch: dict, tokenizer, date: str, capacity: int, keep_
             fitted, status = None, "malformed"
         except chat_tokens.TemplateMismatch:
             fitted, status = None, "template_mismatch"
+        except TemplateError:  # the template's own raise_exception
+            fitted, status = None, "template_error"
         empty_ids, empty_mask = np.zeros(0, np.uint32), np.zeros(0, np.uint8)
         out["chosen"].append(fitted.chosen if fitted else empty_ids)
         out["chosen_trained"].append(fitted.chosen_trained.astype(np.uint8) if fitted else empty_mask)

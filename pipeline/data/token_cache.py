@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from jinja2.exceptions import TemplateError
 
 from pipeline.data import chat_tokens, packing, pair_tokens
 from pipeline.data.batches import Part
@@ -204,22 +205,33 @@ def build_lock(path: Path) -> Iterator[None]:
 # --- building ---------------------------------------------------------------------------------------------------------
 
 def _tokenize_chats(batch: dict, tokenizer, spec: BlockSpec) -> dict:
-    """Each conversation -> its ids, trained mask (uint8) and status (an index into chat_tokens.STATUS), fitted
-    into one block."""
-    out: dict[str, list] = {"input_ids": [], "trained": [], "status": []}
+    """Each conversation -> its samples (one, or one per run of turns when its template rewrites earlier turns:
+    chat_tokens.tokenize_turns), each with its ids, trained mask (uint8), status (an index into chat_tokens.STATUS),
+    part (its place among its conversation's samples) and context (history tokens an earlier sample also holds),
+    fitted into one block."""
+    out: dict[str, list] = {"input_ids": [], "trained": [], "status": [], "part": [], "context": []}
     keep_as_text = None if spec.special_tokens_in_data else chat_tokens.special_texts(tokenizer)
-    for messages in batch["messages"]:
+    tools = batch.get("tools") or [""] * len(batch["messages"])  # datasets written before tools had no column
+    for messages, schemas in zip(batch["messages"], tools, strict=True):
         try:
-            rendered = chat_tokens.tokenize_conversation(tokenizer, messages, spec.chat_date, spec.train_on,
-                                                         keep_as_text, capacity=spec.seq_length)
-            fitted, status = chat_tokens.fit(rendered, spec.seq_length)
+            samples = chat_tokens.tokenize_turns(tokenizer, messages, spec.chat_date, spec.train_on, keep_as_text,
+                                                 capacity=spec.seq_length, tools=schemas,
+                                                 train_reasoning=spec.train_reasoning)
+            fitted = [chat_tokens.fit(r, spec.seq_length) for r in samples]
         except BadConversation:
-            fitted, status = None, "malformed"
+            fitted = [(None, "malformed")]
         except chat_tokens.TemplateMismatch:
-            fitted, status = None, "template_mismatch"
-        out["input_ids"].append(fitted.ids if fitted else np.zeros(0, np.uint32))
-        out["trained"].append(fitted.trained.astype(np.uint8) if fitted else np.zeros(0, np.uint8))
-        out["status"].append(chat_tokens.STATUS.index(status))
+            fitted = [(None, "template_mismatch")]
+        except chat_tokens.NotRendered as exc:
+            fitted = [(None, str(exc))]
+        except TemplateError:
+            fitted = [(None, "template_error")]
+        for part, (sample, status) in enumerate(fitted):
+            out["input_ids"].append(sample.ids if sample else np.zeros(0, np.uint32))
+            out["trained"].append(sample.trained.astype(np.uint8) if sample else np.zeros(0, np.uint8))
+            out["status"].append(chat_tokens.STATUS.index(status))
+            out["part"].append(part)
+            out["context"].append(sample.context if sample else 0)
     return out
 
 
@@ -347,8 +359,10 @@ def _text_block_batches(chunks: list[Path], seq_length: int) -> Iterator[np.ndar
         carry = np.array(ids[n:])
 
 
-def _chat_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Conversation rows rendered, masked and packed whole into blocks; what happened to them, by status."""
+def _chat_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path
+                 ) -> tuple[np.ndarray, np.ndarray, dict, dict]:
+    """Conversation rows rendered, masked and packed whole into blocks; what happened to their samples, by status;
+    the conversations trained turn by turn, their samples, the history tokens those repeat and the tokens kept."""
     with datasets_bars(sys.stderr.isatty()), naming(work):
         tokenized = ds.map(_tokenize_chats, remove_columns=ds.column_names, desc="tokenizing conversations",
                            fn_kwargs={"tokenizer": tokenizer, "spec": spec},
@@ -359,7 +373,12 @@ def _chat_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path) -> t
     ids = [x for x, k in zip(_ragged(tokenized, "input_ids", np.uint32), kept, strict=True) if k]
     trained = [x.astype(bool) for x, k in zip(_ragged(tokenized, "trained", np.uint8), kept, strict=True) if k]
     blocks, flags = packing.pack(ids, trained, spec.seq_length, tokenizer.eos_token_id)
-    return blocks, flags, {s: status.get(s, 0) for s in chat_tokens.STATUS}
+    part = np.asarray(tokenized.data.column("part").to_numpy())
+    context = np.asarray(tokenized.data.column("context").to_numpy())
+    split = int((part == 1).sum())
+    turn_by_turn = {"conversations": split, "samples": split + int((part >= 1).sum()),
+                    "context_tokens": int(context[kept].sum()), "kept_tokens": int(sum(len(x) for x in ids))}
+    return blocks, flags, {s: status.get(s, 0) for s in chat_tokens.STATUS}, turn_by_turn
 
 
 def _ragged(ds, name: str, dtype) -> list[np.ndarray]:
@@ -445,8 +464,10 @@ def build_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, out: Path) -> No
     meta: dict = {"text_tokens": int(n_tokens), "text_blocks": n_text}
     chat_ids = chat_flags = None
     if chats.any():
-        chat_ids, chat_flags, meta["conversations"] = _chat_blocks(ds.select(np.flatnonzero(chats)), tokenizer, spec,
-                                                                   num_proc, work)
+        chat_ids, chat_flags, meta["conversations"], turn_by_turn = _chat_blocks(ds.select(np.flatnonzero(chats)),
+                                                                                 tokenizer, spec, num_proc, work)
+        if turn_by_turn["conversations"]:
+            meta["turn_by_turn"] = turn_by_turn
         meta["chat_blocks"] = len(chat_ids)
     n_blocks = n_text + (len(chat_ids) if chat_ids is not None else 0)
     writer = _SplitWriter(final, n_blocks, spec)

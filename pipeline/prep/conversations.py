@@ -1,34 +1,62 @@
-"""Conversations in the formats users have, turned into one: a list of {"role", "content"} messages.
+"""Conversations in the formats users have, turned into one: a Chat of OpenAI-style messages and tool schemas.
 
 Recognised records (a JSON object, one per .jsonl line or per element of a .json list):
-    OpenAI / HF      {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
-    ShareGPT         {"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...]}
+    OpenAI / HF      {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...], "tools": [...]}
+    ShareGPT         {"conversations": [{"from": "system"|"human"|"gpt"|"function_call"|"observation", "value": ...}],
+                      "tools": "[...]"}                                             (LLaMA-Factory's, tools optional)
     alpaca           {"instruction": "...", "input": "...", "output": "..."}      (input optional)
     prompt/complete  {"prompt": "...", "completion": "..."}                         (or lists of messages)
+An assistant message may carry tool_calls (OpenAI's, or the older function_call) and a reasoning trace
+(reasoning_content, thinking or reasoning); a tool result is a `tool` message (OpenAI's `function`, Llama 3.1's
+`ipython` and ShareGPT's `observation` are read as one). Stored messages keep role and content, and where present
+reasoning_content, tool_calls (a JSON list of {"type": "function", "function": {"name", "arguments": {...}}}: a
+string keeps the Arrow schema the same whatever the arguments hold), tool_call_id and name.
+
 Any other record is not a conversation (its strings stay text). A record that is one of these but malformed raises
 BadConversation with the reason DATA-HF reports: it is skipped, never turned into text.
 """
 
 from __future__ import annotations
 
-ROLES = ("system", "user", "assistant")
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-OWN_ROW = {"text", "messages", "source", "chosen", "rejected"}
+import json
+from dataclasses import dataclass
+from decimal import Decimal
+
+ROLES = ("system", "user", "assistant", "tool")
+OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool", "function": "tool",
+                "ipython": "tool"}
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "function_call": "assistant", "observation": "tool", "tool": "tool"}
+OWN_ROW = {"text", "messages", "source", "chosen", "rejected", "tools"}
 """The columns of a DATA-HF dataset: a record with these (a dataset's to_json or to_parquet) is one of its rows (a
 preference pair when chosen is not empty: pipeline/prep/preferences.py)."""
-REASONS = ("malformed_message", "unknown_role", "tool_calls", "reasoning_trace", "empty", "no_assistant_turn",
-           "not_alternating")
-"""Why a conversation is skipped, in the order they are checked."""
-TOOL_ROLES = {"tool", "function", "function_call", "observation", "ipython"}
-"""Roles of tool calls and their results (OpenAI's, ShareGPT's as LLaMA-Factory writes it, Llama 3.1's)."""
+REASONS = ("malformed_message", "unknown_role", "malformed_tool_call", "bad_tool_arguments", "bad_tool_schema",
+           "tool_calls", "reasoning_trace", "empty", "no_assistant_turn", "orphan_tool_result", "not_alternating")
+"""Why a conversation is skipped, in the order they are checked (tool_calls and reasoning_trace: a preference pair
+holding them, which preference objectives do not train yet)."""
 TOOL_KEYS = ("tool_calls", "function_call")
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
-"""A message's tool calls and reasoning trace: not trained yet, so a conversation with them is skipped by reason
-(tool_calls, reasoning_trace) rather than trained without them (the calls or the trace silently dropped)."""
+"""Where an assistant message's tool calls and reasoning trace are found (the first present is read)."""
+OPTIONAL = ("reasoning_content", "tool_calls", "tool_call_id", "name")
+"""The stored message fields besides role and content (absent, or None in a dataset, when the message has none)."""
 
 
 class BadConversation(Exception):
     """A record in a conversation format that cannot be trained on; the message is one of REASONS."""
+
+
+@dataclass
+class Chat:
+    """One conversation row: its messages, and the tool schemas its template is given."""
+
+    messages: list[dict]
+    tools: str = ""
+    """The function schemas as a JSON list ("" for none): one string, so rows of different schemas share a column."""
+
+    @property
+    def chars(self) -> int:
+        return len(self.tools) + sum(len(m["content"]) + len(m.get("reasoning_content") or "")
+                                     + len(m.get("tool_calls") or "") for m in self.messages)
 
 
 def _content(value: object) -> str:
@@ -40,36 +68,128 @@ def _content(value: object) -> str:
     raise BadConversation("malformed_message")
 
 
-def _messages(items: object, role_key: str, content_key: str, roles: dict[str, str]) -> list[dict]:
+def _json_default(value: object) -> object:
+    """A long integer the reader kept as a Decimal (pipeline/prep/extract.py), written back as the number it is."""
+    if isinstance(value, Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    raise TypeError(type(value).__name__)
+
+
+def dumps(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False, default=_json_default)
+
+
+def _parsed(value: object, reason: str) -> object:
+    """A JSON value given as a string (a tool call's arguments, LLaMA-Factory's tools), parsed; BadConversation."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        raise BadConversation(reason) from None
+
+
+def tool_calls(value: object) -> str:
+    """An assistant turn's calls (a list of OpenAI tool calls, or one {"name", "arguments"} as the older
+    function_call and ShareGPT's function_call value hold it) as the stored JSON list, arguments as objects."""
+    calls = _parsed(value, "malformed_tool_call")
+    calls = calls if isinstance(calls, list) else [calls]
+    out = []
+    for call in calls:
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise BadConversation("malformed_tool_call")
+        arguments = _parsed(fn.get("arguments", {}), "bad_tool_arguments")
+        if not isinstance(arguments, dict):
+            raise BadConversation("bad_tool_arguments")
+        entry: dict = {"type": "function", "function": {"name": fn["name"], "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    if not out:
+        raise BadConversation("malformed_tool_call")
+    return dumps(out)
+
+
+def tools_of(value: object) -> str:
+    """A row's tool schemas (a list, or a JSON string of one) as the stored JSON list; "" for none. Each must be a
+    function schema: {"type": "function", "function": {"name", ...}} or the function object alone."""
+    schemas = _parsed(value, "bad_tool_schema")
+    if schemas in (None, "", []):
+        return ""
+    if not isinstance(schemas, list):
+        raise BadConversation("bad_tool_schema")
+    for schema in schemas:
+        fn = schema.get("function", schema) if isinstance(schema, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip() or \
+                not isinstance(fn.get("parameters", {}), dict):
+            raise BadConversation("bad_tool_schema")
+    return dumps(schemas)
+
+
+def _message(item: dict, name: str, role: str, content_key: str, plain: bool) -> dict:
+    """One message in the stored form; plain: tool calls and reasoning traces are refused (a preference pair)."""
+    calls = item[content_key] if name == "function_call" else next((item[k] for k in TOOL_KEYS if item.get(k)), None)
+    reasoning = next((item[k] for k in REASONING_KEYS if item.get(k)), None)
+    if plain and (role == "tool" or calls is not None):
+        raise BadConversation("tool_calls")
+    if plain and reasoning is not None:
+        raise BadConversation("reasoning_trace")
+    if name == "function_call" or (calls is not None and item.get(content_key) is None):
+        content = ""  # ShareGPT's value is the call; OpenAI's turn that only calls has content null
+    else:
+        content = item[content_key]
+        content = dumps(content) if role == "tool" and isinstance(content, dict | list) and not _is_parts(content) \
+            else _content(content)
+    out = {"role": role, "content": content}
+    if calls is not None:
+        if role != "assistant":
+            raise BadConversation("malformed_tool_call")
+        out["tool_calls"] = tool_calls(calls)
+    if reasoning is not None:
+        if role != "assistant" or not isinstance(reasoning, str):
+            raise BadConversation("malformed_message")
+        out["reasoning_content"] = reasoning
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if isinstance(item.get(key), str) and item[key]:
+                out[key] = item[key]
+    return out
+
+
+def _is_parts(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(p, dict) and "text" in p for p in value)
+
+
+def _messages(items: object, role_key: str, content_key: str, roles: dict[str, str], plain: bool = False
+              ) -> list[dict]:
     if not isinstance(items, list):
         raise BadConversation("malformed_message")
     out = []
     for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get(role_key), str) or content_key not in item:
+        if not isinstance(item, dict) or not isinstance(item.get(role_key), str) or \
+                (content_key not in item and not any(item.get(k) for k in TOOL_KEYS)):
             raise BadConversation("malformed_message")
         name = item[role_key].strip().lower()
-        if name in TOOL_ROLES or any(item.get(k) for k in TOOL_KEYS):
-            raise BadConversation("tool_calls")
-        if any(item.get(k) for k in REASONING_KEYS):
-            raise BadConversation("reasoning_trace")
         role = roles.get(name)
         if role is None:
             raise BadConversation("unknown_role")
-        out.append({"role": role, "content": _content(item[content_key])})
+        out.append(_message(item, name, role, content_key, plain))
     return out
 
 
 def messages_of(items: object) -> list[dict]:
-    """An OpenAI-style list of {"role", "content"} messages, read and checked message by message (roles known,
-    content parts joined); BadConversation otherwise. Not checked as a whole conversation (check does that)."""
-    return _messages(items, "role", "content", {r: r for r in ROLES})
+    """An OpenAI-style list of {"role", "content"} messages as a preference pair holds them, read and checked
+    message by message (roles known, content parts joined, no tool calls or reasoning traces); BadConversation
+    otherwise. Not checked as a whole conversation (check does that)."""
+    return _messages(items, "role", "content", OPENAI_ROLES, plain=True)
 
 
 def _side(value: object, role: str) -> list[dict]:
     """One side of a prompt/completion pair: a string, or already a list of messages."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
-    return _messages(value, "role", "content", {r: r for r in ROLES})
+    return _messages(value, "role", "content", OPENAI_ROLES)
 
 
 def detect(record: object) -> str | None:
@@ -90,12 +210,10 @@ def detect(record: object) -> str | None:
     return None
 
 
-def to_messages(record: dict, fmt: str) -> list[dict]:
-    """The record (of format fmt, from detect) as checked messages; BadConversation when it cannot be trained on."""
+def to_chat(record: dict, fmt: str) -> Chat:
+    """The record (of format fmt, from detect) as a checked Chat; BadConversation when it cannot be trained on."""
     if fmt == "messages":
-        if record.get("tools"):  # function schemas for the template: a conversation with tool calls
-            raise BadConversation("tool_calls")
-        messages = _messages(record["messages"], "role", "content", {r: r for r in ROLES})
+        messages = _messages(record["messages"], "role", "content", OPENAI_ROLES)
     elif fmt == "sharegpt":
         messages = _messages(record["conversations"], "from", "value", SHAREGPT_ROLES)
     elif fmt == "alpaca":
@@ -106,18 +224,28 @@ def to_messages(record: dict, fmt: str) -> list[dict]:
                     {"role": "assistant", "content": record["output"]}]
     else:
         messages = _side(record["prompt"], "user") + _side(record["completion"], "assistant")
+    tools = tools_of(record.get("tools")) if fmt in ("messages", "sharegpt") else ""
     check(messages)
-    return messages
+    return Chat(messages, tools)
 
 
 def check(messages: list[dict]) -> None:
-    """A trainable conversation: no empty turn, an optional system message first, then user and assistant turns
-    alternating from a user turn, with at least one assistant turn."""
-    if not messages or any(not m["content"].strip() for m in messages):
+    """A trainable conversation: no empty turn (a turn that only calls tools may have no text), an optional system
+    message first, then a user turn, each user turn answered by the assistant; an assistant turn that calls tools
+    is followed by their results (tool messages) and then the assistant again; at least one assistant turn."""
+    if not messages or any(not m["content"].strip() and not m.get("tool_calls") for m in messages):
         raise BadConversation("empty")
     roles = [m["role"] for m in messages]
     if "assistant" not in roles:
         raise BadConversation("no_assistant_turn")
-    turns = roles[1:] if roles[0] == "system" else roles
-    if any(role != ("user", "assistant")[i % 2] for i, role in enumerate(turns)):
-        raise BadConversation("not_alternating")
+    turns = messages[1:] if roles[0] == "system" else messages
+    before = "start"  # what the previous turn was: start, user, answer (assistant), call (assistant calling), tool
+    for m in turns:
+        role = m["role"]
+        if role == "tool" and before not in ("call", "tool"):
+            raise BadConversation("orphan_tool_result")
+        allowed = {"start": ("user",), "user": ("assistant",), "answer": ("user",), "call": ("tool",),
+                   "tool": ("tool", "assistant")}[before]
+        if role not in allowed:
+            raise BadConversation("not_alternating")
+        before = ("call" if m.get("tool_calls") else "answer") if role == "assistant" else role

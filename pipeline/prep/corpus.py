@@ -30,6 +30,7 @@ from pipeline.errors import ArgumentParser, UserError, naming
 from pipeline.folder_lock import beside, locked
 from pipeline.fsutil import left_by_a_dead_process, replace_dir, restore_replaced
 from pipeline.ownership import OWNER_FILE, check_apart, check_not_nested, check_only, check_target, mark
+from pipeline.prep.conversations import OPTIONAL, Chat
 from pipeline.prep.extract import SUPPORTED, Limits, Row, SkipFile, extract_file, row_chars
 from pipeline.prep.organize import MANIFEST
 from pipeline.prep.preferences import Pair
@@ -96,18 +97,22 @@ def _dataset_file(path: Path) -> bool:
 # ----------------------------------------------------------------------------------------------- extraction
 
 
-MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
+MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string"),
+                          **{key: datasets.Value("string") for key in OPTIONAL}})
 FEATURES = datasets.Features({
     "text": datasets.Value("string"),
     "messages": MESSAGES,
     "source": datasets.Value("string"),
     "chosen": MESSAGES,
     "rejected": MESSAGES,
+    "tools": datasets.Value("string"),
 })
 """A text row has messages []; a conversation row has text "" (one dataset holds both, so a corpus of documents and
-chats trains in one run, each row in its own way). A preference row has its chosen and rejected answers (each a
-list of assistant messages), and its prompt in messages (conversational) or in text (standard); the other rows have
-them empty. A dataset holds preference rows alone (DATA-HF refuses a folder that mixes them with others)."""
+chats trains in one run, each row in its own way) and its tool schemas in tools ("" for none). A message's optional
+fields (conversations.OPTIONAL) are null where it has none; datasets written before they existed have role and
+content alone and still read. A preference row has its chosen and rejected answers (each a list of assistant
+messages), and its prompt in messages (conversational) or in text (standard); the other rows have them empty. A
+dataset holds preference rows alone (DATA-HF refuses a folder that mixes them with others)."""
 
 
 @dataclass
@@ -166,12 +171,14 @@ class ShardWriter:
         if not self.rows:
             return
         texts = [r if isinstance(r, str) else r.prompt_text if isinstance(r, Pair) else "" for r in self.rows]
-        chats = [[] if isinstance(r, str) else r.prompt_messages if isinstance(r, Pair) else r for r in self.rows]
+        chats = [[] if isinstance(r, str) else r.prompt_messages if isinstance(r, Pair) else r.messages
+                 for r in self.rows]
         chosen = [r.chosen if isinstance(r, Pair) else [] for r in self.rows]
         rejected = [r.rejected if isinstance(r, Pair) else [] for r in self.rows]
+        tools = [r.tools if isinstance(r, Chat) else "" for r in self.rows]
         kind = self.schema.field("messages").type
         columns = [pa.array(texts, pa.string()), pa.array(chats, kind), pa.array(self.sources, pa.string()),
-                   pa.array(chosen, kind), pa.array(rejected, kind)]
+                   pa.array(chosen, kind), pa.array(rejected, kind), pa.array(tools, pa.string())]
         try:
             self.writer.write_batch(pa.record_batch(columns, schema=self.schema))
         except OSError:

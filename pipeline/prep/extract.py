@@ -161,17 +161,15 @@ def _parse(loader, text: str, reason: str):
         raise SkipFile(reason) from None
 
 
-Row = str | list[dict] | preferences.Pair
-"""One dataset row: text, a conversation's messages (pipeline/prep/conversations.py), or a preference pair
+Row = str | conversations.Chat | preferences.Pair
+"""One dataset row: text, a conversation (pipeline/prep/conversations.py), or a preference pair
 (pipeline/prep/preferences.py)."""
 
 
 def row_chars(row: Row) -> int:
     if isinstance(row, str):
         return len(row)
-    if isinstance(row, preferences.Pair):
-        return row.chars
-    return sum(len(m["content"]) for m in row)
+    return row.chars
 
 
 @dataclass
@@ -243,12 +241,12 @@ class Extracted:
                 self.row(row, where)
             return
         try:
-            messages = conversations.to_messages(record, fmt)
+            chat = conversations.to_chat(record, fmt)
         except conversations.BadConversation as exc:
             self.bad_chats.append((str(exc), where))
         else:
             self.formats[fmt] += 1
-            self.row(messages, where)
+            self.row(chat, where)
 
 
 def is_record(value: object) -> bool:

@@ -54,7 +54,7 @@ def corpus_texts(corpus: Path) -> list[str]:
             rows = extract_file(path).rows
         except (SkipFile, OSError):
             continue
-        texts.extend(r if isinstance(r, str) else "\n".join(m["content"] for m in r) for r in rows)
+        texts.extend(r if isinstance(r, str) else "\n".join(m["content"] for m in r.messages) for r in rows)
     if not texts:
         raise UserError(f"--corpus {corpus} holds no usable text to train a tokenizer on")
     return texts

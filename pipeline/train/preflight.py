@@ -216,7 +216,8 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
     tokenizer = load_tokenizer(cfg, model_dir, chats)
     spec = BlockSpec(cfg.data.seq_length, cfg.data.val_fraction, cfg.run.seed, chats, cfg.data.train_on,
                      cfg.data.chat_date, cfg.data.chat_template and tokenizer.chat_template, cfg.data.document_mask,
-                     cfg.data.allow_special_tokens_in_data, pairs=cfg.objective.preference)
+                     cfg.data.allow_special_tokens_in_data, pairs=cfg.objective.preference,
+                     train_reasoning=cfg.data.train_on_reasoning)
     fingerprint = run_fingerprint(cfg, model_dir, hf_config, dataset, spec)
     check_cache_root(cfg, inputs(cfg, model_dir))
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,194 @@
+"""Tool calls and reasoning traces through the templates users have: the exact targets of each rendered conversation,
+turn-by-turn samples for a template that rewrites earlier turns, and what a template cannot render skipped by
+reason."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from jinja2.exceptions import TemplateError
+from transformers import AutoTokenizer
+
+from pipeline.data.chat_tokens import NotRendered, Rendered, TemplateMismatch, tokenize_conversation, tokenize_turns
+
+TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
+DATE = "26 Jul 2024"
+WEATHER = {"type": "function", "function": {
+    "name": "weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOLS = json.dumps([WEATHER])
+
+
+def calls(*pairs: tuple[str, dict]) -> str:
+    """Tool calls as DATA-HF stores them."""
+    return json.dumps([{"type": "function", "function": {"name": n, "arguments": a}} for n, a in pairs])
+
+
+AGENT = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Oslo?"},
+         {"role": "assistant", "content": "", "tool_calls": calls(("weather", {"city": "Oslo"}))},
+         {"role": "tool", "content": "sunny, 21 C"},
+         {"role": "assistant", "content": "Sunny and 21 C."}]
+REASONER = [{"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4.", "reasoning_content": "Two and two."},
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": "Let me check.", "reasoning_content": "I need the tool.",
+             "tool_calls": calls(("weather", {"city": "Oslo"}))},
+            {"role": "tool", "content": "sunny"},
+            {"role": "assistant", "content": "Sunny.", "reasoning_content": "The tool says sunny."}]
+CALL_QWEN = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>'
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_models):
+    """The tiny model's tokenizer with ChatML's markers as special tokens (Qwen's are)."""
+    tok = AutoTokenizer.from_pretrained(tiny_models["tied"])
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    return tok
+
+
+def with_template(tok, name: str):
+    tok.chat_template = (TEMPLATES / name).read_text()
+    return tok
+
+
+def trained_runs(tok, r: Rendered) -> list[str]:
+    """The decoded runs of trained tokens, in order."""
+    edges = np.flatnonzero(np.diff(np.r_[0, r.trained.astype(int), 0]))
+    return [tok.decode(r.ids[a:b].tolist()) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def reference_ids(tok, messages: list[dict], tools: str) -> list[int]:
+    """transformers' own tokenization of the conversation (calls as objects, as templates take them)."""
+    plain = [{**m, **({"tool_calls": json.loads(m["tool_calls"])} if "tool_calls" in m else {})} for m in messages]
+    return tok.apply_chat_template(plain, tools=json.loads(tools) if tools else None, date_string=DATE,
+                                   return_dict=True)["input_ids"]
+
+
+def test_llama31_trains_the_tool_call_and_the_answer_never_the_result_or_the_schemas(tok):
+    tok = with_template(tok, "llama3_1.jinja")
+    [r] = tokenize_turns(tok, AGENT, DATE, "assistant", tools=TOOLS)
+    assert r.ids.tolist() == reference_ids(tok, AGENT, TOOLS)
+    assert trained_runs(tok, r) == ['{"name": "weather", "parameters": {"city": "Oslo"}}<|eot_id|>',
+                                    "Sunny and 21 C.<|eot_id|>"]
+    text, first = tok.decode(r.ids.tolist()), int(np.argmax(r.trained))
+    assert "The weather in a city" in tok.decode(r.ids[:first].tolist())  # the schema: in the prompt, untrained
+    assert '<|start_header_id|>ipython<|end_header_id|>\n\n"sunny, 21 C"<|eot_id|>' in text  # the result, untrained
+    assert r.context == 0 and len(r.cuts) == 2
+    last = tokenize_turns(tok, AGENT, DATE, "last", tools=TOOLS)
+    assert [trained_runs(tok, s) for s in last] == [["Sunny and 21 C.<|eot_id|>"]]
+
+
+def test_qwen3_reasoning_chats_are_trained_turn_by_turn_as_the_model_sees_them(tok):
+    """Qwen3's template drops the reasoning of answers before the last user turn: the first answer is one sample
+    (its trace shown, as at inference), the two after the second question another, whose history holds the first
+    answer without its trace. Each sample's tokens are transformers' rendering of the conversation up to its last
+    turn; the repeated history is counted."""
+    tok = with_template(tok, "qwen3.jinja")
+    with pytest.raises(TemplateMismatch):  # the whole conversation is not one rendering
+        tokenize_conversation(tok, REASONER, DATE, "assistant", tools=TOOLS)
+    first, second = tokenize_turns(tok, REASONER, DATE, "assistant", tools=TOOLS)
+    assert first.ids.tolist() == reference_ids(tok, REASONER[:2], TOOLS)
+    assert second.ids.tolist() == reference_ids(tok, REASONER, TOOLS)
+    assert trained_runs(tok, first) == ["<think>\nTwo and two.\n</think>\n\n4.<|im_end|>"]
+    assert trained_runs(tok, second) == [
+        "<think>\nI need the tool.\n</think>\n\nLet me check.\n" + CALL_QWEN,
+        "<think>\nThe tool says sunny.\n</think>\n\nSunny.<|im_end|>"]
+    history = tok.decode(second.ids[:second.context].tolist())
+    assert history.endswith("<|im_start|>assistant\n") and "Two and two" not in history and "4.<|im_end|>" in history
+    assert (first.context, second.cuts) == (0, sorted(second.cuts))
+    quiet = tokenize_turns(tok, REASONER, DATE, "assistant", tools=TOOLS, train_reasoning=False)
+    assert [trained_runs(tok, s) for s in quiet] == [
+        ["\n</think>\n\n4.<|im_end|>"],
+        ["\n</think>\n\nLet me check.\n" + CALL_QWEN, "\n</think>\n\nSunny.<|im_end|>"]]
+    assert [s.ids.tolist() for s in quiet] == [first.ids.tolist(), second.ids.tolist()]
+    [last] = tokenize_turns(tok, REASONER, DATE, "last", tools=TOOLS)
+    assert last.ids.tolist() == second.ids.tolist()
+    assert trained_runs(tok, last) == ["<think>\nThe tool says sunny.\n</think>\n\nSunny.<|im_end|>"]
+
+
+def test_qwen3_agent_turns_after_one_question_split_where_the_template_renders_the_last_turn_apart(tok):
+    """Qwen3 gives the last answer an empty <think></think> it leaves off earlier ones: the call is trained as the
+    model generates it (empty think included) and the final answer after the history as rendered then."""
+    tok = with_template(tok, "qwen3.jinja")
+    call, answer = tokenize_turns(tok, AGENT, DATE, "assistant", tools=TOOLS)
+    assert trained_runs(tok, call) == ["<think>\n\n</think>\n\n" + CALL_QWEN]
+    assert trained_runs(tok, answer) == ["<think>\n\n</think>\n\nSunny and 21 C.<|im_end|>"]
+    assert answer.ids.tolist() == reference_ids(tok, AGENT, TOOLS)
+    assert answer.context == int(np.argmax(answer.trained))
+
+
+def test_generation_markers_give_the_mask_we_find_with_tools_and_reasoning(tok):
+    """On a template with {% generation %} markers, transformers' assistant mask is the reference."""
+    tok = with_template(tok, "qwen3_marked.jinja")
+    [r] = tokenize_turns(tok, REASONER, DATE, "assistant", tools=TOOLS)
+    plain = [{**m, **({"tool_calls": json.loads(m["tool_calls"])} if "tool_calls" in m else {})} for m in REASONER]
+    ref = tok.apply_chat_template(plain, tools=[WEATHER], return_dict=True, return_assistant_tokens_mask=True)
+    assert r.ids.tolist() == ref["input_ids"]
+    assert r.trained.astype(int).tolist() == ref["assistant_masks"]
+    assert sum(ref["assistant_masks"]) > 0
+
+
+def test_what_a_template_leaves_out_is_skipped_by_reason(tok, tiny_models):
+    """A template without tools (the tiny model's Llama 3 one) given schemas or calls, a template without reasoning
+    (Llama 3.1's) given a trace: NotRendered, never trained without them. Llama 3.1's own refusal of two calls in one
+    turn is its TemplateError."""
+    plain = AutoTokenizer.from_pretrained(tiny_models["tied"])
+    with pytest.raises(NotRendered, match="tools_not_rendered"):
+        tokenize_turns(plain, [AGENT[1], {"role": "assistant", "content": "Hi."}], DATE, "assistant", tools=TOOLS)
+    with pytest.raises(NotRendered, match="tools_not_rendered"):
+        tokenize_turns(plain, AGENT, DATE, "assistant")
+    llama = with_template(tok, "llama3_1.jinja")
+    with pytest.raises(NotRendered, match="reasoning_not_rendered"):
+        tokenize_turns(llama, REASONER[:2], DATE, "assistant")
+    two = [AGENT[1], {"role": "assistant", "content": "", "tool_calls": calls(("weather", {"city": "Oslo"}),
+                                                                             ("weather", {"city": "Rome"}))}]
+    with pytest.raises(TemplateError, match="single tool-calls"):
+        tokenize_turns(llama, two, DATE, "assistant", tools=TOOLS)
+    # a trace in the history only (train_on last) is the template's business: context, as at inference
+    [r] = tokenize_turns(llama, [*REASONER[:2], {"role": "user", "content": "And 3+3?"},
+                                 {"role": "assistant", "content": "6."}], DATE, "last")
+    assert trained_runs(llama, r) == ["6.<|eot_id|>"]
+
+
+def test_a_dataset_of_agent_and_reasoning_chats_packs_every_sample_with_its_targets(tok, tiny_models, tmp_path):
+    """DATA-HF to token cache: OpenAI and ShareGPT records with calls, results, schemas and traces become the
+    samples tokenize_turns gives (their trained tokens, and nothing else, flagged in the blocks); the turn-by-turn
+    cost is in meta.json. Under a template that renders neither tools nor traces each such conversation is counted by
+    its reason and the plain one kept."""
+    import datasets
+
+    from pipeline.data.dataset import BlockSpec
+    from pipeline.data.packing import TRAIN
+    from pipeline.data.token_cache import build_blocks
+    from pipeline.prep.corpus import CorpusConfig, build_dataset
+
+    sharegpt = {"conversations": [
+        {"from": "human", "value": "Weather in Rome?"},
+        {"from": "function_call", "value": json.dumps({"name": "weather", "arguments": {"city": "Rome"}})},
+        {"from": "observation", "value": "rain"}, {"from": "gpt", "value": "Rain."}], "tools": TOOLS}
+    plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    openai = [{**m, **({"tool_calls": json.loads(m["tool_calls"])} if "tool_calls" in m else {})} for m in REASONER]
+    records = [{"messages": AGENT, "tools": [WEATHER]}, {"messages": openai, "tools": [WEATHER]}, sharegpt,
+               {"messages": plain}, {"messages": REASONER[:2]}]
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "agent.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    build_dataset(CorpusConfig(tmp_path / "raw", tmp_path / "ds", num_proc=1))
+    ds = datasets.load_from_disk(str(tmp_path / "ds"))
+    spec = BlockSpec(1024, 0.0, 0, chats=True, chat_date=DATE)
+    tok = with_template(tok, "qwen3.jinja")
+    build_blocks(ds, tok, spec, 1, tmp_path / "cache")
+    meta = json.loads((tmp_path / "cache" / "meta.json").read_text())
+    expected = [s for row in ds for s in tokenize_turns(tok, row["messages"], DATE, "assistant", tools=row["tools"])]
+    assert len(expected) == 8 and meta["conversations"]["kept"] == 8
+    assert meta["turn_by_turn"] == {"conversations": 3, "samples": 6,
+                                    "context_tokens": sum(s.context for s in expected),
+                                    "kept_tokens": sum(len(s.ids) for s in expected)}
+    blocks, flags = np.load(tmp_path / "cache" / "train.npy"), np.load(tmp_path / "cache" / "train_flags.npy")
+    packed = sorted(run for ids, f in zip(blocks, flags, strict=True)
+                    for run in trained_runs(tok, Rendered(ids, (f & TRAIN).astype(bool), [])))
+    assert packed == sorted(run for s in expected for run in trained_runs(tok, s))
+    assert "<think>\n\n</think>\n\nRain.<|im_end|>" in packed and not any("tool_response" in run for run in packed)
+    build_blocks(ds, AutoTokenizer.from_pretrained(tiny_models["tied"]), spec, 1, tmp_path / "plain")
+    counts = json.loads((tmp_path / "plain" / "meta.json").read_text())["conversations"]
+    assert {k: v for k, v in counts.items() if v} == {"kept": 1, "tools_not_rendered": 3, "reasoning_not_rendered": 1}
