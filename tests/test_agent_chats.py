@@ -3,14 +3,22 @@ turn-by-turn samples for a template that rewrites earlier turns, and what a temp
 reason."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pytest
+from conftest import ROOT, kill_tree, losses, run_script, torchrun, wait_for
 from jinja2.exceptions import TemplateError
 from transformers import AutoTokenizer
 
 from pipeline.data.chat_tokens import NotRendered, Rendered, TemplateMismatch, tokenize_conversation, tokenize_turns
+from pipeline.data.dataset import BlockSpec
+from pipeline.data.packing import TRAIN
+from pipeline.data.token_cache import build_blocks
+from pipeline.prep.corpus import CorpusConfig, build_dataset
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 DATE = "26 Jul 2024"
@@ -156,12 +164,6 @@ def test_a_dataset_of_agent_and_reasoning_chats_packs_every_sample_with_its_targ
     samples tokenize_turns gives (their trained tokens, and nothing else, flagged in the blocks); the turn-by-turn
     cost is in meta.json. Under a template that renders neither tools nor traces each such conversation is counted by
     its reason and the plain one kept."""
-    import datasets
-
-    from pipeline.data.dataset import BlockSpec
-    from pipeline.data.packing import TRAIN
-    from pipeline.data.token_cache import build_blocks
-    from pipeline.prep.corpus import CorpusConfig, build_dataset
 
     sharegpt = {"conversations": [
         {"from": "human", "value": "Weather in Rome?"},
@@ -192,3 +194,83 @@ def test_a_dataset_of_agent_and_reasoning_chats_packs_every_sample_with_its_targ
     build_blocks(ds, AutoTokenizer.from_pretrained(tiny_models["tied"]), spec, 1, tmp_path / "plain")
     counts = json.loads((tmp_path / "plain" / "meta.json").read_text())["conversations"]
     assert {k: v for k, v in counts.items() if v} == {"kept": 1, "tools_not_rendered": 3, "reasoning_not_rendered": 1}
+
+
+# ------------------------------------------------------------------------------------------------- end to end
+
+
+def agent_dataset(root: Path) -> Path:
+    """A DATA-HF dataset of 40 conversations: 20 agents calling an adder (OpenAI form, its schema in tools) and 20
+    two-question reasoners in Qwen3's style (ShareGPT form with a thinking field)."""
+
+    adder = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+    rows = []
+    for k in range(20):
+        a, b = 3 * k + 1, 7 * k + 2
+        rows.append({"tools": [adder], "messages": [
+            {"role": "user", "content": f"What is {a} plus {b}?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"c{k}", "type": "function",
+                 "function": {"name": "add", "arguments": json.dumps({"a": a, "b": b})}}]},
+            {"role": "tool", "tool_call_id": f"c{k}", "content": str(a + b)},
+            {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]})
+        rows.append({"conversations": [
+            {"from": "human", "value": f"Is {a} odd?"},
+            {"from": "gpt", "value": "yes" if a % 2 else "no", "thinking": f"{a} mod 2 is {a % 2}."},
+            {"from": "human", "value": f"And {b}?"},
+            {"from": "gpt", "value": "yes" if b % 2 else "no", "thinking": f"{b} mod 2 is {b % 2}."}]})
+    (root / "raw").mkdir(parents=True)
+    (root / "raw" / "agents.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    build_dataset(CorpusConfig(root / "raw", root / "agents", num_proc=1))
+    return root / "agents"
+
+
+def agent_args(dataset: Path, root: Path, *extra) -> list:
+    return ["-e", "a", "-d", dataset, "-m", "local/tiny", "--save-dir", root, "--config",
+            ROOT / "configs" / "demo.yaml", "--chat-template", TEMPLATES / "qwen3.jinja",
+            "--seq-length", "1024", "--log-freq", "1", "--ckpt-freq", "3", "--eval-freq", "0", "--max-steps", "6",
+            *extra]
+
+
+def test_an_agent_and_reasoning_run_trains_turn_by_turn_and_a_killed_run_resumes_exactly(train_env, tmp_path):
+    """Qwen3's template on tool calls and reasoning traces: every conversation kept (the reasoners as two samples
+    each), the cost in the log, and a run killed after its first checkpoint resumes to the uninterrupted losses;
+    changing --train-on-reasoning is refused on resume (other targets)."""
+    dataset = agent_dataset(tmp_path / "data")
+    env = train_env["env"]
+    ref = torchrun(2, ROOT / "fsdp1.py", *agent_args(dataset, tmp_path / "ref"), env=env)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    meta = json.loads(next((tmp_path / "ref" / "token_cache").glob("*/meta.json")).read_text())
+    assert {k: v for k, v in meta["conversations"].items() if v} == {"kept": 80}
+    assert meta["turn_by_turn"]["conversations"] == 40 and meta["turn_by_turn"]["samples"] == 80
+    log = (tmp_path / "ref" / "a" / "train.log").read_text()
+    assert "40 conversations trained turn by turn (their template rewrites earlier turns) as 80 samples" in log
+    expected = losses(tmp_path / "ref" / "a")
+    assert sorted(expected) == list(range(1, 7))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "fsdp1.py"), *map(str, agent_args(dataset, tmp_path))]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    wait_for(lambda: max(losses(tmp_path / "a"), default=0) >= 4, proc)
+    kill_tree(proc)
+    again = torchrun(2, ROOT / "fsdp1.py", *agent_args(dataset, tmp_path), env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and losses(tmp_path / "a") == expected
+    changed = run_script("fsdp1.py", *agent_args(dataset, tmp_path, "--train-on-reasoning", "off"), env=env)
+    assert changed.returncode == 2
+    assert "train_reasoning was None and is now False" in changed.stderr
+
+
+def test_a_hub_dataset_with_call_objects_and_no_tools_column_trains_its_calls_as_objects(tok, tmp_path):
+    """A hub dataset (no tools column, calls stored as objects with their arguments as a JSON string, as OpenAI
+    writes them) renders the arguments as an object under Llama 3.1's template, never as a string in a string."""
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]}
+    ds = datasets.Dataset.from_list([{"messages": [AGENT[1], call, {"role": "tool", "content": "sunny"},
+                                                   {"role": "assistant", "content": "Sunny."}]}])
+    build_blocks(ds, with_template(tok, "llama3_1.jinja"), BlockSpec(256, 0.0, 0, chats=True, chat_date=DATE), 1,
+                 tmp_path / "cache")
+    blocks, flags = np.load(tmp_path / "cache" / "train.npy"), np.load(tmp_path / "cache" / "train_flags.npy")
+    assert trained_runs(tok, Rendered(blocks[0], (flags[0] & TRAIN).astype(bool), [])) == [
+        '{"name": "weather", "parameters": {"city": "Oslo"}}<|eot_id|>', "Sunny.<|eot_id|>"]
