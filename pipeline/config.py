@@ -12,6 +12,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+from pipeline.data.sources import parse_sources
 from pipeline.errors import UserError
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
@@ -141,6 +142,8 @@ class DataConfig(Section):
 
     def check(self) -> None:
         _check(bool(self.chat_date.strip()), "--chat-date must not be empty")
+        if self.dataset_name:  # a mixture's weights and names: one line before anything is loaded
+            parse_sources(self.dataset_name)
         _check(not self.chat_template or Path(self.chat_template).is_file(),
                f"--chat-template {self.chat_template} does not exist or is not a file")
         _check(self.seq_length >= 8, f"--seq-length must be at least 8, got {self.seq_length}")

@@ -17,6 +17,7 @@ from typing import Any, Literal, get_origin, get_type_hints
 import yaml
 
 from pipeline.config import SECTIONS, Config, choices, flag
+from pipeline.data.sources import joined
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import read_yaml, write_text_atomic
 
@@ -70,6 +71,8 @@ def _convert(key: str, kind: type, value: Any) -> Any:
             return float(value)
         if key in LIST_KEYS and isinstance(value, list) and all(isinstance(v, str) for v in value):
             value = ",".join(value)
+        if key == "dataset_name" and isinstance(value, list):  # a mixture: [{path, weight}, ...]
+            value = joined(value)
         if isinstance(value, (list, dict)):
             shape = "list" if isinstance(value, list) else "mapping"
             raise UserError(f"{flag(key)} must be a single value, got a {shape} ({value!r:.80})")

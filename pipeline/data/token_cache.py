@@ -79,6 +79,10 @@ class Blocks:
             return Part(self.train, self.train_flags, self.train_ref)
         return Part(self.val, self.val_flags, self.val_ref)
 
+    def val_parts(self) -> list[tuple[str, Part]]:
+        """The validation split as one unnamed part (a mixture's MixedBlocks has one per source)."""
+        return [("", self.part("val"))]
+
 
 def token_cache_dir(cache_root: Path, dataset_fp: str, model_dir: Path, spec: BlockSpec) -> Path:
     """Where the packed blocks of this dataset, tokenizer and cut live under cache_root: shared by every run that

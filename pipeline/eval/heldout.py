@@ -34,14 +34,16 @@ def held_out_loss(strategy: Strategy, parts: Sequence[Part], batch_size: int, d:
         metrics = objective.read_metrics(reduce=True)
     strategy.release()  # the root stays gathered after a forward without backward
     model.train(training)
-    loss_sum, tokens = sums.tolist()  # a host sync, once per evaluation
-    return HeldOut(loss_sum / tokens, int(tokens), total, metrics) if tokens else None
+    per_part = sums.tolist()  # a host sync, once per evaluation
+    loss_sum, tokens = (sum(column) for column in zip(*per_part, strict=True))
+    by_part = [s / n if n else None for s, n in per_part]
+    return HeldOut(loss_sum / tokens, int(tokens), total, metrics, by_part) if tokens else None
 
 
 def _sums(parts: Sequence[Part], batch_size: int, d: Dist, objective: Objective) -> torch.Tensor:
-    """This rank's (summed loss, items) over its share of parts."""
-    sums = torch.zeros(2, dtype=torch.float64, device=d.device)
-    for part in parts:
+    """This rank's (summed loss, items) over its share of each part: (parts, 2)."""
+    sums = torch.zeros(len(parts), 2, dtype=torch.float64, device=d.device)
+    for p, part in enumerate(parts):
         n = len(part.blocks)
         for b in range(rounds(n, d.world_size, batch_size)):
             # a rank short of blocks pads with block 0, whose rows do not count
@@ -50,5 +52,5 @@ def _sums(parts: Sequence[Part], batch_size: int, d: Dist, objective: Objective)
             # (pipeline/objectives/causal_lm.py)
             loss = objective(part.batch(idx, d.device, valid), d.world_size)
             tokens = objective.items(part.blocks[idx], part.flags_at(idx), valid)
-            sums += torch.stack([loss.double(), torch.tensor(tokens, dtype=torch.float64, device=d.device)])
+            sums[p] += torch.stack([loss.double(), torch.tensor(tokens, dtype=torch.float64, device=d.device)])
     return sums

@@ -25,6 +25,8 @@ class HeldOut:
     blocks: int
     metrics: dict[str, float] = field(default_factory=dict)
     """The objective's own figures over the same items (a preference objective's rewards/*, logps/*)."""
+    by_part: list[float | None] = field(default_factory=list)
+    """The mean loss of each part the blocks came in (a mixture's sources), None where a part holds no item."""
 
     @property
     def ppl(self) -> float:

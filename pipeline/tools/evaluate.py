@@ -36,6 +36,7 @@ from pipeline import config_merge as config_mod
 from pipeline.config import Config
 from pipeline.config_merge import add_config_arguments
 from pipeline.data.dataset import load_text_dataset, preference_rows
+from pipeline.data.sources import parse_sources
 from pipeline.distributed.launch import detect as detect_launch
 from pipeline.distributed.runtime import Dist, compute_dtype, init_distributed
 from pipeline.errors import ArgumentParser, UserError
@@ -106,6 +107,9 @@ def resolve(argv: list[str] | None) -> tuple[Config, AdapterFolder | None, argpa
     if args.reference and not cfg.data.dataset_name:
         raise UserError("--reference is for a dataset of preference pairs: the rewards of their answers are measured "
                         "against it")
+    if len(parse_sources(cfg.data.dataset_name)) > 1:
+        raise UserError(f"--dataset-name {cfg.data.dataset_name} is a mixture: pipeline.evaluate measures one dataset; "
+                        "evaluate each source apart (a mixture run's eval events hold eval/loss/NAME per source)")
     if not cfg.data.dataset_name and Tasks.of(cfg.train) is None:
         raise UserError("nothing to evaluate: give a dataset (-d DATASET, or --config RUN/config.yaml) for the "
                         "held-out loss, or --lm-eval-tasks, or both")

@@ -11,36 +11,50 @@ import sys
 from pathlib import Path
 
 from pipeline.config import Config
+from pipeline.data.mixture import MixedBlocks
+from pipeline.data.sampler import BlockSampler, MixtureSampler
 from pipeline.data.token_cache import Blocks, beyond_vocabulary, ensure_token_cache, open_blocks, token_cache_dir
 from pipeline.distributed.launch import Launch
 from pipeline.distributed.runtime import Dist, gather_objects
 from pipeline.errors import UserError
-from pipeline.train.preflight import Plan
+from pipeline.train.preflight import DataSource, Plan
 from pipeline.train.telemetry import log
 
 
-def cache_path(cfg: Config, plan: Plan) -> Path:
-    return token_cache_dir(cfg.cache_root, plan.fingerprint["dataset"], plan.model_dir, plan.spec)
+def cache_path(cfg: Config, plan: Plan, source: DataSource | None = None) -> Path:
+    """The token cache of one of the run's datasets (the only one by default)."""
+    return token_cache_dir(cfg.cache_root, (source or plan.data[0]).fingerprint, plan.model_dir, plan.spec)
 
 
-def ensure_blocks(cfg: Config, plan: Plan, builder: bool) -> tuple[str, Path]:
-    """The token cache of this run's data: ("hit" | "built" | "waited", its path). The builder (one process per
-    node) builds it under a file lock; the others poll for it. No collective, so no timeout however long it takes."""
-    path = cache_path(cfg, plan)
-    status = ensure_token_cache(plan.dataset, plan.tokenizer, plan.spec, cfg.data.num_proc or os.cpu_count() or 1,
-                                path, builder)
-    return status, path
+def ensure_blocks(cfg: Config, plan: Plan, builder: bool) -> list[tuple[str, Path]]:
+    """The token cache of each of this run's datasets: ("hit" | "built" | "waited", its path). The builder (one
+    process per node) builds each under a file lock; the others poll for it. No collective, so no timeout however
+    long it takes."""
+    return [(ensure_token_cache(source.dataset, plan.tokenizer, plan.spec, cfg.data.num_proc or os.cpu_count() or 1,
+                                path := cache_path(cfg, plan, source), builder), path) for source in plan.data]
 
 
-def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks:
-    """Every rank memory-maps the token cache its node's first rank built (or found)."""
-    status, path = ensure_blocks(cfg, plan, d.is_local_main)
-    if d.is_main:
-        log.info("token cache %s: %s", status, path)
-        log_cache_meta(path)
-    blocks = open_blocks(path)
-    check_vocabulary(blocks, plan, d)
+def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks | MixedBlocks:
+    """Every rank memory-maps the token caches its node's first rank built (or found): one dataset's blocks, or a
+    mixture's sources' as one."""
+    caches = []
+    for source, (status, path) in zip(plan.data, ensure_blocks(cfg, plan, d.is_local_main), strict=True):
+        if d.is_main:
+            log.info("token cache %s: %s%s", status, path, f" ({source.source.name})" if plan.mixture else "")
+            log_cache_meta(path)
+        caches.append(open_blocks(path))
+    blocks = MixedBlocks([s.source for s in plan.data], caches) if plan.mixture else caches[0]
+    for cache in caches:
+        check_vocabulary(cache, plan, d)
     return blocks
+
+
+def make_sampler(blocks: Blocks | MixedBlocks, cfg: Config, d: Dist) -> BlockSampler:
+    """The run's sampler: one permutation of a dataset's blocks, or a mixture's sources drawn by weight."""
+    shape = (cfg.run.seed, d.world_size, d.rank, cfg.train.batch_size, cfg.train.grad_accum)
+    if isinstance(blocks, MixedBlocks):
+        return MixtureSampler(blocks.sizes, [s.weight for s in blocks.sources], *shape)
+    return BlockSampler(len(blocks.train), *shape)
 
 
 def check_one_batch(blocks: Blocks, cfg: Config, d: Dist) -> None:
@@ -67,12 +81,12 @@ def prepare_only(cfg: Config, plan: Plan, launch: Launch) -> int:
     """--prepare-only: the token cache and nothing else (no process group, no GPU)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     builder = launch.local_rank == 0
-    status, path = ensure_blocks(cfg, plan, builder)
-    meta = json.loads((path / "meta.json").read_text())
-    if builder:
-        print(f"token cache {status}: {path}: {meta['train_blocks']} training and {meta['val_blocks']} validation "
-              f"blocks of {meta['seq_length']} tokens; the same command without --prepare-only trains on it",
-              flush=True)
+    for status, path in ensure_blocks(cfg, plan, builder):
+        meta = json.loads((path / "meta.json").read_text())
+        if builder:
+            print(f"token cache {status}: {path}: {meta['train_blocks']} training and {meta['val_blocks']} "
+                  f"validation blocks of {meta['seq_length']} tokens; the same command without --prepare-only "
+                  "trains on it", flush=True)
     return 0
 
 

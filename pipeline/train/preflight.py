@@ -26,6 +26,7 @@ from pipeline.data.dataset import (
     size_fingerprint,
     tokenizer_fingerprint,
 )
+from pipeline.data.sources import Source, parse_sources
 from pipeline.distributed.launch import Launch
 from pipeline.errors import UserError
 from pipeline.eval.samples import Prompt, read_prompts
@@ -51,12 +52,23 @@ class ReferencePlan:
 
 
 @dataclass
+class DataSource:
+    """One dataset of the run, loaded."""
+
+    source: Source
+    dataset: object
+    fingerprint: str
+    """dataset_fingerprint of its contents: the key of its token cache."""
+
+
+@dataclass
 class Plan:
     """What preflight resolved: everything later stages need, found without heavy work."""
 
     model_dir: Path
     hf_config: object
-    dataset: object
+    data: list[DataSource]
+    """The datasets -d names: one, or a mixture's sources in the order given."""
     tokenizer: object
     """The model's tokenizer, its chat template replaced by --chat-template when given."""
     spec: BlockSpec
@@ -70,20 +82,27 @@ class Plan:
     the first step (pipeline/objectives/reference_pass.py)."""
 
     @property
+    def mixture(self) -> bool:
+        return len(self.data) > 1
+
+    @property
     def config(self) -> Config:
         """The run's config, --strategy auto resolved (the memory plan's)."""
         return self.memory.config
 
 
-def run_fingerprint(cfg: Config, model_dir: Path, hf_config, dataset, spec: BlockSpec) -> dict:
+def run_fingerprint(cfg: Config, model_dir: Path, hf_config, data: list[DataSource], spec: BlockSpec) -> dict:
     """What defines the run: the one definition of the resume guard, which refuses a rerun that changes any of these
-    fields (epochs, steps and frequencies may change between reruns). A field added here is guarded."""
+    fields (epochs, steps and frequencies may change between reruns). A field added here is guarded. A mixture's
+    dataset is each source's name, contents and weight (another weight is another run)."""
     conf = {k: v for k, v in hf_config.to_dict().items() if k not in ("transformers_version", "_name_or_path")}
+    dataset = data[0].fingerprint if len(data) == 1 else ",".join(
+        f"{d.source.name}={d.fingerprint}:{d.source.weight:g}" for d in data)
     return {
         "model_name": cfg.model.model_name,
         "model_config": hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode()).hexdigest()[:16],
         "tokenizer": tokenizer_fingerprint(model_dir)[:16],
-        "dataset": dataset_fingerprint(dataset),
+        "dataset": dataset,
         **spec.key(),
         **({"adapter": adapter_settings(cfg.model)} if cfg.model.adapter != "none" else {}),
         # an SFT run's fingerprint has no such field, so runs from before preference objectives still resume
@@ -210,26 +229,40 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
         meta_model(hf_config, attn_implementation=cfg.model.attn_implementation)
     if cfg.model.adapter != "none":  # --lora-targets naming no linear layer: one line, before any weight is read
         chosen_targets(meta_model(hf_config), cfg.model.lora_targets)
-    dataset = load_text_dataset(cfg.data.dataset_name)
-    check_objective(cfg, preference_rows(dataset))
-    chats = bool(conversation_rows(dataset).any())
+    data = load_sources(cfg)
+    chats = any(bool(conversation_rows(d.dataset).any()) for d in data)
     tokenizer = load_tokenizer(cfg, model_dir, chats)
     spec = BlockSpec(cfg.data.seq_length, cfg.data.val_fraction, cfg.run.seed, chats, cfg.data.train_on,
                      cfg.data.chat_date, cfg.data.chat_template and tokenizer.chat_template, cfg.data.document_mask,
                      cfg.data.allow_special_tokens_in_data, pairs=cfg.objective.preference,
                      train_reasoning=cfg.data.train_on_reasoning)
-    fingerprint = run_fingerprint(cfg, model_dir, hf_config, dataset, spec)
+    fingerprint = run_fingerprint(cfg, model_dir, hf_config, data, spec)
     check_cache_root(cfg, inputs(cfg, model_dir))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return Plan(model_dir, hf_config, dataset, tokenizer, spec, fingerprint,
+    return Plan(model_dir, hf_config, data, tokenizer, spec, fingerprint,
                 plan_memory(cfg, hf_config, device, launch))
 
 
+def load_sources(cfg: Config) -> list[DataSource]:
+    """The datasets -d names, loaded and fingerprinted, and the objective checked against them: a mixture trains
+    text and conversations (a preference objective's reference pass and pair blocks take one dataset)."""
+    sources = parse_sources(cfg.data.dataset_name)
+    data = [DataSource(s, ds := load_text_dataset(s.path), dataset_fingerprint(ds)) for s in sources]
+    pairs = sum(preference_rows(d.dataset) for d in data)
+    if len(data) > 1 and (pairs or cfg.objective.preference):
+        raise UserError(f"--dataset-name {cfg.data.dataset_name} mixes datasets for a preference objective or of "
+                        "preference pairs: a mixture trains text and conversations with --objective sft; train pairs "
+                        "from one dataset")
+    check_objective(cfg, pairs)
+    return data
+
+
 def inputs(cfg: Config, model_dir: Path) -> list[tuple[Path, str]]:
-    """The folders a run reads, which no output of it may hold or sit in: the model and a local dataset."""
+    """The folders a run reads, which no output of it may hold or sit in: the model and the local datasets."""
     found = [(model_dir, "the model folder")]
-    if cfg.data.dataset_name and Path(cfg.data.dataset_name).exists():
-        found.append((Path(cfg.data.dataset_name), "--dataset-name"))
+    if cfg.data.dataset_name:
+        found += [(Path(s.path), "--dataset-name") for s in parse_sources(cfg.data.dataset_name)
+                  if Path(s.path).exists()]
     return found
 
 
@@ -276,6 +309,6 @@ def preflight(cfg: Config, launch: Launch | None = None) -> Plan:
         plan.fingerprint["reference_weights"] = plan.reference.weights
     if state and not cfg.run.no_resume:
         # runs from before a field existed resume: their dataset by sizes, adapter runs without base_weights
-        check_fingerprint(cfg.run_dir, state["fingerprint"], plan.fingerprint,
-                          {"dataset": size_fingerprint(plan.dataset), "base_weights": None})
+        older = {"dataset": size_fingerprint(plan.data[0].dataset)} if not plan.mixture else {}
+        check_fingerprint(cfg.run_dir, state["fingerprint"], plan.fingerprint, {**older, "base_weights": None})
     return plan

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import Config
-from pipeline.data.sampler import BlockSampler
+from pipeline.data.sampler import MixtureSampler
 from pipeline.distributed.runtime import Dist, compute_dtype
 from pipeline.errors import UserError
 from pipeline.eval.heldout import held_out_loss
@@ -31,7 +31,7 @@ from pipeline.objectives.objective import HeldOut
 from pipeline.objectives.reference import precomputed
 from pipeline.strategies.memory import GIB
 from pipeline.strategies.registry import ignored_knobs, make_strategy, out_of_memory_hints
-from pipeline.train.blocks import check_one_batch, prepare_blocks
+from pipeline.train.blocks import check_one_batch, make_sampler, prepare_blocks
 from pipeline.train.checkpoint import Checkpointer, state_problem, step_name
 from pipeline.train.export import described, export_run, run_exports
 from pipeline.train.optim import build_optimizer, build_scheduler
@@ -96,8 +96,7 @@ class Trainer:
         seed_everything(cfg.run.seed)
         self.blocks = prepare_blocks(cfg, plan, d)
         check_one_batch(self.blocks, cfg, d)
-        self.sampler = BlockSampler(len(self.blocks.train), cfg.run.seed, d.world_size, d.rank,
-                                    cfg.train.batch_size, cfg.train.grad_accum)
+        self.sampler = make_sampler(self.blocks, cfg, d)
         self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.sampler.steps_per_epoch
         self.strategy = make_strategy(cfg.model, d, self.dtype, transforms_for(cfg.model, self.dtype))
         if d.is_main:
@@ -284,10 +283,24 @@ class Trainer:
         final = self.evaluate(telemetry)
         if final and self.base_val and self.dist.is_main:
             log.info("validation %s, base -> step %d", self.objective.closing(self.base_val, final), self.step)
+        if isinstance(self.sampler, MixtureSampler):
+            self.log_mixture(telemetry)
         self.save()
         self.ckpt.wait()
         export_run(self.strategy, self.cfg, self.plan.model_dir, self.dist, self.plan.spec.chat_template,
                    self.plan.fingerprint)
+
+    def log_mixture(self, telemetry: Telemetry) -> None:
+        """What each source of a mixture gave the run: blocks, tokens, their share and the epochs of it."""
+        drawn, sizes = self.sampler.drawn, self.sampler.sizes
+        seq, total = self.cfg.data.seq_length, max(sum(drawn), 1)
+        sources = {s.name: {"blocks": n, "tokens": n * seq, "share": round(n / total, 6), "epochs": round(n / size, 4)}
+                   for s, n, size in zip(self.blocks.sources, drawn, sizes, strict=True)}
+        telemetry.event("mixture", self.step, sources=sources)
+        if self.dist.is_main:
+            log.info("mixture over %d steps: %s", self.step, "; ".join(
+                f"{name} {v['tokens']:,} tokens ({100 * v['share']:.1f}%, {v['epochs']:.2f} epochs of it)"
+                for name, v in sources.items()))
 
     def boundary(self) -> tuple[bool, bool]:
         """One small all-reduce per step: did any rank get a signal, has every rank finished its async save, and is
@@ -406,20 +419,22 @@ class Trainer:
         if self.plan.prompts:
             self.sample(telemetry)
         sampled = time.perf_counter()
-        val = held_out_loss(self.strategy, [self.blocks.part("val")], self.cfg.train.batch_size, self.dist,
-                            self.objective)
+        names, parts = zip(*self.blocks.val_parts(), strict=True)
+        val = held_out_loss(self.strategy, parts, self.cfg.train.batch_size, self.dist, self.objective)
         if val is None:
             return None
+        by_source = {f"eval/loss/{name}": loss for name, loss in zip(names, val.by_part, strict=True) if name}
         # held_out_loss ends in a host sync (the summed loss read back), so the clock covers the whole pass; to the
         # microsecond, since a tiny model's pass can take under a millisecond
         costs = {"seconds": round(time.perf_counter() - sampled, 6),
                  **({"sample_seconds": round(sampled - start, 6)} if self.plan.prompts else {})}
-        telemetry.event("eval", self.step, loss=val.loss, ppl=val.ppl, **val.metrics, **costs)
+        telemetry.event("eval", self.step, loss=val.loss, ppl=val.ppl, **val.metrics, **by_source, **costs)
         # a preference objective's mean is over pairs: its exp is no perplexity, its accuracy and margin say more
         m = val.metrics
         shown = ({"eval_accuracy": round(m["rewards/accuracies"], 4), "eval_margin": round(m["rewards/margins"], 4)}
                  if "rewards/accuracies" in m else {"eval_ppl": round(val.ppl, 3)})
-        telemetry.human({"global_step": self.step, "eval_loss": round(val.loss, 5), **shown})
+        telemetry.human({"global_step": self.step, "eval_loss": round(val.loss, 5), **shown,
+                         **{k: None if v is None else round(v, 5) for k, v in by_source.items()}})
         if self.cfg.run.save_best and self.step > 0 and val.loss < self.best_val:  # step 0 is the base, not a result
             self.best_val = val.loss
             export_run(self.strategy, self.cfg, self.plan.model_dir, self.dist, self.plan.spec.chat_template,

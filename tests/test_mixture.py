@@ -1,0 +1,159 @@
+"""Mixtures of datasets: -d NAME:WEIGHT,... parsed and refused in one line, the sampler's proportions, determinism and
+resume across world sizes, and a mixture run end to end (per-source validation, the log's account, exact resume)."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT, events, kill_tree, losses, run_script, torchrun, wait_for
+
+from pipeline.config_merge import merge
+from pipeline.data.mixture import Stacked
+from pipeline.data.sampler import MixtureSampler
+from pipeline.data.sources import Source, parse_sources
+from pipeline.errors import UserError
+
+
+def test_sources_are_parsed_and_bad_ones_are_one_line():
+    assert parse_sources("data/mine") == [Source("mine", "data/mine", 1.0)]
+    assert parse_sources("data/mine:0.7, org/general:0.3") == [Source("mine", "data/mine", 0.7),
+                                                               Source("general", "org/general", 0.3)]
+    # a colon without a number after it is part of a path
+    assert parse_sources("c:/odd:name") == [Source("odd:name", "c:/odd:name", 1.0)]
+    bad = {
+        "a:0.5,b": "--dataset-name 'b' has no weight; a mixture names each dataset with one, as NAME:WEIGHT,"
+                   "NAME:WEIGHT",
+        "a:0.5,b:0": "--dataset-name 'b:0': a weight must be a positive number, got 0",
+        "a:0.5,b:-1": "--dataset-name 'b:-1': a weight must be a positive number, got -1",
+        "a:0.5,b:inf": "--dataset-name 'b:inf': a weight must be a positive number, got inf",
+        "a:0.5,b:x": "--dataset-name 'b:x': the weight after the last ':' must be a number, got 'x'",
+        "a:0.5,,b:1": "--dataset-name 'a:0.5,,b:1' has an empty item; write NAME:WEIGHT,NAME:WEIGHT",
+        "x/a:0.5,x/a:1": "--dataset-name: x/a named twice; a mixture names each dataset once (its eval loss is "
+                         "eval/loss/NAME by the folder's name)",
+        "x/a:0.5,y/a:1": "--dataset-name: y/a and x/a share the name 'a'; a mixture names each dataset once (its eval "
+                         "loss is eval/loss/NAME by the folder's name)",
+    }
+    for value, message in bad.items():
+        with pytest.raises(UserError) as caught:
+            parse_sources(value)
+        assert str(caught.value) == message, value
+
+
+def test_a_yaml_mixture_is_a_list_of_path_and_weight(tmp_path):
+    (tmp_path / "run.yaml").write_text("dataset_name:\n  - {path: data/mine, weight: 0.7}\n"
+                                       "  - {path: data/general, weight: 0.3}\n")
+    named = {"experiment_name": "e", "model_name": "m"}
+    assert merge({"config": tmp_path / "run.yaml", **named}).data.dataset_name == "data/mine:0.7,data/general:0.3"
+    (tmp_path / "bad.yaml").write_text("dataset_name:\n  - data/mine\n")
+    with pytest.raises(UserError, match="each entry of a mixture is a mapping of path and weight, got 'data/mine'"):
+        merge({"config": tmp_path / "bad.yaml", **named})
+    with pytest.raises(UserError, match="a weight must be a positive number, got 0"):
+        merge({"dataset_name": "a:1,b:0", **named})
+
+
+def test_stacked_rows_are_the_concatenation():
+    a, b = np.arange(12).reshape(4, 3), 100 + np.arange(6).reshape(2, 3)
+    stacked, whole = Stacked([a, b]), np.concatenate([a, b])
+    idx = np.array([5, 0, 4, 3, 1])
+    assert len(stacked) == 6 and np.array_equal(stacked[idx], whole[idx]) and np.array_equal(stacked[2:5], whole[2:5])
+
+
+def global_sequence(sizes, weights, world, batch, accum, steps, seed=3) -> np.ndarray:
+    """Every block the ranks train on, in (step, micro-step, rank) slot order."""
+    ranks = [MixtureSampler(sizes, weights, seed, world, r, batch, accum) for r in range(world)]
+    out = []
+    for _ in range(steps):
+        if not ranks[0].has_next():
+            for s in ranks:
+                s.start_epoch(s.epoch + 1)
+        upcoming = ranks[0].upcoming()
+        per_rank = [s.next_step() for s in ranks]
+        step = np.concatenate([per_rank[r][m] for m in range(accum) for r in range(world)])
+        assert np.array_equal(step, upcoming)
+        out.append(step)
+    return np.concatenate(out)
+
+
+def test_the_mixture_draws_each_source_in_its_share_the_same_on_any_world_size():
+    sizes, weights = [500, 37], [0.7, 0.3]  # the small source is drawn many epochs over
+    seq = global_sequence(sizes, weights, world=2, batch=4, accum=2, steps=100)
+    from_second = np.mean(seq >= sizes[0])
+    assert abs(from_second - 0.3) <= 0.01 * 0.3 and len(seq) == 1600
+    for n in (16, 160, 1600):  # within a block of its share at every point
+        assert abs(np.sum(seq[:n] >= sizes[0]) - 0.3 * n) <= 1
+    assert np.array_equal(seq, global_sequence(sizes, weights, world=4, batch=2, accum=2, steps=100))
+    assert np.array_equal(seq, global_sequence(sizes, weights, world=1, batch=16, accum=1, steps=100))
+    second = seq[seq >= sizes[0]] - sizes[0]
+    for epoch in range(len(second) // sizes[1]):  # each epoch of a source is a permutation of its blocks
+        assert sorted(second[epoch * 37:(epoch + 1) * 37]) == list(range(37))
+    assert not np.array_equal(second[:37], second[37:74])
+
+
+def test_a_resumed_mixture_sampler_continues_the_sequence_and_refuses_other_data():
+    sizes, weights = [50, 20], [1.0, 3.0]
+    whole = global_sequence(sizes, weights, world=1, batch=8, accum=1, steps=12)
+    first = MixtureSampler(sizes, weights, 3, 1, 0, 8, 1)
+    for _ in range(5):
+        if not first.has_next():
+            first.start_epoch(first.epoch + 1)
+        first.next_step()
+    state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint holds it
+    two = [MixtureSampler(sizes, weights, 3, 2, r, 4, 1) for r in range(2)]  # another world size
+    for s in two:
+        s.load_state_dict(state)
+    rest = []
+    for _ in range(7):
+        if not two[0].has_next():
+            for s in two:
+                s.start_epoch(s.epoch + 1)
+        rest.append(np.concatenate([s.next_step()[0] for s in two]))
+    assert np.array_equal(np.concatenate(rest), whole[40:])
+    with pytest.raises(UserError, match=r"the data changed since the checkpoint: sources of \[50, 20\] training "
+                                        r"blocks in shares \[0.25, 0.75\]"):
+        MixtureSampler(sizes, [1.0, 1.0], 3, 1, 0, 8, 1).load_state_dict(state)
+
+
+# ------------------------------------------------------------------------------------------------- end to end
+
+
+def mix_args(env: dict, root, *extra) -> list:
+    return ["-e", "m", "-d", f"{env['dataset']}:0.7,{env['chats']}:0.3", "-m", "local/tiny", "--save-dir", root,
+            "--config", ROOT / "configs" / "demo.yaml", "--seq-length", "128", "--log-freq", "1", "--ckpt-freq", "4",
+            "--eval-freq", "4", "--max-steps", "8", "--chat-date", "01 Jan 2025", *extra]
+
+
+def test_a_mixture_run_trains_in_its_ratios_validates_each_source_and_resumes_exactly(train_env, tmp_path):
+    """Text at 0.7 and conversations at 0.3: the log and a mixture event say what each gave (tokens, share, epochs);
+    each eval event has each source's loss, and the overall loss is their target-weighted mean; a run killed after
+    its first checkpoint resumes to the same losses; another weight is another run (refused on resume)."""
+    env = train_env["env"]
+    ref = torchrun(2, ROOT / "fsdp1.py", *mix_args(train_env, tmp_path / "ref"), env=env)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run = tmp_path / "ref" / "m"
+    [mixture] = events(run, "mixture")
+    shares = {name: v["share"] for name, v in mixture["sources"].items()}
+    assert shares == {"dataset": 0.6875, "chats": 0.3125}  # 8 steps of 4 blocks: 22 and 10, 0.3 x 32 = 9.6
+    assert mixture["sources"]["chats"]["tokens"] == 10 * 128
+    log = (run / "train.log").read_text()
+    assert "mixture over 8 steps: dataset 2,816 tokens (68.8%, 0.03 epochs of it); chats 1,280 tokens (31.2%" in log
+    evals = events(run, "eval")
+    assert [e["step"] for e in evals] == [0, 4, 8]
+    for e in evals:
+        assert min(e["eval/loss/dataset"], e["eval/loss/chats"]) < e["loss"] < max(e["eval/loss/dataset"],
+                                                                                     e["eval/loss/chats"])
+    expected = losses(run)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "fsdp1.py"), *map(str, mix_args(train_env, tmp_path))]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    wait_for(lambda: max(losses(tmp_path / "m"), default=0) >= 5, proc)
+    kill_tree(proc)
+    again = torchrun(2, ROOT / "fsdp1.py", *mix_args(train_env, tmp_path), env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and losses(tmp_path / "m") == expected
+    assert events(tmp_path / "m", "mixture")[-1]["sources"] == mixture["sources"]
+    other = [str(a).replace(":0.3", ":0.5") for a in mix_args(train_env, tmp_path)]
+    changed = run_script("fsdp1.py", *other, env=env)
+    assert changed.returncode == 2 and "refusing to resume" in changed.stderr and "dataset was" in changed.stderr
