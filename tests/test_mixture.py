@@ -7,13 +7,17 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from conftest import ROOT, events, kill_tree, losses, run_script, torchrun, wait_for
 
 from pipeline.config_merge import merge
-from pipeline.data.mixture import Stacked
+from pipeline.data.mixture import MixedBlocks, Stacked
 from pipeline.data.sampler import MixtureSampler
 from pipeline.data.sources import Source, parse_sources
+from pipeline.data.token_cache import Blocks
+from pipeline.distributed.runtime import Dist
 from pipeline.errors import UserError
+from pipeline.train.blocks import check_one_batch
 
 
 def test_sources_are_parsed_and_bad_ones_are_one_line():
@@ -58,6 +62,18 @@ def test_stacked_rows_are_the_concatenation():
     stacked, whole = Stacked([a, b]), np.concatenate([a, b])
     idx = np.array([5, 0, 4, 3, 1])
     assert len(stacked) == 6 and np.array_equal(stacked[idx], whole[idx]) and np.array_equal(stacked[2:5], whole[2:5])
+
+
+def test_a_source_without_training_blocks_is_one_line(tmp_path):
+    cfg = merge({"dataset_name": "x/big:1,y/small:1", "experiment_name": "e", "model_name": "m",
+                  "seq_length": 64})
+    full, empty = np.zeros((8, 64), np.uint32), np.zeros((0, 64), np.uint32)
+    blocks = MixedBlocks(parse_sources(cfg.data.dataset_name), [Blocks(full, empty, tmp_path),
+                                                               Blocks(empty, empty, tmp_path)])
+    with pytest.raises(UserError) as caught:
+        check_one_batch(blocks, cfg, Dist(0, 1, 0, 1, torch.device("cpu")))
+    assert str(caught.value) == ("the mixture's source small (y/small) gives no training blocks of 64 tokens; give it "
+                                 "more data, or leave it out of --dataset-name")
 
 
 def global_sequence(sizes, weights, world, batch, accum, steps, seed=3) -> np.ndarray:

@@ -57,9 +57,15 @@ def make_sampler(blocks: Blocks | MixedBlocks, cfg: Config, d: Dist) -> BlockSam
     return BlockSampler(len(blocks.train), *shape)
 
 
-def check_one_batch(blocks: Blocks, cfg: Config, d: Dist) -> None:
-    """Training needs at least one global batch of training blocks: one line naming what to change."""
+def check_one_batch(blocks: Blocks | MixedBlocks, cfg: Config, d: Dist) -> None:
+    """Training needs at least one global batch of training blocks, and a mixture a block of each source: one line
+    naming what to change."""
     global_batch = d.world_size * cfg.train.batch_size * cfg.train.grad_accum
+    if isinstance(blocks, MixedBlocks):  # a source without blocks would be drawn its share from nothing
+        for source, n in zip(blocks.sources, blocks.sizes, strict=True):
+            if not n:
+                raise UserError(f"the mixture's source {source.name} ({source.path}) gives no training blocks of "
+                                f"{cfg.data.seq_length} tokens; give it more data, or leave it out of --dataset-name")
     if len(blocks.train) < global_batch:
         raise UserError(f"the dataset gives {len(blocks.train)} training blocks of {cfg.data.seq_length} tokens, "
                         f"fewer than one global batch ({d.world_size} processes x batch {cfg.train.batch_size} x "
