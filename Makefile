@@ -75,6 +75,13 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 	$(PY) -m pipeline.evaluate $(DEMO)/outputs/dpo/hf --reference $(DEMO)/outputs/chat/hf \
 		--config $(DEMO)/outputs/dpo/config.yaml
 	@echo
+	@echo "== agents: tool calls and reasoning traces through Qwen3's template (its history rewritten turn by turn),"
+	@echo "   mixed 0.7/0.3 with the conversations; the log says what each source gave and each has its eval loss"
+	$(PY) DATA-HF.py --data_folder examples/agents --save_dir $(DEMO)/hf_datasets/agents --overwrite
+	rm -rf $(DEMO)/outputs/agents
+	$(PY) fsdp1.py --nproc-per-node 2 -e agents --save-dir $(DEMO)/outputs -m $(DEMO)/outputs/chat/hf \
+		-d $(DEMO)/hf_datasets/agents:0.7,$(DEMO)/hf_datasets/chats:0.3 --config configs/demo_agents.yaml
+	@echo
 	@echo "demo outputs:"
 	@echo "  splits + manifest:   $(DEMO)/splits/manifest.jsonl"
 	@echo "  Arrow dataset:       $(DEMO)/hf_datasets/corpus (report: prep_report.json inside it)"
@@ -84,6 +91,7 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 	@echo "  chat run:            $(DEMO)/outputs/chat (try it: $(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf)"
 	@echo "  LoRA run:            $(DEMO)/outputs/chat-lora (adapter/ in PEFT's format on chat/hf, hf/ merged)"
 	@echo "  DPO run:             $(DEMO)/outputs/dpo (metrics.jsonl: rewards/* and logps/* per window and eval)"
+	@echo "  agents run:          $(DEMO)/outputs/agents (metrics.jsonl: eval/loss/agents and eval/loss/chats)"
 
 # Two pytest workers, one test file each at a time (module fixtures stay shared): most of a test's time is process
 # start-up and checkpoint I/O, so two overlap on 2 cores (measured 2026-11-26: 28:00 for 447 tests on a 2-core AVX2

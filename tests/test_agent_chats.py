@@ -20,7 +20,7 @@ from pipeline.data.packing import TRAIN
 from pipeline.data.token_cache import build_blocks
 from pipeline.prep.corpus import CorpusConfig, build_dataset
 
-TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
+TEMPLATES = ROOT / "examples" / "templates"
 DATE = "26 Jul 2024"
 WEATHER = {"type": "function", "function": {
     "name": "weather", "description": "The weather in a city",
@@ -200,29 +200,9 @@ def test_a_dataset_of_agent_and_reasoning_chats_packs_every_sample_with_its_targ
 
 
 def agent_dataset(root: Path) -> Path:
-    """A DATA-HF dataset of 40 conversations: 20 agents calling an adder (OpenAI form, its schema in tools) and 20
-    two-question reasoners in Qwen3's style (ShareGPT form with a thinking field)."""
-
-    adder = {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
-    rows = []
-    for k in range(20):
-        a, b = 3 * k + 1, 7 * k + 2
-        rows.append({"tools": [adder], "messages": [
-            {"role": "user", "content": f"What is {a} plus {b}?"},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": f"c{k}", "type": "function",
-                 "function": {"name": "add", "arguments": json.dumps({"a": a, "b": b})}}]},
-            {"role": "tool", "tool_call_id": f"c{k}", "content": str(a + b)},
-            {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]})
-        rows.append({"conversations": [
-            {"from": "human", "value": f"Is {a} odd?"},
-            {"from": "gpt", "value": "yes" if a % 2 else "no", "thinking": f"{a} mod 2 is {a % 2}."},
-            {"from": "human", "value": f"And {b}?"},
-            {"from": "gpt", "value": "yes" if b % 2 else "no", "thinking": f"{b} mod 2 is {b % 2}."}]})
-    (root / "raw").mkdir(parents=True)
-    (root / "raw" / "agents.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    build_dataset(CorpusConfig(root / "raw", root / "agents", num_proc=1))
+    """A DATA-HF dataset of the bundled agents (examples/agents): 20 calling an adder (OpenAI form, its schema in
+    tools) and 20 two-question reasoners in Qwen3's style (ShareGPT form with a thinking field)."""
+    build_dataset(CorpusConfig(ROOT / "examples" / "agents", root / "agents", num_proc=1))
     return root / "agents"
 
 
