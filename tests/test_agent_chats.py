@@ -14,7 +14,8 @@ from conftest import ROOT, kill_tree, losses, run_script, torchrun, wait_for
 from jinja2.exceptions import TemplateError
 from transformers import AutoTokenizer
 
-from pipeline.data.chat_tokens import NotRendered, Rendered, TemplateMismatch, tokenize_conversation, tokenize_turns
+from pipeline.data.chat_render import NotRendered
+from pipeline.data.chat_tokens import Rendered, TemplateMismatch, fit, tokenize_conversation, tokenize_turns
 from pipeline.data.dataset import BlockSpec
 from pipeline.data.packing import TRAIN
 from pipeline.data.token_cache import build_blocks
@@ -75,15 +76,16 @@ def reference_ids(tok, messages: list[dict], tools: str) -> list[int]:
 
 def test_llama31_trains_the_tool_call_and_the_answer_never_the_result_or_the_schemas(tok):
     tok = with_template(tok, "llama3_1.jinja")
-    [r] = tokenize_turns(tok, AGENT, DATE, "assistant", tools=TOOLS)
+    turns = tokenize_turns(tok, AGENT, DATE, "assistant", tools=TOOLS)
+    [r] = turns.samples
     assert r.ids.tolist() == reference_ids(tok, AGENT, TOOLS)
     assert trained_runs(tok, r) == ['{"name": "weather", "parameters": {"city": "Oslo"}}<|eot_id|>',
                                     "Sunny and 21 C.<|eot_id|>"]
     text, first = tok.decode(r.ids.tolist()), int(np.argmax(r.trained))
     assert "The weather in a city" in tok.decode(r.ids[:first].tolist())  # the schema: in the prompt, untrained
     assert '<|start_header_id|>ipython<|end_header_id|>\n\n"sunny, 21 C"<|eot_id|>' in text  # the result, untrained
-    assert r.context == 0 and len(r.cuts) == 2
-    last = tokenize_turns(tok, AGENT, DATE, "last", tools=TOOLS)
+    assert turns.extra == 0 and len(r.cuts) == 2
+    last = tokenize_turns(tok, AGENT, DATE, "last", tools=TOOLS).samples
     assert [trained_runs(tok, s) for s in last] == [["Sunny and 21 C.<|eot_id|>"]]
 
 
@@ -91,26 +93,27 @@ def test_qwen3_reasoning_chats_are_trained_turn_by_turn_as_the_model_sees_them(t
     """Qwen3's template drops the reasoning of answers before the last user turn: the first answer is one sample
     (its trace shown, as at inference), the two after the second question another, whose history holds the first
     answer without its trace. Each sample's tokens are transformers' rendering of the conversation up to its last
-    turn; the repeated history is counted."""
+    turn; the tokens beyond one rendering of the conversation are counted."""
     tok = with_template(tok, "qwen3.jinja")
     with pytest.raises(TemplateMismatch):  # the whole conversation is not one rendering
         tokenize_conversation(tok, REASONER, DATE, "assistant", tools=TOOLS)
-    first, second = tokenize_turns(tok, REASONER, DATE, "assistant", tools=TOOLS)
+    turns = tokenize_turns(tok, REASONER, DATE, "assistant", tools=TOOLS)
+    first, second = turns.samples
     assert first.ids.tolist() == reference_ids(tok, REASONER[:2], TOOLS)
     assert second.ids.tolist() == reference_ids(tok, REASONER, TOOLS)
     assert trained_runs(tok, first) == ["<think>\nTwo and two.\n</think>\n\n4.<|im_end|>"]
     assert trained_runs(tok, second) == [
         "<think>\nI need the tool.\n</think>\n\nLet me check.\n" + CALL_QWEN,
         "<think>\nThe tool says sunny.\n</think>\n\nSunny.<|im_end|>"]
-    history = tok.decode(second.ids[:second.context].tolist())
+    history = tok.decode(second.ids[:int(np.argmax(second.trained))].tolist())
     assert history.endswith("<|im_start|>assistant\n") and "Two and two" not in history and "4.<|im_end|>" in history
-    assert (first.context, second.cuts) == (0, sorted(second.cuts))
-    quiet = tokenize_turns(tok, REASONER, DATE, "assistant", tools=TOOLS, train_reasoning=False)
+    assert turns.whole == len(second.ids) and turns.extra == len(first.ids)  # the whole is the last sample here
+    quiet = tokenize_turns(tok, REASONER, DATE, "assistant", tools=TOOLS, train_reasoning=False).samples
     assert [trained_runs(tok, s) for s in quiet] == [
         ["\n</think>\n\n4.<|im_end|>"],
         ["\n</think>\n\nLet me check.\n" + CALL_QWEN, "\n</think>\n\nSunny.<|im_end|>"]]
     assert [s.ids.tolist() for s in quiet] == [first.ids.tolist(), second.ids.tolist()]
-    [last] = tokenize_turns(tok, REASONER, DATE, "last", tools=TOOLS)
+    [last] = tokenize_turns(tok, REASONER, DATE, "last", tools=TOOLS).samples
     assert last.ids.tolist() == second.ids.tolist()
     assert trained_runs(tok, last) == ["<think>\nThe tool says sunny.\n</think>\n\nSunny.<|im_end|>"]
 
@@ -119,17 +122,16 @@ def test_qwen3_agent_turns_after_one_question_split_where_the_template_renders_t
     """Qwen3 gives the last answer an empty <think></think> it leaves off earlier ones: the call is trained as the
     model generates it (empty think included) and the final answer after the history as rendered then."""
     tok = with_template(tok, "qwen3.jinja")
-    call, answer = tokenize_turns(tok, AGENT, DATE, "assistant", tools=TOOLS)
+    call, answer = tokenize_turns(tok, AGENT, DATE, "assistant", tools=TOOLS).samples
     assert trained_runs(tok, call) == ["<think>\n\n</think>\n\n" + CALL_QWEN]
     assert trained_runs(tok, answer) == ["<think>\n\n</think>\n\nSunny and 21 C.<|im_end|>"]
     assert answer.ids.tolist() == reference_ids(tok, AGENT, TOOLS)
-    assert answer.context == int(np.argmax(answer.trained))
 
 
 def test_generation_markers_give_the_mask_we_find_with_tools_and_reasoning(tok):
     """On a template with {% generation %} markers, transformers' assistant mask is the reference."""
     tok = with_template(tok, "qwen3_marked.jinja")
-    [r] = tokenize_turns(tok, REASONER, DATE, "assistant", tools=TOOLS)
+    [r] = tokenize_turns(tok, REASONER, DATE, "assistant", tools=TOOLS).samples
     plain = [{**m, **({"tool_calls": json.loads(m["tool_calls"])} if "tool_calls" in m else {})} for m in REASONER]
     ref = tok.apply_chat_template(plain, tools=[WEATHER], return_dict=True, return_assistant_tokens_mask=True)
     assert r.ids.tolist() == ref["input_ids"]
@@ -153,10 +155,26 @@ def test_what_a_template_leaves_out_is_skipped_by_reason(tok, tiny_models):
                                                                              ("weather", {"city": "Rome"}))}]
     with pytest.raises(TemplateError, match="single tool-calls"):
         tokenize_turns(llama, two, DATE, "assistant", tools=TOOLS)
+    named = [AGENT[1], {"role": "assistant", "content": "Let me call weather.",
+                        "tool_calls": calls(("weather", {"city": "Oslo"}))}]
+    with pytest.raises(NotRendered, match="tools_not_rendered"):  # the name in the text is not the call
+        tokenize_turns(plain, named, DATE, "assistant")
     # a trace in the history only (train_on last) is the template's business: context, as at inference
     [r] = tokenize_turns(llama, [*REASONER[:2], {"role": "user", "content": "And 3+3?"},
-                                 {"role": "assistant", "content": "6."}], DATE, "last")
+                                 {"role": "assistant", "content": "6."}], DATE, "last").samples
     assert trained_runs(llama, r) == ["6.<|eot_id|>"]
+
+
+def test_a_long_first_trace_drops_its_own_sample_only(tok):
+    """Qwen3 drops the first answer's trace from the second question's history: the first sample is longer than a
+    block and dropped, the second fits and is kept."""
+    tok = with_template(tok, "qwen3.jinja")
+    long = [{"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4.", "reasoning_content": "two and two " * 100},
+            {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6.", "reasoning_content": "six"}]
+    turns = tokenize_turns(tok, long, DATE, "assistant", capacity=100)
+    assert [fit(s, 100)[1] for s in turns.samples] == ["dropped_too_long", "kept"]
+    assert trained_runs(tok, turns.samples[1]) == ["<think>\nsix\n</think>\n\n6.<|im_end|>"]
 
 
 def test_a_dataset_of_agent_and_reasoning_chats_packs_every_sample_with_its_targets(tok, tiny_models, tmp_path):
@@ -181,11 +199,11 @@ def test_a_dataset_of_agent_and_reasoning_chats_packs_every_sample_with_its_targ
     tok = with_template(tok, "qwen3.jinja")
     build_blocks(ds, tok, spec, 1, tmp_path / "cache")
     meta = json.loads((tmp_path / "cache" / "meta.json").read_text())
-    expected = [s for row in ds for s in tokenize_turns(tok, row["messages"], DATE, "assistant", tools=row["tools"])]
+    turns = [tokenize_turns(tok, row["messages"], DATE, "assistant", tools=row["tools"]) for row in ds]
+    expected = [s for t in turns for s in t.samples]
     assert len(expected) == 8 and meta["conversations"]["kept"] == 8
-    assert meta["turn_by_turn"] == {"conversations": 3, "samples": 6,
-                                    "context_tokens": sum(s.context for s in expected),
-                                    "kept_tokens": sum(len(s.ids) for s in expected)}
+    assert meta["turn_by_turn"] == {"conversations": 3, "samples": 6, "whole_tokens": sum(t.whole for t in turns),
+                                    "extra_tokens": sum(t.extra for t in turns)}
     blocks, flags = np.load(tmp_path / "cache" / "train.npy"), np.load(tmp_path / "cache" / "train_flags.npy")
     packed = sorted(run for ids, f in zip(blocks, flags, strict=True)
                     for run in trained_runs(tok, Rendered(ids, (f & TRAIN).astype(bool), [])))
@@ -243,14 +261,28 @@ def test_an_agent_and_reasoning_run_trains_turn_by_turn_and_a_killed_run_resumes
 
 
 def test_a_hub_dataset_with_call_objects_and_no_tools_column_trains_its_calls_as_objects(tok, tmp_path):
-    """A hub dataset (no tools column, calls stored as objects with their arguments as a JSON string, as OpenAI
-    writes them) renders the arguments as an object under Llama 3.1's template, never as a string in a string."""
-    call = {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]}
-    ds = datasets.Dataset.from_list([{"messages": [AGENT[1], call, {"role": "tool", "content": "sunny"},
-                                                   {"role": "assistant", "content": "Sunny."}]}])
-    build_blocks(ds, with_template(tok, "llama3_1.jinja"), BlockSpec(256, 0.0, 0, chats=True, chat_date=DATE), 1,
-                 tmp_path / "cache")
-    blocks, flags = np.load(tmp_path / "cache" / "train.npy"), np.load(tmp_path / "cache" / "train_flags.npy")
-    assert trained_runs(tok, Rendered(blocks[0], (flags[0] & TRAIN).astype(bool), [])) == [
-        '{"name": "weather", "parameters": {"city": "Oslo"}}<|eot_id|>', "Sunny.<|eot_id|>"]
+    """A hub dataset as OpenAI writes one (no tools column, content null on a turn that only calls, arguments a
+    JSON string) and one with argument objects (Arrow gives each row's the keys of every row's, as None): under
+    Llama 3.1's template the arguments render as the row's own object, never a string in a string. A special token's
+    text inside the arguments stays text."""
+    def chat(arguments: object) -> dict:
+        call = {"role": "assistant", "content": None, "tool_calls": [
+            {"type": "function", "function": {"name": "weather", "arguments": arguments}}]}
+        return {"messages": [AGENT[1], call, {"role": "tool", "content": "sunny"},
+                             {"role": "assistant", "content": "Sunny."}]}
+
+    spec = BlockSpec(256, 0.0, 0, chats=True, chat_date=DATE)
+    tok = with_template(tok, "llama3_1.jinja")
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    for name, rows in (("strings", [chat('{"city": "Oslo"}'), chat('{"city": "Rome<|eot_id|>"}')]),
+                       ("objects", [chat({"city": "Oslo"}), chat({"days": 2})])):
+        build_blocks(datasets.Dataset.from_list(rows), tok, spec, 1, tmp_path / name)
+        blocks, flags = np.load(tmp_path / name / "train.npy"), np.load(tmp_path / name / "train_flags.npy")
+        runs = sorted(run for ids, f in zip(blocks, flags, strict=True)
+                      for run in trained_runs(tok, Rendered(ids, (f & TRAIN).astype(bool), [])))
+        other = '{"name": "weather", "parameters": {"city": "Rome<|eot_id|>"}}' if name == "strings" else \
+            '{"name": "weather", "parameters": {"days": 2}}'
+        assert runs == sorted([f"{other}<|eot_id|>", '{"name": "weather", "parameters": {"city": "Oslo"}}<|eot_id|>',
+                               "Sunny.<|eot_id|>", "Sunny.<|eot_id|>"]), name
+    # the two datasets' conversations have the same turns: the same count of <|eot_id|> tokens, none from the text
+    assert int((np.load(tmp_path / "strings" / "train.npy") == eot).sum()) == int((blocks == eot).sum()) == 2 * 5

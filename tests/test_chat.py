@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.data import packing
 from pipeline.data.batches import Batch, count_targets, make_batch
-from pipeline.data.chat_tokens import Rendered, TemplateMismatch, fit, render, special_texts, tokenize_conversation
+from pipeline.data.chat_render import render
+from pipeline.data.chat_tokens import Rendered, TemplateMismatch, fit, special_texts, tokenize_conversation
 from pipeline.data.dataset import load_text_dataset
 from pipeline.errors import UserError
 from pipeline.model.head import Head

@@ -22,13 +22,12 @@ text, so data cannot forge a turn; only the template's own markers are special t
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.prep.conversations import OPTIONAL, ROLES, BadConversation, check, tool_calls, tools_of
+from pipeline.data.chat_render import Conversation, longest_token
 
 STATUS = ("kept", "truncated", "dropped_too_long", "malformed", "template_mismatch", "template_error",
           "tools_not_rendered", "reasoning_not_rendered")
@@ -44,47 +43,30 @@ class Rendered:
     """Whether each token is a target of the loss (bool)."""
     cuts: list[int]
     """Token counts at which the conversation may be cut: the end of each trained span, ascending."""
-    context: int = 0
-    """Tokens before the first trained turn that an earlier sample of the same conversation also holds (turn by
-    turn only): what rendering turn by turn costs."""
+
+
+@dataclass
+class Turns:
+    """A conversation's samples (tokenize_turns): one, or one per run of turns."""
+
+    samples: list[Rendered]
+    whole: int = 0
+    """Tokens of the conversation rendered once, where it was split (0 where not): the samples' tokens beyond it
+    are what rendering turn by turn costs."""
+
+    @property
+    def extra(self) -> int:
+        return sum(len(s.ids) for s in self.samples) - self.whole if self.whole else 0
 
 
 class TemplateMismatch(Exception):
     """A prefix of the conversation does not render as a prefix of the whole."""
 
 
-class NotRendered(Exception):
-    """The template leaves out what a trained turn holds; the message is the status (tools_not_rendered or
-    reasoning_not_rendered)."""
-
-
-BLANK = "\ue000"
-"""A private-use character: what special-token texts in contents are replaced by to find the template's own."""
-
-
 def special_texts(tokenizer) -> re.Pattern | None:
     """The texts of the tokenizer's special tokens as one pattern (longest first), None when it has none."""
     texts = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
     return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True)))) if texts else None
-
-
-def template_messages(messages: list[dict]) -> list[dict]:
-    """Stored messages as templates take them: the optional fields a message lacks left out (a dataset holds them
-    as None, and Llama 3.1's template tests `'tool_calls' in message`), tool calls as objects again."""
-    out = []
-    for m in messages:
-        message = {"role": m["role"], "content": m["content"]}
-        for key in OPTIONAL:
-            if m.get(key):  # a hub dataset's calls may be objects already, their arguments strings
-                message[key] = json.loads(tool_calls(m[key])) if key == "tool_calls" else m[key]
-        out.append(message)
-    return out
-
-
-def render(tokenizer, messages: list[dict], date: str, tools: list | None = None, **kwargs) -> str:
-    """The chat template applied to messages (as template_messages gives them) and tool schemas, with today's date
-    pinned (Llama 3.1/3.2 templates print it)."""
-    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, date_string=date, **kwargs)
 
 
 @dataclass
@@ -98,51 +80,23 @@ class _Turn:
     """Where its trained characters start: start, or the end of its reasoning trace when the trace is context."""
 
 
-class _Conversation:
-    """One conversation being tokenized: its messages as the template takes them, and how turns are rendered."""
-
-    def __init__(self, tokenizer, messages: list[dict], date: str, tools: object, train_reasoning: bool):
-        if any(m.get("role") not in ROLES or not isinstance(m.get("content"), str) for m in messages):
-            raise BadConversation("malformed_message")
-        check(messages)
-        self.tokenizer, self.date, self.train_reasoning = tokenizer, date, train_reasoning
-        self.messages = template_messages(messages)
-        self.tools = json.loads(tools_of(tools)) if tools else None
-
-    def render(self, n: int, prompt: bool = False) -> str:
-        """The first n messages rendered (with the generation prompt)."""
-        return render(self.tokenizer, self.messages[:n], self.date, self.tools, add_generation_prompt=prompt)
-
-    def turn(self, i: int, text: str, start: int, upto: str) -> _Turn:
-        """Assistant message i, found in text at start with upto (messages[:i + 1] rendered) ending it."""
-        end = max(start, len(upto.rstrip()))
-        return _Turn(i, start, end, start)
-
-    def trained(self, turns: list[_Turn], text: str) -> list[_Turn]:
-        """The turns to train, checked: NotRendered when the template left out a reasoning trace or a call of
-        one; with train_reasoning off, each trained from its trace's end."""
-        out = []
-        for t in turns:
-            body, m = text[t.start:t.end], self.messages[t.index]
-            trained_from = t.start
-            if trace := (m.get("reasoning_content") or "").strip():
-                at = body.find(trace)
-                if at < 0:
-                    raise NotRendered("reasoning_not_rendered")
-                if not self.train_reasoning:
-                    trained_from = t.start + at + len(trace)
-            if any(call["function"]["name"] not in body for call in m.get("tool_calls") or []):
-                raise NotRendered("tools_not_rendered")
-            out.append(_Turn(t.index, t.start, t.end, trained_from))
-        return out
-
-    def check_tools(self, text: str) -> None:
-        """A template given schemas renders them: the text differs from the rendering without them."""
-        if self.tools and text == render(self.tokenizer, self.messages, self.date):
-            raise NotRendered("tools_not_rendered")
+def _turn(i: int, start: int, upto: str) -> _Turn:
+    """Assistant message i, starting at start, with upto (messages[:i + 1] rendered) ending it."""
+    return _Turn(i, start, max(start, len(upto.rstrip())), start)
 
 
-def _assistant_turns(conv: _Conversation, turns: list[int], full: str, reach: int | None) -> list[_Turn]:
+def _trained(conv: Conversation, turns: list[_Turn], text: str) -> list[_Turn]:
+    """The turns to train, checked (Conversation.check_turn: NotRendered when the template leaves out a trace or a
+    call), each trained from its trace's end when the trace is context."""
+    out = []
+    for t in turns:
+        conv.check_turn(t.index)
+        end = conv.trace_end(t.index, text[t.start:t.end])
+        out.append(_Turn(t.index, t.start, t.end, t.start if end is None else t.start + end))
+    return out
+
+
+def _assistant_turns(conv: Conversation, turns: list[int], full: str, reach: int | None) -> list[_Turn]:
     """The assistant turns (indices into messages, ascending) of the full rendering that start at or before the
     character reach, or all of them when reach is None. Turns start in order, so the first one past reach ends the
     search: every turn rendered would make a long conversation quadratic in its length."""
@@ -154,7 +108,7 @@ def _assistant_turns(conv: _Conversation, turns: list[int], full: str, reach: in
         upto = conv.render(i + 1)
         if not full.startswith(upto) or not upto.startswith(full[:start]):
             raise TemplateMismatch
-        found.append(conv.turn(i, full, start, upto))
+        found.append(_turn(i, start, upto))
     return found
 
 
@@ -172,81 +126,82 @@ def _trained_turns(messages: list[dict], first_trained: int) -> list[int]:
 
 def tokenize_conversation(tokenizer, messages: list[dict], date: str, train_on: str,
                           keep_as_text: re.Pattern | None = None, capacity: int | None = None,
-                          first_trained: int = 0, tools: str = "", train_reasoning: bool = True) -> Rendered:
+                          first_trained: int = 0, tools: str | list | None = "", train_reasoning: bool = True
+                          ) -> Rendered:
     """Render, tokenize and mask one conversation as one sample; BadConversation, TemplateMismatch or NotRendered
     when it cannot be (a template's own error, jinja2's TemplateError, passes through).
-    keep_as_text: the special-token texts (special_texts) that stay text inside message contents; None lets them
-    become special tokens, as the tokenizer does by default.
+    keep_as_text: the special-token texts (special_texts) that stay text inside the data (contents, traces, calls,
+    schemas); None lets them become special tokens, as the tokenizer does by default.
     capacity: the tokens fit will cut the conversation to. When there are more, only the assistant turns that start
     among the first capacity tokens are found (and checked against the template): the mask and cuts past those
     tokens are incomplete, and fit(rendered, capacity) reads none of them. None finds every turn.
     first_trained: the assistant turns before this message are context, not targets (a preference pair's prompt).
-    tools: the row's tool schemas (a JSON list, "" for none). train_reasoning: a trained turn's reasoning trace is
-    trained too; off, it is context."""
-    conv = _Conversation(tokenizer, messages, date, tools, train_reasoning)
-    full = conv.render(len(messages))
-    conv.check_tools(full)
-    ids, starts = _ids(conv, len(messages), full, keep_as_text)
-    turns = _trained_turns(messages, first_trained)
+    tools: the row's tool schemas (a JSON list as DATA-HF stores them, a hub dataset's list, or none).
+    train_reasoning: a trained turn's reasoning trace is trained too; off, it is context."""
+    conv = Conversation(tokenizer, messages, date, tools, train_reasoning)
+    return _whole(conv, train_on, keep_as_text, capacity, first_trained)
+
+
+def _whole(conv: Conversation, train_on: str, keep_as_text: re.Pattern | None, capacity: int | None,
+           first_trained: int = 0) -> Rendered:
+    n = len(conv.messages)
+    full = conv.render(n)
+    conv.check_tools(n)
+    ids, starts = _ids(conv, n, full, keep_as_text)
+    turns = _trained_turns(conv.messages, first_trained)
     found = _assistant_turns(conv, turns, full, _reach(starts, capacity))
     if train_on == "last":
         # a last turn not found starts past the first capacity tokens: fit drops the conversation either way
         found = found[-1:] if len(found) == len(turns) else []
-    return _masked(ids, starts, conv.trained(found, full), train_on == "all")
+    return _masked(ids, starts, _trained(conv, found, full), train_on == "all")
 
 
 def tokenize_turns(tokenizer, messages: list[dict], date: str, train_on: str, keep_as_text: re.Pattern | None = None,
-                   capacity: int | None = None, tools: str = "", train_reasoning: bool = True) -> list[Rendered]:
+                   capacity: int | None = None, tools: str | list | None = "", train_reasoning: bool = True) -> Turns:
     """The conversation as tokenize_conversation gives it, or, when its template rewrites earlier turns, as one
-    sample per run of turns that render as prefixes of each other (the module's docstring); each later sample's
-    repeated history is its `context`. train_on all trains every rendered token, so it is never split: a template
-    that rewrites turns is a TemplateMismatch there. Samples whose history alone fills capacity end the list (a
-    later turn's history holds it)."""
+    sample per run of turns that render as prefixes of each other (the module's docstring), with the tokens of one
+    whole rendering to count what that costs. train_on all trains every rendered token, so it is never split: a
+    template that rewrites turns is a TemplateMismatch there. Turns whose history alone cannot fit capacity (its
+    user turns are more characters than capacity tokens can hold) are not rendered: no later one can fit either."""
+    conv = Conversation(tokenizer, messages, date, tools, train_reasoning)
     try:
-        return [tokenize_conversation(tokenizer, messages, date, train_on, keep_as_text, capacity, tools=tools,
-                                      train_reasoning=train_reasoning)]
+        return Turns([_whole(conv, train_on, keep_as_text, capacity)])
     except TemplateMismatch:
         if train_on == "all":
             raise
-    conv = _Conversation(tokenizer, messages, date, tools, train_reasoning)
-    turns = _trained_turns(messages, 0)
+    turns = _trained_turns(conv.messages, 0)
     samples: list[Rendered] = []
     group: list[_Turn] = []
     text, upto_n = "", 0
     for i in turns[-1:] if train_on == "last" else turns:
+        if capacity is not None and conv.user_chars(i) > capacity * longest_token(conv.tokenizer):
+            break  # the user turns so far are in every later turn's history
         ctx, upto = conv.render(i, prompt=True), conv.render(i + 1)
         if not upto.startswith(ctx):
             raise TemplateMismatch  # the turn cannot be found even alone
         if group and not upto.startswith(text):
-            samples.append(_sample(conv, upto_n, text, group, keep_as_text, bool(samples)))
-            if capacity is not None and samples[-1].cuts and samples[-1].cuts[0] > capacity:
-                return samples  # its first turn ends past a block: so will every later one's
+            samples.append(_sample(conv, upto_n, text, group, keep_as_text))
             group = []
-        group.append(conv.turn(i, upto, len(ctx), upto))
+        group.append(_turn(i, len(ctx), upto))
         text, upto_n = upto, i + 1
-    full = conv.render(len(messages))
-    if full.startswith(text):  # the last run takes the messages after its last turn, as a whole rendering does
-        text, upto_n = full, len(messages)
-    conv.check_tools(text)
-    samples.append(_sample(conv, upto_n, text, group, keep_as_text, bool(samples)))
-    return samples
+    if group:
+        full = conv.render(len(conv.messages))
+        if full.startswith(text):  # the last run takes the messages after its last turn, as a whole rendering does
+            text, upto_n = full, len(conv.messages)
+        samples.append(_sample(conv, upto_n, text, group, keep_as_text))
+    return Turns(samples, len(_ids(conv, len(conv.messages), conv.render(len(conv.messages)), keep_as_text)[0]))
 
 
-def _sample(conv: _Conversation, n: int, text: str, turns: list[_Turn], keep_as_text: re.Pattern | None,
-            later: bool) -> Rendered:
-    """The first n messages' rendering text, tokenized and masked for turns; a later sample's tokens before its
-    first turn are its repeated context."""
+def _sample(conv: Conversation, n: int, text: str, turns: list[_Turn], keep_as_text: re.Pattern | None) -> Rendered:
+    """The first n messages' rendering text, tokenized and masked for turns."""
+    conv.check_tools(n)
     ids, starts = _ids(conv, n, text, keep_as_text)
-    rendered = _masked(ids, starts, conv.trained(turns, text), False)
-    if later:
-        rendered.context = int((starts < turns[0].start).sum())
-    return rendered
+    return _masked(ids, starts, _trained(conv, turns, text), False)
 
 
-def _ids(conv: _Conversation, n: int, text: str, keep_as_text: re.Pattern | None) -> tuple[list[int], np.ndarray]:
+def _ids(conv: Conversation, n: int, text: str, keep_as_text: re.Pattern | None) -> tuple[list[int], np.ndarray]:
     """Token ids of text (the first n messages rendered) and the character where each starts."""
-    if keep_as_text is not None and any(keep_as_text.search(m["content"] + m.get("reasoning_content", ""))
-                                        for m in conv.messages[:n]):
+    if keep_as_text is not None and conv.holds(keep_as_text, n):
         ids, offsets = _contents_as_text(conv, n, text, keep_as_text)
     else:
         ids, offsets = _encode(conv.tokenizer, text, split_special=False, at=0)
@@ -273,19 +228,13 @@ def _encode(tokenizer, text: str, split_special: bool, at: int) -> tuple[list[in
     return enc["input_ids"], [at + a for a, _ in enc["offset_mapping"]]
 
 
-def _contents_as_text(conv: _Conversation, n: int, full: str, keep_as_text: re.Pattern) -> tuple[list[int], list[int]]:
+def _contents_as_text(conv: Conversation, n: int, full: str, keep_as_text: re.Pattern) -> tuple[list[int], list[int]]:
     """Token ids and starts of full (the first n messages rendered) in which only the template's own special tokens
-    are special. They are found by rendering the conversation again with every special-token text in the contents
-    and reasoning traces blanked to as many BLANKs; the text between them is tokenized with special tokens split.
-    The tokenizer itself tokenizes the text between two special tokens apart from the rest, so a conversation whose
-    contents hold none gets the ids it always had."""
-    def blank(text: str) -> str:
-        return keep_as_text.sub(lambda s: BLANK * len(s.group()), text)
-
-    messages = [{**m, "content": blank(m["content"]), **({"reasoning_content": blank(m["reasoning_content"])}
-                                                        if "reasoning_content" in m else {})}
-                for m in conv.messages[:n]]
-    blanked = render(conv.tokenizer, messages, conv.date, conv.tools)
+    are special. They are found by rendering the conversation again with every special-token text in the data
+    (Conversation.blanked) replaced by as many BLANKs; the text between them is tokenized with special tokens
+    split. The tokenizer itself tokenizes the text between two special tokens apart from the rest, so a conversation
+    whose data holds none gets the ids it always had."""
+    blanked = conv.blanked(keep_as_text, n)
     tokenizer = conv.tokenizer
     if len(blanked) != len(full):
         raise TemplateMismatch

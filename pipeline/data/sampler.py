@@ -77,8 +77,9 @@ class MixtureSampler(BlockSampler):
     proportion to their weights.
 
     The run's blocks form one sequence, whatever the world size: position p goes to the source whose next block is
-    due first, source k's j-th block being due at (j + 0.5) / share_k (ties to the first source), so after any p
-    blocks each source has given its share of p to within one block. A source's blocks come in one permutation of
+    due first, source k's j-th block being due at (j + 0.5) / share_k (ties to the first source; Sainte-Lague's
+    rule), so after any p blocks each of two sources has given its share of p to within one block (more sources:
+    within a few). A source's blocks come in one permutation of
     them per epoch of that source, from (seed, source, its epoch). A run's epoch is as many blocks as all sources
     hold; the sequence runs on across epochs, so nothing is dropped at their ends. The state adds each source's
     blocks drawn so far to BlockSampler's.

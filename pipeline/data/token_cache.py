@@ -2,9 +2,9 @@
 
 Text rows are tokenized without special tokens (a special token's text in a row stays text), each followed by EOS,
 concatenated and cut into seq_length-token blocks (the tail shorter than a block is dropped). Conversation rows are
-rendered with the chat template, masked (pipeline/data/chat_tokens.py) and packed whole (pipeline/data/packing.py)
-after the text blocks. Blocks are split into train and validation by a seeded permutation and saved as .npy files
-under a key of everything that defines them (`token_cache_dir`), so every later run reuses them memory-mapped.
+rendered with the chat template, masked and packed whole (pipeline/data/chat_blocks.py) after the text blocks.
+Blocks are split into train and validation by a seeded permutation and saved as .npy files under a key of
+everything that defines them (`token_cache_dir`), so every later run reuses them memory-mapped.
 
 Building is made for corpora of tens of GB:
 - Text is tokenized in chunks of about CHUNK_BYTES with datasets.map(num_proc); each chunk's ids are saved as
@@ -30,27 +30,28 @@ import shutil
 import socket
 import sys
 import time
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from jinja2.exceptions import TemplateError
 
-from pipeline.data import chat_tokens, packing, pair_tokens
+from pipeline.data import packing, pair_tokens
 from pipeline.data.batches import Part
+from pipeline.data.chat_blocks import chat_blocks, pair_blocks
 from pipeline.data.dataset import BlockSpec, conversation_rows, tokenizer_fingerprint
+from pipeline.data.mapped import datasets_bars, map_kwargs
 from pipeline.data.text_tokens import release_freed_memory, tokenize_rows
 from pipeline.errors import UserError, disk_problem, naming
 from pipeline.fsutil import allocate, save_npy_atomic, write_text_atomic
 from pipeline.ownership import mark
-from pipeline.prep.conversations import BadConversation
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 3
-"""3: special-token texts inside the data stay text (BlockSpec.special_tokens_in_data)."""
+CACHE_FORMAT = 4
+"""3: special-token texts inside the data stay text (BlockSpec.special_tokens_in_data). 4: conversations with tool
+calls and reasoning traces, and templates that rewrite earlier turns trained turn by turn (such conversations were
+dropped or trained without their traces before)."""
 CHUNK_BYTES = 64 * 2**20
 """Text per tokenized chunk: the unit a killed build resumes from, and (times a few) the build's working memory."""
 COPY_BLOCKS = 4096
@@ -208,71 +209,6 @@ def build_lock(path: Path) -> Iterator[None]:
 
 # --- building ---------------------------------------------------------------------------------------------------------
 
-def _tokenize_chats(batch: dict, tokenizer, spec: BlockSpec) -> dict:
-    """Each conversation -> its samples (one, or one per run of turns when its template rewrites earlier turns:
-    chat_tokens.tokenize_turns), each with its ids, trained mask (uint8), status (an index into chat_tokens.STATUS),
-    part (its place among its conversation's samples) and context (history tokens an earlier sample also holds),
-    fitted into one block."""
-    out: dict[str, list] = {"input_ids": [], "trained": [], "status": [], "part": [], "context": []}
-    keep_as_text = None if spec.special_tokens_in_data else chat_tokens.special_texts(tokenizer)
-    tools = batch.get("tools") or [""] * len(batch["messages"])  # datasets written before tools had no column
-    for messages, schemas in zip(batch["messages"], tools, strict=True):
-        try:
-            samples = chat_tokens.tokenize_turns(tokenizer, messages, spec.chat_date, spec.train_on, keep_as_text,
-                                                 capacity=spec.seq_length, tools=schemas,
-                                                 train_reasoning=spec.train_reasoning)
-            fitted = [chat_tokens.fit(r, spec.seq_length) for r in samples]
-        except BadConversation:
-            fitted = [(None, "malformed")]
-        except chat_tokens.TemplateMismatch:
-            fitted = [(None, "template_mismatch")]
-        except chat_tokens.NotRendered as exc:
-            fitted = [(None, str(exc))]
-        except TemplateError:
-            fitted = [(None, "template_error")]
-        for part, (sample, status) in enumerate(fitted):
-            out["input_ids"].append(sample.ids if sample else np.zeros(0, np.uint32))
-            out["trained"].append(sample.trained.astype(np.uint8) if sample else np.zeros(0, np.uint8))
-            out["status"].append(chat_tokens.STATUS.index(status))
-            out["part"].append(part)
-            out["context"].append(sample.context if sample else 0)
-    return out
-
-
-def _tokenize_pairs(batch: dict, tokenizer, spec: BlockSpec) -> dict:
-    """Each preference row -> its two answers' ids and trained masks and its status (pair_tokens.STATUS), fitted
-    into one block."""
-    keep_as_text = None if spec.special_tokens_in_data else chat_tokens.special_texts(tokenizer)
-    return pair_tokens.tokenize_pairs_batch(batch, tokenizer, spec.chat_date, spec.seq_length, keep_as_text)
-
-
-def _pair_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Preference rows tokenized, fitted and packed whole into blocks, each chosen answer before its rejected one;
-    what happened to them, by status."""
-    with datasets_bars(sys.stderr.isatty()), naming(work):
-        tokenized = ds.map(_tokenize_pairs, remove_columns=ds.column_names, desc="tokenizing preference pairs",
-                           fn_kwargs={"tokenizer": tokenizer, "spec": spec},
-                           **_map_kwargs(work, "pairs", num_proc, len(ds)))
-    codes = np.asarray(tokenized.data.column("status").to_numpy())
-    status = Counter(pair_tokens.STATUS[c] for c in codes.tolist())
-    kept = np.flatnonzero(codes <= pair_tokens.STATUS.index("truncated"))
-    columns = {name: _ragged(tokenized, name, np.uint32 if name in ("chosen", "rejected") else np.uint8)
-               for name in ("chosen", "chosen_trained", "rejected", "rejected_trained")}
-    pairs = [pair_tokens.TokenPair(columns["chosen"][i], columns["chosen_trained"][i].astype(bool),
-                                   columns["rejected"][i], columns["rejected_trained"][i].astype(bool), 0)
-             for i in kept]
-    blocks, flags = pair_tokens.pack_pairs(pairs, spec.seq_length, tokenizer.eos_token_id) if pairs else (
-        np.zeros((0, spec.seq_length), np.uint32), np.zeros((0, spec.seq_length), np.uint8))
-    return blocks, flags, {s: status.get(s, 0) for s in pair_tokens.STATUS}
-
-
-def _map_kwargs(work: Path, name: str, num_proc: int, rows: int) -> dict:
-    """datasets.map arguments: workers only when each gets a batch or more of rows; its Arrow output in our work
-    folder (by default datasets writes beside the dataset's own files)."""
-    return {"batched": True, "batch_size": 1000, "num_proc": num_proc if num_proc > 1 and rows > 1000 else None,
-            "cache_file_name": str(work / f"{name}.arrow"), "load_from_cache_file": False}
-
-
 def _rows_per_chunk(text_rows) -> int:
     """Rows per chunk, from the table's bytes per row (no text read): the same on every attempt, so a resumed build
     cuts the same chunks."""
@@ -320,28 +256,13 @@ def _tokenize_chunk(rows, tokenizer, num_proc: int, work: Path, out: Path, split
         tokenized = rows.map(tokenize_rows, remove_columns=rows.column_names,
                              fn_kwargs={"tokenizer": tokenizer, "eos_id": tokenizer.eos_token_id,
                                         "split_special": split_special},
-                             **_map_kwargs(work, "text", num_proc, len(rows)))
+                             **map_kwargs(work, "text", num_proc, len(rows)))
     column = tokenized.data.column("input_ids")
     flat = np.concatenate([c.flatten().to_numpy() for c in column.chunks]).astype(np.uint32, copy=False)
     save_npy_atomic(out, flat)
     del tokenized, column
     for arrow in work.glob("*.arrow"):
         arrow.unlink()
-
-
-@contextlib.contextmanager
-def datasets_bars(shown: bool) -> Iterator[None]:
-    """datasets' progress bars shown or not within the block (a bar is for a terminal, and one per build)."""
-    import datasets
-
-    was_enabled = datasets.is_progress_bar_enabled()
-    if not shown:
-        datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            datasets.enable_progress_bars()
 
 
 def _text_block_batches(chunks: list[Path], seq_length: int) -> Iterator[np.ndarray]:
@@ -361,36 +282,6 @@ def _text_block_batches(chunks: list[Path], seq_length: int) -> Iterator[np.ndar
         for at in range(0, n, COPY_BLOCKS * seq_length):
             yield ids[at: min(n, at + COPY_BLOCKS * seq_length)].reshape(-1, seq_length)
         carry = np.array(ids[n:])
-
-
-def _chat_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path
-                 ) -> tuple[np.ndarray, np.ndarray, dict, dict]:
-    """Conversation rows rendered, masked and packed whole into blocks; what happened to their samples, by status;
-    the conversations trained turn by turn, their samples, the history tokens those repeat and the tokens kept."""
-    with datasets_bars(sys.stderr.isatty()), naming(work):
-        tokenized = ds.map(_tokenize_chats, remove_columns=ds.column_names, desc="tokenizing conversations",
-                           fn_kwargs={"tokenizer": tokenizer, "spec": spec},
-                           **_map_kwargs(work, "chats", num_proc, len(ds)))
-    codes = np.asarray(tokenized.data.column("status").to_numpy())
-    status = Counter(chat_tokens.STATUS[c] for c in codes.tolist())
-    kept = codes <= chat_tokens.STATUS.index("truncated")
-    ids = [x for x, k in zip(_ragged(tokenized, "input_ids", np.uint32), kept, strict=True) if k]
-    trained = [x.astype(bool) for x, k in zip(_ragged(tokenized, "trained", np.uint8), kept, strict=True) if k]
-    blocks, flags = packing.pack(ids, trained, spec.seq_length, tokenizer.eos_token_id)
-    part = np.asarray(tokenized.data.column("part").to_numpy())
-    context = np.asarray(tokenized.data.column("context").to_numpy())
-    split = int((part == 1).sum())
-    turn_by_turn = {"conversations": split, "samples": split + int((part >= 1).sum()),
-                    "context_tokens": int(context[kept].sum()), "kept_tokens": int(sum(len(x) for x in ids))}
-    return blocks, flags, {s: status.get(s, 0) for s in chat_tokens.STATUS}, turn_by_turn
-
-
-def _ragged(ds, name: str, dtype) -> list[np.ndarray]:
-    """A list column as one array per row (views of one flat copy, no per-row Python conversion)."""
-    column = ds.data.column(name).combine_chunks()
-    offsets = np.asarray(column.offsets.to_numpy())
-    flat = np.asarray(column.flatten().to_numpy(zero_copy_only=False), dtype=dtype)
-    return np.split(flat, offsets[1:-1] - offsets[0]) if len(column) else []
 
 
 class _SplitWriter:
@@ -456,7 +347,7 @@ def build_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, out: Path) -> No
     shutil.rmtree(final, ignore_errors=True)
     final.mkdir()
     if spec.pairs:  # a dataset of pairs holds nothing else (DATA-HF refuses a mix)
-        _write_blocks(final, out, work, spec, *_pair_blocks(ds, tokenizer, spec, num_proc, work), len(ds))
+        _write_blocks(final, out, work, spec, *pair_blocks(ds, tokenizer, spec, num_proc, work), len(ds))
         return
     chats = conversation_rows(ds)
     # a hub dataset may have messages and no text column: its rows without a conversation have nothing to train
@@ -468,7 +359,7 @@ def build_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, out: Path) -> No
     meta: dict = {"text_tokens": int(n_tokens), "text_blocks": n_text}
     chat_ids = chat_flags = None
     if chats.any():
-        chat_ids, chat_flags, meta["conversations"], turn_by_turn = _chat_blocks(ds.select(np.flatnonzero(chats)),
+        chat_ids, chat_flags, meta["conversations"], turn_by_turn = chat_blocks(ds.select(np.flatnonzero(chats)),
                                                                                  tokenizer, spec, num_proc, work)
         if turn_by_turn["conversations"]:
             meta["turn_by_turn"] = turn_by_turn

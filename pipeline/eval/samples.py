@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeline.data.chat_tokens import render
+from pipeline.data.chat_render import render
 from pipeline.distributed.runtime import Dist
 from pipeline.errors import UserError
 from pipeline.model.head import Head

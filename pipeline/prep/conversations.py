@@ -76,6 +76,7 @@ def _json_default(value: object) -> object:
 
 
 def dumps(value: object) -> str:
+    """value as the JSON string a dataset stores (non-ASCII as it is)."""
     return json.dumps(value, ensure_ascii=False, default=_json_default)
 
 
@@ -99,7 +100,7 @@ def tool_calls(value: object) -> str:
         fn = call.get("function", call) if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
             raise BadConversation("malformed_tool_call")
-        arguments = _parsed(fn.get("arguments", {}), "bad_tool_arguments")
+        arguments = _parsed(fn.get("arguments") or {}, "bad_tool_arguments")  # "" and null: a call without any
         if not isinstance(arguments, dict):
             raise BadConversation("bad_tool_arguments")
         entry: dict = {"type": "function", "function": {"name": fn["name"], "arguments": arguments}}
@@ -129,7 +130,10 @@ def tools_of(value: object) -> str:
 
 def _message(item: dict, name: str, role: str, content_key: str, plain: bool) -> dict:
     """One message in the stored form; plain: tool calls and reasoning traces are refused (a preference pair)."""
-    calls = item[content_key] if name == "function_call" else next((item[k] for k in TOOL_KEYS if item.get(k)), None)
+    calls = item.get(content_key) if name == "function_call" else next((item[k] for k in TOOL_KEYS if item.get(k)),
+                                                                         None)
+    if name == "function_call" and calls is None:
+        raise BadConversation("malformed_tool_call")
     reasoning = next((item[k] for k in REASONING_KEYS if item.get(k)), None)
     if plain and (role == "tool" or calls is not None):
         raise BadConversation("tool_calls")
@@ -224,7 +228,7 @@ def to_chat(record: dict, fmt: str) -> Chat:
                     {"role": "assistant", "content": record["output"]}]
     else:
         messages = _side(record["prompt"], "user") + _side(record["completion"], "assistant")
-    tools = tools_of(record.get("tools")) if fmt in ("messages", "sharegpt") else ""
+    tools = tools_of(record.get("tools")) if fmt != "alpaca" else ""
     check(messages)
     return Chat(messages, tools)
 

@@ -104,9 +104,8 @@ def log_cache_meta(path: Path) -> None:
         log.info("conversations: %s; %d blocks of them, %d of text", counts, meta["chat_blocks"], meta["text_blocks"])
     if split := meta.get("turn_by_turn"):
         log.info("%d conversations trained turn by turn (their template rewrites earlier turns) as %d samples: "
-                 "%d history tokens repeated, %.1f%% of the %d conversation tokens kept", split["conversations"],
-                 split["samples"], split["context_tokens"],
-                 100 * split["context_tokens"] / max(split["kept_tokens"], 1), split["kept_tokens"])
+                 "%d tokens more than one rendering of each (+%.1f%%)", split["conversations"], split["samples"],
+                 split["extra_tokens"], 100 * split["extra_tokens"] / max(split["whole_tokens"], 1))
     if meta.get("flags"):
         total = meta["blocks"] * (meta["seq_length"] - 1)
         log.info("%d of %d tokens (%.1f%%) are targets of the loss", meta["targets"], total,

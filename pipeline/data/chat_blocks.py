@@ -1,0 +1,107 @@
+"""Conversation and preference rows to packed blocks for the token cache: each row rendered and masked
+(pipeline/data/chat_tokens.py, pair_tokens.py) in datasets.map workers, fitted, counted by status, and packed whole."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from jinja2.exceptions import TemplateError
+
+from pipeline.data import chat_tokens, packing, pair_tokens
+from pipeline.data.chat_render import NotRendered
+from pipeline.data.dataset import BlockSpec
+from pipeline.data.mapped import datasets_bars, map_kwargs, ragged
+from pipeline.errors import naming
+from pipeline.prep.conversations import BadConversation
+
+
+def _tokenize_chats(batch: dict, tokenizer, spec: BlockSpec) -> dict:
+    """Each conversation -> its samples (one, or one per run of turns when its template rewrites earlier turns:
+    chat_tokens.tokenize_turns), each with its ids, trained mask (uint8), status (an index into chat_tokens.STATUS)
+    and part (its place among its conversation's samples), fitted into one block; the first sample of a split
+    conversation carries the tokens of one whole rendering of it (whole; 0 otherwise)."""
+    out: dict[str, list] = {"input_ids": [], "trained": [], "status": [], "part": [], "whole": []}
+    keep_as_text = None if spec.special_tokens_in_data else chat_tokens.special_texts(tokenizer)
+    tools = batch.get("tools") or [""] * len(batch["messages"])  # datasets written before tools had no column
+    for messages, schemas in zip(batch["messages"], tools, strict=True):
+        whole = 0
+        try:
+            turns = chat_tokens.tokenize_turns(tokenizer, messages, spec.chat_date, spec.train_on, keep_as_text,
+                                               capacity=spec.seq_length, tools=schemas,
+                                               train_reasoning=spec.train_reasoning)
+            fitted, whole = [chat_tokens.fit(r, spec.seq_length) for r in turns.samples], turns.whole
+        except BadConversation:
+            fitted = [(None, "malformed")]
+        except chat_tokens.TemplateMismatch:
+            fitted = [(None, "template_mismatch")]
+        except NotRendered as exc:
+            fitted = [(None, str(exc))]
+        except TemplateError:
+            fitted = [(None, "template_error")]
+        for part, (sample, status) in enumerate(fitted):
+            out["input_ids"].append(sample.ids if sample else np.zeros(0, np.uint32))
+            out["trained"].append(sample.trained.astype(np.uint8) if sample else np.zeros(0, np.uint8))
+            out["status"].append(chat_tokens.STATUS.index(status))
+            out["part"].append(part)
+            out["whole"].append(whole if part == 0 else 0)
+    return out
+
+
+def _tokenize_pairs(batch: dict, tokenizer, spec: BlockSpec) -> dict:
+    """Each preference row -> its two answers' ids and trained masks and its status (pair_tokens.STATUS), fitted
+    into one block."""
+    keep_as_text = None if spec.special_tokens_in_data else chat_tokens.special_texts(tokenizer)
+    return pair_tokens.tokenize_pairs_batch(batch, tokenizer, spec.chat_date, spec.seq_length, keep_as_text)
+
+
+def pair_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Preference rows tokenized, fitted and packed whole into blocks, each chosen answer before its rejected one;
+    what happened to them, by status."""
+    with datasets_bars(sys.stderr.isatty()), naming(work):
+        tokenized = ds.map(_tokenize_pairs, remove_columns=ds.column_names, desc="tokenizing preference pairs",
+                           fn_kwargs={"tokenizer": tokenizer, "spec": spec},
+                           **map_kwargs(work, "pairs", num_proc, len(ds)))
+    codes = np.asarray(tokenized.data.column("status").to_numpy())
+    status = Counter(pair_tokens.STATUS[c] for c in codes.tolist())
+    kept = np.flatnonzero(codes <= pair_tokens.STATUS.index("truncated"))
+    columns = {name: ragged(tokenized, name, np.uint32 if name in ("chosen", "rejected") else np.uint8)
+               for name in ("chosen", "chosen_trained", "rejected", "rejected_trained")}
+    pairs = [pair_tokens.TokenPair(columns["chosen"][i], columns["chosen_trained"][i].astype(bool),
+                                   columns["rejected"][i], columns["rejected_trained"][i].astype(bool), 0)
+             for i in kept]
+    blocks, flags = pair_tokens.pack_pairs(pairs, spec.seq_length, tokenizer.eos_token_id) if pairs else (
+        np.zeros((0, spec.seq_length), np.uint32), np.zeros((0, spec.seq_length), np.uint8))
+    return blocks, flags, {s: status.get(s, 0) for s in pair_tokens.STATUS}
+
+
+def chat_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path
+                 ) -> tuple[np.ndarray, np.ndarray, dict, dict]:
+    """Conversation rows rendered, masked and packed whole into blocks; what happened to their samples, by status;
+    the conversations trained turn by turn, their samples, the history tokens those repeat and the tokens kept."""
+    with datasets_bars(sys.stderr.isatty()), naming(work):
+        tokenized = ds.map(_tokenize_chats, remove_columns=ds.column_names, desc="tokenizing conversations",
+                           fn_kwargs={"tokenizer": tokenizer, "spec": spec},
+                           **map_kwargs(work, "chats", num_proc, len(ds)))
+    codes = np.asarray(tokenized.data.column("status").to_numpy())
+    status = Counter(chat_tokens.STATUS[c] for c in codes.tolist())
+    kept = codes <= chat_tokens.STATUS.index("truncated")
+    ids = [x for x, k in zip(ragged(tokenized, "input_ids", np.uint32), kept, strict=True) if k]
+    trained = [x.astype(bool) for x, k in zip(ragged(tokenized, "trained", np.uint8), kept, strict=True) if k]
+    blocks, flags = packing.pack(ids, trained, spec.seq_length, tokenizer.eos_token_id)
+    return blocks, flags, {s: status.get(s, 0) for s in chat_tokens.STATUS}, _turn_by_turn(tokenized)
+
+
+def _turn_by_turn(tokenized) -> dict:
+    """The conversations split into samples, the samples, the tokens of one whole rendering of each and the tokens
+    the samples hold beyond those (before fitting into blocks: what rendering turn by turn costs)."""
+    part = np.asarray(tokenized.data.column("part").to_numpy())
+    whole = np.asarray(tokenized.data.column("whole").to_numpy())
+    lengths = np.diff(np.asarray(tokenized.data.column("input_ids").combine_chunks().offsets.to_numpy()))
+    conversation = np.cumsum(part == 0) - 1  # each sample's conversation
+    split = np.flatnonzero(whole > 0)
+    samples = np.isin(conversation, conversation[split]) if len(split) else np.zeros(len(part), bool)
+    return {"conversations": len(split), "samples": int(samples.sum()), "whole_tokens": int(whole.sum()),
+            "extra_tokens": int(lengths[samples].sum() - whole.sum())}
