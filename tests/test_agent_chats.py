@@ -3,14 +3,11 @@ turn-by-turn samples for a template that rewrites earlier turns, and what a temp
 reason."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import datasets
 import numpy as np
 import pytest
-from conftest import ROOT, kill_tree, losses, run_script, torchrun, wait_for
+from conftest import ROOT
 from jinja2.exceptions import TemplateError
 from transformers import AutoTokenizer
 
@@ -212,52 +209,6 @@ def test_a_dataset_of_agent_and_reasoning_chats_packs_every_sample_with_its_targ
     build_blocks(ds, AutoTokenizer.from_pretrained(tiny_models["tied"]), spec, 1, tmp_path / "plain")
     counts = json.loads((tmp_path / "plain" / "meta.json").read_text())["conversations"]
     assert {k: v for k, v in counts.items() if v} == {"kept": 1, "tools_not_rendered": 3, "reasoning_not_rendered": 1}
-
-
-# ------------------------------------------------------------------------------------------------- end to end
-
-
-def agent_dataset(root: Path) -> Path:
-    """A DATA-HF dataset of the bundled agents (examples/agents): 20 calling an adder (OpenAI form, its schema in
-    tools) and 20 two-question reasoners in Qwen3's style (ShareGPT form with a thinking field)."""
-    build_dataset(CorpusConfig(ROOT / "examples" / "agents", root / "agents", num_proc=1))
-    return root / "agents"
-
-
-def agent_args(dataset: Path, root: Path, *extra) -> list:
-    return ["-e", "a", "-d", dataset, "-m", "local/tiny", "--save-dir", root, "--config",
-            ROOT / "configs" / "demo.yaml", "--chat-template", TEMPLATES / "qwen3.jinja",
-            "--seq-length", "1024", "--log-freq", "1", "--ckpt-freq", "3", "--eval-freq", "0", "--max-steps", "6",
-            *extra]
-
-
-def test_an_agent_and_reasoning_run_trains_turn_by_turn_and_a_killed_run_resumes_exactly(train_env, tmp_path):
-    """Qwen3's template on tool calls and reasoning traces: every conversation kept (the reasoners as two samples
-    each), the cost in the log, and a run killed after its first checkpoint resumes to the uninterrupted losses;
-    changing --train-on-reasoning is refused on resume (other targets)."""
-    dataset = agent_dataset(tmp_path / "data")
-    env = train_env["env"]
-    ref = torchrun(2, ROOT / "fsdp1.py", *agent_args(dataset, tmp_path / "ref"), env=env)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    meta = json.loads(next((tmp_path / "ref" / "token_cache").glob("*/meta.json")).read_text())
-    assert {k: v for k, v in meta["conversations"].items() if v} == {"kept": 80}
-    assert meta["turn_by_turn"]["conversations"] == 40 and meta["turn_by_turn"]["samples"] == 80
-    log = (tmp_path / "ref" / "a" / "train.log").read_text()
-    assert "40 conversations trained turn by turn (their template rewrites earlier turns) as 80 samples" in log
-    expected = losses(tmp_path / "ref" / "a")
-    assert sorted(expected) == list(range(1, 7))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "fsdp1.py"), *map(str, agent_args(dataset, tmp_path))]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    wait_for(lambda: max(losses(tmp_path / "a"), default=0) >= 4, proc)
-    kill_tree(proc)
-    again = torchrun(2, ROOT / "fsdp1.py", *agent_args(dataset, tmp_path), env=env)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from" in again.stdout and losses(tmp_path / "a") == expected
-    changed = run_script("fsdp1.py", *agent_args(dataset, tmp_path, "--train-on-reasoning", "off"), env=env)
-    assert changed.returncode == 2
-    assert "train_reasoning was None and is now False" in changed.stderr
 
 
 def test_a_hub_dataset_with_call_objects_and_no_tools_column_trains_its_calls_as_objects(tok, tmp_path):

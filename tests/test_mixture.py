@@ -17,6 +17,7 @@ from pipeline.data.sources import Source, parse_sources
 from pipeline.data.token_cache import Blocks
 from pipeline.distributed.runtime import Dist
 from pipeline.errors import UserError
+from pipeline.prep.corpus import CorpusConfig, build_dataset
 from pipeline.train.blocks import check_one_batch
 
 
@@ -134,43 +135,52 @@ def test_a_resumed_mixture_sampler_continues_the_sequence_and_refuses_other_data
 # ------------------------------------------------------------------------------------------------- end to end
 
 
-def mix_args(env: dict, root, *extra) -> list:
-    return ["-e", "m", "-d", f"{env['dataset']}:0.7,{env['chats']}:0.3", "-m", "local/tiny", "--save-dir", root,
-            "--config", ROOT / "configs" / "demo.yaml", "--seq-length", "128", "--log-freq", "1", "--ckpt-freq", "4",
-            "--eval-freq", "4", "--max-steps", "8", "--chat-date", "01 Jan 2025", *extra]
+def mix_args(env: dict, agents, root, *extra, weights: str = "0.7,0.3") -> list:
+    """The bundled agents (tool calls, reasoning traces) and the demo's conversations, mixed, through Qwen3's
+    template (which rewrites earlier turns: both are trained turn by turn)."""
+    first, second = weights.split(",")
+    return ["-e", "m", "-d", f"{agents}:{first},{env['chats']}:{second}", "-m", "local/tiny", "--save-dir", root,
+            "--config", ROOT / "configs" / "demo.yaml", "--chat-template", ROOT / "examples/templates/qwen3.jinja",
+            "--seq-length", "1024", "--log-freq", "1", "--ckpt-freq", "4", "--eval-freq", "4", "--max-steps", "8",
+            "--chat-date", "01 Jan 2025", *extra]
 
 
-def test_a_mixture_run_trains_in_its_ratios_validates_each_source_and_resumes_exactly(train_env, tmp_path):
-    """Text at 0.7 and conversations at 0.3: the log and a mixture event say what each gave (tokens, share, epochs);
-    each eval event has each source's loss and the overall one between them (their target-weighted mean); a run
-    killed after its first checkpoint resumes to the same losses; another weight is another run (refused on
+def test_a_mixture_of_agents_and_chats_trains_in_its_ratios_and_resumes_exactly(train_env, tmp_path):
+    """Agents at 0.7 and conversations at 0.3: every agent conversation kept, trained turn by turn with the cost in
+    the log; the log and a mixture event say what each source gave (tokens, share, epochs); each eval event has each
+    source's loss and the overall one between them (their target-weighted mean); a run killed after its first
+    checkpoint resumes to the same losses; another weight, or --train-on-reasoning off, is another run (refused on
     resume)."""
-    env = train_env["env"]
-    ref = torchrun(2, ROOT / "fsdp1.py", *mix_args(train_env, tmp_path / "ref"), env=env)
+    build_dataset(CorpusConfig(ROOT / "examples" / "agents", tmp_path / "agents", num_proc=1))
+    agents, env = tmp_path / "agents", train_env["env"]
+    ref = torchrun(2, ROOT / "fsdp1.py", *mix_args(train_env, agents, tmp_path / "ref"), env=env)
     assert ref.returncode == 0, ref.stderr[-3000:]
     run = tmp_path / "ref" / "m"
-    [mixture] = events(run, "mixture")
-    shares = {name: v["share"] for name, v in mixture["sources"].items()}
-    assert shares == {"dataset": 0.6875, "chats": 0.3125}  # 8 steps of 4 blocks: 22 and 10, 0.3 x 32 = 9.6
-    assert mixture["sources"]["chats"]["tokens"] == 10 * 128
     log = (run / "train.log").read_text()
-    assert "mixture over 8 steps: dataset 2,816 tokens (68.8%, 0.03 epochs of it); chats 1,280 tokens (31.2%" in log
+    assert "conversation samples: kept 80; " in log
+    assert "40 conversations trained turn by turn (their template rewrites earlier turns) as 80 samples" in log
+    [mixture] = events(run, "mixture")
+    drawn = {name: v["blocks"] for name, v in mixture["sources"].items()}
+    assert drawn == {"agents": 22, "chats": 10}  # 8 steps of 4 blocks: 0.3 x 32 = 9.6
+    assert mixture["sources"]["chats"]["tokens"] == 10 * 1024 and mixture["sources"]["agents"]["share"] == 0.6875
+    assert "mixture over 8 steps: agents 22,528 tokens (68.8%" in log and "; chats 10,240 tokens (31.2%" in log
     evals = events(run, "eval")
     assert [e["step"] for e in evals] == [0, 4, 8]
     for e in evals:
-        assert min(e["eval/loss/dataset"], e["eval/loss/chats"]) < e["loss"] < max(e["eval/loss/dataset"],
-                                                                                     e["eval/loss/chats"])
+        low, high = sorted([e["eval/loss/agents"], e["eval/loss/chats"]])
+        assert low < e["loss"] < high
     expected = losses(run)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "fsdp1.py"), *map(str, mix_args(train_env, tmp_path))]
+           str(ROOT / "fsdp1.py"), *map(str, mix_args(train_env, agents, tmp_path))]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     wait_for(lambda: max(losses(tmp_path / "m"), default=0) >= 5, proc)
     kill_tree(proc)
-    again = torchrun(2, ROOT / "fsdp1.py", *mix_args(train_env, tmp_path), env=env)
+    again = torchrun(2, ROOT / "fsdp1.py", *mix_args(train_env, agents, tmp_path), env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout and losses(tmp_path / "m") == expected
     assert events(tmp_path / "m", "mixture")[-1]["sources"] == mixture["sources"]
-    other = [str(a).replace(":0.3", ":0.5") for a in mix_args(train_env, tmp_path)]
-    changed = run_script("fsdp1.py", *other, env=env)
-    assert changed.returncode == 2 and "refusing to resume" in changed.stderr and "dataset was" in changed.stderr
+    for changed, why in (({"weights": "0.5,0.5"}, "dataset was"), ({}, "train_reasoning was None and is now False")):
+        extra = () if changed else ("--train-on-reasoning", "off")
+        refused = run_script("fsdp1.py", *mix_args(train_env, agents, tmp_path, *extra, **changed), env=env)
+        assert refused.returncode == 2 and "refusing to resume" in refused.stderr and why in refused.stderr

@@ -22,17 +22,19 @@ def _tokenize_chats(batch: dict, tokenizer, spec: BlockSpec) -> dict:
     """Each conversation -> its samples (one, or one per run of turns when its template rewrites earlier turns:
     chat_tokens.tokenize_turns), each with its ids, trained mask (uint8), status (an index into chat_tokens.STATUS)
     and part (its place among its conversation's samples), fitted into one block; the first sample of a split
-    conversation carries the tokens of one whole rendering of it (whole; 0 otherwise)."""
-    out: dict[str, list] = {"input_ids": [], "trained": [], "status": [], "part": [], "whole": []}
+    conversation carries the tokens of one whole rendering of it and its samples' tokens beyond those, before
+    fitting (whole, extra; 0 otherwise)."""
+    out: dict[str, list] = {"input_ids": [], "trained": [], "status": [], "part": [], "whole": [], "extra": []}
     keep_as_text = None if spec.special_tokens_in_data else chat_tokens.special_texts(tokenizer)
     tools = batch.get("tools") or [""] * len(batch["messages"])  # datasets written before tools had no column
     for messages, schemas in zip(batch["messages"], tools, strict=True):
-        whole = 0
+        whole = extra = 0
         try:
             turns = chat_tokens.tokenize_turns(tokenizer, messages, spec.chat_date, spec.train_on, keep_as_text,
                                                capacity=spec.seq_length, tools=schemas,
                                                train_reasoning=spec.train_reasoning)
-            fitted, whole = [chat_tokens.fit(r, spec.seq_length) for r in turns.samples], turns.whole
+            fitted = [chat_tokens.fit(r, spec.seq_length) for r in turns.samples]
+            whole, extra = turns.whole, turns.extra
         except BadConversation:
             fitted = [(None, "malformed")]
         except chat_tokens.TemplateMismatch:
@@ -47,6 +49,7 @@ def _tokenize_chats(batch: dict, tokenizer, spec: BlockSpec) -> dict:
             out["status"].append(chat_tokens.STATUS.index(status))
             out["part"].append(part)
             out["whole"].append(whole if part == 0 else 0)
+            out["extra"].append(extra if part == 0 else 0)
     return out
 
 
@@ -96,12 +99,11 @@ def chat_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path
 
 def _turn_by_turn(tokenized) -> dict:
     """The conversations split into samples, the samples, the tokens of one whole rendering of each and the tokens
-    the samples hold beyond those (before fitting into blocks: what rendering turn by turn costs)."""
+    their samples hold beyond those (before fitting into blocks: what rendering turn by turn costs)."""
     part = np.asarray(tokenized.data.column("part").to_numpy())
     whole = np.asarray(tokenized.data.column("whole").to_numpy())
-    lengths = np.diff(np.asarray(tokenized.data.column("input_ids").combine_chunks().offsets.to_numpy()))
+    extra = np.asarray(tokenized.data.column("extra").to_numpy())
     conversation = np.cumsum(part == 0) - 1  # each sample's conversation
     split = np.flatnonzero(whole > 0)
-    samples = np.isin(conversation, conversation[split]) if len(split) else np.zeros(len(part), bool)
-    return {"conversations": len(split), "samples": int(samples.sum()), "whole_tokens": int(whole.sum()),
-            "extra_tokens": int(lengths[samples].sum() - whole.sum())}
+    return {"conversations": len(split), "samples": int(np.isin(conversation, conversation[split]).sum()),
+            "whole_tokens": int(whole.sum()), "extra_tokens": int(extra.sum())}

@@ -101,7 +101,8 @@ def log_cache_meta(path: Path) -> None:
     meta = json.loads((path / "meta.json").read_text())
     if "conversations" in meta:
         counts = ", ".join(f"{k} {v}" for k, v in meta["conversations"].items() if v)
-        log.info("conversations: %s; %d blocks of them, %d of text", counts, meta["chat_blocks"], meta["text_blocks"])
+        what = "conversation samples" if "turn_by_turn" in meta else "conversations"  # split ones count per sample
+        log.info("%s: %s; %d blocks of them, %d of text", what, counts, meta["chat_blocks"], meta["text_blocks"])
     if split := meta.get("turn_by_turn"):
         log.info("%d conversations trained turn by turn (their template rewrites earlier turns) as %d samples: "
                  "%d tokens more than one rendering of each (+%.1f%%)", split["conversations"], split["samples"],
