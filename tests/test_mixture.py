@@ -158,6 +158,7 @@ def test_a_mixture_of_agents_and_chats_trains_in_its_ratios_and_resumes_exactly(
     run = tmp_path / "ref" / "m"
     log = (run / "train.log").read_text()
     assert "conversation samples: kept 80; " in log
+    assert "mixture: agents 38 training blocks at 70.0%, chats 52 training blocks at 30.0%" in log
     assert "40 conversations trained turn by turn (their template rewrites earlier turns) as 80 samples" in log
     [mixture] = events(run, "mixture")
     drawn = {name: v["blocks"] for name, v in mixture["sources"].items()}

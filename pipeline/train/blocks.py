@@ -44,9 +44,18 @@ def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks | MixedBlocks:
             log_cache_meta(path)
         caches.append(open_blocks(path))
     blocks = MixedBlocks([s.source for s in plan.data], caches) if plan.mixture else caches[0]
+    if plan.mixture and d.is_main:
+        log.info("mixture: %s", _shares(plan, caches))
     for cache in caches:
         check_vocabulary(cache, plan, d)
     return blocks
+
+
+def _shares(plan: Plan, caches: list[Blocks]) -> str:
+    """Each source's training blocks and share of the run's."""
+    total = sum(s.source.weight for s in plan.data)
+    return ", ".join(f"{s.source.name} {len(c.train):,} training blocks at {100 * s.source.weight / total:.1f}%"
+                     for s, c in zip(plan.data, caches, strict=True))
 
 
 def make_sampler(blocks: Blocks | MixedBlocks, cfg: Config, d: Dist) -> BlockSampler:
