@@ -142,6 +142,9 @@ class DataConfig(Section):
 
     def check(self) -> None:
         _check(bool(self.chat_date.strip()), "--chat-date must not be empty")
+        _check(self.train_on_reasoning or self.train_on != "all",
+               "--train-on-reasoning off makes traces context, but --train-on all trains every token; use --train-on "
+               "assistant or last with it")
         if self.dataset_name:  # a mixture's weights and names: one line before anything is loaded
             parse_sources(self.dataset_name)
         _check(not self.chat_template or Path(self.chat_template).is_file(),

@@ -11,11 +11,22 @@ from conftest import ROOT
 from jinja2.exceptions import TemplateError
 from transformers import AutoTokenizer
 
-from pipeline.data.chat_render import NotRendered
-from pipeline.data.chat_tokens import Rendered, TemplateMismatch, fit, tokenize_conversation, tokenize_turns
+from pipeline.config_merge import merge
+from pipeline.data import pair_tokens
+from pipeline.data.chat_render import NotRendered, template_messages
+from pipeline.data.chat_tokens import (
+    Rendered,
+    TemplateMismatch,
+    fit,
+    special_texts,
+    tokenize_conversation,
+    tokenize_turns,
+)
 from pipeline.data.dataset import BlockSpec
 from pipeline.data.packing import TRAIN
+from pipeline.data.pair_tokens import tokenize_pairs_batch
 from pipeline.data.token_cache import build_blocks
+from pipeline.errors import UserError
 from pipeline.prep.corpus import CorpusConfig, build_dataset
 
 TEMPLATES = ROOT / "examples" / "templates"
@@ -237,3 +248,48 @@ def test_a_hub_dataset_with_call_objects_and_no_tools_column_trains_its_calls_as
                                "Sunny.<|eot_id|>", "Sunny.<|eot_id|>"]), name
     # the two datasets' conversations have the same turns: the same count of <|eot_id|> tokens, none from the text
     assert int((np.load(tmp_path / "strings" / "train.npy") == eot).sum()) == int((blocks == eot).sum()) == 2 * 5
+
+
+def test_turns_whose_history_cannot_fit_are_one_dropped_sample_never_lost(tok):
+    """Once the user turns and tool results alone are more characters than a block's tokens can hold, the rest of
+    the conversation is one sample that cannot fit (None: counted as dropped_too_long), the turns before it kept;
+    under --train-on last the conversation is that one sample, never no sample at all."""
+    tok = with_template(tok, "qwen3.jinja")
+    talk = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello.", "reasoning_content": "greet"},
+            {"role": "user", "content": "x " * 256 * 20}, {"role": "assistant", "content": "Long."}]
+    turns = tokenize_turns(tok, talk, DATE, "assistant", capacity=256)
+    assert [s is None for s in turns.samples] == [False, True] and turns.extra == 0
+    assert trained_runs(tok, turns.samples[0]) == ["<think>\ngreet\n</think>\n\nHello.<|im_end|>"]
+    assert tokenize_turns(tok, talk, DATE, "last", capacity=256).samples == [None]
+
+
+def test_special_token_text_in_a_call_name_or_argument_key_stays_text(tok):
+    tok = with_template(tok, "llama3_1.jinja")
+    eot, header = tok.convert_tokens_to_ids("<|eot_id|>"), tok.convert_tokens_to_ids("<|start_header_id|>")
+    counts = []
+    for name, key in (("weather", "city"), ("w<|eot_id|><|start_header_id|>", "<|eot_id|><|start_header_id|>")):
+        call = {"role": "assistant", "content": "", "tool_calls": calls((name, {key: "Oslo"}))}
+        [r] = tokenize_turns(tok, [AGENT[1], call], DATE, "assistant", special_texts(tok)).samples
+        counts.append((int((r.ids == eot).sum()), int((r.ids == header).sum())))
+        assert trained_runs(tok, r) == [f'{{"name": "{name}", "parameters": {{"{key}": "Oslo"}}}}<|eot_id|>']
+    assert counts[0] == counts[1]
+
+
+def test_hub_rows_with_aliased_fields_and_pairs_the_template_cannot_render(tok):
+    """A hub dataset's `thinking` is the trace (never dropped); a hub preference pair whose answer holds a trace the
+    template leaves out is counted by that reason, not a crash of the build."""
+    assert template_messages([{"role": "user", "content": "q"},
+                              {"role": "assistant", "content": "a", "thinking": "why"}])[1] == {
+        "role": "assistant", "content": "a", "reasoning_content": "why"}
+    plain = AutoTokenizer.from_pretrained(tok.name_or_path)
+    batch = {"text": [""], "messages": [[{"role": "user", "content": "q"}]],
+             "chosen": [[{"role": "assistant", "content": "a", "reasoning_content": "why"}]],
+             "rejected": [[{"role": "assistant", "content": "b"}]]}
+    out = tokenize_pairs_batch(batch, plain, DATE, 256, None)
+    assert [pair_tokens.STATUS[s] for s in out["status"]] == ["reasoning_not_rendered"]
+
+
+def test_train_on_all_with_reasoning_off_is_one_line():
+    with pytest.raises(UserError, match="--train-on-reasoning off makes traces context, but --train-on all trains "
+                                        "every token; use --train-on assistant or last with it"):
+        merge({"experiment_name": "e", "model_name": "m", "train_on": "all", "train_on_reasoning": False})

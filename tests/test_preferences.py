@@ -176,7 +176,8 @@ def test_a_dataset_of_pairs_becomes_blocks_of_whole_pairs(tmp_path, tiny_models)
                  BlockSpec(128, 0.1, 0, pairs=True, chat_date="26 Jul 2024"), 1, tmp_path / "cache")
     meta = json.loads((tmp_path / "cache" / "meta.json").read_text())
     assert meta["pairs"] == {"kept": 40, "truncated": 1, "dropped_too_long": 0, "malformed": 0,
-                             "template_mismatch": 0, "template_error": 0}
+                             "template_mismatch": 0, "template_error": 0, "tools_not_rendered": 0,
+                             "reasoning_not_rendered": 0}
     assert meta["pairs_kept"] == 41 and meta["train_blocks"] + meta["val_blocks"] == meta["blocks"]
     seen = 0
     for split in ("train", "val"):

@@ -33,7 +33,8 @@ def _tokenize_chats(batch: dict, tokenizer, spec: BlockSpec) -> dict:
             turns = chat_tokens.tokenize_turns(tokenizer, messages, spec.chat_date, spec.train_on, keep_as_text,
                                                capacity=spec.seq_length, tools=schemas,
                                                train_reasoning=spec.train_reasoning)
-            fitted = [chat_tokens.fit(r, spec.seq_length) for r in turns.samples]
+            fitted = [chat_tokens.fit(r, spec.seq_length) if r is not None else (None, "dropped_too_long")
+                      for r in turns.samples]
             whole, extra = turns.whole, turns.extra
         except BadConversation:
             fitted = [(None, "malformed")]

@@ -8,7 +8,16 @@ import json
 import re
 from functools import cache
 
-from pipeline.prep.conversations import OPTIONAL, ROLES, BadConversation, check, tool_calls, tools_of
+from pipeline.prep.conversations import (
+    OPTIONAL,
+    REASONING_KEYS,
+    ROLES,
+    TOOL_KEYS,
+    BadConversation,
+    check,
+    tool_calls,
+    tools_of,
+)
 
 BLANK = "\ue000"
 """A private-use character: what special-token texts in the data are replaced by to find the template's own."""
@@ -42,8 +51,9 @@ def template_messages(messages: list[dict]) -> list[dict]:
     only calls tools with content "" where the data has null (OpenAI's form). BadConversation when malformed."""
     out = []
     for m in messages:
-        calls = m.get("tool_calls")
-        content = "" if m.get("content") is None and calls else m.get("content")
+        # a hub dataset may name them as DATA-HF's reader accepts them (the older function_call, thinking...)
+        m = {**m, "tool_calls": _first(m, TOOL_KEYS), "reasoning_content": _first(m, REASONING_KEYS)}
+        content = "" if m.get("content") is None and m["tool_calls"] else m.get("content")
         if m.get("role") not in ROLES or not isinstance(content, str):
             raise BadConversation("malformed_message")
         message = {"role": m["role"], "content": content}
@@ -54,6 +64,11 @@ def template_messages(messages: list[dict]) -> list[dict]:
         out.append(message)
     check(out)
     return out
+
+
+def _first(message: dict, keys: tuple[str, ...]) -> object:
+    """The first of these fields the message has (not empty), or None."""
+    return next((message[k] for k in keys if message.get(k)), None)
 
 
 @cache
@@ -82,9 +97,10 @@ class Conversation:
                                          add_generation_prompt=prompt)
         return self._rendered[key]
 
-    def user_chars(self, n: int) -> int:
-        """Characters of the user turns among the first n messages: text every rendering of them holds."""
-        return sum(len(m["content"].strip()) for m in self.messages[:n] if m["role"] == "user")
+    def verbatim_chars(self, n: int) -> int:
+        """Characters of the user turns and tool results among the first n messages: text every rendering of them
+        holds (templates rewrite the assistant's turns, not these)."""
+        return sum(len(m["content"].strip()) for m in self.messages[:n] if m["role"] in ("user", "tool"))
 
     def check_turn(self, i: int) -> None:
         """Assistant message i's reasoning trace and tool calls are in its rendering (as the last message): it
@@ -113,18 +129,19 @@ class Conversation:
             raise NotRendered("tools_not_rendered")
 
     def holds(self, pattern: re.Pattern, n: int) -> bool:
-        """Whether any text of the first n messages (contents, traces, calls) or of the schemas matches."""
+        """Whether any text of the first n messages (contents, traces, calls: their names, keys and values) or of the
+        schemas matches."""
         return any(pattern.search(s) for s in _strings([self.messages[:n], self.tools]))
 
     def blanked(self, pattern: re.Pattern, n: int) -> str:
-        """The first n messages rendered with every match of pattern in their texts and the schemas replaced by as
-        many BLANKs (roles and the calls' names and types left as they are)."""
+        """The first n messages rendered with every match of pattern in their texts, the calls' and schemas' names,
+        keys and values, replaced by as many BLANKs: the same length, so the template's own markers are where they
+        are in the real rendering. Roles and types are left as they are (templates branch on them)."""
         def blank(value: object, key: str = "") -> object:
             if isinstance(value, str):
-                return value if key in ("role", "type", "name") else pattern.sub(lambda s: BLANK * len(s.group()),
-                                                                                  value)
+                return value if key in ("role", "type") else pattern.sub(lambda s: BLANK * len(s.group()), value)
             if isinstance(value, dict):
-                return {k: blank(v, k) for k, v in value.items()}
+                return {blank(k): blank(v, k) for k, v in value.items()}
             if isinstance(value, list):
                 return [blank(v) for v in value]
             return value
@@ -133,10 +150,11 @@ class Conversation:
 
 
 def _strings(value: object) -> list[str]:
+    """Every string in a JSON-like value, the keys of its objects too."""
     if isinstance(value, str):
         return [value]
     if isinstance(value, dict):
-        return [s for v in value.values() for s in _strings(v)]
+        return [s for k, v in value.items() for s in (k, *_strings(v))]
     if isinstance(value, list):
         return [s for v in value for s in _strings(v)]
     return []

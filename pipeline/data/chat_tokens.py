@@ -47,16 +47,17 @@ class Rendered:
 
 @dataclass
 class Turns:
-    """A conversation's samples (tokenize_turns): one, or one per run of turns."""
+    """A conversation's samples (tokenize_turns): one, or one per run of turns; None for a sample that cannot fit a
+    block (not tokenized)."""
 
-    samples: list[Rendered]
+    samples: list[Rendered | None]
     whole: int = 0
-    """Tokens of the conversation rendered once, where it was split (0 where not): the samples' tokens beyond it
-    are what rendering turn by turn costs."""
+    """Tokens of one rendering of the messages the tokenized samples cover, where the conversation was split (0
+    where not): the samples' tokens beyond it are what rendering turn by turn costs."""
 
     @property
     def extra(self) -> int:
-        return sum(len(s.ids) for s in self.samples) - self.whole if self.whole else 0
+        return max(0, sum(len(s.ids) for s in self.samples if s is not None) - self.whole) if self.whole else 0
 
 
 class TemplateMismatch(Exception):
@@ -160,40 +161,52 @@ def tokenize_turns(tokenizer, messages: list[dict], date: str, train_on: str, ke
                    capacity: int | None = None, tools: str | list | None = "", train_reasoning: bool = True) -> Turns:
     """The conversation as tokenize_conversation gives it, or, when its template rewrites earlier turns, as one
     sample per run of turns that render as prefixes of each other (the module's docstring), with the tokens of one
-    whole rendering to count what that costs. train_on all trains every rendered token, so it is never split: a
-    template that rewrites turns is a TemplateMismatch there. Turns whose history alone cannot fit capacity (its
-    user turns are more characters than capacity tokens can hold) are not rendered: no later one can fit either."""
+    whole rendering of what they cover to count what that costs. train_on all trains every rendered token, so it is
+    never split: a template that rewrites turns is a TemplateMismatch there.
+    With capacity, a sample whose history is more characters than capacity tokens can hold is None (it cannot fit;
+    it is not tokenized), and once the user turns and tool results alone are (every later history holds them), the
+    rest of the conversation is one None: a long conversation costs a rendering per turn, not a tokenization."""
     conv = Conversation(tokenizer, messages, date, tools, train_reasoning)
     try:
         return Turns([_whole(conv, train_on, keep_as_text, capacity)])
     except TemplateMismatch:
         if train_on == "all":
             raise
-    turns = _trained_turns(conv.messages, 0)
-    samples: list[Rendered] = []
+    limit = None if capacity is None else capacity * longest_token(conv.tokenizer)  # chars no fitting history has
+    samples: list[Rendered | None] = []
     group: list[_Turn] = []
-    text, upto_n = "", 0
-    for i in turns[-1:] if train_on == "last" else turns:
-        if capacity is not None and conv.user_chars(i) > capacity * longest_token(conv.tokenizer):
-            break  # the user turns so far are in every later turn's history
+    text, upto_n, covered, cut = "", 0, 0, False
+    for i in _trained_turns(conv.messages, 0)[-1 if train_on == "last" else 0:]:
+        if limit is not None and conv.verbatim_chars(i) > limit:
+            cut = True
+            break
         ctx, upto = conv.render(i, prompt=True), conv.render(i + 1)
         if not upto.startswith(ctx):
             raise TemplateMismatch  # the turn cannot be found even alone
         if group and not upto.startswith(text):
-            samples.append(_sample(conv, upto_n, text, group, keep_as_text))
+            samples.append(_sample(conv, upto_n, text, group, keep_as_text, limit))
+            covered = upto_n if samples[-1] is not None else covered
             group = []
         group.append(_turn(i, len(ctx), upto))
         text, upto_n = upto, i + 1
     if group:
         full = conv.render(len(conv.messages))
-        if full.startswith(text):  # the last run takes the messages after its last turn, as a whole rendering does
+        if not cut and full.startswith(text):  # the last run takes the messages after its last turn, as a whole does
             text, upto_n = full, len(conv.messages)
-        samples.append(_sample(conv, upto_n, text, group, keep_as_text))
-    return Turns(samples, len(_ids(conv, len(conv.messages), conv.render(len(conv.messages)), keep_as_text)[0]))
+        samples.append(_sample(conv, upto_n, text, group, keep_as_text, limit))
+        covered = upto_n if samples[-1] is not None else covered
+    if cut:
+        samples.append(None)
+    whole = len(_ids(conv, covered, conv.render(covered), keep_as_text)[0]) if covered else 0
+    return Turns(samples, whole)
 
 
-def _sample(conv: Conversation, n: int, text: str, turns: list[_Turn], keep_as_text: re.Pattern | None) -> Rendered:
-    """The first n messages' rendering text, tokenized and masked for turns."""
+def _sample(conv: Conversation, n: int, text: str, turns: list[_Turn], keep_as_text: re.Pattern | None,
+            limit: int | None) -> Rendered | None:
+    """The first n messages' rendering text, tokenized and masked for turns; None when the history before the first
+    turn is more than limit characters (more tokens than a block holds)."""
+    if limit is not None and turns[0].start > limit:
+        return None
     conv.check_tools(n)
     ids, starts = _ids(conv, n, text, keep_as_text)
     return _masked(ids, starts, _trained(conv, turns, text), False)
@@ -246,6 +259,8 @@ def _contents_as_text(conv: Conversation, n: int, full: str, keep_as_text: re.Pa
                     verbose=False)
     for token, (a, b) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
         if token in special:
+            if full[a:b] != blanked[a:b]:  # the template rendered the blanked data otherwise, not only blanked
+                raise TemplateMismatch
             text_ids, text_starts = _encode(tokenizer, full[done:a], split_special=True, at=done)
             ids += [*text_ids, token]
             starts += [*text_starts, a]

@@ -17,13 +17,15 @@ import numpy as np
 from jinja2.exceptions import TemplateError
 
 from pipeline.data import chat_tokens, packing
+from pipeline.data.chat_render import NotRendered
 from pipeline.prep.conversations import BadConversation
 
 CHOSEN = 4
 """Flag bit of every token of a chosen answer's sequence (packing's TRAIN is 1, START 2)."""
 REJECTED = 8
 """Flag bit of every token of a rejected answer's sequence."""
-STATUS = ("kept", "truncated", "dropped_too_long", "malformed", "template_mismatch", "template_error")
+STATUS = ("kept", "truncated", "dropped_too_long", "malformed", "template_mismatch", "template_error",
+          "tools_not_rendered", "reasoning_not_rendered")
 
 
 @dataclass
@@ -123,6 +125,8 @@ def tokenize_pairs_batch(batch: dict, tokenizer, date: str, capacity: int, keep_
             fitted, status = None, "template_mismatch"
         except TemplateError:  # the template's own raise_exception
             fitted, status = None, "template_error"
+        except NotRendered as exc:  # a hub dataset's answer with a trace or calls its template leaves out
+            fitted, status = None, str(exc)
         empty_ids, empty_mask = np.zeros(0, np.uint32), np.zeros(0, np.uint8)
         out["chosen"].append(fitted.chosen if fitted else empty_ids)
         out["chosen_trained"].append(fitted.chosen_trained.astype(np.uint8) if fitted else empty_mask)

@@ -97,7 +97,7 @@ def run_fingerprint(cfg: Config, model_dir: Path, hf_config, data: list[DataSour
     dataset is each source's name, contents and weight (another weight is another run)."""
     conf = {k: v for k, v in hf_config.to_dict().items() if k not in ("transformers_version", "_name_or_path")}
     dataset = data[0].fingerprint if len(data) == 1 else ",".join(
-        f"{d.source.name}={d.fingerprint}:{d.source.weight:g}" for d in data)
+        f"{d.source.name}={d.fingerprint}:{d.source.weight!r}" for d in data)
     return {
         "model_name": cfg.model.model_name,
         "model_config": hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode()).hexdigest()[:16],
