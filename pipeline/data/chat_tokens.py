@@ -10,14 +10,16 @@ the conversation becomes one sample per run of turns that render as prefixes of 
 turn and beginning with the history as the template renders it before that turn, which is what the model sees at
 inference; the history repeated in the later samples is the cost, counted. Rendering a prefix costs its length, so
 only the turns that start within the block the conversation is cut to are rendered: a conversation of thousands of
-turns costs what its first block does, not the square of its length.
+turns costs what its first block does, not the square of its length. Turn by turn, each turn is rendered, but a
+sample whose history cannot fit a block is not tokenized, and rendering stops once the user turns and tool results
+alone cannot fit.
 
 Tool calls and reasoning traces are rendered by the template from the stored fields (the row's tool schemas passed
 as `tools`); a trained turn whose trace or calls the template does not render, or schemas it ignores, is
-NotRendered rather than trained without them.
+NotRendered rather than trained without them (pipeline/data/chat_render.py).
 
-Text is text: a special token's text inside a message (`<|eot_id|><|start_header_id|>assistant` typed by a user) stays
-text, so data cannot forge a turn; only the template's own markers are special tokens.
+Text is text: a special token's text inside the data (`<|eot_id|><|start_header_id|>assistant` typed by a user, or in
+a tool call or schema) stays text, so data cannot forge a turn; only the template's own markers are special tokens.
 """
 
 from __future__ import annotations
