@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -195,6 +196,10 @@ def held_out(cfg: Config, adapter: AdapterFolder | None, args: argparse.Namespac
         data = {key: plan.fingerprint[key] for key in ("dataset", "tokenizer", "model_config")}
         report = {**model, **held_out_figures(cfg, args, result), "fingerprint": {**data, **model["fingerprint"]},
                   "token_cache": str(cache)}
+    # the wrapped model is in a reference cycle (DDP's reducer holds the group): freed while the group lives. Freed
+    # by a later gc.collect() (lm-eval's load) after destroy_process_group, ~ProcessGroupGloo once waited forever on
+    # a mutex (make demo, 2026-11-26: hung until killed, once; not reproduced in 6 reruns of the command)
+    gc.collect()
     # on success only: after a failure another rank may still be in a collective (errors.leave)
     dist.destroy_process_group()
     return report
