@@ -20,11 +20,11 @@ from pipeline.prep.conversations import BadConversation
 
 def _tokenize_chats(batch: dict, tokenizer, spec: BlockSpec) -> dict:
     """Each conversation -> its samples (one, or one per run of turns when its template rewrites earlier turns:
-    chat_tokens.tokenize_turns), each with its ids, trained mask (uint8), status (an index into chat_tokens.STATUS)
-    and part (its place among its conversation's samples), fitted into one block; the first sample of a split
-    conversation carries the tokens of one whole rendering of it and its samples' tokens beyond those, before
-    fitting (whole, extra; 0 otherwise)."""
-    out: dict[str, list] = {"input_ids": [], "trained": [], "status": [], "part": [], "whole": [], "extra": []}
+    chat_tokens.tokenize_turns), each with its ids, trained mask (uint8) and status (an index into
+    chat_tokens.STATUS), fitted into one block; the first sample of a split conversation carries how many samples
+    it became, the tokens of one whole rendering of it and its samples' tokens beyond those, before fitting (split,
+    whole, extra; 0 otherwise)."""
+    out: dict[str, list] = {"input_ids": [], "trained": [], "status": [], "split": [], "whole": [], "extra": []}
     keep_as_text = None if spec.special_tokens_in_data else chat_tokens.special_texts(tokenizer)
     tools = batch.get("tools") or [""] * len(batch["messages"])  # datasets written before tools had no column
     for messages, schemas in zip(batch["messages"], tools, strict=True):
@@ -48,7 +48,7 @@ def _tokenize_chats(batch: dict, tokenizer, spec: BlockSpec) -> dict:
             out["input_ids"].append(sample.ids if sample else np.zeros(0, np.uint32))
             out["trained"].append(sample.trained.astype(np.uint8) if sample else np.zeros(0, np.uint8))
             out["status"].append(chat_tokens.STATUS.index(status))
-            out["part"].append(part)
+            out["split"].append(len(fitted) if part == 0 and whole else 0)
             out["whole"].append(whole if part == 0 else 0)
             out["extra"].append(extra if part == 0 else 0)
     return out
@@ -84,7 +84,7 @@ def pair_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path) -> tu
 def chat_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path
                  ) -> tuple[np.ndarray, np.ndarray, dict, dict]:
     """Conversation rows rendered, masked and packed whole into blocks; what happened to their samples, by status;
-    the conversations trained turn by turn, their samples, the history tokens those repeat and the tokens kept."""
+    what rendering turn by turn cost (_turn_by_turn)."""
     with datasets_bars(sys.stderr.isatty()), naming(work):
         tokenized = ds.map(_tokenize_chats, remove_columns=ds.column_names, desc="tokenizing conversations",
                            fn_kwargs={"tokenizer": tokenizer, "spec": spec},
@@ -101,10 +101,6 @@ def chat_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path
 def _turn_by_turn(tokenized) -> dict:
     """The conversations split into samples, the samples, the tokens of one whole rendering of each and the tokens
     their samples hold beyond those (before fitting into blocks: what rendering turn by turn costs)."""
-    part = np.asarray(tokenized.data.column("part").to_numpy())
-    whole = np.asarray(tokenized.data.column("whole").to_numpy())
-    extra = np.asarray(tokenized.data.column("extra").to_numpy())
-    conversation = np.cumsum(part == 0) - 1  # each sample's conversation
-    split = np.flatnonzero(whole > 0)
-    return {"conversations": len(split), "samples": int(np.isin(conversation, conversation[split]).sum()),
-            "whole_tokens": int(whole.sum()), "extra_tokens": int(extra.sum())}
+    split, whole, extra = (np.asarray(tokenized.data.column(name).to_numpy()) for name in ("split", "whole", "extra"))
+    return {"conversations": int((split > 0).sum()), "samples": int(split.sum()), "whole_tokens": int(whole.sum()),
+            "extra_tokens": int(extra.sum())}

@@ -15,6 +15,7 @@ from pipeline.prep.conversations import (
     TOOL_KEYS,
     BadConversation,
     check,
+    first_of,
     tool_calls,
     tools_of,
 )
@@ -52,7 +53,7 @@ def template_messages(messages: list[dict]) -> list[dict]:
     out = []
     for m in messages:
         # a hub dataset may name them as DATA-HF's reader accepts them (the older function_call, thinking...)
-        m = {**m, "tool_calls": _first(m, TOOL_KEYS), "reasoning_content": _first(m, REASONING_KEYS)}
+        m = {**m, "tool_calls": first_of(m, TOOL_KEYS), "reasoning_content": first_of(m, REASONING_KEYS)}
         content = "" if m.get("content") is None and m["tool_calls"] else m.get("content")
         if m.get("role") not in ROLES or not isinstance(content, str):
             raise BadConversation("malformed_message")
@@ -64,11 +65,6 @@ def template_messages(messages: list[dict]) -> list[dict]:
         out.append(message)
     check(out)
     return out
-
-
-def _first(message: dict, keys: tuple[str, ...]) -> object:
-    """The first of these fields the message has (not empty), or None."""
-    return next((message[k] for k in keys if message.get(k)), None)
 
 
 @cache
@@ -87,13 +83,13 @@ class Conversation:
         self.messages = template_messages(messages)
         schemas = tools if isinstance(tools, str) or not tools else _without_nulls(tools)
         self.tools = json.loads(tools_of(schemas)) if schemas else None
-        self._rendered: dict[tuple[int, bool], str] = {}
+        self._rendered: dict[tuple[int, bool, bool], str] = {}
 
-    def render(self, n: int, prompt: bool = False) -> str:
-        """The first n messages rendered (with the generation prompt)."""
-        key = (n, prompt)
+    def render(self, n: int, prompt: bool = False, tools: bool = True) -> str:
+        """The first n messages rendered (with the generation prompt; without the schemas)."""
+        key = (n, prompt, tools)
         if key not in self._rendered:
-            self._rendered[key] = render(self.tokenizer, self.messages[:n], self.date, self.tools,
+            self._rendered[key] = render(self.tokenizer, self.messages[:n], self.date, self.tools if tools else None,
                                          add_generation_prompt=prompt)
         return self._rendered[key]
 
@@ -125,7 +121,7 @@ class Conversation:
 
     def check_tools(self, n: int) -> None:
         """A template given schemas renders them: the first n messages render otherwise without them."""
-        if self.tools and self.render(n) == render(self.tokenizer, self.messages[:n], self.date):
+        if self.tools and self.render(n) == self.render(n, tools=False):
             raise NotRendered("tools_not_rendered")
 
     def holds(self, pattern: re.Pattern, n: int) -> bool:

@@ -54,8 +54,8 @@ class Turns:
 
     samples: list[Rendered | None]
     whole: int = 0
-    """Tokens of one rendering of the messages the tokenized samples cover, where the conversation was split (0
-    where not): the samples' tokens beyond it are what rendering turn by turn costs."""
+    """Tokens of one rendering of the messages the tokenized samples cover (the last one's), where the conversation
+    was split (0 where not): the samples' tokens beyond it are what rendering turn by turn costs."""
 
     @property
     def extra(self) -> int:
@@ -177,7 +177,7 @@ def tokenize_turns(tokenizer, messages: list[dict], date: str, train_on: str, ke
     limit = None if capacity is None else capacity * longest_token(conv.tokenizer)  # chars no fitting history has
     samples: list[Rendered | None] = []
     group: list[_Turn] = []
-    text, upto_n, covered, cut = "", 0, 0, False
+    text, upto_n, cut = "", 0, False
     for i in _trained_turns(conv.messages, 0)[-1 if train_on == "last" else 0:]:
         if limit is not None and conv.verbatim_chars(i) > limit:
             cut = True
@@ -187,7 +187,6 @@ def tokenize_turns(tokenizer, messages: list[dict], date: str, train_on: str, ke
             raise TemplateMismatch  # the turn cannot be found even alone
         if group and not upto.startswith(text):
             samples.append(_sample(conv, upto_n, text, group, keep_as_text, limit))
-            covered = upto_n if samples[-1] is not None else covered
             group = []
         group.append(_turn(i, len(ctx), upto))
         text, upto_n = upto, i + 1
@@ -196,11 +195,11 @@ def tokenize_turns(tokenizer, messages: list[dict], date: str, train_on: str, ke
         if not cut and full.startswith(text):  # the last run takes the messages after its last turn, as a whole does
             text, upto_n = full, len(conv.messages)
         samples.append(_sample(conv, upto_n, text, group, keep_as_text, limit))
-        covered = upto_n if samples[-1] is not None else covered
     if cut:
         samples.append(None)
-    whole = len(_ids(conv, covered, conv.render(covered), keep_as_text)[0]) if covered else 0
-    return Turns(samples, whole)
+    # the last tokenized sample is the rendering of every message the tokenized samples cover
+    last = next((r for r in reversed(samples) if r is not None), None)
+    return Turns(samples, len(last.ids) if last is not None else 0)
 
 
 def _sample(conv: Conversation, n: int, text: str, turns: list[_Turn], keep_as_text: re.Pattern | None,

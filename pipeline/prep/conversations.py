@@ -128,13 +128,17 @@ def tools_of(value: object) -> str:
     return dumps(schemas)
 
 
+def first_of(item: dict, keys: tuple[str, ...]) -> object:
+    """The first of these fields the message has, not empty (TOOL_KEYS, REASONING_KEYS), or None."""
+    return next((item[k] for k in keys if item.get(k)), None)
+
+
 def _message(item: dict, name: str, role: str, content_key: str, plain: bool) -> dict:
     """One message in the stored form; plain: tool calls and reasoning traces are refused (a preference pair)."""
-    calls = item.get(content_key) if name == "function_call" else next((item[k] for k in TOOL_KEYS if item.get(k)),
-                                                                         None)
+    calls = item.get(content_key) if name == "function_call" else first_of(item, TOOL_KEYS)
     if name == "function_call" and calls is None:
         raise BadConversation("malformed_tool_call")
-    reasoning = next((item[k] for k in REASONING_KEYS if item.get(k)), None)
+    reasoning = first_of(item, REASONING_KEYS)
     if plain and (role == "tool" or calls is not None):
         raise BadConversation("tool_calls")
     if plain and reasoning is not None:
