@@ -133,12 +133,14 @@ lint: $(STAMP)
 clean-demo:
 	rm -rf $(DEMO)
 
-# Everything GPU-only in one command that fits a lent GPU's window (bench/gpu_check.py): on the GPU machine, whose
-# image has torch but lacks some wheels (`make gpu-wheels` here first, and carry .whl), it runs with the image's
-# python; DRY=1 rehearses every part on this machine's CPU with tiny shapes (tests/test_gpu_check.py runs it).
-# PARTS=a,b runs those parts only; GPU_CHECK_ARGS passes more (--workdir, --results).
+# Everything GPU-only (bench/gpu_check.py) in two halves, each one device call of at most 300 s: HALF=1 (setup,
+# correctness, adapters) and HALF=2 (setup, cuda_tests, full_speed); neither: both in one call. On the GPU machine,
+# whose image has torch but lacks some wheels (`make gpu-wheels` here first, and carry .whl), it runs with the
+# image's python; DRY=1 rehearses every part on this machine's CPU with tiny shapes (tests/test_gpu_check.py runs
+# it). PARTS=a,b runs those parts only; GPU_CHECK_ARGS passes more (--workdir, --results).
 gpu-check: $(if $(DRY),$(STAMP) $(LM_EVAL_STAMP))
-	$(if $(DRY),$(PY),$(PYTHON)) bench/gpu_check.py $(if $(DRY),--dry) $(if $(PARTS),--parts $(PARTS)) $(GPU_CHECK_ARGS)
+	$(if $(DRY),$(PY),$(PYTHON)) bench/gpu_check.py $(if $(DRY),--dry) $(if $(HALF),--half $(HALF)) \
+		$(if $(PARTS),--parts $(PARTS)) $(GPU_CHECK_ARGS)
 
 # The wheels the GPU image lacks or has at other versions (transformers 5.17 there on 2026-11-26), at this project's
 # pins, into .whl/ (../shared/gpu/wheels.sh); regex because transformers checks its version at import

@@ -1,26 +1,31 @@
-"""make gpu-check: everything that only a GPU can check or measure, in one command that fits a lent GPU's window.
+"""make gpu-check: everything that only a GPU can check or measure, in two halves that each fit a lent GPU's window.
 
     make gpu-wheels                      # here, before the GPU call: the wheels the GPU image lacks, into .whl/
-    make gpu-check                       # on the GPU (carry .whl): at most 560 s, its parts' budgets
-    make gpu-check PARTS=adapters        # one part again, in a second call
+    make gpu-check HALF=1                # on the GPU (carry .whl): setup, correctness, adapters; at most 300 s
+    make gpu-check HALF=2                # on the GPU, the next call: setup, cuda_tests, full_speed; at most 300 s
+    make gpu-check                       # both halves in one call (at most 600 s)
+    make gpu-check PARTS=adapters        # one part again
     make gpu-check DRY=1                 # the rehearsal: every part on the CPU, tiny shapes, a few steps
 
-Parts, in order, each in its own process under its own time budget (a part that hangs is killed and the next one
-runs), each writing its results to the results file (JSON lines) as they complete, so what finished comes back
-even when a later part runs out of time:
+Parts, in order, each in its own process under its own time budget and under what is left of the half's (a part
+that runs out is killed, the rows it finished stay, and the next part runs), each writing its results to the
+results file (JSON lines) as they complete, so what finished comes back even when a later part runs out of time.
+Every process a part starts gets the caller's environment (PYTHONPATH included: the GPU image finds the carried
+wheels through it).
 
     setup        every import the run needs, with versions, and the device; nothing else runs without it
-    correctness  the tests that need CUDA (tests/test_gpu.py; CPU offload under fsdp1 and fsdp2 with pinned
-                 memory), and beside them a few steps of fsdp2, ddp, LoRA and QLoRA on the tiny model, each
-                 killed after a checkpoint and resumed, its losses equal to an uninterrupted run's
-    full_speed   Llama-3.2-1B's shape, seq 2048, bf16: fsdp1.py with its defaults, compile off and on, against
-                 the compiled HF Trainer at the same batch (tokens/s, MFU, peak memory)
-    adapters     LoRA and QLoRA on Llama-3.1-8B's shape against HF Trainer + peft LoRA (tokens/s, peak memory;
-                 the QLoRA goal: 8B in 10 GiB)
-    extras       fp16 with dynamic loss scaling: a few steps on the tiny model, the scale in the metrics
+    correctness  fsdp2, ddp, LoRA and QLoRA on the tiny model, each killed after a checkpoint and resumed, its
+                 losses equal to an uninterrupted run's; beside them fp16 with dynamic loss scaling
+    cuda_tests   the tests that need CUDA (tests/test_gpu.py; CPU offload under fsdp1 and fsdp2), in concurrent
+                 groups
+    full_speed   Llama-3.2-1B's shape, seq 2048, bf16, 30 steps: fsdp1.py with its defaults, compile off and on,
+                 against the compiled HF Trainer at the same batch (tokens/s, MFU, peak memory); the compiled pair
+                 profiled over three steady steps (top kernels, the step split by kind of work)
+    adapters     LoRA and QLoRA on Llama-3.1-8B's shape at batch 1 x 2048 against HF Trainer + peft LoRA (tokens/s,
+                 peak memory; the QLoRA goal: 8B in 10 GiB), QLoRA's peak broken down from its profile
 
-Then BENCHMARKS.md's GPU sections (train_speed_gpu, adapters_gpu) are rewritten from the results (not in a dry
-run, whose tables go to its work folder). Exit status: 0 when every part passed, 1 otherwise.
+Then BENCHMARKS.md's GPU sections (train_speed_gpu, adapters_gpu, gpu_profile) are rewritten from the results (not
+in a dry run, whose tables go to its work folder). Exit status: 0 when every part passed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -52,13 +57,16 @@ class Part:
     """Seconds in the CPU rehearsal."""
 
 
-PARTS = {"setup": Part(30, 60), "correctness": Part(120, 300), "full_speed": Part(160, 240),
-         "adapters": Part(200, 240), "extras": Part(50, 90)}
-"""Budgets: 560 s on a GPU in all, from what the parts took on an H200 (2026-11-26): setup 12.5-15.1 s (a fresh
-machine's first imports), the resumed runs 84 s at 200 steps (the CUDA tests beside them did not finish in 100 s),
-full_speed 134 s, adapters 27 s to build the 8B model plus 42-53 s a variant, extras 29 s (a CUDA process's start is
-most of it). A part stops at its budget, so a call of `timeout_s` 600 holds them all; --budget changes one for a
-rerun."""
+PARTS = {"setup": Part(20, 60), "correctness": Part(110, 300), "cuda_tests": Part(100, 120),
+         "full_speed": Part(200, 240), "adapters": Part(220, 240)}
+"""Budgets, 25% or more above what the parts took on an H200 (2026-11-26): setup 12.5-15.1 s (a fresh machine's
+first imports); correctness's resumed runs 84-85 s (two launches of four runs side by side; the fp16 run beside
+them took 29 s alone); the CUDA tests 136 s in one pytest process (45, 30 and 16 s for test_gpu.py's three), hence
+concurrent groups; full_speed 134 s for three variants of 20 steps (its data and model built), plus 10 steps and
+two profiles now; adapters 27 s to build the 8B model plus 42-53 s a variant."""
+HALVES = {"1": ("setup", "correctness", "adapters"), "2": ("setup", "cuda_tests", "full_speed")}
+"""Each half is one device call: at most HALF_S seconds of parts, setup first in each (a fresh machine may come)."""
+HALF_S = 300
 
 
 @dataclass(frozen=True)
@@ -82,11 +90,11 @@ class Shapes:
     both speed parts."""
     full_speed: Load
     adapters: Load
-    """8B at batch 2 with activation checkpointing: the shape of the 10 GiB QLoRA goal, and what fits HF + peft's
-    bf16 base beside its activations on one GPU."""
+    """8B at batch 1 x 2048 with activation checkpointing: the shape of the 10 GiB QLoRA goal; HF + peft's bf16 base
+    beside its activations fits one GPU there too."""
 
 
-GPU = Shapes(2048, 16, Load("llama-3.2-1b", 8, 20, 10), Load("llama-3.1-8b", 2, 15, 5))
+GPU = Shapes(2048, 16, Load("llama-3.2-1b", 8, 30, 10), Load("llama-3.1-8b", 1, 15, 5))
 DRY = Shapes(64, 0, Load("tiny", 2, 10, 5), Load("tiny", 2, 10, 5))
 
 
@@ -156,8 +164,12 @@ RESUME_STEPS, DRY_RESUME_STEPS = 100, 20
 """Steps of each resumed run: on a GPU 100 (2 s of steps after the first checkpoint), on the CPU 20."""
 """A dry run's cases: the two furthest apart (sharded full fine-tuning; 4-bit adapters under ddp); the others
 differ from them by their flags alone."""
-GPU_TESTS = ["tests/test_gpu.py", "tests/test_strategies.py", "-k", "gpu or cpu_offload"]
-"""The tests that need CUDA: test_gpu.py, and CPU offload under fsdp1 and fsdp2 with pinned memory."""
+GPU_TEST_GROUPS = (("tests/test_gpu.py", "-k", "bf16_async"), ("tests/test_gpu.py", "-k", "not bf16_async"),
+                   ("tests/test_strategies.py", "-k", "cpu_offload"))
+"""The tests that need CUDA, in groups that run side by side: test_gpu.py's longest test, its other two, and CPU
+offload under fsdp1 and fsdp2 with pinned memory."""
+DRY_TEST_GROUPS = (("tests/test_gpu.py",),)
+"""On the CPU test_gpu.py skips every test, which is the rehearsal's pass (the offload tests run in make test)."""
 
 
 def tiny_run(work: Path, inputs: dict, name: str, flags: list[str], steps: int, *extra: object) -> list[str]:
@@ -226,36 +238,88 @@ def killed_and_resumed(work: Path, inputs: dict, cases: dict[str, list[str]], st
 
 
 def correctness(args, out: Results) -> None:
-    """The CUDA-only tests (beside the runs), then every case killed and resumed; raises when one fails."""
-    # bench_env keeps PYTHONPATH: on the GPU image the carried wheels (datasets, peft, torchao) are found through it.
-    # The output goes to a log in the work folder, so that a part killed at its budget still shows how far they got.
-    log = args.workdir / "cuda-tests.log"
-    log.unlink(missing_ok=True)
-    tests = started([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--durations", "0",
-                     *(["tests/test_gpu.py"] if args.dry else GPU_TESTS)], bench_env(), log)
+    """Every case killed and resumed, and fp16 beside them (tiny models: launch time is all there is); raises when
+    one fails."""
+    inputs = tiny_inputs(args.workdir)
+    fp16 = Fp16(args.workdir / "fp16", inputs)
     cases = {n: RESUME_CASES[n] for n in DRY_RESUME_CASES} if args.dry else RESUME_CASES
     steps = DRY_RESUME_STEPS if args.dry else RESUME_STEPS
     failed = []
-    for name, result in killed_and_resumed(args.workdir / "resume", tiny_inputs(args.workdir), cases, steps).items():
+    for name, result in killed_and_resumed(args.workdir / "resume", inputs, cases, steps).items():
         out.write(item=f"resume {name}", **result)
         if not result["ok"]:
             failed.append(name)
-    tests.wait()
-    output = log.read_text(errors="replace")
-    summary = (output.strip().splitlines() or ["no output"])[-1]
-    # a dry run has no CUDA: every test is skipped, which is its pass
-    passed = tests.returncode == 0 and (not args.dry or "passed" not in summary)
-    out.write(item="CUDA tests", ok=passed, summary=summary,
-              failures=[line for line in output.splitlines() if line.startswith(("FAILED", "ERROR"))][:20])
-    if not passed:
-        failed.append("CUDA tests")
+    result = fp16.result()
+    out.write(item="fp16", **result)
+    if not result["ok"]:
+        failed.append("fp16")
     if failed:
         raise SystemExit(f"failed: {', '.join(failed)}")
 
 
-def speed(args, out: Results, load: Load, variants: list[str]) -> None:
-    """Each variant measured as bench/train_speed_gpu.py does, one result line each (its format). The dataset is
-    the two parts' own (built once); the model and its token cache the preset's."""
+class Fp16:
+    """fp16 with dynamic loss scaling: a few steps that must be finite, fall, and log the scale. Started at once,
+    read by result()."""
+
+    STEPS = 8
+
+    def __init__(self, work: Path, inputs: dict) -> None:
+        shutil.rmtree(work, ignore_errors=True)
+        self.work, self.log = work, work.parent / "fp16.log"
+        self.log.unlink(missing_ok=True)
+        self.proc = started(tiny_run(work, inputs, "fp16", [], self.STEPS, "--precision", "fp16", "--ckpt-freq", "0"),
+                            inputs["env"], self.log)
+
+    def result(self) -> dict:
+        from pipeline.train.telemetry import read_metrics
+
+        self.proc.wait()
+        metrics = self.work / "fp16" / "metrics.jsonl"
+        events = read_metrics(metrics) if metrics.exists() else []
+        train = [e for e in events if e["event"] == "train"]
+        # a step whose fp16 gradients overflow is skipped and the scale halved (on an H200 the tiny model's first
+        # step overflows at 65536): every step is trained or skipped for overflow, none lost
+        overflowed = [e["step"] for e in events if e["event"] == "skipped" and e.get("overflow")]
+        loss = [e["loss"] for e in train]
+        ok = (self.proc.returncode == 0 and len(loss) + len(overflowed) == self.STEPS and len(loss) >= 6
+              and all(map(math.isfinite, loss)) and loss[-1] < loss[0] and all(e.get("loss_scale") for e in train))
+        return {"ok": ok, "exit": self.proc.returncode, "losses": loss, "overflowed_steps": overflowed,
+                "loss_scale": [e.get("loss_scale") for e in train],
+                "error": None if self.proc.returncode == 0 else last_line(self.log)}
+
+
+def cuda_tests(args, out: Results) -> None:
+    """The CUDA-only tests, their groups side by side, each with its own pytest folder and log (a part killed at its
+    budget still shows how far they got); raises when one fails."""
+    # bench_env keeps PYTHONPATH: on the GPU image the carried wheels (datasets, peft, torchao) are found through it
+    groups = DRY_TEST_GROUPS if args.dry else GPU_TEST_GROUPS
+    runs = []
+    for i, group in enumerate(groups):
+        log = args.workdir / f"cuda-tests-{i + 1}.log"
+        log.unlink(missing_ok=True)
+        shutil.rmtree(args.workdir / f"pytest-{i + 1}", ignore_errors=True)
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--durations", "0", "--basetemp",
+               str(args.workdir / f"pytest-{i + 1}"), *group]
+        runs.append((group, log, started(cmd, bench_env(), log)))
+    failed = []
+    for group, log, proc in runs:
+        proc.wait()
+        output = log.read_text(errors="replace")
+        summary = (output.strip().splitlines() or ["no output"])[-1]
+        # a dry run has no CUDA: every test is skipped, which is its pass
+        passed = proc.returncode == 0 and (not args.dry or "passed" not in summary)
+        out.write(item=f"CUDA tests: {' '.join(group)}", ok=passed, summary=summary,
+                  failures=[line for line in output.splitlines() if line.startswith(("FAILED", "ERROR"))][:20])
+        if not passed:
+            failed.append(" ".join(group))
+    if failed:
+        raise SystemExit(f"failed: {'; '.join(failed)}")
+
+
+def speed(args, out: Results, load: Load, variants: list[str], profiled: tuple[str, ...]) -> None:
+    """Each variant measured as bench/train_speed_gpu.py does, one result line each (its format); those in profiled
+    also profiled over three steps after the measured ones. The dataset is the two parts' own (built once); the
+    model and its token cache the preset's."""
     import statistics
 
     import train_speed_gpu as tsg
@@ -272,7 +336,8 @@ def speed(args, out: Results, load: Load, variants: list[str]) -> None:
     for name in variants:
         system, flags, _ = tsg.VARIANTS[name]
         t0 = time.time()
-        r = (tsg.run_ours if system == "ours" else tsg.run_hf)(run_args, name, flags, inputs, load.batch)
+        r = (tsg.run_ours if system == "ours" else tsg.run_hf)(run_args, name, flags, inputs, load.batch,
+                                                               profile=name in profiled)
         adapter = "lora" in name
         out.write(item=name, variant=name, system=system, batch=load.batch, seq=shapes.seq, steps=run_args.steps,
                   preset=preset,
@@ -288,41 +353,21 @@ def speed(args, out: Results, load: Load, variants: list[str]) -> None:
 
 def full_speed(args, out: Results) -> None:
     # a dry run leaves compilation out (minutes of C++ builds on 2 cores); its flags are all that differs
-    variants = ["ours-default", "hf"] if args.dry else ["ours-default", "ours-default-compile", "hf-compile"]
-    speed(args, out, (DRY if args.dry else GPU).full_speed, variants)
+    # the peer first, then ours at its best: a part cut by the half's time loses the least telling row
+    if args.dry:
+        speed(args, out, DRY.full_speed, ["hf", "ours-default"], ("hf", "ours-default"))
+    else:
+        speed(args, out, GPU.full_speed, ["hf-compile", "ours-default-compile", "ours-default"],
+              ("hf-compile", "ours-default-compile"))
 
 
 def adapters(args, out: Results) -> None:
-    variants = ["ours-qlora", "hf-peft-lora"] if args.dry else ["ours-lora", "ours-qlora", "hf-peft-lora"]
-    speed(args, out, (DRY if args.dry else GPU).adapters, variants)
+    variants = ["hf-peft-lora", "ours-qlora"] if args.dry else ["hf-peft-lora", "ours-lora", "ours-qlora"]
+    speed(args, out, (DRY if args.dry else GPU).adapters, variants, ("ours-qlora",))
 
 
-def extras(args, out: Results) -> None:
-    """fp16 with dynamic loss scaling: a few steps, finite losses that fall, the scale logged."""
-    from pipeline.train.telemetry import read_metrics
-
-    inputs = tiny_inputs(args.workdir)
-    work = args.workdir / "fp16"
-    shutil.rmtree(work, ignore_errors=True)
-    proc = subprocess.run(tiny_run(work, inputs, "fp16", [], 8, "--precision", "fp16", "--ckpt-freq", "0"),
-                          cwd=ROOT, env=inputs["env"], capture_output=True, text=True)
-    metrics = work / "fp16" / "metrics.jsonl"
-    events = read_metrics(metrics) if metrics.exists() else []
-    train = [e for e in events if e["event"] == "train"]
-    # a step whose fp16 gradients overflow is skipped and the scale halved (on an H200 the tiny model's first step
-    # overflows at 65536): every step is trained or skipped for overflow, none lost
-    overflowed = [e["step"] for e in events if e["event"] == "skipped" and e.get("overflow")]
-    loss = [e["loss"] for e in train]
-    ok = (proc.returncode == 0 and len(loss) + len(overflowed) == 8 and len(loss) >= 6
-          and all(map(math.isfinite, loss)) and loss[-1] < loss[0] and all(e.get("loss_scale") for e in train))
-    out.write(item="fp16", ok=ok, exit=proc.returncode, losses=loss, overflowed_steps=overflowed,
-              loss_scale=[e.get("loss_scale") for e in train],
-              error=None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["no output"])[-1])
-    if not ok:
-        raise SystemExit("fp16 did not train as it should")
-
-
-RUN = {"setup": setup, "correctness": correctness, "full_speed": full_speed, "adapters": adapters, "extras": extras}
+RUN = {"setup": setup, "correctness": correctness, "cuda_tests": cuda_tests, "full_speed": full_speed,
+       "adapters": adapters}
 
 
 # ------------------------------------------------------------------------------------------------- the driver
@@ -343,14 +388,20 @@ def passed_on(args) -> list[str]:
 
 
 def budget_of(args, part: str) -> int:
+    if args.part_budget:  # a child: what its parent gave it (the half's time left may have cut it)
+        return args.part_budget
     return args.budget.get(part) or (PARTS[part].dry_budget_s if args.dry else PARTS[part].budget_s)
 
 
-def run_part(args, name: str, session: str) -> dict:
-    """The part in a child process under its budget; what it wrote stays in the results file either way."""
-    budget = budget_of(args, name)
+def run_part(args, name: str, session: str, left: float) -> dict:
+    """The part in a child process under its budget or the time left, whichever is less; what it wrote stays in the
+    results file either way."""
+    budget = int(min(budget_of(args, name), left))
+    if budget < 5:
+        return {"status": "not run", "seconds": 0.0, "budget_s": budget, "last_line": "no time left in this half"}
     cmd = [sys.executable, __file__, "--part", name, "--session", session, "--workdir", str(args.workdir),
-           "--results", str(args.results), *(["--dry"] if args.dry else []), *passed_on(args)]
+           "--results", str(args.results), "--part-budget", str(budget), *(["--dry"] if args.dry else []),
+           *passed_on(args)]
     log = args.workdir / f"{name}.log"
     start = time.time()
     with open(log, "w") as f:
@@ -369,13 +420,23 @@ def run_part(args, name: str, session: str) -> dict:
 
 
 def write_tables(args, results: list[dict]) -> list[Path]:
-    """The GPU sections from the latest result of each speed variant: into BENCHMARKS.md, or the work folder's
-    tables.md in a dry run."""
+    """The GPU sections from the latest result of each speed variant and the latest profiles: into BENCHMARKS.md,
+    or the work folder's SECTION.md files in a dry run."""
+    import gpu_profile
     import train_speed_gpu as tsg
 
     shapes = DRY if args.dry else GPU
     command = f"`make gpu-check` (bench/gpu_check.py; results: {tsg.shown(args.results)})"
     written = []
+
+    def put(section: str, body: str) -> None:
+        if args.dry:
+            path = args.workdir / f"{section}.md"
+            path.write_text(body + "\n")
+            written.append(path)
+        else:
+            update_section(section, body)
+
     for part, section, load, trained in (("full_speed", "train_speed_gpu", shapes.full_speed, tsg.FULL),
                                          ("adapters", "adapters_gpu", shapes.adapters, tsg.ADAPTERS)):
         latest = {r["variant"]: r for r in results if r["part"] == part and "variant" in r}
@@ -383,13 +444,9 @@ def write_tables(args, results: list[dict]) -> list[Path]:
             continue
         steps = max(r.get("steps", load.steps) for r in latest.values())  # a rerun may have measured longer
         table_args = argparse.Namespace(results=args.results, discard=load.discard, steps=steps)
-        body = tsg.report(table_args, list(latest.values()), f"{load.preset}'s config", command, trained)
-        if args.dry:
-            path = args.workdir / f"{section}.md"
-            path.write_text(body + "\n")
-            written.append(path)
-        else:
-            update_section(section, body)
+        put(section, tsg.report(table_args, list(latest.values()), f"{load.preset}'s config", command, trained))
+    if profiles := gpu_profile.report(results, command):
+        put("gpu_profile", profiles)
     return written
 
 
@@ -404,7 +461,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="steps of each speed variant (default the part's)")
     p.add_argument("--budget", type=budgets, default={}, help="seconds per part for a rerun, e.g. full_speed=200")
     p.add_argument("--tables-only", action="store_true", help="run nothing: write the tables from the results file")
+    p.add_argument("--half", choices=sorted(HALVES), help="one device call's parts: " + "; ".join(
+        f"{k}: {', '.join(v)}" for k, v in HALVES.items()) + f"; at most {HALF_S} s")
+    p.add_argument("--half-s", type=int, default=HALF_S, help="seconds a half's parts may take in all")
     p.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)
+    p.add_argument("--part-budget", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--session", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.workdir = (args.workdir or ROOT / ".bench" / ("gpu-check-dry" if args.dry else "gpu-check")).resolve()
@@ -417,17 +478,22 @@ def main() -> None:
         for path in write_tables(args, Results(args.results, "", "summary").read()):
             print(f"tables: {path}")
         return
-    names = list(PARTS) if args.parts == "all" else args.parts.split(",")
+    if args.half and args.parts != "all":
+        raise SystemExit("--half and --parts choose the parts both: give one")
+    names = list(HALVES[args.half]) if args.half else list(PARTS) if args.parts == "all" else args.parts.split(",")
     if unknown := [n for n in names if n not in PARTS]:
         raise SystemExit(f"unknown part(s) {', '.join(unknown)}; known: {', '.join(PARTS)}")
     session = f"{os.uname().nodename}-{int(time.time())}"
     summary = Results(args.results, session, "summary")
     statuses = {}
+    deadline = time.time() + (args.half_s if args.half else math.inf)
     for name in names:
-        statuses[name] = run_part(args, name, session)
+        if statuses.get("setup", {"status": "passed"})["status"] != "passed":
+            # nothing else can run without its imports or its device
+            statuses[name] = {"status": "not run", "seconds": 0.0, "budget_s": 0, "last_line": "setup did not pass"}
+        else:
+            statuses[name] = run_part(args, name, session, deadline - time.time())
         summary.write(item=name, **statuses[name])
-        if name == "setup" and statuses[name]["status"] != "passed":
-            break  # nothing else can run without its imports or its device
     for path in write_tables(args, summary.read()):
         print(f"tables: {path}")
     failed = [n for n, s in statuses.items() if s["status"] != "passed"]

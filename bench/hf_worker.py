@@ -61,6 +61,27 @@ class StepTimes(TrainerCallback):
             self.times.append(time.time())
 
 
+class Profiled(TrainerCallback):
+    """pipeline/train/profiling.py's StepProfiler around the Trainer's steps (rank 0): the same table as fsdp1.py's
+    --profile-from writes, from the same profiler."""
+
+    def __init__(self, first: int, count: int, out: Path):
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from pipeline.train.profiling import StepProfiler, memory_breakdown
+
+        self.memory_breakdown = memory_breakdown
+        self.profiler = StepProfiler(first, count, out, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.profiler.breakdown = lambda: self.memory_breakdown(model, optimizer, self.profiler.device)
+        self.profiler.before(state.global_step + 1)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.profiler.after(state.global_step)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -77,6 +98,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="fsdp1.py's --seed, for its block order")
     p.add_argument("--lora-rank", type=int, default=0, help="train LoRA of this rank through peft (0: every weight)")
     p.add_argument("--lora-alpha", type=float, default=32.0)
+    p.add_argument("--profile-from", type=int, default=0, help="profile steps from this one (0: off), as fsdp1.py")
+    p.add_argument("--profile-steps", type=int, default=3)
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
@@ -98,11 +121,14 @@ def main() -> None:
         logging_steps=args.sync_every, train_sampling_strategy="sequential",
         dataloader_num_workers=0, disable_tqdm=True, seed=0, **fsdp)
     timer = StepTimes(args.sync_every)
+    callbacks = [timer]
+    if args.profile_from and int(os.environ.get("RANK", "0")) == 0:
+        callbacks.append(Profiled(args.profile_from, args.profile_steps, args.out.with_suffix(".profile")))
     blocks = Blocks(args.blocks, args.seed)
     # past one epoch fsdp1.py draws a new order from (seed, 1): the batches would no longer be the same
     if args.max_steps * args.batch_size * int(os.environ.get("WORLD_SIZE", "1")) > len(blocks):
         raise SystemExit(f"--max-steps {args.max_steps} runs past one epoch of {len(blocks)} blocks")
-    trainer = Trainer(model=model, args=targs, train_dataset=blocks, callbacks=[timer])
+    trainer = Trainer(model=model, args=targs, train_dataset=blocks, callbacks=callbacks)
     trainer.train()
     if trainer.args.process_index == 0:
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None

@@ -133,23 +133,43 @@ def windows(events: list[dict], discard: int) -> list[dict]:
     return [e for e in events if e["event"] == "train" and e["step"] > discard]
 
 
-def run_ours(args, name: str, flags: list, inputs: Inputs, batch: int) -> dict:
+PROFILED = 3
+"""Steps profiled (torch.profiler) after the measured ones, when a variant is profiled."""
+
+
+def kept_profile(run: Path, workdir: Path, name: str) -> dict | None:
+    """The profile's summary, its trace kept as WORKDIR/profiles/NAME.trace.json.gz (the run's folder is removed)."""
+    summary = run / "profile.json"
+    if not summary.exists():
+        return None
+    kept = workdir / "profiles"
+    kept.mkdir(parents=True, exist_ok=True)
+    if (run / "trace.json.gz").exists():
+        shutil.move(run / "trace.json.gz", kept / f"{name}.trace.json.gz")
+    return json.loads(summary.read_text())
+
+
+def run_ours(args, name: str, flags: list, inputs: Inputs, batch: int, profile: bool = False) -> dict:
+    """fsdp1.py until it has logged args.steps steps (and, with profile, profiled the PROFILED steps after them)."""
     runs = args.workdir / "runs"
     metrics = runs / name / "metrics.jsonl"
+    profiling = ["--profile-from", args.steps + 1, "--profile-steps", PROFILED] if profile else []
     cmd = torchrun_cmd(1, ROOT / "fsdp1.py", "-e", name, "--save-dir", runs, "-d", inputs.data, "-m", inputs.model,
-                       "-b", batch, "--seq-length", args.seq, *OURS_FLAGS, *flags)
+                       "-b", batch, "--seq-length", args.seq, *OURS_FLAGS, *flags, *profiling)
     shutil.rmtree(runs / name, ignore_errors=True)
     started = time.time()
     saves = 2 if "--ckpt-freq" in flags else 0  # checkpoint variants run until two saves are complete
 
     def done(evs: list[dict]) -> bool:
         return (any(e["event"] == "train" and e["step"] >= args.steps for e in evs)
-                and sum(e["event"] == "checkpoint" for e in evs) >= saves)
+                and sum(e["event"] == "checkpoint" for e in evs) >= saves
+                and (not profile or any(e["event"] == "profile" for e in evs)))
 
     code, tail = launch_until(cmd, bench_env(), metrics, done, args.timeout)
     events = read_metrics(metrics) if metrics.exists() else []
+    profiled = kept_profile(runs / name / "profile", args.workdir, name) if profile else None
     shutil.rmtree(runs / name, ignore_errors=True)  # a 1B model's checkpoint is 15 GB: the next run needs the disk
-    steady = windows(events, args.discard)
+    steady = [e for e in windows(events, args.discard) if e["step"] <= args.steps]  # not the profiled steps' window
     if not steady:
         return {"error": error_of(tail, code)}
     first = next(e for e in events if e["event"] == "train")
@@ -160,24 +180,28 @@ def run_ours(args, name: str, flags: list, inputs: Inputs, batch: int) -> dict:
             "time_ms": {k: statistics.median(e["time_ms"][k] for e in steady) for k in steady[0]["time_ms"]},
             "first_window_end_s": round(first["time"] - started, 1), "loss": train[-1]["loss"],
             "checkpoints": [{k: e[k] for k in ("step", "seconds", "stall_seconds", "bytes")}
-                            for e in events if e["event"] == "checkpoint"]}
+                            for e in events if e["event"] == "checkpoint"],
+            **({"profile": profiled} if profiled else {})}
 
 
-def run_hf(args, name: str, flags: list, inputs: Inputs, batch: int) -> dict:
+def run_hf(args, name: str, flags: list, inputs: Inputs, batch: int, profile: bool = False) -> dict:
+    """The HF worker for args.steps steps (and, with profile, PROFILED more under the profiler)."""
     out = args.workdir / f"{name}.json"
     out.unlink(missing_ok=True)
+    profiling = ["--profile-from", args.steps + 1, "--profile-steps", PROFILED] if profile else []
     cmd = torchrun_cmd(1, BENCH / "hf_worker.py", "--model", inputs.model, "--blocks", inputs.blocks, "--out", out,
-                       "--bf16", "--batch-size", batch, "--max-steps", args.steps, "--lr", 3e-4, "--warmup-steps", 5,
-                       "--sync-every", 5, *flags)
+                       "--bf16", "--batch-size", batch, "--max-steps", args.steps + (PROFILED if profile else 0),
+                       "--lr", 3e-4, "--warmup-steps", 5, "--sync-every", 5, *flags, *profiling)
     proc = subprocess.run(cmd, cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0 or not out.exists():
         return {"error": error_of(proc.stdout + proc.stderr, proc.returncode)}
     r = json.loads(out.read_text())
-    ends = [t for s, t in zip(r["steps"], r["step_end"], strict=True) if s >= args.discard]
+    profiled = kept_profile(out.with_suffix(".profile"), args.workdir, name) if profile else None
+    ends = [t for s, t in zip(r["steps"], r["step_end"], strict=True) if args.discard <= s <= args.steps]
     tokens = batch * args.seq * 5
     return {"tokens_per_s": [tokens / (b - a) for a, b in zip(ends[:-1], ends[1:], strict=True)],
             "peak_alloc_gib": r["peak_alloc_gib"], "peak_reserved_gib": r["peak_reserved_gib"],
-            "wrapper": r["wrapper"]}
+            "wrapper": r["wrapper"], **({"profile": profiled} if profiled else {})}
 
 
 def error_of(output: str, code: int | None) -> str:

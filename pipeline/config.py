@@ -305,6 +305,15 @@ class TrainConfig(Section):
     max_overflow_steps: int = 30
     """--precision fp16: stop the run as diverging after this many overflowing steps in a row, or once the loss scale
     falls below 1 (fp16 cannot hold the run's values even unscaled)."""
+    profile_from: int = 0
+    """Profile rank 0's optimizer steps from this one on (0: off), --profile-steps of them, with torch.profiler:
+    RUN/profile/profile.json holds the top kernels, the step split by kind of work (matmuls, attention, loss,
+    optimizer, norms and elementwise, communication, host waits) and the memory at the first step's start and the
+    peak; RUN/profile/trace.json.gz the Chrome trace. The device is synchronised around them, so their logging
+    window's throughput reads a little lower, and its peak memory is the profiled steps' own (the peak restarts at
+    the first)."""
+    profile_steps: int = 3
+    """--profile-from: how many steps to profile."""
 
     def check(self) -> None:
         for name in ("batch_size", "grad_accum", "num_epochs", "log_freq", "lm_eval_batch_size"):
@@ -312,7 +321,8 @@ class TrainConfig(Section):
                                              f"got {getattr(self, name)}")
         _check(self.loss_scale >= 1, f"--loss-scale must be at least 1, got {self.loss_scale:g}")
         _check(self.max_overflow_steps >= 1, f"--max-overflow-steps must be at least 1, got {self.max_overflow_steps}")
-        for name in ("max_steps", "ckpt_freq", "eval_freq", "max_bad_steps"):
+        _check(self.profile_steps >= 1, f"--profile-steps must be at least 1, got {self.profile_steps}")
+        for name in ("max_steps", "ckpt_freq", "eval_freq", "max_bad_steps", "profile_from"):
             _check(getattr(self, name) >= 0, f"{flag(name)} must be >= 0, got {getattr(self, name)}")
         _check(self.keep_last >= 2, f"--keep-last must be at least 2, got {self.keep_last}")
         _check(self.ckpt_minutes >= 0, f"--ckpt-minutes must be >= 0, got {self.ckpt_minutes:g}")

@@ -13,6 +13,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def with_root(env: dict | None = None) -> dict[str, str]:
+    """env (default: this process's) with the repository first on PYTHONPATH and the caller's own entries kept after
+    it: on the GPU image the carried wheels (datasets, peft, torchao) are found only through the caller's PYTHONPATH,
+    so a worker started with PYTHONPATH=ROOT alone could not import them."""
+    import os
+
+    env = dict(env if env is not None else os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 def run_script(script: str, *args: object, env: dict | None = None,
                timeout: float = 600) -> subprocess.CompletedProcess:
     """Run a top-level stage script with this interpreter; captures text output."""
@@ -23,11 +34,8 @@ def run_script(script: str, *args: object, env: dict | None = None,
 def run_module(module: str, *args: object, env: dict | None = None,
                timeout: float = 600) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS` with this interpreter, from the repository, as a user runs it; captures text output."""
-    import os
-
-    full_env = {**(env if env is not None else os.environ), "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          env=full_env, timeout=timeout)
+                          env=with_root(env), timeout=timeout)
 
 
 class SmallDisk:
@@ -70,10 +78,9 @@ sys.stdin.readline()
 
 def hold_lock(folder: Path, what: str) -> subprocess.Popen:
     """Another process holding folder's lock as `what` does, until it is killed; returns once it holds it."""
-    import os
 
     proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder), what], cwd=ROOT, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            stdout=subprocess.PIPE, text=True, env=with_root())
     assert proc.stdout.readline() == "held\n"
     return proc
 
@@ -122,16 +129,14 @@ def torchrun(nproc: int, script: str | Path, *args: object, env: dict | None = N
     """Launch a script under torchrun with real gloo processes."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            str(script), *map(str, args)]
-    full_env = dict(env) if env is not None else dict(__import__("os").environ)
-    full_env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=with_root(env), timeout=timeout)
 
 
 def preflight_errors(argvs: list[list], env: dict) -> list[str]:
     """fsdp1.py's preflight for each command line, in one process: its one-line error, or "ok"."""
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "preflight_errors.py")], cwd=ROOT,
                           input=json.dumps([[str(a) for a in argv] for argv in argvs]), capture_output=True,
-                          text=True, env={**env, "PYTHONPATH": str(ROOT)})
+                          text=True, env=with_root(env))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines()]
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, kill_tree, losses, run_script, torchrun, wait_for
+from conftest import ROOT, kill_tree, losses, run_script, torchrun, wait_for, with_root
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.data import packing
@@ -329,7 +329,7 @@ def test_chat_run_head_paths_agree_and_a_killed_run_resumes_exactly(train_env, c
     assert losses(tmp_path / "hf") == pytest.approx(ref, abs=1e-5)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "fsdp1.py"), *map(str, chat_args(train_env, tmp_path))]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**train_env["env"], "PYTHONPATH": str(ROOT)},
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=with_root(train_env["env"]),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     wait_for(lambda: max(losses(tmp_path / "c"), default=0) >= 4, proc)
     kill_tree(proc)

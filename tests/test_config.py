@@ -238,15 +238,14 @@ def test_a_stage_in_a_process_group_leaves_with_its_code_and_all_it_wrote_but_no
         tmp_path, kind, code, stderr):
     """fsdp1.py's exit (errors.leave): every line printed and logged reaches its file, the exit code is the stage's,
     and nothing registered for the interpreter's teardown runs (where gloo's threads abort or hang a process)."""
-    import os
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from conftest import ROOT, with_root
 
     (tmp_path / "stage.py").write_text(STAGE)
     proc = subprocess.run([sys.executable, str(tmp_path / "stage.py"), kind, str(tmp_path / "log")], cwd=ROOT,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+                          capture_output=True, text=True, env=with_root(), timeout=60)
     assert (proc.returncode, proc.stdout) == (code, "printed\n"), proc.stderr
     if stderr is None:
         assert proc.stderr.startswith("Traceback (most recent call last):\n") and proc.stderr.endswith(

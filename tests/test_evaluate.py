@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, events, torchrun
+from conftest import ROOT, events, torchrun, with_root
 from transformers import AutoModelForCausalLM
 
 from pipeline.data.batches import make_batch
@@ -23,7 +23,7 @@ DEMO = ["--config", str(ROOT / "configs" / "demo.yaml"), "-b", "2"]
 def run_evaluate(env: dict, *args: object) -> subprocess.CompletedProcess:
     """pipeline.evaluate in one plain process, as a user runs it."""
     return subprocess.run([sys.executable, "-m", "pipeline.evaluate", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, env={**env, "PYTHONPATH": str(ROOT)}, timeout=600)
+                          text=True, env=with_root(env), timeout=600)
 
 
 def evaluate(env: dict, *args: object) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, torchrun
+from conftest import ROOT, torchrun, with_root
 from peft import LoraConfig, get_peft_model
 from test_evaluate import run_evaluate
 from transformers import AutoModelForCausalLM
@@ -46,7 +46,7 @@ print(json.dumps(refusals))
 
 
 def offline(env: dict) -> dict:
-    return {**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    return with_root({**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
 
 
 def simple_evaluate(env: dict, *models: tuple[Path, Path | None]) -> list[dict]:

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, events, kill_tree, losses, run_script, torchrun, wait_for
+from conftest import ROOT, events, kill_tree, losses, run_script, torchrun, wait_for, with_root
 
 from pipeline.config_merge import merge
 from pipeline.data.mixture import MixedBlocks, Stacked
@@ -173,7 +173,7 @@ def test_a_mixture_of_agents_and_chats_trains_in_its_ratios_and_resumes_exactly(
     expected = losses(run)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "fsdp1.py"), *map(str, mix_args(train_env, agents, tmp_path))]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=with_root(env), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     wait_for(lambda: max(losses(tmp_path / "m"), default=0) >= 5, proc)
     kill_tree(proc)

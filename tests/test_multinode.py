@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, losses, run_script, torchrun, wait_for
+from conftest import ROOT, losses, run_script, torchrun, wait_for, with_root
 
 from pipeline.config_merge import resolve
 from pipeline.distributed.launch import Launch, detect, first_host, tasks_per_node
@@ -54,7 +54,7 @@ def start_node(env: dict, port: int, nproc: int, script_args: list[str], log: Pa
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc_per_node", str(nproc),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job",
            str(ROOT / "fsdp1.py"), *script_args]
-    return subprocess.Popen(cmd, cwd=cwd, env={**env["env"], "PYTHONPATH": str(ROOT)}, stdout=log.open("w"),
+    return subprocess.Popen(cmd, cwd=cwd, env=with_root(env["env"]), stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -118,7 +118,7 @@ def test_plain_variables_and_srun_variables_train_like_torchrun(train_env, tmp_p
     for name, variables in (("plain", plain), ("srun", srun)):
         procs = [subprocess.Popen([sys.executable, str(ROOT / "fsdp1.py"), *args(train_env, tmp_path / name,
                                                                                   "--max-steps", 2)],
-                                  cwd=ROOT, env={**train_env["env"], **v, "PYTHONPATH": str(ROOT)},
+                                  cwd=ROOT, env=with_root({**train_env["env"], **v}),
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for v in variables]
         outputs = [p.communicate(timeout=600)[0] for p in procs]
         assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
@@ -164,8 +164,9 @@ def test_two_nodes_train_like_one_and_resume_across_node_counts(train_env, tmp_p
     assert one.returncode == 0, one.stderr[-3000:]
     # Leg 3: two nodes of 2, FULL_SHARD over 4, launched by the SLURM script with stand-ins for srun and scontrol
     stand_in_slurm(tmp_path / "bin")
-    slurm_env = {**train_env["env"], "PATH": f"{tmp_path / 'bin'}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-                 "PYTHONPATH": str(ROOT), "PROJECT_DIR": str(ROOT), "SLURM_JOB_ID": "42", "SLURM_NNODES": "2",
+    slurm_env = {**with_root(train_env["env"]),
+                 "PATH": f"{tmp_path / 'bin'}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+                 "PROJECT_DIR": str(ROOT), "SLURM_JOB_ID": "42", "SLURM_NNODES": "2",
                  "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(free_port()), "GPUS_PER_NODE": "2",
                  "REQUEUED": str(tmp_path / "requeued")}
     sbatch = subprocess.run(["bash", str(ROOT / "examples" / "slurm" / "train.sbatch"),

@@ -268,7 +268,7 @@ def test_dpo_with_lora_and_simpo_train_on_two_ranks_and_dpo_resumes_bitwise(tmp_
     import subprocess
     import sys
 
-    from conftest import ROOT, events, torchrun
+    from conftest import ROOT, events, torchrun, with_root
 
     arithmetic_pairs(tmp_path, 10)
 
@@ -293,7 +293,7 @@ def test_dpo_with_lora_and_simpo_train_on_two_ranks_and_dpo_resumes_bitwise(tmp_
         proc = subprocess.run([sys.executable, "-m", "pipeline.evaluate", str(model), "--config",
                                str(dpo / "config.yaml"), "--out", tmp_path / "e.json"], cwd=ROOT,
                               capture_output=True, text=True,
-                              env={**train_env["env"], "PYTHONPATH": str(ROOT)})
+                              env=with_root(train_env["env"]))
         assert proc.returncode == 0, proc.stderr[-3000:]
         report = json.loads((tmp_path / "e.json").read_text())
         assert report["reference"] == reference and report["pairs"] > 0
@@ -324,7 +324,7 @@ def test_full_fine_tuning_dpo_computes_its_reference_once_and_resumes_bitwise(tm
     import subprocess
     import sys
 
-    from conftest import ROOT, events, torchrun
+    from conftest import ROOT, events, torchrun, with_root
 
     arithmetic_pairs(tmp_path, 10)
 
@@ -353,7 +353,7 @@ def test_full_fine_tuning_dpo_computes_its_reference_once_and_resumes_bitwise(tm
         proc = subprocess.run([sys.executable, "-m", "pipeline.evaluate", str(model), "--config",
                                str(full / "config.yaml"), "--reference", "local/tiny", "--out", tmp_path / "e.json"],
                               cwd=ROOT, capture_output=True, text=True,
-                              env={**train_env["env"], "PYTHONPATH": str(ROOT)})
+                              env=with_root(train_env["env"]))
         assert proc.returncode == 0, proc.stderr[-3000:]
         report = json.loads((tmp_path / "e.json").read_text())
         assert (report["objective"], report["reference"], report["split"]) == ("dpo", "local/tiny", "val")
@@ -458,7 +458,7 @@ def test_a_run_killed_during_its_reference_pass_resumes_the_pass_from_its_saved_
     import sys
     import time
 
-    from conftest import ROOT, events, kill_tree
+    from conftest import ROOT, events, kill_tree, with_root
 
     from pipeline.prep.tiny import build_tiny
 
@@ -473,7 +473,7 @@ def test_a_run_killed_during_its_reference_pass_resumes_the_pass_from_its_saved_
            str(ROOT / "fsdp1.py"), "-e", "dpo", "-d", str(tmp_path / "pairs"), "-m", str(model), "--save-dir",
            str(tmp_path / "runs"), "--config", str(ROOT / "configs" / "demo.yaml"), "--seq-length", "64",
            "--max-steps", "2", "--log-freq", "1", "--objective", "dpo", "--precision", "fp32", "--val-fraction", "0"]
-    env = {**train_env["env"], "PYTHONPATH": str(ROOT)}
+    env = with_root(train_env["env"])
     with open(tmp_path / "killed.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         references = tmp_path / "runs" / "token_cache"

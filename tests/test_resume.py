@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, kill_tree, losses, run_script, torchrun, wait_for
+from conftest import ROOT, kill_tree, losses, run_script, torchrun, wait_for, with_root
 from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def train(env: dict, root: Path, *extra: object, nproc: int = 2, name: str = "r"
 def start(env: dict, root: Path, *extra: object) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "fsdp1.py"), *args(env, root, *extra)]
-    return subprocess.Popen(cmd, cwd=ROOT, env={**env["env"], "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+    return subprocess.Popen(cmd, cwd=ROOT, env=with_root(env["env"]), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -132,7 +132,7 @@ def test_torchrun_restarts_a_crashed_worker_and_the_run_resumes_by_itself(train_
     run = tmp_path / "r"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
            "1", str(ROOT / "fsdp1.py"), *args(train_env, tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**train_env["env"], "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=with_root(train_env["env"]), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wait_for(lambda: max(losses(run), default=0) >= 7, proc)  # past the checkpoint of step 5
     (rank1,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]

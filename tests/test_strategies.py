@@ -84,8 +84,8 @@ def run_args(env: dict, root, strategy: str, max_steps: int, *extra) -> list:
             *extra]
 
 
-def train(env: dict, root, strategy: str, max_steps: int, *extra):
-    proc = torchrun(2, ROOT / "fsdp1.py", *run_args(env, root, strategy, max_steps, *extra), env=env["env"])
+def train(env: dict, root, strategy: str, max_steps: int, *extra, nproc: int = 2):
+    proc = torchrun(nproc, ROOT / "fsdp1.py", *run_args(env, root, strategy, max_steps, *extra), env=env["env"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -197,9 +197,10 @@ def test_the_timed_collectives_implement_the_whole_fsdp2_interface():
     not torch.cuda.is_available(), reason="FSDP1 pins offloaded parameters, which needs a GPU"))])
 def test_cpu_offload_trains_as_without_it(train_env, tmp_path, strategy):
     """--cpu-offload on (the seeds' launch command and profiles): parameters, gradients and optimizer steps on the
-    host, the same losses and weights as without it."""
-    train(train_env, tmp_path / "kept", strategy, 4)
-    train(train_env, tmp_path / "offloaded", strategy, 4, "--cpu-offload", "on")
+    host, the same losses and weights as without it. One process per GPU: a one-GPU machine trains on one rank."""
+    nproc = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
+    train(train_env, tmp_path / "kept", strategy, 4, nproc=nproc)
+    train(train_env, tmp_path / "offloaded", strategy, 4, "--cpu-offload", "on", nproc=nproc)
     assert "\ncpu_offload: true\n" in (tmp_path / "offloaded" / "r" / "config.yaml").read_text()
     kept, moved = losses(tmp_path / "kept" / "r"), losses(tmp_path / "offloaded" / "r")
     assert sorted(moved) == [1, 2, 3, 4]

@@ -68,3 +68,35 @@ def test_a_full_disk_at_the_end_is_a_warning_not_a_second_error(small_disk, capl
     t.close()
     assert f"cannot write {small_disk.path / 'loss.png'}: no space left on device" in caplog.text
     assert not (small_disk.path / "loss.png").exists() and not list(small_disk.path.glob(".loss.png.tmp-*"))
+
+
+def test_profile_kinds_of_real_kernel_names_and_the_busy_time_of_overlapping_kernels():
+    """pipeline/train/profiling.py sorts kernels (CUDA's, as an H200 profile names them) and CPU operators into the
+    kinds of work the step is split into; kernels on two streams that overlap count once."""
+    from pipeline.train.profiling import busy_us, kind_of
+
+    kinds = {
+        "nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNN": "matmuls",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "matmuls",
+        "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x2_tn_align8>(...)": "matmuls",
+        "aten::mm": "matmuls",
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false>>": "attention",
+        "fmha_cutlassB_bf16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackwardKernel)": "attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+        "void at::native::(anonymous namespace)::fused_adamw_kernel_impl<float>(...)": "optimizer",
+        "void at::native::multi_tensor_apply_kernel<at::native::TensorListMetadata<1>, LpNormFunctor>": "optimizer",
+        "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "communication",
+        "FSDP::post_backward_reduce (layers.0)": "communication",
+        "triton_red_fused__log_softmax_backward_data_nll_loss_backward_0": "loss",
+        "VocabParallelCrossEntropy": "loss",
+        "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "norms and elementwise",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>": (
+            "norms and elementwise"),
+        "aten::mul": "norms and elementwise",
+        "Memcpy HtoD (Pinned -> Device)": "copies",
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>": "copies",
+        "PythonSubclass": "other",
+    }
+    assert {name: kind_of(name) for name in kinds} == kinds
+    assert busy_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    assert busy_us([]) == 0

@@ -2,7 +2,6 @@
 and waited for without a collective (so a build longer than the collective timeout does not kill the run)."""
 
 import io
-import os
 import shutil
 import subprocess
 import sys
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, kill_tree, wait_for
+from conftest import ROOT, kill_tree, wait_for, with_root
 from transformers import AutoTokenizer
 
 from pipeline.data import packing, text_tokens, token_cache
@@ -191,7 +190,7 @@ def test_a_killed_build_resumes_from_its_finished_chunks(tmp_path, train_env, ti
     out = tmp_path / "cache"
     cmd = [sys.executable, str(ROOT / "tests" / "helpers" / "build_cache.py"), str(train_env["dataset"]),
            str(tiny_models["tied"]), str(out), "20000"]  # 20 KB chunks: a few rows each
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = with_root()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     first = out.with_name("cache.partial") / "chunk-00001.npy"
     wait_for(first.exists, proc)
@@ -212,7 +211,7 @@ def test_ranks_wait_out_a_build_longer_than_the_collective_timeout(tmp_path, tra
     waits on the lock and rank 1 polls for the cache, neither inside a collective, and the run then trains."""
     args = ["-e", "r", "-d", train_env["dataset"], "-m", "local/tiny", "--save-dir", tmp_path, "--seq-length", "64",
             "--max-steps", "2", "--ckpt-freq", "0", "--eval-freq", "0"]
-    env = {**train_env["env"], "PYTHONPATH": str(ROOT)}
+    env = with_root(train_env["env"])
     holder = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "hold_cache_lock.py"), *map(str, args)],
                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -1,3 +1,4 @@
+import gzip
 import json
 import math
 
@@ -16,7 +17,7 @@ def events(run_dir):
 
 def test_two_rank_run_trains_and_writes_its_run_directory(tmp_path, train_env):
     proc = torchrun(2, ROOT / "fsdp1.py", "-e", "demo", "-d", train_env["dataset"], "-m", "local/tiny",
-                    "--save-dir", tmp_path, *DEMO, env=train_env["env"])
+                    "--save-dir", tmp_path, *DEMO, "--profile-from", 11, "--profile-steps", 2, env=train_env["env"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "demo"
     evs = events(run)
@@ -49,6 +50,19 @@ def test_two_rank_run_trains_and_writes_its_run_directory(tmp_path, train_env):
     assert "[rank=0] INFO" in log and "[rank=1] INFO" in log
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert "[rank=0] {'global_step': 40," in proc.stdout
+    # --profile-from 11 --profile-steps 2: rank 0's steps 11-12 under torch.profiler, summarised and traced
+    [profiled] = [e for e in evs if e["event"] == "profile"]
+    summary = json.loads((run / "profile" / "profile.json").read_text())
+    assert profiled["step"] == 12 and (summary["steps"], summary["first_step"], summary["device"]) == (2, 11, "cpu")
+    assert {"matmuls", "attention", "optimizer", "communication", "norms and elementwise"} <= set(summary["split"])
+    assert profiled["split"] == {kind: part["share"] for kind, part in summary["split"].items()}
+    assert 0.5 < sum(profiled["split"].values()) <= 1.0  # operators' self time within the wall time
+    assert len(summary["top"]) == 20 and summary["top"][0]["ms_per_step"] >= summary["top"][-1]["ms_per_step"] > 0
+    parts = summary["memory"]["parts_gib"]
+    assert parts["nf4_base"] == 0 and parts["trained_and_states"] > 0  # the weights and AdamW's two states
+    with gzip.open(run / "profile" / "trace.json.gz") as f:
+        assert any(e.get("name", "").startswith("ProfilerStep") for e in json.load(f)["traceEvents"])
+    assert "profile of steps 11-12:" in log
 
 
 def test_prepare_only_builds_the_cache_that_single_process_runs_then_reuse(tmp_path, train_env):

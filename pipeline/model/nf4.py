@@ -16,6 +16,8 @@ so every world size quantizes alike); under fully_shard each rank's rows must ho
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
@@ -107,6 +109,19 @@ def dequantized(param: torch.Tensor) -> torch.Tensor:
 def is_nf4(param: torch.Tensor) -> bool:
     NF4Tensor, _ = torchao_nf4()
     return isinstance(held_nf4(param), NF4Tensor)
+
+
+def nf4_bytes(param: torch.Tensor) -> int | None:
+    """Bytes this rank holds of an NF4 parameter (codes, scales and their quantization factors), None for any other
+    tensor. No NF4 tensor exists before torchao is imported, so a run without QLoRA does not import it here."""
+    if "torchao" not in sys.modules:
+        return None
+    NF4Tensor, _ = torchao_nf4()
+    held = held_nf4(param)
+    if not isinstance(held, NF4Tensor):
+        return None
+    names, _ = held.__tensor_flatten__()  # the subclass protocol: the plain tensors it is made of
+    return sum(getattr(held, name).untyped_storage().nbytes() for name in names)
 
 
 def refuse_layout(weights: dict[str, torch.Size], shards: int) -> None:

@@ -36,6 +36,7 @@ from pipeline.train.checkpoint import Checkpointer, state_problem, step_name
 from pipeline.train.export import described, export_run, run_exports
 from pipeline.train.optim import build_optimizer, build_scheduler
 from pipeline.train.preflight import Plan
+from pipeline.train.profiling import StepProfiler, memory_breakdown
 from pipeline.train.reference import with_reference
 from pipeline.train.signals import Interrupted, StopRequest
 from pipeline.train.step import StepResult, Update, train_step
@@ -129,6 +130,9 @@ class Trainer:
         self.update = Update(self.optimizer, self.scheduler, cfg.optim.max_grad_norm, self.ckpt.staged, self.scaler)
         self.stops = stop_ids(plan.tokenizer, plan.model_dir) if plan.prompts else set()
         self.resumed_from = self.resume()
+        first = cfg.train.profile_from if d.is_main else 0  # rank 0 alone: the profiler has no collective
+        self.profiler = StepProfiler(first, cfg.train.profile_steps, self.run_dir / "profile", d.device,
+                                     lambda: memory_breakdown(self.strategy.module, self.optimizer, d.device))
         log.info("model %s: %s parameters (%s trainable), %s compute, %s %s; %d train / %d val blocks of %d tokens; "
                  "global batch %d blocks; step %d of %d", type(self.strategy.module).__name__,
                  f"{self.strategy.num_params:,}", f"{self.strategy.num_trainable:,}",
@@ -260,8 +264,11 @@ class Trainer:
                     self.save()  # hundred epochs under --ckpt-freq N are not a hundred checkpoints)
                 continue
             lr = self.optimizer.param_groups[0]["lr"]  # what this step applies: the update advances the schedule
+            self.profiler.before(self.step + 1)
             result = self.train_step()
             self.step += 1
+            if profiled := self.profiler.after(self.step):
+                self.log_profile(telemetry, profiled)
             self.samples_seen += self.sampler.global_batch
             telemetry.advance()
             window.add(result, lr)
@@ -289,6 +296,15 @@ class Trainer:
         self.ckpt.wait()
         export_run(self.strategy, self.cfg, self.plan.model_dir, self.dist, self.plan.spec.chat_template,
                    self.plan.fingerprint)
+
+    def log_profile(self, telemetry: Telemetry, summary: dict) -> None:
+        """The profiled steps' split by kind of work and memory, as an event and a log line (the kernels: the file)."""
+        split = {kind: part["share"] for kind, part in summary["split"].items()}
+        telemetry.event("profile", self.step, step_ms=summary["step_ms"], split=split, memory=summary.get("memory"),
+                        path=str(self.run_dir / "profile" / "profile.json"))
+        shares = ", ".join(f"{kind} {share:.0%}" for kind, share in split.items() if share >= 0.005)
+        log.info("profile of steps %d-%d: %.1f ms a step (%s); kernels and trace in %s", summary["first_step"],
+                 self.step, summary["step_ms"], shares, self.run_dir / "profile")
 
     def log_mixture(self, telemetry: Telemetry) -> None:
         """What each source of a mixture gave the run: blocks, tokens, their share and the epochs of it."""
