@@ -31,6 +31,7 @@ in a dry run, whose tables go to its work folder). Exit status: 0 when every par
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -308,8 +309,10 @@ def cuda_tests(args, out: Results) -> None:
         summary = (output.strip().splitlines() or ["no output"])[-1]
         # a dry run has no CUDA: every test is skipped, which is its pass
         passed = proc.returncode == 0 and (not args.dry or "passed" not in summary)
+        # the assertion lines too: the results file comes back from a device call when its logs may not
         out.write(item=f"CUDA tests: {' '.join(group)}", ok=passed, summary=summary,
-                  failures=[line for line in output.splitlines() if line.startswith(("FAILED", "ERROR"))][:20])
+                  failures=[line for line in output.splitlines() if line.startswith(("FAILED", "ERROR"))][:20],
+                  errors=[line[:300] for line in output.splitlines() if line.startswith("E ")][:30])
         if not passed:
             failed.append(" ".join(group))
     if failed:
@@ -393,6 +396,29 @@ def budget_of(args, part: str) -> int:
     return args.budget.get(part) or (PARTS[part].dry_budget_s if args.dry else PARTS[part].budget_s)
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a part and every process below it. The runs a part starts have sessions of their own (so that each
+    can be killed as a group), which killing the part's group alone leaves running: on 2026-11-26 a QLoRA run outlived
+    its part and shared the GPU with the next half, halving its figures. Everything below is frozen first (a
+    launcher cannot start a replacement), read again until nothing new appears, then killed."""
+    import psutil
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGSTOP)
+    frozen: dict[int, psutil.Process] = {}
+    with contextlib.suppress(psutil.NoSuchProcess):
+        while new := [p for p in psutil.Process(pid).children(recursive=True) if p.pid not in frozen]:
+            for p in new:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.suspend()
+                frozen[p.pid] = p
+    for p in frozen.values():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
 def run_part(args, name: str, session: str, left: float) -> dict:
     """The part in a child process under its budget or the time left, whichever is less; what it wrote stays in the
     results file either way."""
@@ -410,7 +436,7 @@ def run_part(args, name: str, session: str, left: float) -> dict:
         try:
             code = proc.wait(timeout=budget)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the part and every run it started
+            kill_tree(proc.pid)
             proc.wait()
             code = None
     tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]

@@ -77,3 +77,30 @@ def test_tables_from_a_file_of_several_calls_and_a_bad_budget_is_one_line(tmp_pa
     assert [(r["item"], r["status"], r["last_line"]) for r in rows] == [
         ("setup", "not run", "no time left in this half"), ("correctness", "not run", "setup did not pass"),
         ("adapters", "not run", "setup did not pass")]
+
+
+PART = """import subprocess, sys
+run = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"], start_new_session=True)
+print(run.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_part_killed_at_its_budget_takes_the_runs_it_started_in_sessions_of_their_own_with_it():
+    """A part's runs have sessions of their own (each killed as a group), so killing the part's group alone left one
+    training on the GPU beside the next half; kill_tree ends the part and everything below it."""
+    import os
+
+    import psutil
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_check import kill_tree
+
+    part = subprocess.Popen([sys.executable, "-c", PART], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    run = psutil.Process(int(part.stdout.readline()))
+    assert os.getsid(run.pid) == run.pid != os.getsid(part.pid)  # out of reach of the part's group
+    kill_tree(part.pid)
+    assert part.wait(timeout=30) == -9
+    gone, alive = psutil.wait_procs([run], timeout=30)
+    assert alive == [] or alive[0].status() == psutil.STATUS_ZOMBIE
