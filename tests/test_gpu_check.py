@@ -17,10 +17,10 @@ def test_the_dry_run_passes_every_part_and_writes_its_tables(tmp_path):
     proc = subprocess.run(["make", "-s", "gpu-check", "DRY=1", f"GPU_CHECK_ARGS=--workdir {tmp_path}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("gpu-check: 5 of 5 parts passed")
+    assert proc.stdout.strip().endswith("gpu-check: 4 of 4 parts passed")
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     summary = {r["item"]: r["status"] for r in results if r["part"] == "summary"}
-    assert summary == dict.fromkeys(["setup", "correctness", "cuda_tests", "full_speed", "adapters"], "passed")
+    assert summary == dict.fromkeys(["setup", "correctness", "full_speed", "adapters"], "passed")
     items = {(r["part"], r["item"]): r for r in results if r["part"] != "summary"}
     assert not items[("setup", "imports")]["missing"]
     for case in ("resume fsdp2", "resume qlora"):
@@ -31,7 +31,7 @@ def test_the_dry_run_passes_every_part_and_writes_its_tables(tmp_path):
         assert min(items[(part, variant)]["tokens_per_s"]) > 0
     fp16 = items[("correctness", "fp16")]
     assert fp16["loss_scale"] == [65536.0] * 8 and fp16["losses"][-1] < fp16["losses"][0]
-    assert " 3 skipped in " in items[("cuda_tests", "CUDA tests: tests/test_gpu.py")]["summary"]
+    assert " 3 skipped in " in items[("correctness", "CUDA tests: tests/test_gpu.py")]["summary"]
     # the compared pair's profiles (the CPU's operators in a rehearsal) and the tables side by side
     for variant in ("ours-default", "hf"):
         profile = items[("full_speed", variant)]["profile"]
@@ -63,20 +63,19 @@ def test_tables_from_a_file_of_several_calls_and_a_bad_budget_is_one_line(tmp_pa
     bad = subprocess.run([*script, "--budget", "adapter=60"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].endswith(
-        "argument --budget: adapter=60: want PART=SECONDS with PART one of setup, correctness, cuda_tests, "
-        "full_speed, adapters")
+        "argument --budget: adapter=60: want PART=SECONDS with PART one of setup, correctness, full_speed, adapters")
     both = subprocess.run([*script, "--half", "1", "--parts", "setup"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert (both.returncode, both.stderr.strip()) == (1, "--half and --parts choose the parts both: give one")
     # a half whose time is spent starts no part, and says so in its results
-    spent = subprocess.run([*script, "--half", "1", "--half-s", "3"], cwd=ROOT, capture_output=True, text=True,
+    spent = subprocess.run([*script, "--half", "2", "--half-s", "3"], cwd=ROOT, capture_output=True, text=True,
                            timeout=60)
     assert spent.returncode == 1 and spent.stdout.strip().endswith(
-        "0 of 3 parts passed; not: setup (not run), correctness (not run), adapters (not run)")
+        "0 of 3 parts passed; not: setup (not run), correctness (not run), full_speed (not run)")
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [(r["item"], r["status"], r["last_line"]) for r in rows] == [
         ("setup", "not run", "no time left in this half"), ("correctness", "not run", "setup did not pass"),
-        ("adapters", "not run", "setup did not pass")]
+        ("full_speed", "not run", "setup did not pass")]
 
 
 PART = """import subprocess, sys

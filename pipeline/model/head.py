@@ -27,6 +27,8 @@ class Head:
     """The vocabulary-parallel head's group."""
     autocast: torch.dtype | None = None
     """Run the forward under torch.autocast in this dtype (a strategy whose parameters stay fp32: ddp)."""
+    compiled_loss: bool = False
+    """The vocabulary-parallel loss's per-chunk math through torch.compile (--compile on, on a GPU)."""
 
     def autocasting(self, device: torch.device) -> contextlib.AbstractContextManager:
         return torch.autocast(device.type, self.autocast) if self.autocast else contextlib.nullcontext()

@@ -15,6 +15,8 @@ not overlap compute) was a third of the step.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -76,13 +78,43 @@ def sum_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return out
 
 
+def chunk_stats(z: torch.Tensor, target: torch.Tensor, mine: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk of logits' local log-sum-exp and target logit (0 where this rank does not hold the target), stacked
+    [rows, 2], and each row's largest logit; fp32 math whatever z's dtype."""
+    zf = z.float()
+    peak = zf.amax(1)
+    picked = zf.gather(1, target[:, None]).squeeze(1) * mine
+    return torch.stack([peak + (zf - peak[:, None]).exp().sum(1).log(), picked], 1), peak
+
+
+def chunk_grads(z: torch.Tensor, peak: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, mine: torch.Tensor,
+                scale: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """d loss / d logits = (softmax - onehot(target)) / count in z's dtype, with the eager path's arithmetic:
+    exp(z - peak) * (exp(peak - lse) * valid / count), less 1/count at each row's target where this rank holds it
+    (scale is valid / count)."""
+    p = (z.float() - peak[:, None]).exp() * (torch.exp(peak - lse) * scale)[:, None]
+    hit = torch.arange(z.shape[1], device=z.device)[None, :] == target[:, None]
+    return (p - hit * (mine / count)[:, None]).to(z.dtype)
+
+
+@functools.cache
+def compiled_chunk_math():
+    """chunk_stats and chunk_grads through torch.compile (built on first use): each becomes one or two fused
+    kernels that read the chunk's logits in their own dtype, where the eager path writes them out in fp32, then
+    reads and writes them again per operation (on an H200, 1B model, batch 8 x 2048: 42 ms a step of elementwise
+    work and copies against the compiled Trainer's 6 ms for its whole loss, BENCHMARKS.md's gpu_profile)."""
+    return torch.compile(chunk_stats), torch.compile(chunk_grads)
+
+
 def head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-              group: dist.ProcessGroup | None, with_grads: bool, num_items: float, weight_grad: bool = True):
+              group: dist.ProcessGroup | None, with_grads: bool, num_items: float, weight_grad: bool = True,
+              compiled: bool = False):
     """Summed cross-entropy of all rows of h against labels, over num_items, with the vocabulary split across the
     group, this rank holding rows [vocab_start, vocab_start + len(w)) of it; with the gradients of h (this rank's
     vocabulary share only: the caller sums them over ranks) and of w. One collective per chunk: every rank must run
     the same number of chunks, so every rank passes the same number of rows. weight_grad False: no gradient of w (a
-    frozen head, under adapters: a vocabulary x hidden product per chunk saved)."""
+    frozen head, under adapters: a vocabulary x hidden product per chunk saved). compiled (with gradients): the
+    per-chunk softmax math through torch.compile (--compile on), else in place in eager mode."""
     world = _world(group)
     rows, v_local = h.shape[0], w.shape[0]
     valid = labels != IGNORE
@@ -95,6 +127,8 @@ def head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_star
     grad_w = torch.zeros_like(w, dtype=torch.float32) if with_grads and weight_grad else None
     total = torch.zeros((), dtype=torch.float64, device=h.device)
     step = max(1, CHUNK_ELEMENTS.get(h.device.type, CHUNK_ELEMENTS["cpu"]) // max(v_local, 1))
+    if with_grads and compiled:
+        return _compiled_pass(h, w_c, labels, target, mine, valid, count, group, step, grad_h, grad_w)
     for a in range(0, rows, step):
         b = min(rows, a + step)
         z = torch.mm(h[a:b], w_c.t()).float()
@@ -118,10 +152,39 @@ def head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_star
             torch.mm(d, w_c, out=grad_h[a:b])
             if grad_w is None:
                 continue
-            if d.dtype == grad_w.dtype:
-                grad_w.addmm_(d.t(), h[a:b])
-            else:
-                grad_w += (d.t() @ h[a:b]).float()
+            _add_weight_grad(grad_w, d, h[a:b])
+    return (total / count).float(), grad_h, grad_w
+
+
+def _add_weight_grad(grad_w: torch.Tensor, d: torch.Tensor, h: torch.Tensor) -> None:
+    if d.dtype == grad_w.dtype:
+        grad_w.addmm_(d.t(), h)
+    else:  # the low-precision product added with type promotion: no fp32 copy of it is written first
+        grad_w += d.t() @ h
+
+
+def _compiled_pass(h, w_c, labels, target, mine, valid, count, group, step, grad_h, grad_w):
+    """head_pass's loop with gradients, its per-chunk math compiled (compiled_chunk_math)."""
+    stats_fn, grads_fn = compiled_chunk_math()
+    world, rows = _world(group), h.shape[0]
+    total = torch.zeros((), dtype=torch.float64, device=h.device)
+    # tensors, not Python numbers: a float argument would be a constant of the compiled code, recompiled per step
+    count_t = torch.tensor(count, dtype=torch.float32, device=h.device)
+    mine_f, valid_f = mine.float(), valid.float()
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        z = torch.mm(h[a:b], w_c.t())
+        stats, peak = stats_fn(z, target[a:b], mine_f[a:b])
+        if world > 1:
+            every = gather_rows(stats, group).view(world, b - a, 2)
+            lse, picked = torch.logsumexp(every[..., 0], 0), every[..., 1].sum(0)
+        else:
+            lse, picked = stats[:, 0], stats[:, 1]
+        total += ((lse - picked) * valid[a:b]).sum(dtype=torch.float64)
+        d = grads_fn(z, peak, lse, target[a:b], mine_f[a:b], valid_f[a:b] / count_t, count_t)
+        torch.mm(d, w_c, out=grad_h[a:b])
+        if grad_w is not None:
+            _add_weight_grad(grad_w, d, h[a:b])
     return (total / count).float(), grad_h, grad_w
 
 
@@ -129,10 +192,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     """Loss of this rank's hidden states h_local against the global batch's labels; gradients computed in forward."""
 
     @staticmethod
-    def forward(ctx, h_local, w_local, labels, vocab_start, group, num_items):
+    def forward(ctx, h_local, w_local, labels, vocab_start, group, num_items, compiled=False):
         weight_grad = ctx.needs_input_grad[1]
         loss, grad_h, grad_w = head_pass(gather_rows(h_local, group), w_local, labels, vocab_start, group, True,
-                                         num_items, weight_grad)
+                                         num_items, weight_grad, compiled)
         # every rank's tokens got gradient from every rank's vocabulary share: sum, keep this rank's rows
         ctx.save_for_backward(sum_rows(grad_h, group), *([grad_w.to(w_local.dtype)] if weight_grad else []))
         return loss
@@ -140,7 +203,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, *grad_w = ctx.saved_tensors
-        return grad_h * grad_out, grad_w[0] * grad_out if grad_w else None, None, None, None, None
+        return grad_h * grad_out, grad_w[0] * grad_out if grad_w else None, None, None, None, None, None
 
 
 class _VocabParallelLookup(torch.autograd.Function):

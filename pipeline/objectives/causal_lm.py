@@ -69,5 +69,5 @@ class CausalLMLoss:
         start = vocab_row_offset(weight.shape[0], head.group)
         h = h.flatten(0, 1)
         if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
-            return VocabParallelCrossEntropy.apply(h, w, labels, start, head.group, num_items)
+            return VocabParallelCrossEntropy.apply(h, w, labels, start, head.group, num_items, head.compiled_loss)
         return head_pass(gather_rows(h, head.group), w, labels, start, head.group, False, num_items)[0]
