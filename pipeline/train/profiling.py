@@ -152,13 +152,14 @@ class StepProfiler:
         self.prof.start()
         self.started = time.perf_counter()
 
-    def after(self, step: int) -> dict | None:
-        if self.prof is None or step != self.last:
+    def after(self, step: int, final: bool = False) -> dict | None:
+        """final: the run's last step, which ends a profile cut short by the run's end."""
+        if self.prof is None or (step != self.last and not final):
             return None
         self._sync()
         wall = time.perf_counter() - self.started
         self.prof.stop()
-        summary = summarize(self.prof, self.last - self.first + 1, wall)
+        summary = summarize(self.prof, step - self.first + 1, wall)
         summary["first_step"] = self.first
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device) / 2**30

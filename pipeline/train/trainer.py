@@ -267,7 +267,7 @@ class Trainer:
             self.profiler.before(self.step + 1)
             result = self.train_step()
             self.step += 1
-            if profiled := self.profiler.after(self.step):
+            if profiled := self.profiler.after(self.step, final=self.step >= self.total_steps):
                 self.log_profile(telemetry, profiled)
             self.samples_seen += self.sampler.global_batch
             telemetry.advance()
