@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,9 +27,8 @@ KINDS: tuple[tuple[str, str], ...] = (
     ("matmuls", r"gemm|xmma|cutlass|nvjet|cublas|wgmma|splitk|gemv|aten::mm$|aten::addmm|aten::bmm|aten::_scaled_mm"
                 r"|sm\d\d_|ampere_|hopper_|mkldnn|aten::linear_backward|_weight_int4|aten::matmul"),
     ("copies", r"memcpy|memset|^(?!triton).*copy|aten::to$|catarray"),
-    ("norms and elementwise", r"triton|elementwise|vectorized|reduce|norm|rsqrt|silu|unrolled|aten::(mul|add|sub|div"
-                              r"|pow|mean|neg|sum|exp|where|fill_|index|gather|embedding|cos|sin|clamp|cat|rsqrt"
-                              r"|silu|gelu|_log_softmax)"),
+    ("norms and elementwise", r"triton|elementwise|vectorized|reduce|norm|rsqrt|silu|gelu|unrolled|aten::(mul|add|sub"
+                              r"|div|pow|mean|neg|sum|exp|where|fill_|index|gather|embedding|cos|sin|clamp|cat)"),
 )
 """A kernel's (or, on the CPU, an operator's) kind, by the first pattern its lower-cased name matches."""
 HOST_WAIT = "host waits (device idle)"
@@ -126,7 +126,7 @@ class StepProfiler:
     (Chrome trace, for Perfetto or chrome://tracing); returns the summary once from after()."""
 
     def __init__(self, first: int, count: int, out: Path, device: torch.device,
-                 breakdown=None) -> None:
+                 breakdown: Callable[[], dict] | None = None) -> None:
         self.first, self.last, self.out, self.device = first, first + count - 1, out, device
         self.breakdown = breakdown
         """() -> dict of GiB by part, read just before the first profiled step (the optimizer's states exist)."""
