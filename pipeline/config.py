@@ -28,6 +28,8 @@ AttnImplementation = Literal["auto", "sdpa", "eager", "flex_attention", "flash_a
 Adapter = Literal["none", "lora", "dora", "qlora"]
 VOCAB_PARALLEL_SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP")
 """The shardings the vocabulary-parallel head works with (a 1-D mesh)."""
+YEAR_S = 365 * 24 * 3600
+"""The longest time a flag may give, in seconds: beyond it a timedelta or a wait overflows and nobody means it."""
 NAME_BYTES = 200
 """The longest --experiment-name, in bytes: file systems allow 255 per name, and NAME-2 (--no-resume) adds some."""
 
@@ -48,10 +50,27 @@ def choices(cls: type) -> dict[str, tuple[str, ...]]:
     return {f.name: get_args(hints[f.name]) for f in dataclasses.fields(cls) if get_origin(hints[f.name]) is Literal}
 
 
+@cache
+def float_fields(cls: type) -> tuple[str, ...]:
+    """The float-typed fields of a config section, from its type hints."""
+    hints = get_type_hints(cls)
+    return tuple(f.name for f in dataclasses.fields(cls) if hints[f.name] is float)
+
+
+def _in(value: float, low: float, high: float, name: str, low_open: bool = False) -> None:
+    """A range check naming the flag: [low, high], or (low, high] with low_open."""
+    ok = (value > low if low_open else value >= low) and value <= high
+    _check(ok, f"{flag(name)} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value:g}")
+
+
 class Section:
-    """A config section: the choices of every Literal field checked in one place, then the section's own checks."""
+    """A config section: every float field finite and every Literal field's choice checked in one place, then the
+    section's own checks (ranges that keep each number from overflowing where it is used)."""
 
     def __post_init__(self) -> None:
+        for key in float_fields(type(self)):
+            value = getattr(self, key)
+            _check(math.isfinite(value), f"{flag(key)} must be a finite number, got {value}")
         for key, allowed in choices(type(self)).items():
             value = getattr(self, key)
             _check(value in allowed, f"{flag(key)} must be one of {', '.join(allowed)}, got {value!r}")
@@ -99,9 +118,10 @@ class RunConfig(Section):
                f"--experiment-name is {len(self.experiment_name.encode('utf-8', 'surrogateescape'))} bytes long; a "
                f"folder name may have at most {NAME_BYTES}")
         _check(0 <= self.seed < 2**32, f"--seed must be in [0, {2**32 - 1}], got {self.seed}")
-        _check(self.collective_timeout_s > 0, f"--collective-timeout-s must be > 0, got {self.collective_timeout_s}")
-        _check(self.peer_timeout_s == 0 or self.peer_timeout_s >= 2,
-               f"--peer-timeout-s must be 0 (off) or at least 2, got {self.peer_timeout_s}")
+        # a year at most: a timedelta or a wait beyond that overflows
+        _in(self.collective_timeout_s, 0, YEAR_S, "collective_timeout_s", low_open=True)
+        _check(self.peer_timeout_s == 0 or 2 <= self.peer_timeout_s <= YEAR_S,
+               f"--peer-timeout-s must be 0 (off) or in [2, {YEAR_S:g}], got {self.peer_timeout_s:g}")
 
 
 @dataclass
@@ -224,7 +244,7 @@ class ModelConfig(Section):
     def check(self) -> None:
         _check(bool(self.model_name), "--model-name (-m) is required")
         _check(self.lora_rank >= 1, f"--lora-rank must be at least 1, got {self.lora_rank}")
-        _check(self.lora_alpha > 0, f"--lora-alpha must be > 0, got {self.lora_alpha}")
+        _in(self.lora_alpha, 0, 1e4, "lora_alpha", low_open=True)  # alpha / rank scales every adapter's output
         _check(0 <= self.lora_dropout < 1, f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
         _check(all(t.strip() for t in self.lora_targets.split(",")) or not self.lora_targets,
                f"--lora-targets must be a comma-separated list of module names, got {self.lora_targets!r}")
@@ -233,6 +253,7 @@ class ModelConfig(Section):
                "with --cpu-offload")
         _check(self.min_params >= 1, f"--min-params must be at least 1, got {self.min_params}")
         _check(self.memory_gb >= 0, f"--memory-gb must be >= 0, got {self.memory_gb}")
+        _check(self.memory_gb <= 2**20, f"--memory-gb must be at most {2**20} (a PiB), got {self.memory_gb:g}")
         # what a strategy accepts, and so --vocab-parallel on, is the strategies' to say (registry.check); --sharding
         # auto is resolved there (settle), never here
 
@@ -251,7 +272,9 @@ class OptimConfig(Section):
     """Clip the global gradient norm to this; 0 disables clipping."""
 
     def check(self) -> None:
-        _check(self.lr > 0 and math.isfinite(self.lr), f"--lr must be a positive number, got {self.lr}")
+        # no upper bound: weights an lr or a decay too large breaks turn non-finite, which the step guard stops in
+        # one line that names --lr
+        _check(self.lr > 0, f"--lr must be a positive number, got {self.lr}")
         _check(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
         _check(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         _check(self.max_grad_norm >= 0, f"--max-grad-norm must be >= 0, got {self.max_grad_norm}")
@@ -320,12 +343,16 @@ class TrainConfig(Section):
             _check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1, "
                                              f"got {getattr(self, name)}")
         _check(self.loss_scale >= 1, f"--loss-scale must be at least 1, got {self.loss_scale:g}")
+        # the scale is an fp32 tensor (GradScaler) and multiplies the loss in fp32, whose largest value is 3.4e38
+        _check(self.loss_scale <= 2**64, f"--loss-scale must be at most 2^64 ({2**64:.4g}), got {self.loss_scale:g}")
         _check(self.max_overflow_steps >= 1, f"--max-overflow-steps must be at least 1, got {self.max_overflow_steps}")
         _check(self.profile_steps >= 1, f"--profile-steps must be at least 1, got {self.profile_steps}")
         for name in ("max_steps", "ckpt_freq", "eval_freq", "max_bad_steps", "profile_from"):
             _check(getattr(self, name) >= 0, f"{flag(name)} must be >= 0, got {getattr(self, name)}")
         _check(self.keep_last >= 2, f"--keep-last must be at least 2, got {self.keep_last}")
         _check(self.ckpt_minutes >= 0, f"--ckpt-minutes must be >= 0, got {self.ckpt_minutes:g}")
+        _check(self.ckpt_minutes <= YEAR_S / 60, f"--ckpt-minutes must be at most {YEAR_S / 60:g} (a year), got "
+                                                  f"{self.ckpt_minutes:g}")
         _check(self.sample_max_tokens >= 1, f"--sample-max-tokens must be at least 1, got {self.sample_max_tokens}")
         _check(not self.sample_prompts or Path(self.sample_prompts).is_file(),
                f"--sample-prompts {self.sample_prompts} does not exist or is not a file")
@@ -358,13 +385,14 @@ class ObjectiveConfig(Section):
     """orpo: the weight of the odds-ratio term beside the chosen answer's negative log-likelihood."""
 
     def check(self) -> None:
-        _check(self.pref_beta > 0, f"--pref-beta must be above 0, got {self.pref_beta:g}")
+        # beta multiplies sums of log-probabilities (thousands) and divides simpo's gamma: neither may overflow
+        _in(self.pref_beta, 1e-6, 1e3, "pref_beta")
         _check(0 <= self.pref_label_smoothing < 0.5,
                f"--pref-label-smoothing must be in [0, 0.5), got {self.pref_label_smoothing:g}")
         _check(self.pref_label_smoothing == 0 or self.objective == "dpo",
                f"--pref-label-smoothing is for --objective dpo, not {self.objective}")
-        _check(self.simpo_gamma >= 0, f"--simpo-gamma must be >= 0, got {self.simpo_gamma:g}")
-        _check(self.orpo_lambda > 0, f"--orpo-lambda must be above 0, got {self.orpo_lambda:g}")
+        _in(self.simpo_gamma, 0, 1e3, "simpo_gamma")
+        _in(self.orpo_lambda, 1e-6, 1e3, "orpo_lambda")
         _check(not self.reference_model or self.objective in ("dpo", "ipo"),
                f"--reference-model is for --objective dpo or ipo, not {self.objective}")
 

@@ -375,3 +375,17 @@ def test_document_mask_on_text_starts_a_sequence_after_each_eos(train_env, tiny_
     assert ((flags & packing.START) > 0).tolist() == (after_eos | (np.arange(ids.shape[1]) == 0)).tolist()
     assert ((flags & packing.TRAIN) > 0).tolist() == (~after_eos & (np.arange(ids.shape[1]) > 0)).tolist()
     assert json.loads((tmp_path / "dm" / "state.json").read_text())["fingerprint"]["document_mask"] is True
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--temperature", "nan"], "--temperature must be in [0, 100], got nan"),
+    (["--temperature", "inf"], "--temperature must be in [0, 100], got inf"),
+    (["--temperature=-1"], "--temperature must be in [0, 100], got -1.0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+])
+def test_chat_numbers_are_checked_before_the_model_loads(tmp_path, argv, message):
+    from pipeline.tools.chat import main
+
+    with pytest.raises(UserError) as err:
+        main([str(tmp_path / "no-model"), "--prompt", "Hi", *argv])
+    assert str(err.value) == message

@@ -10,6 +10,24 @@ from pipeline.strategies.registry import settle
 REQUIRED = ["-e", "x", "-d", "data", "-m", "org/model"]
 
 
+def test_every_float_flag_refuses_what_is_not_a_finite_number():
+    """The property over the whole set: every float field of every section (not a list of the ones we thought of)
+    refuses inf, -inf and nan in one line naming its flag, before anything loads."""
+    import dataclasses
+    from typing import get_type_hints
+
+    from pipeline.config import Config, flag, float_fields
+
+    sections = [get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)]
+    names = [name for section in sections for name in float_fields(section)]
+    assert {"lr", "pref_beta", "simpo_gamma", "orpo_lambda", "loss_scale", "val_fraction"} <= set(names)
+    for name in names:
+        for value in ("inf", "-inf", "nan"):
+            with pytest.raises(UserError) as err:
+                resolve([*REQUIRED, f"{flag(name)}={value}"])
+            assert str(err.value) == f"{flag(name)} must be a finite number, got {float(value)}", name
+
+
 def test_precedence_cli_over_file_over_profile_over_defaults(tmp_path):
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text(yaml.safe_dump({"profile": "cpu_debug", "batch_size": 5, "lr": 1e-3}))
@@ -54,6 +72,15 @@ def test_shipped_profiles_are_the_four_documented():
         (["--ckpt-minutes", "-1"], "--ckpt-minutes must be >= 0, got -1"),
         (["--memory-gb", "-1"], "--memory-gb must be >= 0, got -1.0"),
         (["--lr", "0"], "--lr must be a positive number, got 0.0"),
+        (["--objective", "dpo", "--pref-beta", "1e308"], "--pref-beta must be in [1e-06, 1000], got 1e+308"),
+        (["--objective", "simpo", "--pref-beta", "1e-320"], "--pref-beta must be in [1e-06, 1000], got 9.99989e-321"),
+        (["--objective", "simpo", "--simpo-gamma", "1e308"], "--simpo-gamma must be in [0, 1000], got 1e+308"),
+        (["--objective", "orpo", "--orpo-lambda", "1e308"], "--orpo-lambda must be in [1e-06, 1000], got 1e+308"),
+        (["--precision", "fp16", "--loss-scale", "1e308"], "--loss-scale must be at most 2^64 (1.845e+19), got 1e+308"),
+        (["--collective-timeout-s", "1e308"], "--collective-timeout-s must be in (0, 3.1536e+07], got 1e+308"),
+        (["--peer-timeout-s", "1e308"], "--peer-timeout-s must be 0 (off) or in [2, 3.1536e+07], got 1e+308"),
+        (["--ckpt-minutes", "1e308"], "--ckpt-minutes must be at most 525600 (a year), got 1e+308"),
+        (["--lora-alpha", "1e308"], "--lora-alpha must be in (0, 10000], got 1e+308"),
         (["--batch-size", "two"], "--batch-size must be an int, got 'two'"),
         (["--compile", "maybe"], "--compile must be on or off, got 'maybe'"),
         (["--val-fraction", "0.7"], "--val-fraction must be in [0, 0.5), got 0.7"),

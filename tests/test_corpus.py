@@ -289,6 +289,17 @@ def test_organize_manifest_is_not_corpus(tmp_path):
     assert rows_by_source(tmp_path / "out") == {"split_00/a.txt": ["text\n"]}
 
 
+@pytest.mark.parametrize("value", [0.0, float("inf"), float("nan"), 1e308])
+def test_a_size_limit_that_is_no_number_of_bytes_is_one_line(tmp_path, value):
+    data = tmp_path / "data"
+    write(data, "a.txt", "text\n")
+    for name in ("max_file_mb", "max_row_mb"):
+        with pytest.raises(UserError) as err:
+            build(data, tmp_path / "out", **{name: value})
+        assert str(err.value) == f"--{name} must be in (0, 1048576] (a TiB), got {value}"
+    assert not (tmp_path / "out").exists()
+
+
 def test_existing_save_dir_needs_overwrite_and_must_be_a_dataset(tmp_path):
     data = tmp_path / "data"
     write(data, "a.txt", "v1\n")

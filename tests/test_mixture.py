@@ -30,9 +30,16 @@ def test_sources_are_parsed_and_bad_ones_are_one_line():
     bad = {
         "a:0.5,b": "--dataset-name 'b' has no weight; a mixture names each dataset with one, as NAME:WEIGHT,"
                    "NAME:WEIGHT",
-        "a:0.5,b:0": "--dataset-name 'b:0': a weight must be a positive number, got 0",
-        "a:0.5,b:-1": "--dataset-name 'b:-1': a weight must be a positive number, got -1",
-        "a:0.5,b:inf": "--dataset-name 'b:inf': a weight must be a positive number, got inf",
+        "a:0.5,b:0": "--dataset-name 'b:0': a weight must be a number in (0, 1e+06], got 0",
+        "a:0.5,b:-1": "--dataset-name 'b:-1': a weight must be a number in (0, 1e+06], got -1",
+        "a:0.5,b:inf": "--dataset-name 'b:inf': a weight must be a number in (0, 1e+06], got inf",
+        "a:0.5,b:nan": "--dataset-name 'b:nan': a weight must be a number in (0, 1e+06], got nan",
+        # weights the sampler's sum would overflow with, or that no run would ever draw
+        "a:1e308,b:0.3": "--dataset-name 'a:1e308': a weight must be a number in (0, 1e+06], got 1e308",
+        "a:1,b:1e-320": "--dataset-name b:1e-320 is 1e-320 of the draws, which no run would draw; each source needs "
+                        "at least 1e-06 of the weights' sum",
+        "a:1e6,b:0.5": "--dataset-name b:0.5 is 5e-07 of the draws, which no run would draw; each source needs at "
+                       "least 1e-06 of the weights' sum",
         "a:0.5,b:x": "--dataset-name 'b:x': the weight after the last ':' must be a number, got 'x'",
         "a:0.5,,b:1": "--dataset-name 'a:0.5,,b:1' has an empty item; write NAME:WEIGHT,NAME:WEIGHT",
         "x/a:0.5,x/a:1": "--dataset-name: x/a named twice; a mixture names each dataset once (its eval loss is "
@@ -54,7 +61,7 @@ def test_a_yaml_mixture_is_a_list_of_path_and_weight(tmp_path):
     (tmp_path / "bad.yaml").write_text("dataset_name:\n  - data/mine\n")
     with pytest.raises(UserError, match="each entry of a mixture is a mapping of path and weight, got 'data/mine'"):
         merge({"config": tmp_path / "bad.yaml", **named})
-    with pytest.raises(UserError, match="a weight must be a positive number, got 0"):
+    with pytest.raises(UserError, match=r"a weight must be a number in \(0, 1e\+06\], got 0"):
         merge({"dataset_name": "a:1,b:0", **named})
 
 

@@ -161,6 +161,14 @@ def test_an_fp16_overflow_skips_its_step_halves_the_scale_and_the_run_resumes_bi
         "error: training diverged in fp16 at step 2: 2 steps in a row overflowed; the last good checkpoint is none (a "
         "rerun starts from the base model); try --precision bf16 where the GPU has it, or fp32, or a lower --lr (now "
         "0.003), then rerun to resume from it")
+    # fewer overflows than the limit, but every step of the run: nothing trained, so nothing exported, in one line
+    untrained = torchrun(2, ROOT / "fsdp1.py", *run_args(train_env, tmp_path / "untrained", "fsdp2", 2, "--precision",
+                                                           "fp16", "--loss-scale", 1e12), env=train_env["env"])
+    assert untrained.returncode != 0
+    assert root_cause(untrained.stderr) == (
+        "error: no step of this run was applied: all 2 overflowed in fp16 at every loss scale tried; try --precision "
+        "bf16. Nothing was trained, so nothing is exported")
+    assert not (tmp_path / "untrained" / "r" / "hf").exists()
 
 
 def test_knobs_a_strategy_does_not_apply_are_named():

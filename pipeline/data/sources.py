@@ -4,11 +4,15 @@ mixture are pipeline/data/mixture.py's."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import UserError
+
+MAX_WEIGHT = 1e6
+"""The largest weight: the weights' sum stays far from overflow, and shares from rounding to nothing."""
+MIN_SHARE = 1e-6
+"""The smallest share of the draws a source may have: below it no run of any length would draw it."""
 
 
 @dataclass(frozen=True)
@@ -27,8 +31,8 @@ def _weight(text: str, item: str) -> float:
     except ValueError:
         raise UserError(f"--dataset-name {item!r}: the weight after the last ':' must be a number, got "
                         f"{text!r}") from None
-    if not (weight > 0 and math.isfinite(weight)):
-        raise UserError(f"--dataset-name {item!r}: a weight must be a positive number, got {text}")
+    if not (0 < weight <= MAX_WEIGHT):
+        raise UserError(f"--dataset-name {item!r}: a weight must be a number in (0, {MAX_WEIGHT:g}], got {text}")
     return weight
 
 
@@ -47,6 +51,11 @@ def parse_sources(value: str) -> list[Source]:
             raise UserError(f"--dataset-name {item!r} has no weight; a mixture names each dataset with one, "
                             "as NAME:WEIGHT,NAME:WEIGHT")
         sources.append(Source(_name(path), path, _weight(weight, item)))
+    total = sum(s.weight for s in sources)
+    for s in sources:
+        if s.weight / total < MIN_SHARE:
+            raise UserError(f"--dataset-name {s.path}:{s.weight!r} is {s.weight / total:.2g} of the draws, which no "
+                            f"run would draw; each source needs at least {MIN_SHARE:g} of the weights' sum")
     seen: dict[str, str] = {}
     for s in sources:
         if s.name in seen:

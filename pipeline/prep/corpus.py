@@ -61,9 +61,9 @@ class CorpusConfig:
         self.data_folder, self.save_dir = Path(self.data_folder), Path(self.save_dir)
         if self.num_proc < 1:
             raise UserError(f"--num_proc must be at least 1, got {self.num_proc}")
-        for name in ("max_file_mb", "max_row_mb"):
-            if not getattr(self, name) > 0:
-                raise UserError(f"--{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_file_mb", "max_row_mb"):  # as bytes an int: inf or 1e308 would not convert
+            if not 0 < getattr(self, name) <= 2**20:
+                raise UserError(f"--{name} must be in (0, {2**20}] (a TiB), got {getattr(self, name)}")
         if not self.data_folder.is_dir():
             raise UserError(f"--data_folder {self.data_folder} does not exist or is not a directory")
         check_apart(self.save_dir, "--save_dir", [(self.data_folder, "--data_folder")],

@@ -124,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                    "template; text: continue each message as text; auto (default): chat, unless the model has no "
                    "template or was fine-tuned on plain text only")
     args = p.parse_args(argv)
-    if args.max_new_tokens < 1 or args.temperature < 0:
-        raise UserError("--max-new-tokens must be >= 1 and --temperature >= 0")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not 0 <= args.temperature <= 100:  # nan and inf too: sampling divides the logits by it
+        raise UserError(f"--temperature must be in [0, 100], got {args.temperature}")
     folder, adapter = base_folder(args.model_dir)
     limit = positions(AutoConfig.from_pretrained(folder))
     if limit is not None and args.max_new_tokens >= limit:  # before any weight is read

@@ -116,6 +116,8 @@ class Trainer:
         self.base_val: HeldOut | None = None
         """The base model's validation figures (step 0), kept in checkpoints for the run's closing line."""
         self.bad_steps, self.skipped_since_save = 0, 0
+        self.applied = 0
+        """Steps this process applied (every rank counts alike: the decision is agreed)."""
         self.timer = PhaseTimer(d.device)
         self.flops_per_token = flops_per_token(plan.hf_config, self.strategy.num_matmul_params, cfg.data.seq_length,
                                                self.strategy.num_frozen_matmul)
@@ -273,6 +275,7 @@ class Trainer:
             telemetry.advance()
             window.add(result, lr)
             if result.applied:
+                self.applied += 1
                 self.bad_steps = self.overflows = 0
             elif self.scaler is not None:
                 self.overflowed(telemetry, result)
@@ -287,6 +290,7 @@ class Trainer:
                 window.started += time.perf_counter() - started  # the window's throughput is of training alone
             if (self.cfg.train.ckpt_freq and self.step % self.cfg.train.ckpt_freq == 0) or time_to_save:
                 self.save()
+        self.refuse_untrained()
         final = self.evaluate(telemetry)
         if final and self.base_val and self.dist.is_main:
             log.info("validation %s, base -> step %d", self.objective.closing(self.base_val, final), self.step)
@@ -339,6 +343,19 @@ class Trainer:
         (log.warning if self.dist.is_main else log.info)("stopped by signal at step %d; %s; rerun the same command "
                                                          "to resume", self.step, where)
         raise Interrupted(StopRequest.signum or signal.SIGTERM)
+
+    def refuse_untrained(self) -> None:
+        """A run that applied none of its steps (each one non-finite or, under fp16, overflowing, fewer in a row than
+        the limits stop at) would export the base as if trained: one line instead, on every rank alike. A resumed
+        run applied steps before its checkpoint (a skipped step is never checkpointed)."""
+        if self.applied or self.resumed_from or self.step == 0:
+            return
+        self.ckpt.wait()
+        why = ("overflowed in fp16 at every loss scale tried; try --precision bf16" if self.scaler is not None else
+               f"had a non-finite loss or gradient norm; try a lower --lr (now {self.cfg.optim.lr:g}) or "
+               "--precision fp32")
+        raise UserError(f"no step of this run was applied: all {self.step} {why}. Nothing was trained, so nothing "
+                        "is exported")
 
     def last_checkpoint(self) -> str:
         newest = self.ckpt.newest()
