@@ -53,6 +53,24 @@ def test_sources_are_parsed_and_bad_ones_are_one_line():
         assert str(caught.value) == message, value
 
 
+def test_one_dataset_under_two_names_is_one_line(tmp_path):
+    """A symlink (or a copy) of a dataset folder named beside it would train one dataset as two sources: refused by
+    its fingerprint before anything else loads."""
+    from pipeline.config_merge import resolve
+    from pipeline.prep.corpus import CorpusConfig, build_dataset
+    from pipeline.train.preflight import load_sources
+
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.txt").write_text("some text\n")
+    build_dataset(CorpusConfig(tmp_path / "raw", tmp_path / "mine", num_proc=1))
+    (tmp_path / "also").symlink_to(tmp_path / "mine")
+    cfg = resolve(["-e", "x", "-m", "org/model", "-d", f"{tmp_path / 'mine'}:0.5,{tmp_path / 'also'}:0.5"])
+    with pytest.raises(UserError) as caught:
+        load_sources(cfg)
+    assert str(caught.value) == (f"--dataset-name: {tmp_path / 'also'} and {tmp_path / 'mine'} hold the same dataset "
+                                 "(one fingerprint); a mixture names each dataset once, with one weight")
+
+
 def test_a_yaml_mixture_is_a_list_of_path_and_weight(tmp_path):
     (tmp_path / "run.yaml").write_text("dataset_name:\n  - {path: data/mine, weight: 0.7}\n"
                                        "  - {path: data/general, weight: 0.3}\n")

@@ -248,6 +248,12 @@ def load_sources(cfg: Config) -> list[DataSource]:
     text and conversations (a preference objective's reference pass and pair blocks take one dataset)."""
     sources = parse_sources(cfg.data.dataset_name)
     data = [DataSource(s, ds := load_text_dataset(s.path), dataset_fingerprint(ds)) for s in sources]
+    held: dict[str, str] = {}
+    for d in data:  # one folder under two names (a symlink, a copy) would train as two sources at twice its weight
+        if d.fingerprint in held:
+            raise UserError(f"--dataset-name: {d.source.path} and {held[d.fingerprint]} hold the same dataset (one "
+                            "fingerprint); a mixture names each dataset once, with one weight")
+        held[d.fingerprint] = d.source.path
     pairs = sum(preference_rows(d.dataset) for d in data)
     if len(data) > 1 and (pairs or cfg.objective.preference):
         raise UserError(f"--dataset-name {cfg.data.dataset_name} mixes datasets for a preference objective or of "
