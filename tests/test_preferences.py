@@ -516,3 +516,41 @@ def test_dpo_trains_alike_under_fsdp1_and_the_hand_written_zero3(tmp_path, train
     keys = ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen")
     assert [e[k] for e in runs["manual"] for k in keys] == pytest.approx(
         [e[k] for e in runs["fsdp1"] for k in keys], rel=1e-4, abs=1e-5)
+
+
+def test_a_cache_that_kept_nothing_gets_the_fix_for_its_cause(tmp_path, tiny_models):
+    """No block at all: pairs whose answers alone are longer than a block want a larger --seq-length (not the
+    smaller one the generic advice names), conversations whose tool calls the template leaves out a template that
+    renders them. Real caches of each, through the trainer's own check."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from pipeline.config_merge import resolve
+    from pipeline.data.dataset import BlockSpec
+    from pipeline.data.token_cache import build_blocks, open_blocks
+    from pipeline.distributed.runtime import Dist
+    from pipeline.train.blocks import check_one_batch
+
+    long = [{"prompt": f"Question {i}?", "chosen": "yes " * 80, "rejected": "no " * 80} for i in range(6)]
+    call = {"type": "function", "function": {"name": "lookup", "arguments": "{\"q\": \"x\"}"}}
+    tools = [{"messages": [{"role": "user", "content": f"find {i}"},
+                           {"role": "assistant", "content": None, "tool_calls": [call]},
+                           {"role": "tool", "content": "found", "tool_call_id": "c"},
+                           {"role": "assistant", "content": "done"}]} for i in range(6)]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["tied"])
+    one = Dist(0, 1, 0, 1, torch.device("cpu"))
+    for name, rows, pairs, seq, advice in (
+            ("pairs", long, True, 64, "none of its 6 pairs was kept: 6 were longer than a block even with the prompt "
+                                      "cut; use a larger --seq-length (now 64)"),
+            ("agents", tools, False, 512, "none of its 6 conversations was kept: 6 were left without their tool calls "
+                                          "or schemas by the chat template; use a template that renders tools "
+                                          "(--chat-template)")):
+        write_jsonl(tmp_path / name / "rows.jsonl", rows)
+        build_dataset(CorpusConfig(tmp_path / name, tmp_path / f"{name}-ds", num_proc=1))
+        spec = BlockSpec(seq, 0.1, 0, pairs=pairs, chat_date="26 Jul 2024")
+        build_blocks(datasets.load_from_disk(str(tmp_path / f"{name}-ds")), tokenizer, spec, 1, tmp_path / name / "c")
+        cfg = resolve(["-e", "x", "-m", "org/model", "-d", str(tmp_path / f"{name}-ds"), "--seq-length", str(seq)])
+        with pytest.raises(UserError) as caught:
+            check_one_batch(open_blocks(tmp_path / name / "c"), cfg, one)
+        assert str(caught.value) == (f"the dataset gives 0 training blocks of {seq} tokens, fewer than one global "
+                                     f"batch (1 processes x batch 1 x grad accum 1 = 1); {advice}")

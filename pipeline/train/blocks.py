@@ -78,8 +78,36 @@ def check_one_batch(blocks: Blocks | MixedBlocks, cfg: Config, d: Dist) -> None:
     if len(blocks.train) < global_batch:
         raise UserError(f"the dataset gives {len(blocks.train)} training blocks of {cfg.data.seq_length} tokens, "
                         f"fewer than one global batch ({d.world_size} processes x batch {cfg.train.batch_size} x "
-                        f"grad accum {cfg.train.grad_accum} = {global_batch}); use more data or a smaller "
-                        "--seq-length, --batch-size or --grad-accum")
+                        f"grad accum {cfg.train.grad_accum} = {global_batch}); "
+                        + (why_none_kept(json.loads((blocks.path / "meta.json").read_text()), cfg.data.seq_length)
+                           or "use more data or a smaller --seq-length, --batch-size or --grad-accum"))
+
+
+NONE_KEPT = {
+    "dropped_too_long": ("longer than a block even with the prompt cut", "use a larger --seq-length (now {seq})"),
+    "tools_not_rendered": ("left without their tool calls or schemas by the chat template",
+                           "use a template that renders tools (--chat-template)"),
+    "reasoning_not_rendered": ("left without their reasoning by the chat template",
+                               "use a template that renders it (--chat-template), or --train-on-reasoning off"),
+    "template_mismatch": ("rendered differently turn by turn by the chat template", "use another --chat-template"),
+    "template_error": ("refused by the chat template (it raised)", "use another --chat-template"),
+    "malformed": ("malformed (the dataset's prep_report.json says how)", "fix the data"),
+}
+"""Why a token cache kept no pair or conversation, by the commonest reason: what happened, and the fix that fits."""
+
+
+def why_none_kept(meta: dict, seq: int) -> str:
+    """The advice for a cache whose pairs or conversations were all dropped ("" when some were kept or there were
+    none: then more data or a smaller shape is the fix)."""
+    for what in ("pairs", "conversations"):
+        counts = meta.get(what) or {}
+        if counts and not counts.get("kept") and not counts.get("truncated") and sum(counts.values()):
+            reason = max(counts, key=counts.get)
+            if reason in NONE_KEPT:
+                n, (happened, fix) = counts[reason], NONE_KEPT[reason]
+                return (f"none of its {sum(counts.values())} {what} was kept: {n} {'was' if n == 1 else 'were'} "
+                        f"{happened}; {fix.format(seq=seq)}")
+    return ""
 
 
 def check_vocabulary(blocks: Blocks, plan: Plan, d: Dist) -> None:
