@@ -94,7 +94,9 @@ def test_the_objective_the_data_and_the_reference_must_agree_in_one_line(tmp_pat
                                  [*pairs, "--objective", "orpo", "--reference-model", "local/tiny"],
                                  [*pairs, "--objective", "dpo", "--reference-model", other_vocab],
                                  [*pairs, *untied, "--reference-model", "local/tiny"],
-                                 [*pairs, *untied, "--reference-model", "local/tiny-untied", "--adapter", "lora"]],
+                                 [*pairs, *untied, "--reference-model", "local/tiny-untied", "--adapter", "lora"],
+                                 [*pairs, "--objective", "dpo", "--reference-model", tmp_path / "pairs"],
+                                 [*pairs, "--objective", "dpo", "--reference-model", tmp_path / "data"]],
                                 train_env["env"])
     assert refusals == [
         f"{tmp_path / 'pairs'} holds 3 preference pairs (chosen and rejected answers): train them with --objective "
@@ -108,7 +110,10 @@ def test_the_objective_the_data_and_the_reference_must_agree_in_one_line(tmp_pat
         "--reference-model local/tiny does not fit local/tiny-untied's architecture: its tensor lm_head.weight is "
         "missing, not of shape [1024, 64]; the reference is run in the policy's model, so it must be the same "
         "architecture",
-        "ok"]
+        "ok",
+        f"--reference-model {tmp_path / 'pairs'} is a dataset (as DATA-HF writes one), not a model: a dataset goes to "
+        "--dataset-name",
+        f"--reference-model {tmp_path / 'data'} is a directory without config.json"]
     assert not (tmp_path / "runs").exists()
 
 

@@ -79,7 +79,7 @@ def base_dir(path: Path, base_model: str, model_name: str = "") -> Path:
                         "deleted): put it back, or set base_model_name_or_path there to where it is now")
     model_dir = resolve_model_dir(name)
     if expected := recorded_base(path):
-        check_same_base(model_dir, name, expected, f"the adapter {path}")
+        check_same_base(model_dir, name, expected, f"the adapter {path}", base_model)
     return model_dir
 
 

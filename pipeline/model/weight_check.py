@@ -144,11 +144,14 @@ def weights_digest(check: WeightCheck) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()[:32]
 
 
-def check_same_base(model_dir: Path, model_name: str, expected: str, what: str) -> None:
-    """The weights at model_dir are sound and are the ones `what` (an adapter, a run) was trained on: one line naming
-    both otherwise."""
+def check_same_base(model_dir: Path, model_name: str, expected: str, what: str, trained_on: str = "") -> None:
+    """The weights at model_dir (model_name's) are sound and are the ones `what` (an adapter, a run) was trained on
+    (trained_on, the base's name it records; default model_name): one line naming both otherwise."""
+    trained_on = trained_on or model_name
     found = weights_digest(unchanged_weights(model_dir, model_name))
     if found != expected:
-        raise UserError(f"{what} was trained on base model {model_name} with weights {expected[:16]}..., but the "
-                        f"weights now at {model_dir} are {found[:16]}... (another model, or changed ones): point it at "
-                        "the base it was trained on, or train again on this one")
+        now = (f"the weights now at {model_dir} are" if model_name == trained_on else
+               f"{model_name}'s weights, at {model_dir}, are")
+        raise UserError(f"{what} was trained on base model {trained_on} with weights {expected[:16]}..., but {now} "
+                        f"{found[:16]}... (another model, or changed ones): point it at the base it was trained on, "
+                        "or train again on this one")

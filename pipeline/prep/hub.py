@@ -137,13 +137,20 @@ def looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
 
 
-def resolve_model_dir(model_name: str) -> Path:
+DATASET_FILES = ("dataset_info.json", "dataset_dict.json", "state.json")
+"""What a folder `datasets`' save_to_disk (DATA-HF) wrote holds, and no model folder does."""
+
+
+def resolve_model_dir(model_name: str, flag: str = "--model-name") -> Path:
     """A local model directory, or a hub id from the offline cache (never the network): how the trainer and the
-    exporter find the model MODEL_DOWNLOAD put there."""
+    exporter find the model MODEL_DOWNLOAD put there. flag: the option that named it, for the one-line errors."""
     local = Path(model_name)
     if local.is_dir():
         if not (local / "config.json").exists():
-            raise UserError(f"--model-name {model_name} is a directory without config.json")
+            if any((local / name).exists() for name in DATASET_FILES):
+                raise UserError(f"{flag} {model_name} is a dataset (as DATA-HF writes one), not a model: a dataset "
+                                "goes to --dataset-name")
+            raise UserError(f"{flag} {model_name} is a directory without config.json")
         return local
     if looks_like_path(model_name):
         raise UserError(f"model folder {model_name} does not exist (a hub id is ORG/NAME)")

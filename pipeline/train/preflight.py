@@ -195,7 +195,7 @@ def plan_reference(cfg: Config, plan: Plan, base: WeightCheck | None = None) -> 
         return ReferencePlan(model_dir, cfg.model.model_name, weights_digest(base))
     from transformers import AutoConfig, AutoTokenizer
 
-    ref_dir = resolve_model_dir(o.reference_model)
+    ref_dir = resolve_model_dir(o.reference_model, "--reference-model")
     ref_config = AutoConfig.from_pretrained(ref_dir)
     mine, theirs = getattr(plan.hf_config, "vocab_size", None), getattr(ref_config, "vocab_size", None)
     if mine != theirs or AutoTokenizer.from_pretrained(ref_dir).get_vocab() != plan.tokenizer.get_vocab():
