@@ -67,9 +67,13 @@ def test_pairs_in_every_form_are_kept_as_pairs_and_bad_ones_skipped_by_reason(tm
 def test_a_folder_mixing_pairs_with_text_is_one_line(tmp_path):
     write_jsonl(tmp_path / "data" / "pairs.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}])
     (tmp_path / "data" / "notes.txt").write_text("a document\n")
-    with pytest.raises(UserError, match=r"mixes 1 preference pairs with 1 text or conversation rows: a run trains "
-                                        r"on one kind"):
+    write_jsonl(tmp_path / "data" / "more.jsonl", [{"prompt": "q", "chosen": "c", "rejected": "d"}] * 2)
+    with pytest.raises(UserError) as caught:
         build_dataset(CorpusConfig(tmp_path / "data", tmp_path / "out", num_proc=1))
+    assert str(caught.value) == (
+        f"{tmp_path / 'data'} mixes 3 preference pairs with 1 text or conversation rows (the others are in notes.txt "
+        "(1 row)): a run trains on one kind (SFT or a preference objective); convert them from separate folders into "
+        "separate datasets")
     assert not (tmp_path / "out").exists()
 
 

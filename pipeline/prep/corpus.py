@@ -397,6 +397,24 @@ def build_dataset(cfg: CorpusConfig) -> dict:
             return _build_locked(cfg, files, sizes, pre_skipped, start)
 
 
+def _files_of(results: list[ChunkResult], pairs: bool, shown: int = 3) -> str:
+    """The files that hold a folder's preference pairs (pairs) or its other rows, read back from the shards, with
+    their rows of that kind: where a folder that mixes the two has the fewer."""
+    import pyarrow.compute as pc
+
+    found: Counter = Counter()
+    for r in results:
+        if r.rows:
+            with pa.ipc.open_stream(r.shard) as reader:
+                table = reader.read_all()
+            is_pair = pc.greater(pc.list_value_length(table.column("chosen")), 0)
+            for source, flag in zip(table.column("source").to_pylist(), is_pair.to_pylist(), strict=True):
+                if flag == pairs:
+                    found[source] += 1
+    named = ", ".join(f"{source} ({n} row{'s' if n > 1 else ''})" for source, n in found.most_common(shown))
+    return named + (f" and {len(found) - shown} more files" if len(found) > shown else "")
+
+
 def _build_locked(cfg: CorpusConfig, files: list[str], sizes: list[int], pre_skipped: dict, start: float) -> dict:
     _clean_stale_partials(cfg.save_dir)
     work = cfg.save_dir.parent / f".{cfg.save_dir.name}.partial-{os.getpid()}"
@@ -408,9 +426,11 @@ def _build_locked(cfg: CorpusConfig, files: list[str], sizes: list[int], pre_ski
             reasons = ", ".join(f"{r}: {v['count']}" for r, v in report["skipped"].items())
             raise UserError(f"no text extracted from {cfg.data_folder} ({reasons})")
         if 0 < (pairs := report["preferences"]["rows"]) < report["rows"]:
-            raise UserError(f"{cfg.data_folder} mixes {pairs} preference pairs with {report['rows'] - pairs} text or "
-                            "conversation rows: a run trains on one kind (SFT or a preference objective); convert "
-                            "them from separate folders into separate datasets")
+            others = report["rows"] - pairs
+            fewer = f"the {'pairs' if pairs <= others else 'others'} are in {_files_of(results, pairs <= others)}"
+            raise UserError(f"{cfg.data_folder} mixes {pairs} preference pairs with {others} text or conversation "
+                            f"rows ({fewer}): a run trains on one kind (SFT or a preference objective); convert them "
+                            "from separate folders into separate datasets")
         write_layout(work / "dataset", [Path(r.shard) for r in results if r.rows])
         report["seconds"] = round(time.perf_counter() - start, 3)
         (work / "dataset" / REPORT).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
