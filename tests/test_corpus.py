@@ -153,6 +153,24 @@ def test_tool_calls_and_reasoning_traces_are_kept_as_fields_and_bad_ones_skipped
         "reasoning_trace": ["pairs.jsonl:line 1"]}
 
 
+def test_json_nested_past_the_stack_inside_a_field_skips_that_record_alone(tmp_path):
+    """An arguments or tools string nested 5,000 deep (json.loads raises RecursionError) is that record's problem:
+    skipped as too_deeply_nested where it is, the rest of the file and folder kept."""
+    deep = "[" * 5000 + "]" * 5000
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": deep}}]}
+    lines = [{"messages": chat("Hi", "Hello")},
+             {"messages": chat("Call it") + [call, {"role": "tool", "content": "ok"},
+                                             {"role": "assistant", "content": "Done."}]},
+             {"messages": chat("Hi again", "Hello again"), "tools": deep}]
+    write(tmp_path / "data", "chats.jsonl", "\n".join(map(json.dumps, lines)) + "\n")
+    write(tmp_path / "data", "notes.txt", "a document\n")
+    report = build(tmp_path / "data", tmp_path / "out", num_proc=1)
+    assert rows_by_source(tmp_path / "out") == {"chats.jsonl": [chat("Hi", "Hello")], "notes.txt": ["a document\n"]}
+    assert {r: v["where"] for r, v in report["conversations"]["skipped"].items()} == {
+        "too_deeply_nested": ["chats.jsonl:line 2", "chats.jsonl:line 3"]}
+
+
 def build(data: Path, save: Path, **kw) -> dict:
     return build_dataset(CorpusConfig(data, save, num_proc=kw.pop("num_proc", 2), **kw))
 

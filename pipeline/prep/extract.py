@@ -217,6 +217,8 @@ class Extracted:
                 pair = preferences.to_pair(record, form)
             except preferences.BadPair as exc:
                 self.bad_pairs.append((str(exc), where))
+            except RecursionError:  # JSON nested past Python's stack inside a field: this record alone is skipped
+                self.bad_pairs.append(("too_deeply_nested", where))
             else:
                 self.pair_forms[form] += 1
                 self.row(pair, where)
@@ -244,6 +246,8 @@ class Extracted:
             chat = conversations.to_chat(record, fmt)
         except conversations.BadConversation as exc:
             self.bad_chats.append((str(exc), where))
+        except RecursionError:  # an arguments or tools string nested past Python's stack: this record alone
+            self.bad_chats.append(("too_deeply_nested", where))
         else:
             self.formats[fmt] += 1
             self.row(chat, where)
