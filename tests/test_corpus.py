@@ -318,6 +318,21 @@ def test_a_size_limit_that_is_no_number_of_bytes_is_one_line(tmp_path, value):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_mount_point_as_save_dir_is_one_line(tmp_path, small_disk):
+    """--overwrite replaces the folder by renaming over it, which a mount point refuses (EBUSY): said before any
+    work, with the fix."""
+    data = tmp_path / "data"
+    write(data, "a.txt", "text\n")
+    for overwrite in (False, True):
+        with pytest.raises(UserError) as err:
+            build(data, small_disk.path, overwrite=overwrite)
+        inside = small_disk.path / "dataset"
+        assert str(err.value) == (f"--save_dir {small_disk.path} is a mount point, which cannot be replaced as a "
+                                  f"whole: write the dataset to a folder inside it (e.g. {inside})")
+    build(data, small_disk.path / "dataset")
+    assert rows_by_source(small_disk.path / "dataset") == {"a.txt": ["text\n"]}
+
+
 def test_existing_save_dir_needs_overwrite_and_must_be_a_dataset(tmp_path):
     data = tmp_path / "data"
     write(data, "a.txt", "v1\n")

@@ -78,6 +78,9 @@ class CorpusConfig:
     def check_target(self) -> None:
         """What is at save_dir now may be replaced: nothing, or a dataset DATA-HF wrote, with --overwrite."""
         check_target(self.save_dir, "dataset", "--save_dir", "choose a new --save_dir")
+        if os.path.ismount(self.save_dir):  # replacing it renames over it, which a mount point refuses (EBUSY)
+            raise UserError(f"--save_dir {self.save_dir} is a mount point, which cannot be replaced as a whole: write "
+                            f"the dataset to a folder inside it (e.g. {self.save_dir / 'dataset'})")
         if self.save_dir.exists() and not self.overwrite:
             raise UserError(f"--save_dir {self.save_dir} already exists; pass --overwrite to replace it")
         check_only(self.save_dir, "--save_dir", _dataset_file, "DATA-HF.py", "move those out first, or choose a new "
