@@ -1,6 +1,7 @@
 import gzip
 import json
 import math
+from pathlib import Path
 
 import pytest
 import yaml
@@ -204,3 +205,25 @@ def test_checkpoints_follow_wall_time_on_every_rank_at_the_same_step(tmp_path, t
                     "--eval-freq", "0", "--ckpt-minutes", "1e-6", env=train_env["env"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [e["step"] for e in events(tmp_path / "t") if e["event"] == "checkpoint"] == [1, 2, 3]
+
+
+def test_a_run_folder_too_long_for_the_files_under_it_is_refused_before_training(tmp_path):
+    """Training and checkpoints would pass and the export fail with ENAMETOOLONG hours later: the run folder's path
+    leaves room for every file a run writes, or it is one line at the start."""
+    import os
+
+    from pipeline.errors import UserError
+    from pipeline.train.preflight import RUN_FILE_BYTES, check_path_room
+
+    limit = os.pathconf(tmp_path, "PC_PATH_MAX")
+    fits = tmp_path / ("d" * 100) / "run"
+    check_path_room(fits)
+    deep = Path(tmp_path, *["d" * 200] * (limit // 201), "run")
+    size = len(os.fsencode(deep))
+    assert size + RUN_FILE_BYTES >= limit
+    with pytest.raises(UserError) as err:
+        check_path_room(deep)
+    assert str(err.value) == (f"the run folder's path is {size} bytes long ({str(deep)[:60]}...): the files a run "
+                              f"writes under it would pass this system's limit of {limit} bytes a path; use a shorter "
+                              "--save-dir")
+    assert not (tmp_path / ("d" * 200)).exists()  # nothing written

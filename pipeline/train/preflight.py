@@ -283,11 +283,29 @@ def check_cache_root(cfg: Config, read: list[tuple[Path, str]]) -> None:
 RUN_HINT = "give this run another --experiment-name or --save-dir"
 
 
+RUN_FILE_BYTES = 128
+"""How much longer than the run folder's path the longest path a run writes is allowed to be (the longest today,
+`.best.partial/model.safetensors.index.json` or a checkpoint's shard, is under 50): room for what comes."""
+
+
 def check_run_folder(cfg: Config) -> None:
-    """The run folder is a run's, or new, and in no folder of another kind: refused in one line before anything is
-    written (pipeline/ownership.py)."""
+    """The run folder is a run's, or new, in no folder of another kind, and short enough for every file a run writes
+    under it: refused in one line before anything is written (pipeline/ownership.py)."""
     check_target(cfg.run_dir, "run", "the run folder", RUN_HINT)
     check_not_nested(cfg.run_dir, "run", "the run folder")
+    check_path_room(cfg.run_dir)
+
+
+def check_path_room(run_dir: Path) -> None:
+    """The system's longest path (PATH_MAX, of the folder's nearest existing ancestor) leaves RUN_FILE_BYTES under
+    the run folder: else the run would train, checkpoint, then fail to export (ENAMETOOLONG) hours later."""
+    full = Path(os.path.abspath(run_dir))
+    existing = next(p for p in (full, *full.parents) if p.exists())
+    limit = os.pathconf(existing, "PC_PATH_MAX") if hasattr(os, "pathconf") else 4096
+    size = len(os.fsencode(full))
+    if size + RUN_FILE_BYTES >= limit:
+        raise UserError(f"the run folder's path is {size} bytes long ({str(full)[:60]}...): the files a run writes "
+                        f"under it would pass this system's limit of {limit} bytes a path; use a shorter --save-dir")
 
 
 def preflight(cfg: Config, launch: Launch | None = None) -> Plan:
