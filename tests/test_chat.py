@@ -299,7 +299,7 @@ def chat_reference(train_env, tmp_path_factory):
     return root
 
 
-def test_chat_run_trains_on_answers_and_exports_the_template(train_env, chat_reference, tiny_models):
+def test_chat_run_trains_on_answers_and_exports_the_template(train_env, chat_reference, tiny_models, tmp_path):
     run = chat_reference / "c"
     ref = losses(run)
     assert sorted(ref) == list(range(1, 7))
@@ -319,6 +319,28 @@ def test_chat_run_trains_on_answers_and_exports_the_template(train_env, chat_ref
     assert (past.returncode, past.stderr.splitlines()[-1]) == (2, (
         f"error: --max-new-tokens 100000 is beyond what {run / 'hf'} can generate: it has 2048 positions in all, the "
         "prompt included"))
+    # an export missing its tokenizer, or with a cut weight file: one line each, before any weight is read
+    import shutil
+
+    for damage in ("tokenizer", "weights"):
+        broken = tmp_path / damage
+        shutil.copytree(run / "hf", broken)
+        if damage == "tokenizer":
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                (broken / name).unlink()
+        else:
+            weights = next(broken.glob("*.safetensors"))
+            weights.write_bytes(weights.read_bytes()[:-100])
+        proc = subprocess.run([sys.executable, "-m", "pipeline.chat", broken, "--prompt", "Hi"], cwd=ROOT,
+                              env=train_env["env"], capture_output=True, text=True)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert proc.stderr.splitlines()[-1] == {
+            "tokenizer": f"error: {broken} has no tokenizer (tokenizer.json or tokenizer_config.json): an export "
+                         "writes one beside the weights; copy the base model's tokenizer files there, or export the "
+                         "run again",
+            "weights": f"error: weight file {weights} is truncated or corrupt (its tensors end at byte "
+                       f"{weights.stat().st_size + 100}, the file has {weights.stat().st_size}); download or import "
+                       "the model again"}[damage]
 
 
 def test_chat_run_head_paths_agree_and_a_killed_run_resumes_exactly(train_env, chat_reference, tmp_path):

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import ArgumentParser, UserError
+from pipeline.model.weight_files import read_index
 from pipeline.ownership import read_mark
 
 
@@ -109,6 +110,19 @@ def _lines():
             return
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""What a folder holds when it has a tokenizer AutoTokenizer can load (one of them at least)."""
+
+
+def check_readable(model_dir: Path, folder: Path) -> None:
+    """A tokenizer beside the model, and weight files whose headers and sizes are whole, before any weight is read:
+    one line each instead of transformers' traceback. folder: where the weights are (an adapter's base)."""
+    if not any((model_dir / name).exists() for name in TOKENIZER_FILES):
+        raise UserError(f"{model_dir} has no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}): an export writes one "
+                        "beside the weights; copy the base model's tokenizer files there, or export the run again")
+    read_index(folder)  # a truncated or damaged shard is one line naming it
+
+
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -133,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if limit is not None and args.max_new_tokens >= limit:  # before any weight is read
         raise UserError(f"--max-new-tokens {args.max_new_tokens} is beyond what {args.model_dir} can generate: it has "
                         f"{limit} positions in all, the prompt included")
+    check_readable(args.model_dir, folder)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     mode, why = choose_mode(args.model_dir, tokenizer, args.mode)
     if why:
