@@ -128,9 +128,10 @@ def test_tool_calls_and_reasoning_traces_are_kept_as_fields_and_bad_ones_skipped
     ]
     write(tmp_path / "data", "chats.jsonl", "\n".join(map(json.dumps, lines)) + "\n")
     pair = {"prompt": chat("2+2?"), "chosen": [thought], "rejected": [{"role": "assistant", "content": "5"}]}
+    with_tools = {"prompt": "Weather?", "chosen": "Sunny.", "rejected": "No idea.", "tools": [weather]}
     write(tmp_path / "pairs", "pairs.jsonl", json.dumps(pair) + "\n" + json.dumps(
         {"prompt": chat("2+2?"), "chosen": [{"role": "assistant", "content": "4"}],
-         "rejected": [{"role": "assistant", "content": "5"}]}) + "\n")
+         "rejected": [{"role": "assistant", "content": "5"}]}) + "\n" + json.dumps(with_tools) + "\n")
     report = build(tmp_path / "data", tmp_path / "out", num_proc=1)
     stored_call = {"role": "assistant", "content": "", "tool_calls": json.dumps(
         [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}, "id": "c1"}])}
@@ -150,7 +151,7 @@ def test_tool_calls_and_reasoning_traces_are_kept_as_fields_and_bad_ones_skipped
         "bad_tool_schema": ["chats.jsonl:line 7"]}
     prefs = build(tmp_path / "pairs", tmp_path / "out_pairs", num_proc=1)["preferences"]
     assert prefs["rows"] == 1 and {r: v["where"] for r, v in prefs["skipped"].items()} == {
-        "reasoning_trace": ["pairs.jsonl:line 1"]}
+        "reasoning_trace": ["pairs.jsonl:line 1"], "tool_schemas": ["pairs.jsonl:line 3"]}
 
 
 def test_json_nested_past_the_stack_inside_a_field_skips_that_record_alone(tmp_path):

@@ -72,6 +72,8 @@ def to_pair(record: dict, form: str) -> Pair:
         raise BadPair("missing_field")
     if form == "unpaired":
         raise BadPair("unpaired_preference")
+    if record.get("tools") not in (None, "", [], "[]"):  # schemas a pair's template would need: not trained yet
+        raise BadPair("tool_schemas")
     if form == "row":  # read back from our own dataset: the prompt in messages (conversational) or in text
         if not isinstance(record["text"], str):
             raise BadPair("malformed_message")
