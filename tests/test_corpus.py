@@ -501,3 +501,36 @@ def test_a_worker_reads_no_file_or_row_beyond_its_limits(tmp_path, monkeypatch):
         "binary": ["sparse.json"], "no_valid_row": ["long.jsonl"], "too_large": ["doc.json"]}
     assert report["rows_skipped"] == {"row_too_large": {"count": 2, "where": ["long.jsonl:line 1",
                                                                               "rows.jsonl:line 1"]}}
+
+
+def test_every_data_kind_reads_back_from_its_own_to_json_and_to_parquet(tmp_path):
+    """What DATA-HF writes reads back through DATA-HF: a dataset of text, conversations, tool calls with results and
+    schemas and reasoning traces, and one of preference pairs (standard and conversational), each exported with
+    datasets' own to_json and to_parquet, gives every row back as it was (its source is the file it was read from)."""
+    weather = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function",
+                            "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]}
+    chats = [{"messages": chat("Hi", "Hello")},
+             {"messages": chat("Weather in Oslo?") + [call, {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                                                      {"role": "assistant", "content": "Sunny."}], "tools": [weather]},
+             {"messages": chat("2+2?") + [{"role": "assistant", "content": "4", "reasoning_content": "2 and 2."}]}]
+    pairs = [{"prompt": "2+2?", "chosen": "4", "rejected": "5"},
+             {"prompt": chat("3+3?"), "chosen": [{"role": "assistant", "content": "6"}],
+              "rejected": [{"role": "assistant", "content": "7"}]}]
+    write(tmp_path / "sft", "notes.txt", "a document\n")
+    write(tmp_path / "sft", "chats.jsonl", "\n".join(map(json.dumps, chats)) + "\n")
+    write(tmp_path / "pairs", "pairs.jsonl", "\n".join(map(json.dumps, pairs)) + "\n")
+    for kind, rows in (("sft", 4), ("pairs", 2)):
+        build(tmp_path / kind, tmp_path / f"{kind}-ds", num_proc=1)
+        first = datasets.load_from_disk(str(tmp_path / f"{kind}-ds"))
+        assert len(first) == rows
+        for fmt in ("json", "parquet"):
+            again = tmp_path / f"{kind}-{fmt}"
+            again.mkdir()
+            getattr(first, f"to_{fmt}")(str(again / f"rows.{'jsonl' if fmt == 'json' else fmt}"))
+            report = build(again, tmp_path / f"{kind}-{fmt}-ds", num_proc=1)
+            back = datasets.load_from_disk(str(tmp_path / f"{kind}-{fmt}-ds"))
+            assert [{k: v for k, v in r.items() if k != "source"} for r in back] == [
+                {k: v for k, v in r.items() if k != "source"} for r in first], (kind, fmt)
+            assert not report["conversations"].get("skipped") and not report["preferences"].get("skipped")

@@ -115,6 +115,8 @@ def tool_calls(value: object) -> str:
 def tools_of(value: object) -> str:
     """A row's tool schemas (a list, or a JSON string of one) as the stored JSON list; "" for none. Each must be a
     function schema: {"type": "function", "function": {"name", ...}} or the function object alone."""
+    if isinstance(value, str) and not value.strip():  # what a row of ours without schemas stores (and to_json writes)
+        return ""
     schemas = _parsed(value, "bad_tool_schema")
     if schemas in (None, "", []):
         return ""
