@@ -164,13 +164,33 @@ def test_each_answer_of_packed_pairs_has_the_log_probability_the_model_gives_it_
                 assert got[f"{kind}_len"][k] == int(trained.sum())
 
 
-def test_a_dataset_of_pairs_becomes_blocks_of_whole_pairs(tmp_path, tiny_models):
+def test_a_pair_is_cut_from_the_left_but_never_below_its_prompt_floor():
+    """Truncation keeps the end of the prompt in both answers alike; a pair whose prompt would keep fewer than
+    MIN_PROMPT tokens (or a shorter prompt that would be cut at all) is dropped, not trained answers-first."""
+    import numpy as np
+
+    from pipeline.data.pair_tokens import MIN_PROMPT, TokenPair, fit_pair
+
+    def pair(prompt: int, answer: int = 5) -> TokenPair:
+        ids = np.arange(prompt + answer, dtype=np.uint32)
+        mask = np.r_[np.zeros(prompt, bool), np.ones(answer, bool)]
+        return TokenPair(ids, mask, ids.copy(), mask.copy(), prompt)
+
+    assert fit_pair(pair(40), 90)[1] == "kept"
+    cut, status = fit_pair(pair(40), 2 * (MIN_PROMPT + 5))  # exactly the floor left
+    assert status == "truncated" and cut.prompt == MIN_PROMPT and cut.chosen[0] == 40 - MIN_PROMPT
+    assert fit_pair(pair(40), 2 * (MIN_PROMPT + 5) - 2) == (None, "prompt_cut_too_far")
+    assert fit_pair(pair(10), 28) == (None, "prompt_cut_too_far")  # a short prompt is not cut
+    assert fit_pair(pair(40, answer=60), 100) == (None, "dropped_too_long")
+
+
+def test_a_dataset_of_pairs_becomes_blocks_of_whole_pairs(tmp_path, tiny_models, caplog):
     """DATA-HF's pair rows through the token cache: every kept pair in one block, its chosen answer right before its
     rejected one, both starting with the same prompt; the counts in meta.json."""
     import numpy as np
     from transformers import AutoTokenizer
 
-    from pipeline.data import packing
+    from pipeline.data import packing, pair_tokens
     from pipeline.data.dataset import BlockSpec
     from pipeline.data.pair_tokens import CHOSEN, REJECTED
     from pipeline.data.token_cache import build_blocks
@@ -186,7 +206,17 @@ def test_a_dataset_of_pairs_becomes_blocks_of_whole_pairs(tmp_path, tiny_models)
     meta = json.loads((tmp_path / "cache" / "meta.json").read_text())
     assert meta["pairs"] == {"kept": 40, "truncated": 1, "dropped_too_long": 0, "malformed": 0,
                              "template_mismatch": 0, "template_error": 0, "tools_not_rendered": 0,
-                             "reasoning_not_rendered": 0}
+                             "reasoning_not_rendered": 0, "prompt_cut_too_far": 0}
+    whole = len(tokenizer("x " * 400, add_special_tokens=False)["input_ids"]) + 1  # BOS
+    cut = meta["pairs_prompt_tokens_cut"]
+    assert 0 < cut < whole - pair_tokens.MIN_PROMPT
+    from pipeline.train.blocks import log_cache_meta
+
+    with caplog.at_level("INFO", logger="pipeline"):
+        log_cache_meta(tmp_path / "cache")
+    assert f"preference pairs: kept 40, truncated 1; {meta['pair_blocks']} blocks of them" in caplog.text
+    assert (f"1 preference pairs were longer than a block and had their prompts cut from the left: {cut} prompt "
+            f"tokens in all, {cut:.1f} a pair (a larger --seq-length keeps them whole)") in caplog.text
     assert meta["pairs_kept"] == 41 and meta["train_blocks"] + meta["val_blocks"] == meta["blocks"]
     seen = 0
     for split in ("train", "val"):

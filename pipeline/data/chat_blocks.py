@@ -61,9 +61,10 @@ def _tokenize_pairs(batch: dict, tokenizer, spec: BlockSpec) -> dict:
     return pair_tokens.tokenize_pairs_batch(batch, tokenizer, spec.chat_date, spec.seq_length, keep_as_text)
 
 
-def pair_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path) -> tuple[np.ndarray, np.ndarray, dict]:
+def pair_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path
+                ) -> tuple[np.ndarray, np.ndarray, dict, int]:
     """Preference rows tokenized, fitted and packed whole into blocks, each chosen answer before its rejected one;
-    what happened to them, by status."""
+    what happened to them, by status; the prompt tokens truncation cut, over every kept pair."""
     with datasets_bars(sys.stderr.isatty()), naming(work):
         tokenized = ds.map(_tokenize_pairs, remove_columns=ds.column_names, desc="tokenizing preference pairs",
                            fn_kwargs={"tokenizer": tokenizer, "spec": spec},
@@ -78,7 +79,8 @@ def pair_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path) -> tu
              for i in kept]
     blocks, flags = pair_tokens.pack_pairs(pairs, spec.seq_length, tokenizer.eos_token_id) if pairs else (
         np.zeros((0, spec.seq_length), np.uint32), np.zeros((0, spec.seq_length), np.uint8))
-    return blocks, flags, {s: status.get(s, 0) for s in pair_tokens.STATUS}
+    cut = int(np.asarray(tokenized.data.column("cut").to_numpy())[kept].sum())
+    return blocks, flags, {s: status.get(s, 0) for s in pair_tokens.STATUS}, cut
 
 
 def chat_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path

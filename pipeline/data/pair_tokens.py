@@ -25,7 +25,10 @@ CHOSEN = 4
 REJECTED = 8
 """Flag bit of every token of a rejected answer's sequence."""
 STATUS = ("kept", "truncated", "dropped_too_long", "malformed", "template_mismatch", "template_error",
-          "tools_not_rendered", "reasoning_not_rendered")
+          "tools_not_rendered", "reasoning_not_rendered", "prompt_cut_too_far")
+MIN_PROMPT = 16
+"""The fewest prompt tokens a truncated pair keeps (all of a shorter prompt: it is not cut at all): below it the
+answers would be trained without their question, so the pair is dropped as prompt_cut_too_far."""
 
 
 @dataclass
@@ -69,13 +72,17 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 def fit_pair(pair: TokenPair, capacity: int) -> tuple[TokenPair | None, str]:
     """The pair within capacity tokens, its prompt cut from the left in both answers if need be (keeping one prompt
-    token: nothing predicts a sequence's first); (None, "dropped_too_long") when the answers alone are too long."""
+    token: nothing predicts a sequence's first); (None, "dropped_too_long") when the answers alone are too long,
+    (None, "prompt_cut_too_far") when the prompt would keep fewer than MIN_PROMPT tokens (or any cut of a prompt
+    shorter than that)."""
     over = len(pair) - capacity
     if over <= 0:
         return pair, "kept"
     cut = -(-over // 2)
     if cut > pair.prompt - 1:
         return None, "dropped_too_long"
+    if pair.prompt - cut < MIN_PROMPT:  # a prompt shorter than MIN_PROMPT is never cut
+        return None, "prompt_cut_too_far"
     return TokenPair(pair.chosen[cut:], pair.chosen_trained[cut:], pair.rejected[cut:], pair.rejected_trained[cut:],
                      pair.prompt - cut), "truncated"
 
@@ -112,13 +119,15 @@ def count_pairs(flags: np.ndarray, valid_rows: int | None = None) -> int:
 
 def tokenize_pairs_batch(batch: dict, tokenizer, date: str, capacity: int, keep_as_text) -> dict:
     """datasets.map over preference rows: each pair fitted into a block, as (chosen ids, chosen mask, rejected ids,
-    rejected mask, status)."""
-    out: dict[str, list] = {"chosen": [], "chosen_trained": [], "rejected": [], "rejected_trained": [], "status": []}
+    rejected mask, status, prompt tokens cut)."""
+    out: dict[str, list] = {"chosen": [], "chosen_trained": [], "rejected": [], "rejected_trained": [], "status": [],
+                            "cut": []}
     for text, prompt, chosen, rejected in zip(batch["text"], batch["messages"], batch["chosen"], batch["rejected"],
                                               strict=True):
+        whole = None
         try:
-            fitted, status = fit_pair(tokenize_pair(tokenizer, text, prompt, chosen, rejected, date, keep_as_text),
-                                      capacity)
+            whole = tokenize_pair(tokenizer, text, prompt, chosen, rejected, date, keep_as_text)
+            fitted, status = fit_pair(whole, capacity)
         except BadConversation:
             fitted, status = None, "malformed"
         except chat_tokens.TemplateMismatch:
@@ -133,4 +142,5 @@ def tokenize_pairs_batch(batch: dict, tokenizer, date: str, capacity: int, keep_
         out["rejected"].append(fitted.rejected if fitted else empty_ids)
         out["rejected_trained"].append(fitted.rejected_trained.astype(np.uint8) if fitted else empty_mask)
         out["status"].append(STATUS.index(status))
+        out["cut"].append(whole.prompt - fitted.prompt if fitted else 0)
     return out

@@ -48,10 +48,11 @@ from pipeline.ownership import mark
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 4
+CACHE_FORMAT = 5
 """3: special-token texts inside the data stay text (BlockSpec.special_tokens_in_data). 4: conversations with tool
 calls and reasoning traces, and templates that rewrite earlier turns trained turn by turn (such conversations were
-dropped or trained without their traces before)."""
+dropped or trained without their traces before). 5: a preference pair whose prompt truncation would cut below
+pair_tokens.MIN_PROMPT is dropped (it was trained with a prompt of one token), and the tokens cut are counted."""
 CHUNK_BYTES = 64 * 2**20
 """Text per tokenized chunk: the unit a killed build resumes from, and (times a few) the build's working memory."""
 COPY_BLOCKS = 4096
@@ -326,13 +327,14 @@ class _SplitWriter:
 
 
 def _write_blocks(final: Path, out: Path, work: Path, spec: BlockSpec, blocks: np.ndarray, flags: np.ndarray,
-                  statuses: dict, rows: int) -> None:
+                  statuses: dict, cut: int, rows: int) -> None:
     """Pair blocks split into final/ with their meta.json, then renamed to out."""
     writer = _SplitWriter(final, len(blocks), spec)
     writer.add(blocks, flags)
     writer.close()
     n_val = int(writer.is_val.sum())
-    meta = {"pairs": statuses, "pair_blocks": len(blocks), "pairs_kept": pair_tokens.count_pairs(flags),
+    meta = {"pairs": statuses, "pairs_prompt_tokens_cut": cut, "pair_blocks": len(blocks),
+            "pairs_kept": pair_tokens.count_pairs(flags),
             "targets": writer.targets, "blocks": len(blocks), "train_blocks": len(blocks) - n_val, "val_blocks": n_val,
             "seq_length": spec.seq_length, "rows": rows, "flags": True}
     (final / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -92,6 +92,8 @@ NONE_KEPT = {
     "template_mismatch": ("rendered differently turn by turn by the chat template", "use another --chat-template"),
     "template_error": ("refused by the chat template (it raised)", "use another --chat-template"),
     "malformed": ("malformed (the dataset's prep_report.json says how)", "fix the data"),
+    "prompt_cut_too_far": ("fitted only with their prompts cut below 16 tokens",
+                           "use a larger --seq-length (now {seq})"),
 }
 """Why a token cache kept no pair or conversation, by the commonest reason: what happened, and the fix that fits."""
 
@@ -140,6 +142,14 @@ def log_cache_meta(path: Path) -> None:
         counts = ", ".join(f"{k} {v}" for k, v in meta["conversations"].items() if v)
         what = "conversation samples" if "turn_by_turn" in meta else "conversations"  # split ones count per sample
         log.info("%s: %s; %d blocks of them, %d of text", what, counts, meta["chat_blocks"], meta["text_blocks"])
+    if "pairs" in meta:
+        counts, cut = meta["pairs"], meta.get("pairs_prompt_tokens_cut", 0)
+        log.info("preference pairs: %s; %d blocks of them", ", ".join(f"{k} {v}" for k, v in counts.items() if v),
+                 meta["pair_blocks"])
+        if counts.get("truncated"):
+            log.warning("%d preference pairs were longer than a block and had their prompts cut from the left: %d "
+                        "prompt tokens in all, %.1f a pair (a larger --seq-length keeps them whole)",
+                        counts["truncated"], cut, cut / counts["truncated"])
     if split := meta.get("turn_by_turn"):
         log.info("%d conversations trained turn by turn (their template rewrites earlier turns) as %d samples: "
                  "%d tokens more than one rendering of each (+%.1f%%)", split["conversations"], split["samples"],
