@@ -293,3 +293,24 @@ def test_train_on_all_with_reasoning_off_is_one_line():
     with pytest.raises(UserError, match="--train-on-reasoning off makes traces context, but --train-on all trains "
                                         "every token; use --train-on assistant or last with it"):
         merge({"experiment_name": "e", "model_name": "m", "train_on": "all", "train_on_reasoning": False})
+
+
+def test_a_long_conversation_under_a_rewriting_template_renders_only_what_a_block_can_hold(tok, monkeypatch):
+    """Qwen3's template rewrites earlier turns, so the conversation is cut turn by turn: once its user turns alone are
+    more tokens than a block holds, no later turn is rendered (each would be rendered with its whole history, the
+    time quadratic in the turns). 300 turns cost what 100 do."""
+    tok = with_template(tok, "qwen3.jinja")
+    renders = []
+    template = tok.apply_chat_template
+    monkeypatch.setattr(tok, "apply_chat_template", lambda *a, **k: renders.append(1) or template(*a, **k))
+    counts = {}
+    for n in (100, 300):
+        talk = []
+        for k in range(n):
+            talk += [{"role": "user", "content": f"question number {k}, please"},
+                     {"role": "assistant", "content": f"Answer {k}.", "reasoning_content": f"think {k}"}]
+        renders.clear()
+        turns = tokenize_turns(tok, talk, DATE, "assistant", capacity=128)
+        counts[n] = (len(renders), [s is None for s in turns.samples])
+    assert counts[100] == counts[300] and counts[100][1][-1]  # the same renderings; the rest one dropped sample
+    assert counts[100][0] < 2 * 100

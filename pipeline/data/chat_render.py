@@ -84,6 +84,8 @@ class Conversation:
         schemas = tools if isinstance(tools, str) or not tools else _without_nulls(tools)
         self.tools = json.loads(tools_of(schemas)) if schemas else None
         self._rendered: dict[tuple[int, bool, bool], str] = {}
+        self._verbatim = [0]
+        """verbatim_tokens(k) for k = 0, 1, ...: filled as far as asked."""
 
     def render(self, n: int, prompt: bool = False, tools: bool = True) -> str:
         """The first n messages rendered (with the generation prompt; without the schemas)."""
@@ -93,10 +95,16 @@ class Conversation:
                                          add_generation_prompt=prompt)
         return self._rendered[key]
 
-    def verbatim_chars(self, n: int) -> int:
-        """Characters of the user turns and tool results among the first n messages: text every rendering of them
-        holds (templates rewrite the assistant's turns, not these)."""
-        return sum(len(m["content"].strip()) for m in self.messages[:n] if m["role"] in ("user", "tool"))
+    def verbatim_tokens(self, n: int) -> int:
+        """At least how many tokens every rendering of the first n messages holds: the user turns' and tool results'
+        own tokens (templates rewrite the assistant's turns, not these), less two each for the merges its ends may
+        make with the text around it. Each message is tokenized once, however often it is asked."""
+        while len(self._verbatim) <= n:
+            m = self.messages[len(self._verbatim) - 1]
+            own = (len(self.tokenizer(m["content"], add_special_tokens=False, verbose=False)["input_ids"])
+                   if m["role"] in ("user", "tool") else 0)
+            self._verbatim.append(self._verbatim[-1] + max(own - 2, 0))
+        return self._verbatim[n]
 
     def check_turn(self, i: int) -> None:
         """Assistant message i's reasoning trace and tool calls are in its rendering (as the last message): it

@@ -166,8 +166,9 @@ def tokenize_turns(tokenizer, messages: list[dict], date: str, train_on: str, ke
     whole rendering of what they cover to count what that costs. train_on all trains every rendered token, so it is
     never split: a template that rewrites turns is a TemplateMismatch there.
     With capacity, a sample whose history is more characters than capacity tokens can hold is None (it cannot fit;
-    it is not tokenized), and once the user turns and tool results alone are (every later history holds them), the
-    rest of the conversation is one None: a long conversation costs a rendering per turn, not a tokenization."""
+    it is not tokenized), and once the user turns and tool results alone are more tokens than capacity (every later
+    history holds them), the rest of the conversation is one None, never rendered: the renderings a conversation
+    costs are bounded by what a block holds, not by its length."""
     conv = Conversation(tokenizer, messages, date, tools, train_reasoning)
     try:
         return Turns([_whole(conv, train_on, keep_as_text, capacity)])
@@ -179,7 +180,7 @@ def tokenize_turns(tokenizer, messages: list[dict], date: str, train_on: str, ke
     group: list[_Turn] = []
     text, upto_n, cut = "", 0, False
     for i in _trained_turns(conv.messages, 0)[-1 if train_on == "last" else 0:]:
-        if limit is not None and conv.verbatim_chars(i) > limit:
+        if capacity is not None and conv.verbatim_tokens(i) > capacity:
             cut = True
             break
         ctx, upto = conv.render(i, prompt=True), conv.render(i + 1)
