@@ -490,8 +490,10 @@ def test_answer_logps_equal_each_familys_own_forward_packed_and_unpacked_under_f
 @pytest.mark.slow
 def test_a_run_killed_during_its_reference_pass_resumes_the_pass_from_its_saved_chunks(tmp_path, train_env):
     """Full-fine-tuning DPO SIGKILLed (torchrun and its workers) once the reference pass has saved its first chunk of
-    256 blocks and before it finished: the same command again reads that chunk, computes the rest, and trains from
-    ln 2 with every reward 0 at step 1 (the reference equal to the policy: a wrong resumed value would show)."""
+    256 blocks and before it finished, then stopped by SIGTERM after its next chunk: the same command again reads the
+    chunks done, computes the rest, and trains from ln 2 with every reward 0 at step 1 (the reference equal to the
+    policy: a wrong resumed value would show)."""
+    import os
     import signal
     import subprocess
     import sys
@@ -521,11 +523,24 @@ def test_a_run_killed_during_its_reference_pass_resumes_the_pass_from_its_saved_
         kill_tree(proc)
     assert proc.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
     assert not list(references.glob("*/reference/*/meta.json")), "the pass finished before the kill"
+    # SIGTERM (a scheduler's preemption) while the rerun computes its second chunk: every rank stops once that chunk
+    # is saved, in one line, instead of finishing the pass (and the step-0 validation) first
+    with open(tmp_path / "stopped.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        while proc.poll() is None and not list(references.glob("*/reference/*.partial/train/chunk-00001.npy")):
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher forwards it to the workers
+        proc.wait(timeout=120)
+    stopped = (tmp_path / "stopped.log").read_text()
+    done = re.search(r"stopped by signal during the reference pass, after chunk ([23]) of 3 \(the chunks done are "
+                     r"saved\); rerun the same command to resume", stopped)
+    assert done and not list(references.glob("*/reference/*/meta.json")), stopped[-3000:]
+    assert not events(tmp_path / "runs" / "dpo", "train")
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     said = again.stdout + again.stderr
-    assert re.search(r"reference log-probabilities of \d+ pairs under \S+: computed in [0-9.]+ s, 1 of 3 chunks "
-                     r"read from an interrupted pass", said), said[-3000:]
+    assert re.search(r"reference log-probabilities of \d+ pairs under \S+: computed in [0-9.]+ s, "
+                     rf"{done.group(1)} of 3 chunks read from an interrupted pass", said), said[-3000:]
     first = events(tmp_path / "runs" / "dpo", "train")[0]
     assert first["loss"] == pytest.approx(0.6931472, abs=1e-6)
     assert first["rewards/chosen"] == pytest.approx(0, abs=1e-5) and first["rewards/rejected"] == pytest.approx(

@@ -80,10 +80,12 @@ def _chunk(head: Head, blocks: np.ndarray, flags: np.ndarray, batch_size: int, d
 
 
 def reference_pass(head: Head, blocks: np.ndarray, flags: np.ndarray, batch_size: int, d: Dist,
-                   work: Path) -> tuple[np.ndarray, int, int]:
+                   work: Path, after_chunk: Callable[[int, int], None] = lambda done, chunks: None
+                   ) -> tuple[np.ndarray, int, int]:
     """Every pair's (chosen, rejected) summed log-probabilities under the model as it is: [blocks, pairs, 2]
     float32, NaN past a block's pairs, resumed from the chunks saved in work/; with (chunks read from there,
-    chunks). A collective."""
+    chunks). after_chunk(done, chunks) runs on every rank once a computed chunk is saved everywhere (a stop request
+    acted on there loses nothing). A collective."""
     width = max(int(pair_starts(flags).sum(1).max()) if len(flags) else 0, 1)  # the most pairs one block holds
     out = np.full((len(blocks), width, 2), np.nan, dtype=np.float32)
     starts = range(0, len(blocks), CHUNK_BLOCKS)
@@ -100,18 +102,20 @@ def reference_pass(head: Head, blocks: np.ndarray, flags: np.ndarray, batch_size
             work.mkdir(parents=True, exist_ok=True)
             save_npy_atomic(saved, out[start:stop])
         dist.barrier()
+        after_chunk(start // CHUNK_BLOCKS + 1, len(starts))
     return out, resumed, len(starts)
 
 
 def ensure_reference(head: Head, cache: Path, folder: Path, splits: dict[str, Part],
                      batch_size: int, d: Dist, load: Callable[[], None],
-                     off: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                     off: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                     after_chunk: Callable[[int, int], None] = lambda done, chunks: None
                      ) -> tuple[dict[str, np.ndarray], str]:
     """Each split's reference log-probabilities ({name: [blocks, pairs, 2]}) and what happened ("reused", or
     "computed in S s" with how many chunks an interrupted pass had saved): read from folder when every process finds
     them there, else computed by the model after load() has put the reference's weights in it (off: the context
     that makes the model the reference, the adapters switched off in an adapter run), saved, and the model left in
-    training mode. A collective."""
+    training mode. after_chunk: reference_pass's. A collective."""
     if _everywhere((folder / "meta.json").exists(), d):
         return {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in splits}, "reused"
     started = time.perf_counter()
@@ -119,7 +123,7 @@ def ensure_reference(head: Head, cache: Path, folder: Path, splits: dict[str, Pa
     load()
     head.model.eval()
     with off():
-        passes = {name: reference_pass(head, part.blocks, part.flags, batch_size, d, partial / name)
+        passes = {name: reference_pass(head, part.blocks, part.flags, batch_size, d, partial / name, after_chunk)
                   for name, part in splits.items()}
     head.model.train()
     found = {name: values for name, (values, _, _) in passes.items()}

@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import signal
 
 import torch
+import torch.distributed as dist
 
 from pipeline.data.pair_tokens import count_pairs
 from pipeline.data.token_cache import Blocks
@@ -16,7 +18,19 @@ from pipeline.model.adapters import adapters_disabled
 from pipeline.objectives.reference_pass import ensure_reference, reference_folder
 from pipeline.strategies.base import Strategy
 from pipeline.train.preflight import ReferencePlan
+from pipeline.train.signals import Interrupted, StopRequest
 from pipeline.train.telemetry import log
+
+
+def stop_between_chunks(done: int, chunks: int) -> None:
+    """A signal on any rank stops the pass after the chunk every rank has just saved (a pass over many pairs takes
+    minutes: a scheduler's grace period would kill it first). One small all-reduce per chunk: every rank calls it."""
+    asked = torch.tensor([float(StopRequest.signum != 0)])
+    dist.all_reduce(asked, op=dist.ReduceOp.MAX)  # CPU tensor: gloo, no device sync
+    if asked.item():
+        log.warning("stopped by signal during the reference pass, after chunk %d of %d (the chunks done are saved); "
+                    "rerun the same command to resume", done, chunks)
+        raise Interrupted(StopRequest.signum or signal.SIGTERM)
 
 
 def with_reference(blocks: Blocks, ref: ReferencePlan, strategy: Strategy, dtype: torch.dtype,
@@ -28,7 +42,7 @@ def with_reference(blocks: Blocks, ref: ReferencePlan, strategy: Strategy, dtype
     splits = {name: blocks.part(name) for name in ("train", "val")}
     off = functools.partial(adapters_disabled, strategy.model) if strategy.freezes_base else contextlib.nullcontext
     found, how = ensure_reference(strategy.head(), blocks.path, folder, splits, batch_size, strategy.dist,
-                                  lambda: strategy.load_weights(ref.model_dir), off)
+                                  lambda: strategy.load_weights(ref.model_dir), off, stop_between_chunks)
     strategy.release()  # the root stays gathered after forwards without backward
     if strategy.dist.is_main:
         pairs = sum(count_pairs(part.flags) for part in splits.values())
