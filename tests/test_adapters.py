@@ -408,8 +408,7 @@ def test_an_adapter_run_and_its_folder_are_bound_to_the_base_they_were_trained_o
     assert not (tmp_path / "x").exists()
     # another base given by name: the line names the base the adapter was trained on, and the one given
     import_local(other, "local/other", "main", tmp_path / "hf" / "hub")
-    given = run_module("pipeline.evaluate", "local/other", "--adapter-dir", adapter, "-d", train_env["dataset"],
-                       env=env)
+    given = run_module("pipeline.evaluate", "local/other", "--adapter", adapter, "-d", train_env["dataset"], env=env)
     assert given.returncode == 2, given.stderr[-2000:]
     assert given.stderr.splitlines()[-1].startswith(
         f"error: the adapter {adapter} was trained on base model local/tiny with weights "

@@ -328,19 +328,18 @@ def test_chat_run_trains_on_answers_and_exports_the_template(train_env, chat_ref
         if damage == "tokenizer":
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 (broken / name).unlink()
+            line = (f"error: {broken} has no tokenizer (tokenizer.json or tokenizer_config.json): an export writes one "
+                    "beside the weights; copy the base model's tokenizer files there, or export the run again")
         else:
             weights = next(broken.glob("*.safetensors"))
             weights.write_bytes(weights.read_bytes()[:-100])
+            line = (f"error: weight file {weights} is truncated or corrupt (its tensors end at byte "
+                    f"{weights.stat().st_size + 100}, the file has {weights.stat().st_size}); download or import "
+                    "the model again")
         proc = subprocess.run([sys.executable, "-m", "pipeline.chat", broken, "--prompt", "Hi"], cwd=ROOT,
                               env=train_env["env"], capture_output=True, text=True)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-        assert proc.stderr.splitlines()[-1] == {
-            "tokenizer": f"error: {broken} has no tokenizer (tokenizer.json or tokenizer_config.json): an export "
-                         "writes one beside the weights; copy the base model's tokenizer files there, or export the "
-                         "run again",
-            "weights": f"error: weight file {weights} is truncated or corrupt (its tensors end at byte "
-                       f"{weights.stat().st_size + 100}, the file has {weights.stat().st_size}); download or import "
-                       "the model again"}[damage]
+        assert proc.stderr.splitlines()[-1] == line
 
 
 def test_chat_run_head_paths_agree_and_a_killed_run_resumes_exactly(train_env, chat_reference, tmp_path):
