@@ -33,7 +33,7 @@ from pipeline.ownership import OWNER_FILE, check_apart, check_not_nested, check_
 from pipeline.prep.conversations import OPTIONAL, Chat
 from pipeline.prep.extract import SUPPORTED, Limits, Row, SkipFile, extract_file, row_chars
 from pipeline.prep.organize import MANIFEST
-from pipeline.prep.preferences import Pair
+from pipeline.prep.preferences import Pair, files_holding
 
 WRITE_CHARS = 8_000_000
 """A worker writes its buffered rows to its Arrow shard once they hold this many characters."""
@@ -400,24 +400,6 @@ def build_dataset(cfg: CorpusConfig) -> dict:
             return _build_locked(cfg, files, sizes, pre_skipped, start)
 
 
-def _files_of(results: list[ChunkResult], pairs: bool, shown: int = 3) -> str:
-    """The files that hold a folder's preference pairs (pairs) or its other rows, read back from the shards, with
-    their rows of that kind: where a folder that mixes the two has the fewer."""
-    import pyarrow.compute as pc
-
-    found: Counter = Counter()
-    for r in results:
-        if r.rows:
-            with pa.ipc.open_stream(r.shard) as reader:
-                table = reader.read_all()
-            is_pair = pc.greater(pc.list_value_length(table.column("chosen")), 0)
-            for source, flag in zip(table.column("source").to_pylist(), is_pair.to_pylist(), strict=True):
-                if flag == pairs:
-                    found[source] += 1
-    named = ", ".join(f"{source} ({n} row{'s' if n > 1 else ''})" for source, n in found.most_common(shown))
-    return named + (f" and {len(found) - shown} more files" if len(found) > shown else "")
-
-
 def _build_locked(cfg: CorpusConfig, files: list[str], sizes: list[int], pre_skipped: dict, start: float) -> dict:
     _clean_stale_partials(cfg.save_dir)
     work = cfg.save_dir.parent / f".{cfg.save_dir.name}.partial-{os.getpid()}"
@@ -430,7 +412,8 @@ def _build_locked(cfg: CorpusConfig, files: list[str], sizes: list[int], pre_ski
             raise UserError(f"no text extracted from {cfg.data_folder} ({reasons})")
         if 0 < (pairs := report["preferences"]["rows"]) < report["rows"]:
             others = report["rows"] - pairs
-            fewer = f"the {'pairs' if pairs <= others else 'others'} are in {_files_of(results, pairs <= others)}"
+            held = files_holding([r.shard for r in results if r.rows], pairs <= others)
+            fewer = f"the {'pairs' if pairs <= others else 'others'} are in {held}"
             raise UserError(f"{cfg.data_folder} mixes {pairs} preference pairs with {others} text or conversation "
                             f"rows ({fewer}): a run trains on one kind (SFT or a preference objective); convert them "
                             "from separate folders into separate datasets")

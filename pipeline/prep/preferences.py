@@ -12,6 +12,7 @@ is skipped by reason too: a completion labelled bad must not become a conversati
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from pipeline.prep import conversations
@@ -152,3 +153,21 @@ def _check_answers(pair: Pair) -> None:
             raise BadPair("empty_answer")
     if pair.chosen == pair.rejected:
         raise BadPair("same_answers")
+
+
+def files_holding(shards: list[str], pairs: bool, shown: int = 3) -> str:
+    """The source files of a folder's preference pairs (pairs) or of its other rows, read back from DATA-HF's Arrow
+    shards, with their rows of that kind: where a folder that mixes the two has the fewer."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    found: Counter = Counter()
+    for shard in shards:
+        with pa.ipc.open_stream(shard) as reader:
+            table = reader.read_all()
+        is_pair = pc.greater(pc.list_value_length(table.column("chosen")), 0)
+        for source, flag in zip(table.column("source").to_pylist(), is_pair.to_pylist(), strict=True):
+            if flag == pairs:
+                found[source] += 1
+    named = ", ".join(f"{source} ({n} row{'s' if n > 1 else ''})" for source, n in found.most_common(shown))
+    return named + (f" and {len(found) - shown} more files" if len(found) > shown else "")
