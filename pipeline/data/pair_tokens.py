@@ -124,7 +124,6 @@ def tokenize_pairs_batch(batch: dict, tokenizer, date: str, capacity: int, keep_
                             "cut": []}
     for text, prompt, chosen, rejected in zip(batch["text"], batch["messages"], batch["chosen"], batch["rejected"],
                                               strict=True):
-        whole = None
         try:
             whole = tokenize_pair(tokenizer, text, prompt, chosen, rejected, date, keep_as_text)
             fitted, status = fit_pair(whole, capacity)

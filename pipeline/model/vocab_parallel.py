@@ -115,7 +115,6 @@ def head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_star
     the same number of chunks, so every rank passes the same number of rows. weight_grad False: no gradient of w (a
     frozen head, under adapters: a vocabulary x hidden product per chunk saved). compiled (with gradients): the
     per-chunk softmax math through torch.compile (--compile on), else in place in eager mode."""
-    world = _world(group)
     rows, v_local = h.shape[0], w.shape[0]
     valid = labels != IGNORE
     count = max(float(num_items), 1.0)
@@ -136,11 +135,7 @@ def head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_star
         picked = z.gather(1, target[a:b, None]).squeeze(1) * mine[a:b]
         z.sub_(peak[:, None]).exp_()
         stats = torch.stack([peak + z.sum(1).log(), picked], 1)  # local log-sum-exp, target logit (or 0)
-        if world > 1:
-            every = gather_rows(stats, group).view(world, b - a, 2)
-            lse, picked = torch.logsumexp(every[..., 0], 0), every[..., 1].sum(0)
-        else:
-            lse, picked = stats[:, 0], stats[:, 1]
+        lse, picked = _over_ranks(stats, group)
         total += ((lse - picked) * valid[a:b]).sum(dtype=torch.float64)
         if with_grads:
             # d loss / d logits = (softmax - onehot(target)) / count, written over z in place
@@ -148,15 +143,27 @@ def head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_star
             # minus 1/count at each row's target column, where this rank holds it (a scatter, not an indexed
             # assignment through nonzero(), which would wait for the GPU once per chunk)
             z.scatter_add_(1, target[a:b, None], (mine[a:b] / -count).to(z.dtype)[:, None])
-            d = z.to(h.dtype)
-            torch.mm(d, w_c, out=grad_h[a:b])
-            if grad_w is None:
-                continue
-            _add_weight_grad(grad_w, d, h[a:b])
+            _backprop(z.to(h.dtype), w_c, h[a:b], grad_h[a:b], grad_w)
     return (total / count).float(), grad_h, grad_w
 
 
-def _add_weight_grad(grad_w: torch.Tensor, d: torch.Tensor, h: torch.Tensor) -> None:
+def _over_ranks(stats: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's log-sum-exp and target logit over the whole vocabulary, from each rank's share of them ([rows, 2]:
+    local log-sum-exp, target logit or 0). A collective where the vocabulary is split."""
+    world = _world(group)
+    if world == 1:
+        return stats[:, 0], stats[:, 1]
+    every = gather_rows(stats, group).view(world, stats.shape[0], 2)
+    return torch.logsumexp(every[..., 0], 0), every[..., 1].sum(0)
+
+
+def _backprop(d: torch.Tensor, w_c: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor,
+              grad_w: torch.Tensor | None) -> None:
+    """A chunk's logit gradients d through the head: into grad_h (its rows), and added to grad_w when the head
+    trains."""
+    torch.mm(d, w_c, out=grad_h)
+    if grad_w is None:
+        return
     if d.dtype == grad_w.dtype:
         grad_w.addmm_(d.t(), h)
     else:  # the low-precision product added with type promotion: no fp32 copy of it is written first
@@ -166,7 +173,7 @@ def _add_weight_grad(grad_w: torch.Tensor, d: torch.Tensor, h: torch.Tensor) -> 
 def _compiled_pass(h, w_c, labels, target, mine, valid, count, group, step, grad_h, grad_w):
     """head_pass's loop with gradients, its per-chunk math compiled (compiled_chunk_math)."""
     stats_fn, grads_fn = compiled_chunk_math()
-    world, rows = _world(group), h.shape[0]
+    rows = h.shape[0]
     total = torch.zeros((), dtype=torch.float64, device=h.device)
     # tensors, not Python numbers: a float argument would be a constant of the compiled code, recompiled per step
     count_t = torch.tensor(count, dtype=torch.float32, device=h.device)
@@ -175,16 +182,10 @@ def _compiled_pass(h, w_c, labels, target, mine, valid, count, group, step, grad
         b = min(rows, a + step)
         z = torch.mm(h[a:b], w_c.t())
         stats, peak = stats_fn(z, target[a:b], mine_f[a:b])
-        if world > 1:
-            every = gather_rows(stats, group).view(world, b - a, 2)
-            lse, picked = torch.logsumexp(every[..., 0], 0), every[..., 1].sum(0)
-        else:
-            lse, picked = stats[:, 0], stats[:, 1]
+        lse, picked = _over_ranks(stats, group)
         total += ((lse - picked) * valid[a:b]).sum(dtype=torch.float64)
         d = grads_fn(z, peak, lse, target[a:b], mine_f[a:b], valid_f[a:b] / count_t, count_t)
-        torch.mm(d, w_c, out=grad_h[a:b])
-        if grad_w is not None:
-            _add_weight_grad(grad_w, d, h[a:b])
+        _backprop(d, w_c, h[a:b], grad_h[a:b], grad_w)
     return (total / count).float(), grad_h, grad_w
 
 

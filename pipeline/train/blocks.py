@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from pipeline.config import Config
+from pipeline.data import pair_tokens
 from pipeline.data.mixture import MixedBlocks
 from pipeline.data.sampler import BlockSampler, MixtureSampler
 from pipeline.data.token_cache import Blocks, beyond_vocabulary, ensure_token_cache, open_blocks, token_cache_dir
@@ -92,7 +93,7 @@ NONE_KEPT = {
     "template_mismatch": ("rendered differently turn by turn by the chat template", "use another --chat-template"),
     "template_error": ("refused by the chat template (it raised)", "use another --chat-template"),
     "malformed": ("malformed (the dataset's prep_report.json says how)", "fix the data"),
-    "prompt_cut_too_far": ("fitted only with their prompts cut below 16 tokens",
+    "prompt_cut_too_far": (f"fitted only with their prompts cut below {pair_tokens.MIN_PROMPT} tokens",
                            "use a larger --seq-length (now {seq})"),
 }
 """Why a token cache kept no pair or conversation, by the commonest reason: what happened, and the fix that fits."""
