@@ -126,10 +126,113 @@ def hub_env(hf_home: Path, offline: bool = True) -> dict[str, str]:
 
 def torchrun(nproc: int, script: str | Path, *args: object, env: dict | None = None,
              timeout: float = 600) -> subprocess.CompletedProcess:
-    """Launch a script under torchrun with real gloo processes."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(script), *map(str, args)]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=with_root(env), timeout=timeout)
+    """Launch a script under torchrun with real gloo processes: torchrun's own agent and the script's own entry,
+    started warm (tests/helpers/warm_launcher.py) unless FSDP1_TESTS_COLD=1 or a GPU is present."""
+    argv = ["--standalone", "--nproc_per_node", str(nproc), str(script), *map(str, args)]
+    if warm_launches():
+        return WARM.run(argv, with_root(env), nproc, timeout)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=ROOT, capture_output=True,
+                          text=True, env=with_root(env), timeout=timeout)
+
+
+def warm_launches() -> bool:
+    """Whether torchrun() starts its runs warm: on Linux, without a GPU (a fork's CUDA is its own hazard, and a GPU
+    machine's cores start a cold interpreter fast enough), unless FSDP1_TESTS_COLD=1 asks for cold starts."""
+    import os
+
+    cold = os.environ.get("FSDP1_TESTS_COLD") == "1"
+    return sys.platform == "linux" and not os.path.exists("/dev/nvidiactl") and not cold
+
+
+OFFLINE_SWITCHES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+"""What fsdp1.py sets before its first import of a Hugging Face library (which read them while importing)."""
+
+
+class WarmLaunchers:
+    """This pytest process's warm launchers, one per environment a run's imports would see (a library reads some
+    variables while importing, which a fork cannot change afterwards); the least recently used beyond MAX stopped."""
+
+    MAX = 3
+
+    def __init__(self):
+        self.servers: dict[tuple, tuple[subprocess.Popen, str]] = {}
+
+    def server(self, env: dict[str, str]) -> str:
+        import tempfile
+
+        key = tuple(sorted(env.items()))
+        if key in self.servers:
+            self.servers[key] = self.servers.pop(key)  # most recently used last
+            return self.servers[key][1]
+        while len(self.servers) >= self.MAX:
+            self.stop(next(iter(self.servers)))
+        path = str(Path(tempfile.mkdtemp(prefix="warm-")) / "socket")
+        proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "warm_launcher.py"), path],
+                                cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "ready\n", "the warm launcher did not start"
+        self.servers[key] = (proc, path)
+        return path
+
+    def stop(self, key: tuple) -> None:
+        proc, _ = self.servers.pop(key)
+        proc.kill()
+        proc.wait()
+
+    def run(self, argv: list[str], env: dict[str, str], nproc: int, timeout: float) -> subprocess.CompletedProcess:
+        """`python -m torch.distributed.run ARGV` from the repository with env, as subprocess.run would report it."""
+        import socket
+        import tempfile
+
+        imports_see = dict(env)
+        if nproc > 1:
+            imports_see.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default for its workers
+        if Path(argv[argv.index("--nproc_per_node") + 2]).name == "fsdp1.py":
+            imports_see.update(dict.fromkeys(OFFLINE_SWITCHES, "1"))
+        path = self.server(imports_see)
+        with tempfile.TemporaryDirectory(prefix="warm-run-") as out, socket.socket(socket.AF_UNIX) as conn:
+            conn.connect(path)
+            stream = conn.makefile("rw")
+            stream.write(json.dumps({"argv": argv, "cwd": str(ROOT), "env": env, "stdout": f"{out}/stdout",
+                                     "stderr": f"{out}/stderr"}) + "\n")
+            stream.flush()
+            pid = json.loads(stream.readline())["pid"]
+            conn.settimeout(timeout)
+            try:
+                code = json.loads(stream.readline())["returncode"]
+            except TimeoutError:
+                kill_session_tree(pid)
+                raise subprocess.TimeoutExpired(["torchrun", *argv], timeout) from None
+            read = lambda name: Path(out, name).read_text(errors="backslashreplace")  # noqa: E731
+            return subprocess.CompletedProcess(["torchrun", *argv], code, read("stdout"), read("stderr"))
+
+    def close(self) -> None:
+        while self.servers:
+            self.stop(next(iter(self.servers)))
+
+
+WARM = WarmLaunchers()
+
+
+def pytest_sessionfinish(session) -> None:
+    WARM.close()
+
+
+def kill_session_tree(pid: int) -> None:
+    """SIGKILL the session pid leads and every process below it, those in sessions of their own too."""
+    import contextlib
+    import os
+    import signal
+
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        tree = psutil.Process(pid).children(recursive=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(tree, timeout=30)
 
 
 def preflight_errors(argvs: list[list], env: dict) -> list[str]:
