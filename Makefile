@@ -96,8 +96,9 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 # Two pytest workers, one test file each at a time (module fixtures stay shared): most of a test's time is process
 # start-up and checkpoint I/O, so two overlap on 2 cores (measured 2026-11-26: 28:00 for 447 tests on a 2-core AVX2
 # EPYC about 1.8x slower than the AVX-512 one of 2026-11-24, where 356 tests took 10:53; CI's last run: 26:35)
+# (--durations 15: the slowest tests at the end of every run, CI's included, so growth is seen when it happens)
 test: $(STAMP) $(LM_EVAL_STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations 15
 
 # The edit-run loop: the tests that start no process (tests/conftest.py marks the others slow)
 test-fast: $(STAMP)

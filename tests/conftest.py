@@ -26,9 +26,14 @@ def with_root(env: dict | None = None) -> dict[str, str]:
 
 def run_script(script: str, *args: object, env: dict | None = None,
                timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run a top-level stage script with this interpreter; captures text output."""
-    cmd = [sys.executable, str(ROOT / script), *map(str, args)]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
+    """Run a top-level stage script with this interpreter; captures text output. fsdp1.py starts warm as
+    torchrun() does (its imports are most of a short run's time)."""
+    import os
+
+    cmd = [str(ROOT / script), *map(str, args)]
+    if script == "fsdp1.py" and warm_launches():
+        return WARM.run(cmd, dict(os.environ if env is None else env), timeout, offline=True)
+    return subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def run_module(module: str, *args: object, env: dict | None = None,
@@ -130,7 +135,8 @@ def torchrun(nproc: int, script: str | Path, *args: object, env: dict | None = N
     started warm (tests/helpers/warm_launcher.py) unless FSDP1_TESTS_COLD=1 or a GPU is present."""
     argv = ["--standalone", "--nproc_per_node", str(nproc), str(script), *map(str, args)]
     if warm_launches():
-        return WARM.run(argv, with_root(env), nproc, timeout)
+        return WARM.run(["-m", "torch.distributed.run", *argv], with_root(env), timeout,
+                        offline=Path(script).name == "fsdp1.py")
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=ROOT, capture_output=True,
                           text=True, env=with_root(env), timeout=timeout)
 
@@ -178,15 +184,14 @@ class WarmLaunchers:
         proc.kill()
         proc.wait()
 
-    def run(self, argv: list[str], env: dict[str, str], nproc: int, timeout: float) -> subprocess.CompletedProcess:
-        """`python -m torch.distributed.run ARGV` from the repository with env, as subprocess.run would report it."""
+    def run(self, argv: list[str], env: dict[str, str], timeout: float, offline: bool) -> subprocess.CompletedProcess:
+        """`python ARGV` from the repository with env, as subprocess.run would report it. offline: the script is
+        fsdp1.py, which sets the offline switches before it imports a Hugging Face library."""
         import socket
         import tempfile
 
-        imports_see = dict(env)
-        if nproc > 1:
-            imports_see.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default for its workers
-        if Path(argv[argv.index("--nproc_per_node") + 2]).name == "fsdp1.py":
+        imports_see = {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"}  # each run sets torch's itself
+        if offline:
             imports_see.update(dict.fromkeys(OFFLINE_SWITCHES, "1"))
         path = self.server(imports_see)
         with tempfile.TemporaryDirectory(prefix="warm-run-") as out, socket.socket(socket.AF_UNIX) as conn:
@@ -201,9 +206,9 @@ class WarmLaunchers:
                 code = json.loads(stream.readline())["returncode"]
             except TimeoutError:
                 kill_session_tree(pid)
-                raise subprocess.TimeoutExpired(["torchrun", *argv], timeout) from None
+                raise subprocess.TimeoutExpired([sys.executable, *argv], timeout) from None
             read = lambda name: Path(out, name).read_text(errors="backslashreplace")  # noqa: E731
-            return subprocess.CompletedProcess(["torchrun", *argv], code, read("stdout"), read("stderr"))
+            return subprocess.CompletedProcess([sys.executable, *argv], code, read("stdout"), read("stderr"))
 
     def close(self) -> None:
         while self.servers:

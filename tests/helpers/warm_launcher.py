@@ -13,8 +13,9 @@ What a fork cannot undo is what a library read from the environment while import
 OMP_NUM_THREADS, ...): so a warm process serves one environment only, the one it imported under, and the client
 (conftest.torchrun) starts one per distinct environment.
 
-Protocol, one JSON line each way on a UNIX socket: {"argv", "cwd", "env", "stdout", "stderr"} -> {"pid"} (the
-agent, leader of its own session) then {"returncode"} once it has ended (negative: killed by that signal).
+Protocol, one JSON line each way on a UNIX socket: {"argv" (the interpreter's arguments: `-m MODULE ...` or
+`SCRIPT ...`), "cwd", "env", "stdout", "stderr"} -> {"pid"} (the run, leader of its own session) then
+{"returncode"} once it has ended (negative: killed by that signal).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ import traceback
 
 FRESH_SIGNALS = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN}
 """Handlers a fresh CPython installs itself (every other signal starts at SIG_DFL)."""
+
+
+DEFAULT_THREADS = 0
+"""torch's thread count with OMP_NUM_THREADS unset, as this process imported it (set in __main__)."""
 
 
 def preload() -> None:
@@ -62,10 +67,10 @@ def fresh_process(env: dict[str, str], cwd: str | None = None) -> None:
             if signal.getsignal(sig) not in (signal.SIG_DFL, None, FRESH_SIGNALS.get(sig, signal.SIG_DFL)):
                 signal.signal(sig, FRESH_SIGNALS.get(sig, signal.SIG_DFL))
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
-    if "OMP_NUM_THREADS" in env and env["OMP_NUM_THREADS"].isdigit():  # torch read it once, at import
-        import torch
+    import torch  # it read OMP_NUM_THREADS once, at import, where this process's environment had none
 
-        torch.set_num_threads(max(1, int(env["OMP_NUM_THREADS"])))
+    threads = env.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(max(1, int(threads)) if threads.isdigit() else DEFAULT_THREADS)
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
     for fd, name in ((1, "stdout"), (2, "stderr")):  # unbuffered, as `python -u`
         stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True,
@@ -163,8 +168,11 @@ def agent(request: dict) -> None:
     fresh_process(request["env"], request["cwd"])
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
-    subprocess_handler.Popen = WarmPopen
-    run_as_main(["torch.distributed.run", *request["argv"]], module=True)
+    subprocess_handler.Popen = WarmPopen  # torchrun's workers, and those fsdp1.py --nproc-per-node starts
+    argv = request["argv"]
+    if argv[0] == "-m":
+        run_as_main(argv[1:], module=True)
+    run_as_main(argv)
 
 
 def serve(path: str) -> None:
@@ -200,5 +208,9 @@ if __name__ == "__main__":
     import ctypes
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: gone with the pytest worker that started it
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     preload()
+    import torch
+
+    DEFAULT_THREADS = torch.get_num_threads()
     serve(sys.argv[1])
