@@ -32,7 +32,7 @@ def run_script(script: str, *args: object, env: dict | None = None,
 
     cmd = [str(ROOT / script), *map(str, args)]
     if script == "fsdp1.py" and warm_launches():
-        return WARM.run(cmd, dict(os.environ if env is None else env), timeout, offline=True)
+        return WARM.run(cmd, dict(os.environ if env is None else env), timeout, True)
     return subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -135,8 +135,8 @@ def torchrun(nproc: int, script: str | Path, *args: object, env: dict | None = N
     started warm (tests/helpers/warm_launcher.py) unless FSDP1_TESTS_COLD=1 or a GPU is present."""
     argv = ["--standalone", "--nproc_per_node", str(nproc), str(script), *map(str, args)]
     if warm_launches():
-        return WARM.run(["-m", "torch.distributed.run", *argv], with_root(env), timeout,
-                        offline=Path(script).name == "fsdp1.py")
+        offline = Path(script).name == "fsdp1.py"
+        return WARM.run(["-m", "torch.distributed.run", *argv], with_root(env), timeout, offline)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=ROOT, capture_output=True,
                           text=True, env=with_root(env), timeout=timeout)
 
@@ -184,60 +184,123 @@ class WarmLaunchers:
         proc.kill()
         proc.wait()
 
-    def run(self, argv: list[str], env: dict[str, str], timeout: float, offline: bool) -> subprocess.CompletedProcess:
-        """`python ARGV` from the repository with env, as subprocess.run would report it. offline: the script is
+    def start(self, argv: list[str], env: dict[str, str], offline: bool, stdout=None,
+              stderr=None) -> WarmProcess:
+        """`python ARGV` from the repository with env, in a session of its own, as subprocess.Popen would start it
+        (stdout and stderr: None, DEVNULL, PIPE, STDOUT for stderr, or an open file). offline: the script is
         fsdp1.py, which sets the offline switches before it imports a Hugging Face library."""
+        import os
         import socket
-        import tempfile
 
         imports_see = {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"}  # each run sets torch's itself
         if offline:
             imports_see.update(dict.fromkeys(OFFLINE_SWITCHES, "1"))
         path = self.server(imports_see)
-        with tempfile.TemporaryDirectory(prefix="warm-run-") as out, socket.socket(socket.AF_UNIX) as conn:
-            conn.connect(path)
-            stream = conn.makefile("rw")
-            stream.write(json.dumps({"argv": argv, "cwd": str(ROOT), "env": env, "stdout": f"{out}/stdout",
-                                     "stderr": f"{out}/stderr"}) + "\n")
-            stream.flush()
-            pid = json.loads(stream.readline())["pid"]
-            conn.settimeout(timeout)
+        ours, theirs = [], []
+        for target in (stdout, stderr):
+            if target is subprocess.STDOUT:
+                theirs.append(theirs[0])
+            elif target is subprocess.PIPE:
+                read, write = os.pipe()
+                ours.append(read)
+                theirs.append(write)
+            elif target is subprocess.DEVNULL:
+                theirs.append(os.open(os.devnull, os.O_WRONLY))
+            else:
+                theirs.append(os.dup(target.fileno() if target is not None else len(theirs) + 1))
+        conn = socket.socket(socket.AF_UNIX)
+        conn.connect(path)
+        socket.send_fds(conn, [b"F"], theirs[:2])
+        for fd in set(theirs):
+            os.close(fd)
+        stream = conn.makefile("rw")
+        stream.write(json.dumps({"argv": argv, "cwd": str(ROOT), "env": env}) + "\n")
+        stream.flush()
+        return WarmProcess([sys.executable, *argv], conn, stream, ours[0] if ours else None)
+
+    def run(self, argv: list[str], env: dict[str, str], timeout: float, offline: bool) -> subprocess.CompletedProcess:
+        """As subprocess.run(capture_output=True, text=True) would report `python ARGV`."""
+        import tempfile
+
+        with tempfile.TemporaryFile("w+", errors="backslashreplace") as out, \
+                tempfile.TemporaryFile("w+", errors="backslashreplace") as err:
+            proc = self.start(argv, env, offline, out, err)
             try:
-                code = json.loads(stream.readline())["returncode"]
-            except TimeoutError:
-                kill_session_tree(pid)
-                raise subprocess.TimeoutExpired([sys.executable, *argv], timeout) from None
-            read = lambda name: Path(out, name).read_text(errors="backslashreplace")  # noqa: E731
-            return subprocess.CompletedProcess([sys.executable, *argv], code, read("stdout"), read("stderr"))
+                code = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                kill_tree(proc)
+                raise
+            out.seek(0)
+            err.seek(0)
+            return subprocess.CompletedProcess(proc.args, code, out.read(), err.read())
 
     def close(self) -> None:
         while self.servers:
             self.stop(next(iter(self.servers)))
 
 
+class WarmProcess:
+    """A run a warm launcher started, handled as a subprocess.Popen of it is (pid: the run's own, the leader of its
+    session, torchrun's workers its children; the exit status comes from the launcher, its parent)."""
+
+    def __init__(self, args: list[str], conn, stream, stdout_fd: int | None):
+        self.args, self.conn, self.stream, self.returncode = args, conn, stream, None
+        self.pid = json.loads(stream.readline())["pid"]
+        self.stdout = open(stdout_fd, errors="backslashreplace") if stdout_fd is not None else None  # noqa: SIM115
+
+    def poll(self) -> int | None:
+        import select
+
+        if self.returncode is None and select.select([self.conn], [], [], 0)[0]:
+            self.wait()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.conn.settimeout(timeout)
+            try:
+                line = self.stream.readline()
+            except TimeoutError:
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+            self.returncode = json.loads(line)["returncode"]
+            self.stream.close()
+            self.conn.close()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        import os
+
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, None]:
+        out = self.stdout.read() if self.stdout is not None else None
+        self.wait(timeout)
+        return out, None
+
+
 WARM = WarmLaunchers()
+
+
+def start_torchrun(nproc: int, script: str | Path, *args: object, env: dict | None = None, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, torchrun_args: tuple[str, ...] = ()):
+    """torchrun(), started and left running in a session of its own (for a test to signal or kill it): a
+    subprocess.Popen, or its warm equivalent (stdout and stderr as Popen takes them; a pipe reads as text)."""
+    argv = ["--standalone", "--nproc_per_node", str(nproc), *torchrun_args, str(script), *map(str, args)]
+    if warm_launches():
+        return WARM.start(["-m", "torch.distributed.run", *argv], with_root(env), Path(script).name == "fsdp1.py",
+                          stdout, stderr)
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], cwd=ROOT, env=with_root(env),
+                            stdout=stdout, stderr=stderr, text=True, start_new_session=True)
 
 
 def pytest_sessionfinish(session) -> None:
     WARM.close()
-
-
-def kill_session_tree(pid: int) -> None:
-    """SIGKILL the session pid leads and every process below it, those in sessions of their own too."""
-    import contextlib
-    import os
-    import signal
-
-    import psutil
-
-    with contextlib.suppress(psutil.NoSuchProcess):
-        tree = psutil.Process(pid).children(recursive=True)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
-        for p in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        psutil.wait_procs(tree, timeout=30)
 
 
 def preflight_errors(argvs: list[list], env: dict) -> list[str]:
@@ -315,8 +378,11 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
     import psutil
 
-    tree = psutil.Process(proc.pid).children(recursive=True)
-    os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (psutil.NoSuchProcess, ProcessLookupError):  # it ended and was reaped (a warm run's parent reaps it)
+        tree = []
     for p in tree:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, kill_tree, losses, run_script, torchrun, wait_for, with_root
+from conftest import ROOT, kill_tree, losses, run_script, start_torchrun, torchrun, wait_for
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.data import packing
@@ -348,10 +348,7 @@ def test_chat_run_head_paths_agree_and_a_killed_run_resumes_exactly(train_env, c
                        env=train_env["env"])
     assert hf_head.returncode == 0, hf_head.stderr[-3000:]
     assert losses(tmp_path / "hf") == pytest.approx(ref, abs=1e-5)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "fsdp1.py"), *map(str, chat_args(train_env, tmp_path))]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=with_root(train_env["env"]),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = start_torchrun(2, ROOT / "fsdp1.py", *chat_args(train_env, tmp_path), env=train_env["env"])
     wait_for(lambda: max(losses(tmp_path / "c"), default=0) >= 4, proc)
     kill_tree(proc)
     again = torchrun(2, ROOT / "fsdp1.py", *chat_args(train_env, tmp_path), env=train_env["env"])

@@ -2,13 +2,11 @@
 resume across world sizes, and a mixture run end to end (per-source validation, the log's account, exact resume)."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, events, kill_tree, losses, run_script, torchrun, wait_for, with_root
+from conftest import ROOT, events, kill_tree, losses, run_script, start_torchrun, torchrun, wait_for
 
 from pipeline.config_merge import merge
 from pipeline.data.mixture import MixedBlocks, Stacked
@@ -196,10 +194,7 @@ def test_a_mixture_of_agents_and_chats_trains_in_its_ratios_and_resumes_exactly(
         low, high = sorted([e["eval/loss/agents"], e["eval/loss/chats"]])
         assert low < e["loss"] < high
     expected = losses(run)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "fsdp1.py"), *map(str, mix_args(train_env, agents, tmp_path))]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=with_root(env), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = start_torchrun(2, ROOT / "fsdp1.py", *mix_args(train_env, agents, tmp_path), env=env)
     wait_for(lambda: max(losses(tmp_path / "m"), default=0) >= 5, proc)
     kill_tree(proc)
     again = torchrun(2, ROOT / "fsdp1.py", *mix_args(train_env, agents, tmp_path), env=env)

@@ -496,10 +496,9 @@ def test_a_run_killed_during_its_reference_pass_resumes_the_pass_from_its_saved_
     import os
     import signal
     import subprocess
-    import sys
     import time
 
-    from conftest import ROOT, events, kill_tree, with_root
+    from conftest import ROOT, events, kill_tree, start_torchrun, torchrun
 
     from pipeline.prep.tiny import build_tiny
 
@@ -510,13 +509,12 @@ def test_a_run_killed_during_its_reference_pass_resumes_the_pass_from_its_saved_
     write_jsonl(tmp_path / "data" / "pairs.jsonl", rows)
     build_dataset(CorpusConfig(tmp_path / "data", tmp_path / "pairs", num_proc=1))
     model = build_tiny(tmp_path / "model", layers=4, hidden=256)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "fsdp1.py"), "-e", "dpo", "-d", str(tmp_path / "pairs"), "-m", str(model), "--save-dir",
+    cmd = ["-e", "dpo", "-d", str(tmp_path / "pairs"), "-m", str(model), "--save-dir",
            str(tmp_path / "runs"), "--config", str(ROOT / "configs" / "demo.yaml"), "--seq-length", "64",
            "--max-steps", "2", "--log-freq", "1", "--objective", "dpo", "--precision", "fp32", "--val-fraction", "0"]
-    env = with_root(train_env["env"])
+    env = train_env["env"]
     with open(tmp_path / "killed.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start_torchrun(2, ROOT / "fsdp1.py", *cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         references = tmp_path / "runs" / "token_cache"
         while proc.poll() is None and not list(references.glob("*/reference/*.partial/train/chunk-00000.npy")):
             time.sleep(0.02)
@@ -526,7 +524,7 @@ def test_a_run_killed_during_its_reference_pass_resumes_the_pass_from_its_saved_
     # SIGTERM (a scheduler's preemption) while the rerun computes its second chunk: every rank stops once that chunk
     # is saved, in one line, instead of finishing the pass (and the step-0 validation) first
     with open(tmp_path / "stopped.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start_torchrun(2, ROOT / "fsdp1.py", *cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None and not list(references.glob("*/reference/*.partial/train/chunk-00001.npy")):
             time.sleep(0.02)
         os.kill(proc.pid, signal.SIGTERM)  # the launcher forwards it to the workers
@@ -536,7 +534,7 @@ def test_a_run_killed_during_its_reference_pass_resumes_the_pass_from_its_saved_
                      r"saved\); rerun the same command to resume", stopped)
     assert done and not list(references.glob("*/reference/*/meta.json")), stopped[-3000:]
     assert not events(tmp_path / "runs" / "dpo", "train")
-    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    again = torchrun(2, ROOT / "fsdp1.py", *cmd, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     said = again.stdout + again.stderr
     assert re.search(r"reference log-probabilities of \d+ pairs under \S+: computed in [0-9.]+ s, "

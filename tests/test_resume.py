@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, kill_tree, losses, run_script, torchrun, wait_for, with_root
+from conftest import ROOT, kill_tree, losses, run_script, start_torchrun, torchrun, wait_for, with_root
 from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.slow
@@ -31,10 +31,7 @@ def train(env: dict, root: Path, *extra: object, nproc: int = 2, name: str = "r"
 
 
 def start(env: dict, root: Path, *extra: object) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "fsdp1.py"), *args(env, root, *extra)]
-    return subprocess.Popen(cmd, cwd=ROOT, env=with_root(env["env"]), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    return start_torchrun(2, ROOT / "fsdp1.py", *args(env, root, *extra), env=env["env"])
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,14 @@ signal handlers back to a fresh interpreter's; torch's thread count from OMP_NUM
 and at the end the interpreter's own exit (non-daemon threads joined, atexit handlers, streams flushed).
 
 What a fork cannot undo is what a library read from the environment while importing (HF_HOME, the offline switches,
-OMP_NUM_THREADS, ...): so a warm process serves one environment only, the one it imported under, and the client
-(conftest.torchrun) starts one per distinct environment.
+...): so a warm process serves one environment only, the one it imported under, and the client (conftest.WARM)
+starts one per distinct environment; OMP_NUM_THREADS alone is left out of that, each run setting torch's thread count
+from it. Nor can it change what /proc/PID/environ shows (the launcher's environment, not the run's): a test that
+reads another process's environment there starts that run cold.
 
-Protocol, one JSON line each way on a UNIX socket: {"argv" (the interpreter's arguments: `-m MODULE ...` or
-`SCRIPT ...`), "cwd", "env", "stdout", "stderr"} -> {"pid"} (the run, leader of its own session) then
-{"returncode"} once it has ended (negative: killed by that signal).
+Protocol on a UNIX socket: the run's stdout and stderr descriptors (SCM_RIGHTS), then a JSON line {"argv" (the
+interpreter's arguments: `-m MODULE ...` or `SCRIPT ...`), "cwd", "env"}; answered by {"pid"} (the run, leader of a
+session of its own) and, once it has ended, {"returncode"} (negative: killed by that signal).
 """
 
 from __future__ import annotations
@@ -155,16 +157,16 @@ class WarmPopen(subprocess.Popen):
         self._closed_child_pipe_fds = True
 
 
-def agent(request: dict) -> None:
-    """In a fork: torchrun's agent for request's arguments, its workers forks of this process."""
+def agent(request: dict, out: int, err: int) -> None:
+    """In a fork: the requested run (torchrun's agent, or a script), its workers forks of this process, its stdout
+    and stderr the descriptors the caller passed."""
     os.setsid()
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(out, fd)
-        os.close(out)
+    for fd, target in ((out, 1), (err, 2)):
+        os.dup2(fd, target)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    os.close(null)
+    for fd in (out, err, null):
+        os.close(fd)
     fresh_process(request["env"], request["cwd"])
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
@@ -176,32 +178,49 @@ def agent(request: dict) -> None:
 
 
 def serve(path: str) -> None:
+    """Each request in a keeper of its own (a fork that starts the run and waits on it), so that runs overlap as
+    started ones do: a test's second job while its first still runs."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers reap themselves
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
-    server.listen(1)
+    server.listen(8)
     print("ready", flush=True)
     while True:
         conn, _ = server.accept()
-        with conn, conn.makefile("rw") as stream:
-            line = stream.readline()
-            if not line:
-                continue
-            request = json.loads(line)
-            pid = os.fork()
-            if pid == 0:
-                server.close()
-                conn.close()
-                try:
-                    agent(request)
-                except BaseException:  # noqa: BLE001 - said on the run's stderr, which the caller reads
-                    traceback.print_exc()
-                finally:
-                    os._exit(1)
-            stream.write(json.dumps({"pid": pid}) + "\n")
-            stream.flush()
-            _, status = os.waitpid(pid, 0)
-            stream.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
-            stream.flush()
+        if os.fork() == 0:
+            server.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            try:
+                keep(conn)
+            finally:
+                os._exit(0)
+        conn.close()
+
+
+def keep(conn: socket.socket) -> None:
+    """Start the run conn asks for and report its pid, then how it ended."""
+    _, fds, _, _ = socket.recv_fds(conn, 1, 2)  # the run's stdout and stderr, then the request
+    stream = conn.makefile("rw")
+    line = stream.readline()
+    if len(fds) != 2 or not line:
+        return
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        try:
+            agent(request, *fds)
+        except BaseException:  # noqa: BLE001 - said on the run's stderr, which the caller reads
+            traceback.print_exc()
+        finally:
+            os._exit(1)
+    for fd in fds:
+        os.close(fd)
+    stream.write(json.dumps({"pid": pid}) + "\n")
+    stream.flush()
+    _, status = os.waitpid(pid, 0)
+    stream.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+    stream.flush()
 
 
 if __name__ == "__main__":
