@@ -9,7 +9,7 @@ DEMO_MODEL := local/tiny-llama
 # the README's one HF_HOME: the demo's model goes where the quick start's models go (set HF_HOME to use another)
 export HF_HOME ?= $(CURDIR)/.cache/huggingface
 
-.PHONY: venv demo test test-fast smoke lint bench bench-chat bench-gpu gpu-check gpu-wheels clean-demo lm-eval
+.PHONY: venv demo test coverage test-fast smoke lint bench bench-chat bench-gpu gpu-check gpu-wheels clean-demo lm-eval
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -99,6 +99,14 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 # (--durations 15: the slowest tests at the end of every run, CI's included, so growth is seen when it happens)
 test: $(STAMP) $(LM_EVAL_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations 15
+
+# Line coverage of pipeline/ over the whole suite, the workers of every run included (pyproject's [tool.coverage]);
+# the report's last line is the total
+coverage: $(STAMP) $(LM_EVAL_STAMP)
+	rm -rf .cache/coverage && mkdir -p .cache/coverage
+	$(PY) -m coverage run -m pytest -q -n 2 --dist loadfile
+	$(PY) -m coverage combine -q
+	$(PY) -m coverage report --skip-covered --sort cover
 
 # The edit-run loop: the tests that start no process (tests/conftest.py marks the others slow)
 test-fast: $(STAMP)
