@@ -180,9 +180,12 @@ class WarmLaunchers:
         return path
 
     def stop(self, key: tuple) -> None:
-        proc, _ = self.servers.pop(key)
+        import shutil
+
+        proc, path = self.servers.pop(key)
         proc.kill()
         proc.wait()
+        shutil.rmtree(Path(path).parent, ignore_errors=True)
 
     def start(self, argv: list[str], env: dict[str, str], offline: bool, stdout=None,
               stderr=None) -> WarmProcess:
