@@ -93,9 +93,10 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 	@echo "  DPO run:             $(DEMO)/outputs/dpo (metrics.jsonl: rewards/* and logps/* per window and eval)"
 	@echo "  agents run:          $(DEMO)/outputs/agents (metrics.jsonl: eval/loss/agents and eval/loss/chats)"
 
-# Two pytest workers, one test file each at a time (module fixtures stay shared): most of a test's time is process
-# start-up and checkpoint I/O, so two overlap on 2 cores (measured 2026-11-26: 28:00 for 447 tests on a 2-core AVX2
-# EPYC about 1.8x slower than the AVX-512 one of 2026-11-24, where 356 tests took 10:53; CI's last run: 26:35)
+# Two pytest workers, one test file each at a time (module fixtures stay shared). A test's torchrun and fsdp1.py runs
+# start warm (tests/helpers/warm_launcher.py: imports were about two thirds of a short run's CPU): 506 tests took
+# 13:36 on the 2-core AVX2 EPYC on 2026-11-27, against 25:09 the same day before (every run a fresh interpreter,
+# as FSDP1_TESTS_COLD=1 still starts them)
 # (--durations 15: the slowest tests at the end of every run, CI's included, so growth is seen when it happens)
 test: $(STAMP) $(LM_EVAL_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations 15
