@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from warm import WARM, kill_tree, warm_launches  # noqa: F401 - the tests import kill_tree from here
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,155 +142,6 @@ def torchrun(nproc: int, script: str | Path, *args: object, env: dict | None = N
                           text=True, env=with_root(env), timeout=timeout)
 
 
-def warm_launches() -> bool:
-    """Whether torchrun() starts its runs warm: on Linux, without a GPU (a fork's CUDA is its own hazard, and a GPU
-    machine's cores start a cold interpreter fast enough), unless FSDP1_TESTS_COLD=1 asks for cold starts."""
-    import os
-
-    cold = os.environ.get("FSDP1_TESTS_COLD") == "1"
-    return sys.platform == "linux" and not os.path.exists("/dev/nvidiactl") and not cold
-
-
-OFFLINE_SWITCHES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
-"""What fsdp1.py sets before its first import of a Hugging Face library (which read them while importing)."""
-
-
-class WarmLaunchers:
-    """This pytest process's warm launchers, one per environment a run's imports would see (a library reads some
-    variables while importing, which a fork cannot change afterwards); the least recently used beyond MAX stopped."""
-
-    MAX = 3
-
-    def __init__(self):
-        self.servers: dict[tuple, tuple[subprocess.Popen, str]] = {}
-
-    def server(self, env: dict[str, str]) -> str:
-        import tempfile
-
-        key = tuple(sorted(env.items()))
-        if key in self.servers:
-            self.servers[key] = self.servers.pop(key)  # most recently used last
-            return self.servers[key][1]
-        while len(self.servers) >= self.MAX:
-            self.stop(next(iter(self.servers)))
-        path = str(Path(tempfile.mkdtemp(prefix="warm-")) / "socket")
-        proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "warm_launcher.py"), path],
-                                cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline() == "ready\n", "the warm launcher did not start"
-        self.servers[key] = (proc, path)
-        return path
-
-    def stop(self, key: tuple) -> None:
-        import shutil
-
-        proc, path = self.servers.pop(key)
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(Path(path).parent, ignore_errors=True)
-
-    def start(self, argv: list[str], env: dict[str, str], offline: bool, stdout=None,
-              stderr=None) -> WarmProcess:
-        """`python ARGV` from the repository with env, in a session of its own, as subprocess.Popen would start it
-        (stdout and stderr: None, DEVNULL, PIPE, STDOUT for stderr, or an open file). offline: the script is
-        fsdp1.py, which sets the offline switches before it imports a Hugging Face library."""
-        import os
-        import socket
-
-        imports_see = {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"}  # each run sets torch's itself
-        if offline:
-            imports_see.update(dict.fromkeys(OFFLINE_SWITCHES, "1"))
-        path = self.server(imports_see)
-        ours, theirs = [], []
-        for target in (stdout, stderr):
-            if target is subprocess.STDOUT:
-                theirs.append(theirs[0])
-            elif target is subprocess.PIPE:
-                read, write = os.pipe()
-                ours.append(read)
-                theirs.append(write)
-            elif target is subprocess.DEVNULL:
-                theirs.append(os.open(os.devnull, os.O_WRONLY))
-            else:
-                theirs.append(os.dup(target.fileno() if target is not None else len(theirs) + 1))
-        conn = socket.socket(socket.AF_UNIX)
-        conn.connect(path)
-        socket.send_fds(conn, [b"F"], theirs[:2])
-        for fd in set(theirs):
-            os.close(fd)
-        stream = conn.makefile("rw")
-        stream.write(json.dumps({"argv": argv, "cwd": str(ROOT), "env": env}) + "\n")
-        stream.flush()
-        return WarmProcess([sys.executable, *argv], conn, stream, ours[0] if ours else None)
-
-    def run(self, argv: list[str], env: dict[str, str], timeout: float, offline: bool) -> subprocess.CompletedProcess:
-        """As subprocess.run(capture_output=True, text=True) would report `python ARGV`."""
-        import tempfile
-
-        with tempfile.TemporaryFile("w+", errors="backslashreplace") as out, \
-                tempfile.TemporaryFile("w+", errors="backslashreplace") as err:
-            proc = self.start(argv, env, offline, out, err)
-            try:
-                code = proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                kill_tree(proc)
-                raise
-            out.seek(0)
-            err.seek(0)
-            return subprocess.CompletedProcess(proc.args, code, out.read(), err.read())
-
-    def close(self) -> None:
-        while self.servers:
-            self.stop(next(iter(self.servers)))
-
-
-class WarmProcess:
-    """A run a warm launcher started, handled as a subprocess.Popen of it is (pid: the run's own, the leader of its
-    session, torchrun's workers its children; the exit status comes from the launcher, its parent)."""
-
-    def __init__(self, args: list[str], conn, stream, stdout_fd: int | None):
-        self.args, self.conn, self.stream, self.returncode = args, conn, stream, None
-        self.pid = json.loads(stream.readline())["pid"]
-        self.stdout = open(stdout_fd, errors="backslashreplace") if stdout_fd is not None else None  # noqa: SIM115
-
-    def poll(self) -> int | None:
-        import select
-
-        if self.returncode is None and select.select([self.conn], [], [], 0)[0]:
-            self.wait()
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            self.conn.settimeout(timeout)
-            try:
-                line = self.stream.readline()
-            except TimeoutError:
-                raise subprocess.TimeoutExpired(self.args, timeout) from None
-            self.returncode = json.loads(line)["returncode"]
-            self.stream.close()
-            self.conn.close()
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        import os
-
-        if self.returncode is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        import signal
-
-        self.send_signal(signal.SIGKILL)
-
-    def communicate(self, timeout: float | None = None) -> tuple[str | None, None]:
-        out = self.stdout.read() if self.stdout is not None else None
-        self.wait(timeout)
-        return out, None
-
-
-WARM = WarmLaunchers()
-
-
 def start_torchrun(nproc: int, script: str | Path, *args: object, env: dict | None = None, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL, torchrun_args: tuple[str, ...] = ()):
     """torchrun(), started and left running in a session of its own (for a test to signal or kill it): a
@@ -369,28 +221,6 @@ def wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
         assert proc.poll() is None, "the run ended before the fault could be injected"
         assert time.monotonic() < deadline, "timed out waiting for the run"
         time.sleep(0.002)
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a run started with start_new_session=True and everything under it: its process group, and torchrun's
-    workers, which torchrun starts in sessions of their own (left alone they would run on until they notice the
-    launcher is gone, still writing the run folder and holding its lock). Returns once every one of them is gone."""
-    import contextlib
-    import os
-    import signal
-
-    import psutil
-
-    try:
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (psutil.NoSuchProcess, ProcessLookupError):  # it ended and was reaped (a warm run's parent reaps it)
-        tree = []
-    for p in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    proc.wait()
-    psutil.wait_procs(tree, timeout=30)
 
 
 @pytest.fixture(scope="session")

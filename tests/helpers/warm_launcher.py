@@ -5,15 +5,20 @@ entry (`fsdp1.py` as `__main__`); only the interpreter start and the imports (ab
 here) are skipped.
 
 What a fork must undo to look like a fresh interpreter, each done below where it happens: the caller's environment,
-working folder, standard streams (unbuffered, as torchrun's `python -u`) and session; sys.argv and sys.path[0];
-signal handlers back to a fresh interpreter's; torch's thread count from OMP_NUM_THREADS (read once, at import);
-and at the end the interpreter's own exit (non-daemon threads joined, atexit handlers, streams flushed).
+working folder, standard streams (buffered as a started interpreter's; unbuffered for torchrun's `python -u`
+workers) and session; sys.argv and sys.path[0]; signal handlers back to those this process started with; torch's
+thread count from OMP_NUM_THREADS (read once, at import); and at the end the interpreter's own exit (threading's
+shutdown, atexit handlers, Python's and C's stdio flushed).
 
 What a fork cannot undo is what a library read from the environment while importing (HF_HOME, the offline switches,
-...): so a warm process serves one environment only, the one it imported under, and the client (conftest.WARM)
+...): so a warm process serves one environment only, the one it imported under, and the client (tests/warm.py)
 starts one per distinct environment; OMP_NUM_THREADS alone is left out of that, each run setting torch's thread count
 from it. Nor can it change what /proc/PID/environ shows (the launcher's environment, not the run's): a test that
-reads another process's environment there starts that run cold.
+reads another process's environment there starts that run cold. Nor the string-hash seed: every rank of a warm run
+hashes alike, so ranks that disagree only through set or dict order of strings would agree here; the suite's cold
+multi-rank runs (the multi-node, node-loss, experiments and torchrun-restart tests, the GPU check's rehearsal) keep
+that case covered. Descriptors the agent holds (its store's listening socket) stay open in its workers, where
+close_fds would shut them: closing them under live Python objects could later close a reused number instead.
 
 Protocol on a UNIX socket: the run's stdout and stderr descriptors (SCM_RIGHTS), then a JSON line {"argv" (the
 interpreter's arguments: `-m MODULE ...` or `SCRIPT ...`), "cwd", "env"}; answered by {"pid"} (the run, leader of a
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import inspect
 import io
 import json
@@ -34,23 +40,29 @@ import subprocess
 import sys
 import threading
 import traceback
+import warnings
+from typing import NoReturn
 
-FRESH_SIGNALS = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN}
-"""Handlers a fresh CPython installs itself (every other signal starts at SIG_DFL)."""
+FRESH_HANDLERS: dict[int, object] = {}
+"""Signal -> handler as this process had them when it started: what a fresh interpreter started by the same parent
+has (set in __main__, before anything is imported; SIGXFSZ ignored and SIGINT's KeyboardInterrupt included)."""
 
+FRESH_STREAMS: dict[str, tuple[str, str]] = {}
+"""stdout and stderr -> (encoding, errors) as this process started with them, under the same environment."""
 
 DEFAULT_THREADS = 0
 """torch's thread count with OMP_NUM_THREADS unset, as this process imported it (set in __main__)."""
 
 
 def preload() -> None:
-    """What a training worker imports, imported once here (the pipeline's own modules through its entry's)."""
+    """What a training worker imports, imported once here (the pipeline's own modules through its entry's). Not
+    torch.distributed.run itself: runpy warns when the module it runs as __main__ is already imported."""
     import datasets  # noqa: F401
     import matplotlib.pyplot  # noqa: F401
     import peft  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
-    import torch.distributed.run  # noqa: F401
+    import torch.distributed.launcher.api  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
     from transformers.models.llama import modeling_llama  # noqa: F401
@@ -58,36 +70,48 @@ def preload() -> None:
     import pipeline.train.cli  # noqa: F401
 
 
-def fresh_process(env: dict[str, str], cwd: str | None = None) -> None:
-    """In a fork: the environment, folder and signal handlers a newly started interpreter would have."""
+def remember_fresh_state() -> None:
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            FRESH_HANDLERS[sig] = signal.getsignal(sig)
+    for name in ("stdout", "stderr"):
+        FRESH_STREAMS[name] = (getattr(sys, name).encoding, getattr(sys, name).errors)
+
+
+def fresh_process(env: dict[str, str], cwd: str | None, unbuffered: bool) -> None:
+    """In a fork: the environment, folder, signal handlers and standard streams a newly started interpreter would
+    have (unbuffered: as `python -u`, or PYTHONUNBUFFERED, sets them)."""
     os.environ.clear()
     os.environ.update(env)
     if cwd:
         os.chdir(cwd)
-    for sig in signal.valid_signals():
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            if signal.getsignal(sig) not in (signal.SIG_DFL, None, FRESH_SIGNALS.get(sig, signal.SIG_DFL)):
-                signal.signal(sig, FRESH_SIGNALS.get(sig, signal.SIG_DFL))
+    for sig, handler in FRESH_HANDLERS.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                signal.signal(sig, handler)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     import torch  # it read OMP_NUM_THREADS once, at import, where this process's environment had none
 
     threads = env.get("OMP_NUM_THREADS", "")
     torch.set_num_threads(max(1, int(threads)) if threads.isdigit() else DEFAULT_THREADS)
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-    for fd, name in ((1, "stdout"), (2, "stderr")):  # unbuffered, as `python -u`
-        stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True,
-                                  errors="backslashreplace" if fd == 2 else "strict")
+    unbuffered = unbuffered or bool(env.get("PYTHONUNBUFFERED"))
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        raw = io.FileIO(fd, "w", closefd=False)
+        encoding, errors = FRESH_STREAMS[name]
+        stream = io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding=encoding, errors=errors,
+                                  write_through=unbuffered, line_buffering=name == "stderr" and not unbuffered)
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
 
 
-def run_as_main(argv: list[str], module: bool = False) -> int:
-    """Run a script (or `-m` module) as `__main__` with argv, ending as the interpreter would: its exit code."""
+def run_as_main(argv: list[str], module: bool = False) -> NoReturn:
+    """Run a script (or `-m` module) as `__main__` with argv, then end as the interpreter would."""
     import runpy
 
     sys.argv = list(argv)
-    sys.path[0] = "" if module else os.path.dirname(os.path.abspath(argv[0]))
-    code = 0
+    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.realpath(argv[0]))
+    code, signum = 0, 0
     try:
         if module:
             runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
@@ -101,27 +125,39 @@ def run_as_main(argv: list[str], module: bool = False) -> int:
         else:
             print(stop.code, file=sys.stderr)
             code = 1
-    except KeyboardInterrupt:
-        code = -signal.SIGINT
-    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+    except KeyboardInterrupt:  # CPython prints it, then dies of SIGINT
+        sys.excepthook(*sys.exc_info())
+        code, signum = 1, signal.SIGINT
+    except BaseException:  # what the interpreter does with an uncaught exception
         sys.excepthook(*sys.exc_info())
         code = 1
-    return finish(code)
+    finish(code, signum)
 
 
-def finish(code: int) -> int:
-    """The interpreter's own shutdown, then exit: non-daemon threads joined, atexit handlers run, streams flushed."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+def finish(code: int, signum: int = 0) -> NoReturn:
+    """The interpreter's own shutdown, then exit: threading's shutdown (non-daemon threads joined, its atexit calls
+    such as concurrent.futures'), atexit handlers, Python's and C's stdio flushed. Not garbage collection and static
+    destructors: fsdp1.py leaves through errors.leave (os._exit) before any of this, as it must with gloo threads
+    alive; a script that ends normally skips them here (the cold runs of the suite still go through them)."""
+    threading._shutdown()  # private, and the one call that is the interpreter's own thread shutdown
     atexit._run_exitfuncs()  # the interpreter's own exit runs them; os._exit below would not
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    if code < 0:  # died of a signal it did not handle, as CPython re-raises an uncaught SIGINT
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).fflush(None)
+    if signum:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
     os._exit(code & 0xFF)
+
+
+def fork() -> int:
+    """os.fork, without the warning Python 3.12+ prints when the process has threads (torchrun's agent hosts its
+    store's): a started interpreter prints no such line, and tests read stderr."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return os.fork()
 
 
 class WarmPopen(subprocess.Popen):
@@ -135,7 +171,7 @@ class WarmPopen(subprocess.Popen):
         argv = [str(x) for x in a["args"]]
         if not (len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-u" and argv[2].endswith(".py")):
             return super()._execute_child(*args, **kwargs)
-        pid = os.fork()
+        pid = fork()
         if pid == 0:
             try:
                 if a["start_new_session"]:
@@ -143,7 +179,7 @@ class WarmPopen(subprocess.Popen):
                 for fd, target in ((a["p2cread"], 0), (a["c2pwrite"], 1), (a["errwrite"], 2)):
                     if fd != -1 and fd != target:
                         os.dup2(fd, target)
-                fresh_process(dict(a["env"]) if a["env"] is not None else dict(os.environ), a["cwd"])
+                fresh_process(dict(a["env"]) if a["env"] is not None else dict(os.environ), a["cwd"], True)
                 run_as_main(argv[2:])
             finally:
                 os._exit(1)  # run_as_main exits itself; this is reached only if setting up the fork failed
@@ -157,9 +193,10 @@ class WarmPopen(subprocess.Popen):
         self._closed_child_pipe_fds = True
 
 
-def agent(request: dict, out: int, err: int) -> None:
+def agent(request: dict, out: int, err: int) -> NoReturn:
     """In a fork: the requested run (torchrun's agent, or a script), its workers forks of this process, its stdout
-    and stderr the descriptors the caller passed."""
+    and stderr the descriptors the caller passed. A session of its own, so that the caller can kill it and all
+    below it as one group (a cold run started with start_new_session is the same)."""
     os.setsid()
     for fd, target in ((out, 1), (err, 2)):
         os.dup2(fd, target)
@@ -167,14 +204,16 @@ def agent(request: dict, out: int, err: int) -> None:
     os.dup2(null, 0)
     for fd in (out, err, null):
         os.close(fd)
-    fresh_process(request["env"], request["cwd"])
+    fresh_process(request["env"], request["cwd"], False)
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
-    subprocess_handler.Popen = WarmPopen  # torchrun's workers, and those fsdp1.py --nproc-per-node starts
+    # where torchrun's agent (and fsdp1.py --nproc-per-node's) starts each worker: a fork instead of an interpreter
+    subprocess_handler.Popen = WarmPopen
     argv = request["argv"]
     if argv[0] == "-m":
         run_as_main(argv[1:], module=True)
-    run_as_main(argv)
+    else:
+        run_as_main(argv)
 
 
 def serve(path: str) -> None:
@@ -187,7 +226,7 @@ def serve(path: str) -> None:
     print("ready", flush=True)
     while True:
         conn, _ = server.accept()
-        if os.fork() == 0:
+        if fork() == 0:
             server.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             try:
@@ -200,32 +239,33 @@ def serve(path: str) -> None:
 def keep(conn: socket.socket) -> None:
     """Start the run conn asks for and report its pid, then how it ended."""
     _, fds, _, _ = socket.recv_fds(conn, 1, 2)  # the run's stdout and stderr, then the request
-    stream = conn.makefile("rw")
-    line = stream.readline()
-    if len(fds) != 2 or not line:
+    line = b""
+    while not line.endswith(b"\n"):
+        more = conn.recv(1 << 16)
+        if not more:
+            return
+        line += more
+    if len(fds) != 2:
         return
     request = json.loads(line)
-    pid = os.fork()
+    pid = fork()
     if pid == 0:
-        conn.close()
+        conn.close()  # no descriptor of the launcher's own reaches the run
         try:
             agent(request, *fds)
-        except BaseException:  # noqa: BLE001 - said on the run's stderr, which the caller reads
+        except BaseException:  # said on the run's stderr, which the caller reads
             traceback.print_exc()
         finally:
             os._exit(1)
     for fd in fds:
         os.close(fd)
-    stream.write(json.dumps({"pid": pid}) + "\n")
-    stream.flush()
+    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
     _, status = os.waitpid(pid, 0)
-    stream.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
-    stream.flush()
+    conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
 
 
 if __name__ == "__main__":
-    import ctypes
-
+    remember_fresh_state()
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: gone with the pytest worker that started it
     sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     preload()
