@@ -95,8 +95,8 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 
 # Two pytest workers, one test file each at a time (module fixtures stay shared). A test's torchrun and fsdp1.py runs
 # start warm (tests/helpers/warm_launcher.py: imports were about two thirds of a short run's CPU): 506 tests took
-# 13:36 on the 2-core AVX2 EPYC on 2026-11-27, against 25:09 the same day before (every run a fresh interpreter,
-# as FSDP1_TESTS_COLD=1 still starts them)
+# 13:36 and 14:17 on the 2-core AVX2 EPYC on 2026-11-27, against 25:09 the same day before (every run a fresh
+# interpreter, as FSDP1_TESTS_COLD=1 still starts them)
 # (--durations 15: the slowest tests at the end of every run, CI's included, so growth is seen when it happens)
 test: $(STAMP) $(LM_EVAL_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations 15
