@@ -143,10 +143,10 @@ def torchrun(nproc: int, script: str | Path, *args: object, env: dict | None = N
 
 
 def start_torchrun(nproc: int, script: str | Path, *args: object, env: dict | None = None, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, torchrun_args: tuple[str, ...] = ()):
+                   stderr=subprocess.DEVNULL):
     """torchrun(), started and left running in a session of its own (for a test to signal or kill it): a
     subprocess.Popen, or its warm equivalent (stdout and stderr as Popen takes them; a pipe reads as text)."""
-    argv = ["--standalone", "--nproc_per_node", str(nproc), *torchrun_args, str(script), *map(str, args)]
+    argv = ["--standalone", "--nproc_per_node", str(nproc), str(script), *map(str, args)]
     if warm_launches():
         return WARM.start(["-m", "torch.distributed.run", *argv], with_root(env), Path(script).name == "fsdp1.py",
                           stdout, stderr)

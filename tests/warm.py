@@ -162,16 +162,6 @@ class WarmProcess:
             self.conn.close()
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:  # its keeper reaps it at once: a pid already reported ended may be another's
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
     def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
         """Read stdout and stderr (those that are pipes) to their end, then wait, within timeout seconds in all."""
         deadline = None if timeout is None else time.monotonic() + timeout
