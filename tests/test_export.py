@@ -82,3 +82,61 @@ def test_an_export_never_replaces_a_folder_it_did_not_write(tmp_path):
         f"error: --out {mine} holds what an export does not write (notes.txt); refusing to replace it: choose a new "
         "folder, or empty this one")
     assert (mine / "notes.txt").read_text() == "keep me" and [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_dcp_consolidation_writes_a_0_dim_tensor_as_zero(tmp_path):
+    """Why export.restore_scalars exists: DCP's HF consolidation writes a 0-dim tensor's value as 0.0 (its shape [] is
+    taken for an empty tensor), silently. When this fails, torch has fixed it and restore_scalars can go."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    writer = dcp.HuggingFaceStorageWriter(str(tmp_path), fqn_to_index_mapping={"scalar": 1, "vector": 1},
+                                          save_distributed=True, enable_consolidation=True)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"scalar": torch.tensor(0.5), "vector": torch.tensor([0.5])}, storage_writer=writer, no_dist=True)
+    (consolidated,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(consolidated)
+    assert tensors["scalar"].shape == () and tensors["scalar"].item() == 0.0 and tensors["vector"].tolist() == [0.5]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "manual"])
+def test_a_0_dim_buffer_is_exported_with_its_value(strategy, group_of_one, tmp_path):
+    """Apertus' xIELU activation holds two 0-dim persistent buffers (beta, eps): after a step, the export holds them
+    as trained, 0-dim, and computes the trained model's loss (they were written as 0.0)."""
+    from transformers import ApertusConfig, AutoConfig
+
+    from pipeline.config_merge import from_flat
+    from pipeline.data.batches import make_batch
+    from pipeline.objectives.causal_lm import CausalLMLoss
+    from pipeline.prep.tiny import random_buffers
+    from pipeline.strategies.registry import make_strategy, settle
+    from pipeline.train.export import export_model
+
+    torch.manual_seed(0)
+    config = ApertusConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, dtype="float32")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    random_buffers(model)
+    model.save_pretrained(tmp_path / "base")
+    scalars = {k: v for k, v in model.state_dict().items() if v.ndim == 0}
+    assert sorted(scalars) == [f"model.layers.{i}.mlp.act_fn.{b}" for i in (0, 1) for b in ("beta", "eps")]
+    cfg = settle(from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": str(tmp_path / "base"),
+                            "strategy": strategy, "precision": "fp32"}))
+    built = make_strategy(cfg.model, group_of_one, torch.float32)
+    built.build(AutoConfig.from_pretrained(tmp_path / "base"))
+    built.load_weights(tmp_path / "base")
+    batch = make_batch(np.random.default_rng(1).integers(0, 512, size=(2, 16)), None, group_of_one.device)
+    optimizer = torch.optim.AdamW([p for g in built.param_groups(0.0) for p in g["params"]], lr=1e-2)
+    with built.gradient_sync(True):
+        CausalLMLoss(built.head())(batch, 2 * 15).backward()
+    optimizer.step()
+    with torch.no_grad():
+        trained_loss = CausalLMLoss(built.head())(batch, 2 * 15).item()
+    export_model(built, tmp_path / "base", tmp_path / "hf", torch.float32, group_of_one)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    state = exported.state_dict()
+    for key, value in scalars.items():
+        assert state[key].shape == () and torch.equal(state[key], value), key
+    with torch.no_grad():
+        assert exported(input_ids=batch.input_ids, labels=batch.labels).loss.item() == pytest.approx(trained_loss,
+                                                                                                      abs=1e-5)

@@ -121,6 +121,8 @@ def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dt
     export is refused before anything is written (check_replaceable)."""
     check_replaceable(out, "the export folder")
     sd = {k: v.detach().to(dtype) for k, v in strategy.export_state().items()}
+    scalars = {k for k, v in sd.items() if v.ndim == 0}
+    sd = {k: v.reshape(1) if k in scalars else v for k, v in sd.items()}  # see restore_scalars
     work = partial_dir(out)
     scratch = work / "dcp"  # DCP's writer: per-rank files, then the consolidated ones; only the latter are kept
     if d.is_main:
@@ -136,6 +138,7 @@ def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dt
             os.replace(f, work / f.name)
         shutil.rmtree(scratch)
         model = strategy.module
+        restore_scalars(work, scalars)
         in_file_layout(work, model)
         write_index(work)
         config = model.config.__class__.from_dict(model.config.to_dict())
@@ -213,6 +216,19 @@ def export_run(strategy: Strategy, cfg: Config, model_dir: Path, d: Dist, chat_t
             else:
                 export_model(strategy, model_dir, cfg.run_dir / name,
                              export_dtype(cfg.run.export_dtype, strategy.module.config), d, chat_template, record)
+
+
+def restore_scalars(folder: Path, scalars: set[str]) -> None:
+    """The 0-dim tensors (Apertus' xIELU beta and eps), exported as shape (1,), back to 0-dim in the consolidated
+    files. Why: DCP's HF consolidation (torch 2.11 to 2.13) takes a 0-dim shape for an empty tensor and writes its
+    value as 0.0, with no error (tests/test_export.py reproduces it on DCP alone)."""
+    from safetensors.torch import load_file, save_file
+
+    for path in sorted(folder.glob("*.safetensors")):
+        if scalars & set(read_header(path)):
+            tensors = load_file(path)
+            save_file({k: v.reshape(()) if k in scalars else v for k, v in tensors.items()}, path,
+                      metadata={"format": "pt"})
 
 
 def in_file_layout(folder: Path, model) -> None:
