@@ -139,3 +139,30 @@ def test_torchrun_restarts_a_crashed_worker_and_the_run_resumes_by_itself(train_
     assert losses(run) == reference  # the restarted workers went on from step 5's checkpoint, bitwise
     resumes = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"resume"' in x]
     assert [e["from_step"] for e in resumes] in ([5], [10])  # the newest complete checkpoint when rank 1 died
+
+
+def test_sigterm_during_validation_stops_within_it_and_the_rerun_validates_again(train_env, tmp_path):
+    """The step-0 validation of thousands of blocks is under way (the run's plan logged just before it) when SIGTERM
+    arrives: every rank stops within 16 batches of it, checkpointed, in one line, with no validation logged, instead
+    of finishing the pass first; the same command then validates and trains to the end."""
+    from conftest import events
+
+    from pipeline.prep.tiny import build_tiny
+
+    model = build_tiny(tmp_path / "model", layers=4, hidden=256)  # wide enough that the pass takes seconds
+    cmd = ["-e", "v", "-d", str(train_env["dataset"]), "-m", str(model), "--save-dir", str(tmp_path), "--config",
+           str(ROOT / "configs" / "demo.yaml"), "--seq-length", "32", "--val-fraction", "0.4", "--max-steps", "2",
+           "--eval-freq", "0", "--log-freq", "1"]
+    run = tmp_path / "v"
+    with open(tmp_path / "stopped.log", "w") as out:
+        proc = start_torchrun(2, ROOT / "fsdp1.py", *cmd, env=train_env["env"], stdout=out, stderr=subprocess.STDOUT)
+        wait_for(lambda: (run / "train.log").exists() and "global batch" in (run / "train.log").read_text(), proc)
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher forwards it to the workers
+        proc.wait(timeout=120)
+    said = (tmp_path / "stopped.log").read_text()
+    assert (f"stopped by signal during validation at step 0; checkpoint {run / 'checkpoints' / 'step-00000000'} "
+            "saved; rerun the same command to resume") in said, said[-3000:]
+    assert not events(run, "eval") and "Traceback" not in (run / "train.log").read_text()  # torchrun's own is said
+    again = torchrun(2, ROOT / "fsdp1.py", *cmd, env=train_env["env"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [e["step"] for e in events(run, "eval")] == [0, 2] and sorted(losses(run)) == [1, 2]

@@ -206,6 +206,64 @@ def test_a_killed_build_resumes_from_its_finished_chunks(tmp_path, train_env, ti
     assert not out.with_name("cache.partial").exists()
 
 
+def test_a_stop_signal_ends_the_build_before_its_next_chunk_and_the_rerun_resumes(tmp_path, train_env):
+    """SIGTERM while a run's builder tokenizes (20 KB chunks: dozens): it stops before its next chunk, in one line
+    saying how many are done and kept, exit 143, instead of building on past a scheduler's grace period; the same
+    command then resumes from those chunks."""
+    import signal
+
+    args = [str(ROOT / "tests" / "helpers" / "build_run_cache.py"), "20000", "-e", "r", "-d",
+            str(train_env["dataset"]), "-m", "local/tiny", "--save-dir", str(tmp_path), "--seq-length", "64"]
+    env = with_root(train_env["env"])
+    proc = subprocess.Popen([sys.executable, *args], env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    partial = tmp_path / "token_cache"
+    wait_for(lambda: any(partial.glob("*.partial/chunk-00001.npy")), proc)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    (work,) = partial.glob("*.partial")
+    kept = sorted(work.glob("chunk-?????.npy"))
+    assert f"stopped by signal after {len(kept)} of " in output and "chunks (kept in " in output, output[-3000:]
+    assert output.rstrip().endswith("rerun the same command to resume") and "Traceback" not in output
+    total = int(output.split(f"after {len(kept)} of ")[1].split()[0])
+    assert 2 <= len(kept) < total and not any(partial.glob("*/meta.json"))
+    again = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"resuming, {len(kept)} of {total} chunks already tokenized" in again.stdout + again.stderr
+    assert len(list(partial.glob("*/meta.json"))) == 1
+
+
+def test_a_stop_signal_ends_the_wait_for_another_processs_build(tmp_path, train_env):
+    """Both ranks wait for a build another process holds the lock of (rank 0 for the lock, rank 1 for the cache):
+    SIGTERM ends the wait on each at its next poll, with the stop line and no traceback, while the lock is still
+    held, instead of waiting for a build that may outlast a scheduler's grace period."""
+    import os
+    import signal
+
+    from conftest import start_torchrun
+
+    args = ["-e", "r", "-d", train_env["dataset"], "-m", "local/tiny", "--save-dir", tmp_path, "--seq-length", "64",
+            "--max-steps", "2", "--ckpt-freq", "0", "--eval-freq", "0"]
+    env = with_root(train_env["env"])
+    holder = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "hold_cache_lock.py"), *map(str, args)],
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert holder.stdout.readline().startswith("locked ")
+        with open(tmp_path / "out.log", "w") as out:
+            run = start_torchrun(2, ROOT / "fsdp1.py", *args, env=env, stdout=out, stderr=subprocess.STDOUT)
+            log = tmp_path / "r" / "train.log"
+            wait_for(lambda: log.exists() and "another process is building the token cache" in log.read_text(), run)
+            os.kill(run.pid, signal.SIGTERM)  # the launcher forwards it to the workers
+            run.wait(timeout=60)
+        assert holder.poll() is None  # the build it waited for never finished
+    finally:
+        kill_tree(holder)
+    said = (tmp_path / "out.log").read_text() + log.read_text()
+    assert "stopped by signal while waiting for another process's build of the token cache" in said, said[-3000:]
+    assert "Traceback" not in log.read_text() and not list((tmp_path / "token_cache").glob("*/meta.json"))
+
+
 def test_ranks_wait_out_a_build_longer_than_the_collective_timeout(tmp_path, train_env):
     """The cache's lock is held (as a --prepare-only job on the node would) for three collective timeouts: rank 0
     waits on the lock and rank 1 polls for the cache, neither inside a collective, and the run then trains."""

@@ -16,6 +16,9 @@ Building is made for corpora of tens of GB:
 - One builder at a time: an flock on the token_cache folder (held by a `--prepare-only` job, the first rank of a
   node, or a node sharing the file system). Every other process polls for OUT/meta.json or OUT.error: no collective
   is in flight while it waits, so no collective timeout fires however long the build takes.
+- A stop asked for (ensure_token_cache's `stopping`: fsdp1.py's signal handler) ends the build before its next chunk
+  and ends a wait at its next poll (BuildStopped), keeping the chunks done: a scheduler's grace period is minutes,
+  a build of tens of GB is longer.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,20 +135,30 @@ def split_blocks(n_blocks: int, val_fraction: float, seed: int) -> tuple[np.ndar
 
 # --- waiting for, or taking the turn to build, a cache -------------------------------------------------------------
 
+class BuildStopped(Exception):
+    """`stopping` said so: the build ended before its next chunk (the chunks done are kept), or the wait for another
+    process's build ended. The text says which."""
+
+
+def never() -> bool:
+    return False
+
+
 def error_file(path: Path) -> Path:
     return path.with_name(f"{path.name}.error")
 
 
 def ensure_token_cache(ds, tokenizer, spec: BlockSpec, num_proc: int, path: Path, builder: bool,
-                       poll_s: float = 0.2) -> str:
+                       poll_s: float = 0.2, stopping: Callable[[], bool] = never) -> str:
     """The cache at path, built if missing: "hit", "built" or "waited". The builder (one process per node) takes the
-    lock and builds; any other process polls until the cache or the builder's error appears. No collective."""
+    lock and builds; any other process polls until the cache or the builder's error appears. No collective.
+    stopping() true ends the build between chunks, or the wait, with BuildStopped."""
     if (path / "meta.json").exists():
         return "hit"
     if not builder:
-        _wait_for(path, time.time(), poll_s)
+        _wait_for(path, time.time(), poll_s, stopping)
         return "waited"
-    with build_lock(path):
+    with build_lock(path, poll_s, stopping):
         mark(path.parent, "token_cache", "fsdp1.py")
         if (path / "meta.json").exists():  # built by whoever held the lock before us
             shutil.rmtree(path.with_name(f"{path.name}.partial"), ignore_errors=True)
@@ -153,7 +166,11 @@ def ensure_token_cache(ds, tokenizer, spec: BlockSpec, num_proc: int, path: Path
         error_file(path).unlink(missing_ok=True)
         log.info("building token cache %s", path)
         try:
-            build_blocks(ds, tokenizer, spec, num_proc, path)
+            build_blocks(ds, tokenizer, spec, num_proc, path, stopping)
+        except BuildStopped as exc:  # the processes waiting on this build stop too, where no signal reached them
+            _report_failure(path, f"the token cache build on {socket.gethostname()} was stopped by a signal {exc}; "
+                                  "rerun the same command to resume it")
+            raise
         except FileNotFoundError as exc:
             if not Path(exc.filename or "").absolute().is_relative_to(path.parent.absolute()):
                 raise
@@ -177,21 +194,24 @@ def _report_failure(path: Path, text: str) -> None:
         error_file(path).write_text(text + "\n")
 
 
-def _wait_for(path: Path, since: float, poll_s: float) -> None:
+def _wait_for(path: Path, since: float, poll_s: float, stopping: Callable[[], bool]) -> None:
     """Poll for the cache or for an error the builder wrote after we started waiting (an older one is stale)."""
     err = error_file(path)
     while not (path / "meta.json").exists():
         with contextlib.suppress(FileNotFoundError):
             if err.stat().st_mtime >= since - 1:
                 raise UserError(err.read_text().strip())
+        if stopping():
+            raise BuildStopped(f"while waiting for the token cache {path}")
         time.sleep(poll_s)
 
 
 @contextlib.contextmanager
-def build_lock(path: Path) -> Iterator[None]:
+def build_lock(path: Path, poll_s: float = 0.2, stopping: Callable[[], bool] = never) -> Iterator[None]:
     """An exclusive flock on the token_cache folder (no lock file left behind; builds of different caches in one
     save_dir take turns). The kernel releases it if the holder dies, so a killed build never blocks the next. A file
-    system without flock builds unlocked: two builders then race to one identical rename."""
+    system without flock builds unlocked: two builders then race to one identical rename. Taken by polling, not a
+    blocking flock: a signal's handler returns and the kernel call would resume, so only a poll can ask stopping()."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -200,12 +220,23 @@ def build_lock(path: Path) -> Iterator[None]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 log.info("another process is building the token cache %s; waiting for it", path.parent)
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                _poll_lock(fd, path, poll_s, stopping)
         except OSError as exc:
             log.warning("cannot lock %s (%s); building without a lock", path.parent, exc)
         yield
     finally:
         os.close(fd)
+
+
+def _poll_lock(fd: int, path: Path, poll_s: float, stopping: Callable[[], bool]) -> None:
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if stopping():
+                raise BuildStopped(f"while waiting for another process's build of the token cache {path}") from None
+            time.sleep(poll_s)
 
 
 # --- building ---------------------------------------------------------------------------------------------------------
@@ -218,9 +249,10 @@ def _rows_per_chunk(text_rows) -> int:
     return max(1, CHUNK_BYTES // per_row)
 
 
-def _tokenized_chunks(text_rows, tokenizer, num_proc: int, work: Path, split_special: bool) -> list[Path]:
+def _tokenized_chunks(text_rows, tokenizer, num_proc: int, work: Path, split_special: bool,
+                      stopping: Callable[[], bool]) -> list[Path]:
     """Each chunk of text rows tokenized into work/chunk-NNNNN.npy (flat uint32 ids), skipping those a killed
-    build already finished. A progress bar shows rows and throughput."""
+    build already finished; stopping() is asked before each. A progress bar shows rows and throughput."""
     from tqdm import tqdm
 
     per_chunk = _rows_per_chunk(text_rows)
@@ -240,6 +272,9 @@ def _tokenized_chunks(text_rows, tokenizer, num_proc: int, work: Path, split_spe
         for start, path in zip(starts, paths, strict=True):
             stop = min(start + per_chunk, len(text_rows))
             if not path.exists():
+                if stopping():
+                    raise BuildStopped(f"after {sum(p.exists() for p in paths)} of {len(paths)} chunks (kept in "
+                                       f"{work})")
                 _tokenize_chunk(text_rows.select(range(start, stop)), tokenizer, num_proc, work, path, split_special)
                 # what the chunk's map freed here (its jobs pickled, its results read) goes back to the OS: glibc
                 # kept it, and every later chunk's workers, forked from this process, carried it (BENCHMARKS.md 14)
@@ -341,8 +376,10 @@ def _write_blocks(final: Path, out: Path, work: Path, spec: BlockSpec, blocks: n
     _publish(final, out, work)
 
 
-def build_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, out: Path) -> None:
-    """Tokenize, pack and split into out/ (assembled in OUT.partial/, then renamed into place)."""
+def build_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, out: Path,
+                 stopping: Callable[[], bool] = never) -> None:
+    """Tokenize, pack and split into out/ (assembled in OUT.partial/, then renamed into place). stopping() is asked
+    before each text chunk and after the last (before the conversations, one datasets.map, and the block write)."""
     work = out.with_name(f"{out.name}.partial")
     work.mkdir(parents=True, exist_ok=True)
     final = work / "blocks"
@@ -354,8 +391,10 @@ def build_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, out: Path) -> No
     chats = conversation_rows(ds)
     # a hub dataset may have messages and no text column: its rows without a conversation have nothing to train
     text_rows = ds.select(np.flatnonzero(~chats) if "text" in ds.column_names else [])
-    chunks = (_tokenized_chunks(text_rows, tokenizer, num_proc, work, not spec.special_tokens_in_data)
+    chunks = (_tokenized_chunks(text_rows, tokenizer, num_proc, work, not spec.special_tokens_in_data, stopping)
               if len(text_rows) else [])
+    if stopping():
+        raise BuildStopped(f"after its {len(chunks)} text chunks (kept in {work})")
     n_tokens = sum(len(np.load(p, mmap_mode="r")) for p in chunks)
     n_text = n_tokens // spec.seq_length
     meta: dict = {"text_tokens": int(n_tokens), "text_blocks": n_text}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -14,11 +15,19 @@ from pipeline.config import Config
 from pipeline.data import pair_tokens
 from pipeline.data.mixture import MixedBlocks
 from pipeline.data.sampler import BlockSampler, MixtureSampler
-from pipeline.data.token_cache import Blocks, beyond_vocabulary, ensure_token_cache, open_blocks, token_cache_dir
+from pipeline.data.token_cache import (
+    Blocks,
+    BuildStopped,
+    beyond_vocabulary,
+    ensure_token_cache,
+    open_blocks,
+    token_cache_dir,
+)
 from pipeline.distributed.launch import Launch
 from pipeline.distributed.runtime import Dist, gather_objects
 from pipeline.errors import UserError
 from pipeline.train.preflight import DataSource, Plan
+from pipeline.train.signals import Interrupted, StopRequest
 from pipeline.train.telemetry import log
 
 
@@ -30,9 +39,15 @@ def cache_path(cfg: Config, plan: Plan, source: DataSource | None = None) -> Pat
 def ensure_blocks(cfg: Config, plan: Plan, builder: bool) -> list[tuple[str, Path]]:
     """The token cache of each of this run's datasets: ("hit" | "built" | "waited", its path). The builder (one
     process per node) builds each under a file lock; the others poll for it. No collective, so no timeout however
-    long it takes."""
-    return [(ensure_token_cache(source.dataset, plan.tokenizer, plan.spec, cfg.data.num_proc or os.cpu_count() or 1,
-                                path := cache_path(cfg, plan, source), builder), path) for source in plan.data]
+    long it takes. A stop signal ends the build before its next chunk, or the wait, on each process by itself (no
+    collective either): Interrupted, after one line."""
+    try:
+        return [(ensure_token_cache(source.dataset, plan.tokenizer, plan.spec, cfg.data.num_proc or os.cpu_count() or 1,
+                                    path := cache_path(cfg, plan, source), builder,
+                                    stopping=lambda: StopRequest.signum != 0), path) for source in plan.data]
+    except BuildStopped as stop:
+        (log.warning if builder else log.info)("stopped by signal %s; rerun the same command to resume", stop)
+        raise Interrupted(StopRequest.signum or signal.SIGTERM) from None
 
 
 def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks | MixedBlocks:

@@ -10,7 +10,6 @@ import functools
 import signal
 
 import torch
-import torch.distributed as dist
 
 from pipeline.data.pair_tokens import count_pairs
 from pipeline.data.token_cache import Blocks
@@ -18,16 +17,14 @@ from pipeline.model.adapters import adapters_disabled
 from pipeline.objectives.reference_pass import ensure_reference, reference_folder
 from pipeline.strategies.base import Strategy
 from pipeline.train.preflight import ReferencePlan
-from pipeline.train.signals import Interrupted, StopRequest
+from pipeline.train.signals import Interrupted, StopRequest, agreed_stop
 from pipeline.train.telemetry import log
 
 
 def stop_between_chunks(done: int, chunks: int) -> None:
     """A signal on any rank stops the pass after the chunk every rank has just saved (a pass over many pairs takes
     minutes: a scheduler's grace period would kill it first). One small all-reduce per chunk: every rank calls it."""
-    asked = torch.tensor([float(StopRequest.signum != 0)])
-    dist.all_reduce(asked, op=dist.ReduceOp.MAX)  # CPU tensor: gloo, no device sync
-    if asked.item():
+    if agreed_stop():
         log.warning("stopped by signal during the reference pass, after chunk %d of %d (the chunks done are saved); "
                     "rerun the same command to resume", done, chunks)
         raise Interrupted(StopRequest.signum or signal.SIGTERM)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import signal
 
+import torch
+import torch.distributed as dist
+
 
 class Interrupted(Exception):
     """SIGTERM/SIGINT: a checkpoint was saved and the run stopped cleanly."""
@@ -32,3 +35,11 @@ class StopRequest:
         """Python's own handling back: SIGINT raises KeyboardInterrupt, SIGTERM ends the process."""
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def agreed_stop() -> bool:
+    """Whether any rank got a signal: one small all-reduce, so every rank gets the same answer (a collective: every
+    rank calls it at the same point). For long phases between step boundaries (a reference pass, a validation)."""
+    asked = torch.tensor([float(StopRequest.signum != 0)])
+    dist.all_reduce(asked, op=dist.ReduceOp.MAX)  # CPU tensor: gloo, no device sync
+    return bool(asked.item())

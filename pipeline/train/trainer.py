@@ -22,7 +22,7 @@ from pipeline.config import Config
 from pipeline.data.sampler import MixtureSampler
 from pipeline.distributed.runtime import Dist, compute_dtype
 from pipeline.errors import UserError
-from pipeline.eval.heldout import held_out_loss
+from pipeline.eval.heldout import Stopped, held_out_loss
 from pipeline.eval.samples import complete, stop_ids
 from pipeline.model.modeling import untested_family
 from pipeline.model.registry import transforms_for
@@ -38,7 +38,7 @@ from pipeline.train.optim import build_optimizer, build_scheduler
 from pipeline.train.preflight import Plan
 from pipeline.train.profiling import StepProfiler, memory_breakdown
 from pipeline.train.reference import with_reference
-from pipeline.train.signals import Interrupted, StopRequest
+from pipeline.train.signals import Interrupted, StopRequest, agreed_stop
 from pipeline.train.step import StepResult, Update, train_step
 from pipeline.train.telemetry import (
     PhaseTimer,
@@ -333,15 +333,17 @@ class Trainer:
         self.ckpt.finish_if_done(all_done=flags[1].item() == 0)
         return bool(flags[0].item()), bool(flags[2].item())
 
-    def stop(self, telemetry: Telemetry) -> None:
+    def stop(self, telemetry: Telemetry, during: str = "") -> None:
+        """The stop a signal asked for, agreed by every rank: the step's checkpoint written (synchronously), one line,
+        Interrupted. A collective."""
         saved = self.save(sync=True)
         self.ckpt.wait()
         telemetry.close()  # the bar ends (and the plot is drawn) before the message; the `with` then closes nothing
         where = f"checkpoint {self.ckpt.root / step_name(self.step)} saved" if saved else \
             f"the last good checkpoint is {self.last_checkpoint()}"
         # said once, by rank 0; the others keep it in train.log (their console shows warnings only)
-        (log.warning if self.dist.is_main else log.info)("stopped by signal at step %d; %s; rerun the same command "
-                                                         "to resume", self.step, where)
+        (log.warning if self.dist.is_main else log.info)("stopped by signal %sat step %d; %s; rerun the same "
+                                                         "command to resume", during, self.step, where)
         raise Interrupted(StopRequest.signum or signal.SIGTERM)
 
     def refuse_untrained(self) -> None:
@@ -453,7 +455,11 @@ class Trainer:
             self.sample(telemetry)
         sampled = time.perf_counter()
         names, parts = zip(*self.blocks.val_parts(), strict=True)
-        val = held_out_loss(self.strategy, parts, self.cfg.train.batch_size, self.dist, self.objective)
+        try:
+            val = held_out_loss(self.strategy, parts, self.cfg.train.batch_size, self.dist, self.objective,
+                                stop=agreed_stop)
+        except Stopped:
+            self.stop(telemetry, "during validation ")
         if val is None:
             return None
         by_source = {f"eval/loss/{name}": loss for name, loss in zip(names, val.by_part, strict=True) if name}
