@@ -166,3 +166,30 @@ def test_sigterm_during_validation_stops_within_it_and_the_rerun_validates_again
     again = torchrun(2, ROOT / "fsdp1.py", *cmd, env=train_env["env"])
     assert again.returncode == 0, again.stderr[-3000:]
     assert [e["step"] for e in events(run, "eval")] == [0, 2] and sorted(losses(run)) == [1, 2]
+
+
+def test_sigterm_during_the_last_checkpoint_stops_before_the_export(train_env, tmp_path):
+    """SIGTERM while the final step's checkpoint is written: the run stops once it is complete, before the export (a
+    DCP write of the whole model that no signal interrupts), in one line; the same command then exports."""
+    from conftest import events
+
+    from pipeline.prep.tiny import build_tiny
+
+    model = build_tiny(tmp_path / "model", layers=4, hidden=512)  # a checkpoint of ~150 MB: a write that takes a while
+    cmd = ["-e", "x", "-d", str(train_env["dataset"]), "-m", str(model), "--save-dir", str(tmp_path), "--config",
+           str(ROOT / "configs" / "demo.yaml"), "--max-steps", "2", "--ckpt-freq", "0", "--eval-freq", "0",
+           "--val-fraction", "0", "--log-freq", "1"]
+    last = tmp_path / "x" / "checkpoints" / "step-00000002"
+    with open(tmp_path / "stopped.log", "w") as out:
+        proc = start_torchrun(2, ROOT / "fsdp1.py", *cmd, env=train_env["env"], stdout=out, stderr=subprocess.STDOUT)
+        wait_for(lambda: any(last.glob("*.distcp")) and not (last / "manifest.json").exists(), proc)
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher forwards it to the workers
+        proc.wait(timeout=120)
+    said = (tmp_path / "stopped.log").read_text()
+    assert (f"stopped by signal before the export at step 2; checkpoint {last} saved; rerun the same command to "
+            "resume") in said, said[-3000:]
+    assert (last / "manifest.json").exists() and not (tmp_path / "x" / "hf").exists()
+    again = torchrun(2, ROOT / "fsdp1.py", *cmd, env=train_env["env"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (tmp_path / "x" / "hf" / "config.json").exists() and sorted(losses(tmp_path / "x")) == [1, 2]
+    assert [e["step"] for e in events(tmp_path / "x", "resume")] == [2]

@@ -298,6 +298,8 @@ class Trainer:
             self.log_mixture(telemetry)
         self.save()
         self.ckpt.wait()
+        if agreed_stop():  # a signal during the last save: the export (one uninterruptible DCP write) waits for none
+            self.stop(telemetry, "before the export ")
         export_run(self.strategy, self.cfg, self.plan.model_dir, self.dist, self.plan.spec.chat_template,
                    self.plan.fingerprint)
 
