@@ -291,6 +291,31 @@ def test_the_report_names_moe_routing_and_an_untested_family():
     assert family_lines(olmo) == [f"warning: {untested_family(olmo)}; fsdp1.py attempts it"]
 
 
+def test_a_causal_lm_with_a_loss_of_its_own_is_refused_before_training(train_env, tmp_path):
+    """BartForCausalLM's forward takes the mean over unshifted labels, ignoring num_items_in_batch: it trained to copy
+    its input with a loss twice transformers' own on two ranks, exit 0 (bench/all_families.py found it and 18 more
+    over transformers' registry). Refused in one line before any weight is read; MODEL_DOWNLOAD's report says so."""
+    from conftest import run_script
+
+    from pipeline.model.modeling import own_loss
+    from pipeline.prep.hub import family_lines
+
+    bart = AutoConfig.for_model("bart", vocab_size=64, d_model=32, decoder_layers=1, encoder_layers=1,
+                                decoder_attention_heads=2, encoder_attention_heads=2, decoder_ffn_dim=64,
+                                encoder_ffn_dim=64)
+    why = ("BartForCausalLM computes a loss of its own in forward, not transformers' causal-LM loss (loss_function: "
+           "labels shifted by one, summed over num_items_in_batch), so the trainer would train it wrong; fine-tune a "
+           "decoder-only causal LM instead")
+    assert own_loss(bart) == why and own_loss(family_config("llama", 64, 0, 1)) == ""
+    assert family_lines(bart) == [f"warning: fsdp1.py refuses it: {why}"]
+    AutoModelForCausalLM.from_config(bart).save_pretrained(tmp_path / "bart")
+    proc = run_script("fsdp1.py", "-e", "r", "-d", train_env["dataset"], "-m", tmp_path / "bart", "--save-dir",
+                      tmp_path / "runs", env=train_env["env"])
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: --model-name {tmp_path / 'bart'}: {why}", \
+        proc.stderr[-3000:]
+    assert not (tmp_path / "runs").exists()
+
+
 def test_an_untested_family_trains_without_the_vocabulary_parallel_head_under_auto(group_of_one):
     """Its loss is then the model's own forward: nothing the suite has not checked stands between them."""
     olmo = AutoConfig.for_model("olmo", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

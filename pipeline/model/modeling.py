@@ -8,6 +8,7 @@ so a model whose structure they cannot read fails here, with its class named, an
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Iterator
 
 import torch
@@ -28,6 +29,27 @@ def untested_family(config) -> str:
     if model_type in TESTED_MODEL_TYPES:
         return ""
     return f"model_type {model_type!r} is not one of the families the suite trains ({', '.join(TESTED_MODEL_TYPES)})"
+
+
+def own_loss(config) -> str:
+    """Why the trainer cannot train this config's causal LM ("" when it can): its forward computes a loss of its own
+    instead of transformers' causal-LM loss (`self.loss_function`: labels shifted by one, summed over
+    num_items_in_batch), which the trainer's loss, its gradients and their sum over the ranks rest on
+    (pipeline/objectives/causal_lm.py). BartForCausalLM and the other encoder-decoder families' decoders take the mean
+    over unshifted labels: they trained to copy their input, with a loss times the world size, exit 0. Read from the
+    forward's source, the property itself: bench/all_families.py checks it over transformers' whole registry."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        source = inspect.getsource(model_class.forward)
+    except (KeyError, OSError, TypeError):  # no causal LM (from_config says so), or no source to read: not refused
+        return ""
+    if "loss_function(" in source:
+        return ""
+    return (f"{model_class.__name__} computes a loss of its own in forward, not transformers' causal-LM loss "
+            "(loss_function: labels shifted by one, summed over num_items_in_batch), so the trainer would train it "
+            "wrong; fine-tune a decoder-only causal LM instead")
 
 
 ATTENTION_SUPPORT = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
