@@ -140,3 +140,38 @@ def test_a_0_dim_buffer_is_exported_with_its_value(strategy, group_of_one, tmp_p
     with torch.no_grad():
         assert exported(input_ids=batch.input_ids, labels=batch.labels).loss.item() == pytest.approx(trained_loss,
                                                                                                       abs=1e-5)
+
+
+def test_an_fsdp2_export_keeps_the_names_save_pretrained_writes(group_of_one, tmp_path):
+    """fully_shard gives the model a class of its own (FSDPDeepseekV4ForCausalLM), under which transformers' naming
+    rules were looked up wrong: DeepSeek-V4's export renamed embed_tokens to `embed` and the hyper-connection head's
+    tensors, which from_pretrained then left random (exit 0). The export holds save_pretrained's names and the
+    loaded model's every tensor."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, DeepseekV4Config
+
+    from pipeline.config_merge import from_flat
+    from pipeline.strategies.registry import make_strategy, settle
+    from pipeline.train.export import export_model
+
+    torch.manual_seed(0)
+    config = DeepseekV4Config(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=1, head_dim=16, qk_rope_head_dim=16, q_lora_rank=48, o_lora_rank=32,
+                              moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, index_head_dim=16,
+                              index_n_heads=2, index_topk=8, dtype="float32")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "base")
+    cfg = settle(from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": str(tmp_path / "base"),
+                            "strategy": "fsdp2", "precision": "fp32"}))
+    built = make_strategy(cfg.model, group_of_one, torch.float32)
+    built.build(AutoConfig.from_pretrained(tmp_path / "base"))
+    built.load_weights(tmp_path / "base")
+    export_model(built, tmp_path / "base", tmp_path / "hf", torch.float32, group_of_one)
+
+    def names(folder):
+        with safe_open(str(next(folder.glob("*.safetensors"))), "pt") as fh:
+            return set(fh.keys())
+
+    assert names(tmp_path / "hf") == names(tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).state_dict()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).state_dict()
+    assert all(torch.equal(exported[k], v) for k, v in base.items())
