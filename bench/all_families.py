@@ -32,63 +32,66 @@ SIZES = {
     64: ("hidden_size", "n_embd", "d_model", "embedding_size", "attention_hidden_size"),
     128: ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "decoder_ffn_dim", "encoder_ffn_dim", "dff",
           "dim_ff", "intermediate_size_mlp", "dense_intermediate_size", "shared_intermediate_size"),
-    2: ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
-        "num_experts_per_tok", "moe_topk", "n_group", "index_n_heads"),
+    2: ("num_experts_per_tok", "moe_topk", "moe_k", "n_group", "index_n_heads"),
     4: ("num_attention_heads", "n_head", "num_heads", "decoder_attention_heads", "encoder_attention_heads",
         "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "linear_num_key_heads",
         "mamba_n_heads", "swa_num_attention_heads"),
     16: ("head_dim", "attention_head_dim", "kv_channels", "dim_head", "qk_head_dim", "v_head_dim", "swa_head_dim",
-         "linear_head_dim", "mamba_d_head", "index_head_dim", "qk_nope_head_dim", "hidden_size_per_layer_input",
-         "mamba_d_state", "state_size", "ssm_state_size", "mamba_chunk_size", "chunk_size", "global_head_dim"),
+         "linear_head_dim", "mamba_d_head", "index_head_dim", "qk_nope_head_dim", "qk_rope_head_dim",
+         "hidden_size_per_layer_input", "mamba_d_state", "state_size", "ssm_state_size", "mamba_chunk_size",
+         "chunk_size", "global_head_dim"),
     32: ("moe_intermediate_size", "shared_expert_intermediate_size", "shared_experts_intermediate_size",
          "expert_ffn_hidden_size", "kv_lora_rank", "o_lora_rank"),
     48: ("q_lora_rank",),
-    8: ("qk_rope_head_dim", "linear_key_head_dim", "linear_value_head_dim", "sliding_window", "sliding_window_size",
+    8: ("linear_key_head_dim", "linear_value_head_dim", "sliding_window", "sliding_window_size", "rotary_dim",
         "attention_chunk_size", "window_size", "local_attention_window_len", "linear_num_value_heads", "index_topk"),
     512: ("vocab_size", "vocab_size_per_layer_input"),
     1: ("first_k_dense_replace", "topk_group"),
 }
-"""Each size of the miniature and the config fields (as named by some family) that take it: 2 layers of hidden 64,
-4 heads of 16 (2 KV heads where the family groups them), 4 experts of which 2 per token, 512 tokens."""
+"""Each size of the miniature and the config fields (as named by some family) that take it: hidden 64, 4 heads of
+16 (2 KV heads where the family groups them), 4 experts of which 2 per token, 512 tokens. The number of layers is the
+family's own: its per-layer lists (layer kinds, sizes, per-layer configs) stay valid, and 128 layers of hidden 64
+are still small."""
 TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 
 def shrink(values: dict) -> dict:
-    """A config's dict with every size of SIZES set, dropout off (the trainer's loss is compared with the model's
-    eval forward), token ids outside the vocabulary moved into it, per-layer lists left for the class to derive, and
-    nested configs shrunk the same way."""
+    """A config's dict with every size of SIZES set (in nested configs and per-layer lists too), dropout and a router's
+    jitter noise off (the trainer's loss, is compared with the model's own in training mode), token ids
+    outside the vocabulary moved into it."""
     out = {}
     for key, value in values.items():
-        if isinstance(value, dict) and key.endswith("config"):
+        size = next((size for size, keys in SIZES.items() if key in keys), None)
+        if isinstance(value, dict):
             out[key] = shrink(value)
-        elif key in ("layer_types", "per_layer_config"):
-            continue  # derived again from num_hidden_layers by the class where it can
         elif isinstance(value, bool) or value is None:
             out[key] = value
-        elif isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+        elif isinstance(value, float) and any(word in key for word in ("dropout", "pdrop", "jitter")):
             out[key] = 0.0
         elif key in TOKEN_IDS and isinstance(value, int) and value >= 512:
             out[key] = TOKEN_IDS[key]
         elif key in ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num") and \
                 isinstance(value, int):
             out[key] = min(value, 2)
+        elif key == "n_group" and values.get("topk_group") is None:  # no grouped routing: the family's own value
+            out[key] = value
+        elif size is not None and isinstance(value, int):
+            out[key] = size
+        elif size is not None and isinstance(value, list) and all(isinstance(v, int) for v in value):
+            out[key] = [size] * len(value)
         else:
-            out[key] = next((size for size, keys in SIZES.items() if key in keys and isinstance(value, int)), value)
+            out[key] = value
+    if "kv_lora_rank" in values and "num_key_value_heads" in values:  # MLA: a key and a value per query head
+        out["num_key_value_heads"] = out.get("num_attention_heads", 4)
     return out
 
 
 def tiny_config(model_type: str):
-    """The family's config class built from its defaults, shrunk (a per-layer list the class does not derive again
-    is cut to the layers, keeping one layer of each kind where there are two)."""
+    """The family's config class built from its defaults, shrunk, in fp32."""
     from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
     config = config_class.from_dict(shrink(config_class().to_dict()))
-    text = config.get_text_config()
-    kinds = getattr(text, "layer_types", None)
-    if isinstance(kinds, list) and len(kinds) != text.num_hidden_layers:
-        distinct = list(dict.fromkeys(kinds))
-        text.layer_types = (distinct + kinds)[:text.num_hidden_layers]
     config.dtype = "float32"
     return config
 
@@ -141,7 +144,7 @@ def run_family(model_type: str, workdir: Path) -> dict:
 
 def verdict(checks: list[dict]) -> dict:
     """A family's verdict from its strategies' checks: the worst of them."""
-    for kind in ("wrong", "crashed", "refused"):
+    for kind in ("wrong", "crashed", "refused", "cannot build"):
         if bad := [c for c in checks if c["verdict"] == kind]:
             return {"verdict": kind, "why": "; ".join(f"{c['strategy']}: {c['why']}" for c in bad), "checks": checks}
     return {"verdict": "right", "why": "", "checks": checks}
@@ -150,7 +153,8 @@ def verdict(checks: list[dict]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "all_families")
-    p.add_argument("--only", nargs="*", default=None, help="these model types only (the table is not rewritten)")
+    p.add_argument("--only", nargs="*", default=None,
+                   help="these model types only: their rows replaced in the last results, the table rewritten")
     args = p.parse_args()
     from transformers import __version__
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -161,7 +165,8 @@ def main() -> None:
         rows.append(run_family(model_type, args.workdir))
         print(f"{model_type}: {rows[-1]['verdict']} {rows[-1]['why']}", flush=True)
     if args.only:
-        return
+        fresh = {r["family"]: r for r in rows}
+        rows = [fresh.pop(r["family"], r) for r in json.loads(RAW.read_text())] + list(fresh.values())
     RAW.write_text(json.dumps(rows, indent=1))
     update_section("all_families", report(rows, __version__))
 

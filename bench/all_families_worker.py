@@ -23,7 +23,7 @@ from pipeline.config_merge import from_flat
 from pipeline.data.batches import make_batch
 from pipeline.distributed.runtime import init_distributed
 from pipeline.errors import UserError, run_cli
-from pipeline.model.modeling import plain_name
+from pipeline.model.modeling import own_loss, plain_name
 from pipeline.objectives.causal_lm import CausalLMLoss
 from pipeline.strategies.registry import make_strategy, settle
 from pipeline.train.export import export_model
@@ -43,18 +43,18 @@ def differing(ours: dict, theirs: dict) -> list[str]:
                   if k not in ours or k not in theirs or not torch.equal(ours[k].float(), theirs[k].float()))
 
 
-def check(name: str, folder: Path, reference: torch.nn.Module, batch, items: float, scratch: Path, d) -> dict:
+def check(name: str, folder: Path, reference: torch.nn.Module, expected: dict, batch, items: float, scratch: Path,
+          d) -> dict:
     """One strategy's checks on every rank (collectives inside); the verdict is rank 0's."""
     cfg = settle(from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": str(folder),
                             "strategy": name, "precision": "fp32"}))
     strategy = make_strategy(cfg.model, d, torch.float32)
     strategy.build(AutoConfig.from_pretrained(folder))
     strategy.load_weights(folder)
-    expected = reference.state_dict()
     loaded = gathered(strategy.export_state())
     buffers = {plain_name(n): b.detach().cpu() for n, b in strategy.module.named_buffers()}
     after_load = differing({**loaded, **buffers},
-                           {k: v for k, v in {**expected, **dict(reference.named_buffers())}.items()
+                           {k: v for k, v in expected.items()
                             if k not in strategy.tied})
     with torch.no_grad():
         ours = CausalLMLoss(strategy.head())(batch, items).item()
@@ -67,7 +67,7 @@ def check(name: str, folder: Path, reference: torch.nn.Module, batch, items: flo
     with torch.no_grad():
         trained_loss = CausalLMLoss(strategy.head())(batch, items).item()
     export_model(strategy, folder, scratch / name, torch.float32, d)
-    exported = AutoModelForCausalLM.from_pretrained(scratch / name, dtype=torch.float32).eval()
+    exported = AutoModelForCausalLM.from_pretrained(scratch / name, dtype=torch.float32).train()
     with torch.no_grad():
         export_loss = exported(input_ids=batch.input_ids, labels=batch.labels).loss.item()
     in_export = {k: v for k, v in exported.state_dict().items() if k not in strategy.tied}
@@ -93,24 +93,44 @@ def where(exc: BaseException) -> str:
     return f"{Path(frame.filename).name}:{frame.lineno}"
 
 
-def main() -> None:
-    out, folder, scratch = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-    d = init_distributed()
+def verdicts(folder: Path, scratch: Path, d) -> list[dict]:
+    """Each strategy's verdict; one "cannot build" where transformers' own model cannot load or run what it saved, or
+    one "refused" where fsdp1.py's start refuses the family (modeling.own_loss, at preflight)."""
     config = AutoConfig.from_pretrained(folder)
     vocab = min(512, config.get_text_config().vocab_size)
     rows = np.random.default_rng(1).integers(0, vocab, size=(2, 32))
     batch = make_batch(rows, None, d.device)
     items = d.world_size * rows.shape[0] * (rows.shape[1] - 1)
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    try:
+        # training mode, as the trainer's forward (dropout and jitter are off in the tiny configs): RWKV rescales its
+        # weights in place in eval mode; its loaded state is kept before any forward
+        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
+        loaded = {**reference.state_dict(), **dict(reference.named_buffers())}
+        expected = {k: v.detach().clone() for k, v in loaded.items()}
+        with torch.no_grad():
+            reference(input_ids=batch.input_ids, labels=batch.labels)
+    except Exception as exc:  # noqa: BLE001 (transformers' own failure: the family cannot be checked)
+        return [{"strategy": "-", "verdict": "cannot build",
+                 "why": f"transformers' own model fails on what it saved: {type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0][:200]}"}]
+    if why := own_loss(config):
+        return [{"strategy": "-", "verdict": "refused", "why": why}]
     results = []
     for name in STRATEGIES:
         try:
-            results.append({"strategy": name, **check(name, folder, reference, batch, items, scratch, d)})
+            results.append({"strategy": name, **check(name, folder, reference, expected, batch, items, scratch, d)})
         except UserError as exc:
             results.append({"strategy": name, "verdict": "refused", "why": str(exc)})
         except Exception as exc:  # noqa: BLE001 (the bench reports it as this family's crash)
             results.append({"strategy": name, "verdict": "crashed",
                             "why": f"{type(exc).__name__} at {where(exc)}: {str(exc).splitlines()[0][:200]}"})
+    return results
+
+
+def main() -> None:
+    out, folder, scratch = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    d = init_distributed()
+    results = verdicts(folder, scratch, d)
     if d.is_main:
         out.write_text(json.dumps(results, indent=1))
     dist.barrier()

@@ -151,7 +151,7 @@ def test_sigterm_during_validation_stops_within_it_and_the_rerun_validates_again
 
     model = build_tiny(tmp_path / "model", layers=4, hidden=256)  # wide enough that the pass takes seconds
     cmd = ["-e", "v", "-d", str(train_env["dataset"]), "-m", str(model), "--save-dir", str(tmp_path), "--config",
-           str(ROOT / "configs" / "demo.yaml"), "--seq-length", "32", "--val-fraction", "0.4", "--max-steps", "2",
+           str(ROOT / "configs" / "demo.yaml"), "--seq-length", "32", "--val-fraction", "0.2", "--max-steps", "2",
            "--eval-freq", "0", "--log-freq", "1"]
     run = tmp_path / "v"
     with open(tmp_path / "stopped.log", "w") as out:
