@@ -93,25 +93,26 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 	@echo "  DPO run:             $(DEMO)/outputs/dpo (metrics.jsonl: rewards/* and logps/* per window and eval)"
 	@echo "  agents run:          $(DEMO)/outputs/agents (metrics.jsonl: eval/loss/agents and eval/loss/chats)"
 
-# Two pytest workers, one test file each at a time (module fixtures stay shared). A test's torchrun and fsdp1.py runs
-# start warm (tests/helpers/warm_launcher.py: imports were about two thirds of a short run's CPU): 506 tests took
-# 13:36 and 14:17 on the 2-core AVX2 EPYC on 2026-11-27, against 25:09 the same day before (every run a fresh
-# interpreter, as FSDP1_TESTS_COLD=1 still starts them)
+# Two pytest workers, one test file each at a time (module fixtures stay shared), the longest files first
+# (tests/conftest.py; xdist's own order, by number of tests, dealt the 3-minute GPU rehearsal last). A test's torchrun
+# and fsdp1.py runs start warm (tests/helpers/warm_launcher.py: imports were about two thirds of a short run's CPU):
+# 506 tests took 13:36 and 14:17 on the 2-core AVX2 EPYC on 2026-11-27, against 25:09 the same day before (every run
+# a fresh interpreter, as FSDP1_TESTS_COLD=1 still starts them); 515 tests 18:33 in xdist's order
 # (--durations 15: the slowest tests at the end of every run, CI's included, so growth is seen when it happens)
 test: $(STAMP) $(LM_EVAL_STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations 15
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations 15
 
 # Line coverage of pipeline/ over the whole suite, the workers of every run included (pyproject's [tool.coverage]);
 # the report's last line is the total
 coverage: $(STAMP) $(LM_EVAL_STAMP)
 	rm -rf .cache/coverage && mkdir -p .cache/coverage
-	$(PY) -m coverage run -m pytest -q -n 2 --dist loadfile
+	$(PY) -m coverage run -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 	$(PY) -m coverage combine -q
 	$(PY) -m coverage report --skip-covered --sort cover
 
 # The edit-run loop: the tests that start no process (tests/conftest.py marks the others slow)
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"
 
 # Every strategy a few steps with a checkpoint and a resume, through the experiments harness
 smoke: $(STAMP)

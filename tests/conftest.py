@@ -6,6 +6,7 @@ import hashlib
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -279,9 +280,15 @@ def _sources(func, module, depth: int = 2) -> list[str]:
     return found
 
 
+LONG_FIRST = ("test_gpu_check.py", "test_experiments.py", "test_multinode.py", "test_lm_eval.py", "test_node_loss.py",
+              "test_launch.py")
+"""The files holding a test of most of a minute or more (`--durations 15`), dealt to the workers first."""
+
+
 def pytest_collection_modifyitems(items) -> None:
     """Marks `slow` every test that starts a process (directly, through its module's helpers or a fixture), so `make
-    test-fast` (`-m "not slow"`) runs the in-process ones; the full suite runs both."""
+    test-fast` (`-m "not slow"`) runs the in-process ones; the full suite runs both. Then orders the files for the two
+    workers, longest first: LONG_FIRST, then by their tests that start processes (a file's order within kept)."""
     here = sys.modules[__name__]
     for item in items:
         module = item.module
@@ -293,3 +300,8 @@ def pytest_collection_modifyitems(items) -> None:
                 code += _sources(getattr(fixture, "__wrapped__", fixture), owner)
         if any(start in text for text in code for start in PROCESS_STARTS):
             item.add_marker(pytest.mark.slow)
+    # Longest first (the Makefile turns off xdist's own order, fewest tests last): a file whose one test runs minutes,
+    # dealt last, ran alone on one worker while the other idled (the 4 minutes of a 18:33 suite's tail)
+    starts = Counter(item.path.name for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: (LONG_FIRST.index(item.path.name) if item.path.name in LONG_FIRST else len(LONG_FIRST),
+                                 -starts[item.path.name], item.path.name))

@@ -75,7 +75,9 @@ def test_conversations_in_every_format_and_malformed_ones_counted(tmp_path):
           "\n".join(map(json.dumps, lines[5:])) + "\n")
     write(data, "share.json", json.dumps([share, pc, {"text": "just text"}]))
     write(data, "single.json", json.dumps(alpaca_no_input))
-    write(data, "lists.jsonl", json.dumps(pc_lists) + "\n")
+    prompts = [{"prompt": "What is 2+2?", "answer": "4"},  # TRL's prompt-only records, for online RL: no answer to
+               {"prompt": [{"role": "user", "content": "Hi?"}], "tests": ["t1"]}]  # train on, never text
+    write(data, "lists.jsonl", "\n".join(map(json.dumps, [pc_lists, *prompts])) + "\n")
     write(data, "allbad.jsonl", json.dumps({"messages": chat("no answer")}) + "\n")
     report = build(data, tmp_path / "out")
     assert rows_by_source(tmp_path / "out") == {
@@ -93,6 +95,7 @@ def test_conversations_in_every_format_and_malformed_ones_counted(tmp_path):
         "malformed_message": ["chats.jsonl:line 10", "chats.jsonl:line 11", "chats.jsonl:line 12"],
         "no_assistant_turn": ["allbad.jsonl:line 1", "chats.jsonl:line 7"],
         "not_alternating": ["chats.jsonl:line 8", "chats.jsonl:line 9"],
+        "prompt_only": ["lists.jsonl:line 2", "lists.jsonl:line 3"],
         "unknown_role": ["chats.jsonl:line 3"],
     }
     assert report["bad_jsonl_lines"] == {"count": 1, "where": ["chats.jsonl:6"]}

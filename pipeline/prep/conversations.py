@@ -30,10 +30,12 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 OWN_ROW = {"text", "messages", "source", "chosen", "rejected", "tools"}
 """The columns of a DATA-HF dataset: a record with these (a dataset's to_json or to_parquet) is one of its rows (a
 preference pair when chosen is not empty: pipeline/prep/preferences.py)."""
-REASONS = ("malformed_message", "unknown_role", "malformed_tool_call", "bad_tool_arguments", "bad_tool_schema",
-           "tool_calls", "reasoning_trace", "empty", "no_assistant_turn", "orphan_tool_result", "not_alternating")
-"""Why a conversation is skipped, in the order they are checked (tool_calls and reasoning_trace: a preference pair
-holding them, which preference objectives do not train yet)."""
+REASONS = ("prompt_only", "malformed_message", "unknown_role", "malformed_tool_call", "bad_tool_arguments",
+           "bad_tool_schema", "tool_calls", "reasoning_trace", "empty", "no_assistant_turn", "orphan_tool_result",
+           "not_alternating")
+"""Why a conversation is skipped, in the order they are checked (prompt_only: TRL's prompt-only record, a prompt with
+no completion, for online RL; tool_calls and reasoning_trace: a preference pair holding them, which preference
+objectives do not train yet)."""
 TOOL_KEYS = ("tool_calls", "function_call")
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 """Where an assistant message's tool calls and reasoning trace are found (the first present is read)."""
@@ -217,11 +219,15 @@ def detect(record: object) -> str | None:
         return "alpaca"
     if "prompt" in record and "completion" in record:
         return "prompt_completion"
+    if "prompt" in record:  # a prompt to generate from ({"prompt": ..., "answer": ...}): joined into text, the
+        return "prompt_only"  # answer column and a conversational prompt's role names were trained as its words
     return None
 
 
 def to_chat(record: dict, fmt: str) -> Chat:
     """The record (of format fmt, from detect) as a checked Chat; BadConversation when it cannot be trained on."""
+    if fmt == "prompt_only":
+        raise BadConversation("prompt_only")
     if fmt == "messages":
         messages = _messages(record["messages"], "role", "content", OPENAI_ROLES)
     elif fmt == "sharegpt":
