@@ -303,9 +303,9 @@ def test_a_causal_lm_with_a_loss_of_its_own_is_refused_before_training(train_env
     bart = AutoConfig.for_model("bart", vocab_size=64, d_model=32, decoder_layers=1, encoder_layers=1,
                                 decoder_attention_heads=2, encoder_attention_heads=2, decoder_ffn_dim=64,
                                 encoder_ffn_dim=64)
-    why = ("BartForCausalLM computes a loss of its own in forward, not transformers' causal-LM loss (loss_function: "
-           "labels shifted by one, summed over num_items_in_batch), so the trainer would train it wrong; fine-tune a "
-           "decoder-only causal LM instead")
+    why = ("BartForCausalLM's forward does not compute transformers' causal-LM loss (loss_function: labels shifted "
+           "by one, summed over num_items_in_batch), so the trainer would train it wrong; fine-tune a decoder-only "
+           "causal LM instead")
     assert own_loss(bart) == why and own_loss(family_config("llama", 64, 0, 1)) == ""
     assert family_lines(bart) == [f"warning: fsdp1.py refuses it: {why}"]
     AutoModelForCausalLM.from_config(bart).save_pretrained(tmp_path / "bart")

@@ -167,9 +167,9 @@ def ensure_token_cache(ds, tokenizer, spec: BlockSpec, num_proc: int, path: Path
         log.info("building token cache %s", path)
         try:
             build_blocks(ds, tokenizer, spec, num_proc, path, stopping)
-        except BuildStopped as exc:  # the processes waiting on this build stop too, where no signal reached them
-            _report_failure(path, f"the token cache build on {socket.gethostname()} was stopped by a signal {exc}; "
-                                  "rerun the same command to resume it")
+        except BuildStopped:
+            # no error file: this run's waiting ranks get their own signal, and another run waiting for the cache
+            # takes the lock and resumes the build from its chunks
             raise
         except FileNotFoundError as exc:
             if not Path(exc.filename or "").absolute().is_relative_to(path.parent.absolute()):
@@ -198,11 +198,11 @@ def _wait_for(path: Path, since: float, poll_s: float, stopping: Callable[[], bo
     """Poll for the cache or for an error the builder wrote after we started waiting (an older one is stale)."""
     err = error_file(path)
     while not (path / "meta.json").exists():
+        if stopping():
+            raise BuildStopped(f"while waiting for the token cache {path}")
         with contextlib.suppress(FileNotFoundError):
             if err.stat().st_mtime >= since - 1:
                 raise UserError(err.read_text().strip())
-        if stopping():
-            raise BuildStopped(f"while waiting for the token cache {path}")
         time.sleep(poll_s)
 
 

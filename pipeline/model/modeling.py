@@ -32,8 +32,8 @@ def untested_family(config) -> str:
 
 
 def own_loss(config) -> str:
-    """Why the trainer cannot train this config's causal LM ("" when it can): its forward computes a loss of its own
-    instead of transformers' causal-LM loss (`self.loss_function`: labels shifted by one, summed over
+    """Why the trainer cannot train this config's causal LM ("" when it can): its forward does not compute
+    transformers' causal-LM loss (`self.loss_function`: labels shifted by one, summed over
     num_items_in_batch), which the trainer's loss, its gradients and their sum over the ranks rest on
     (pipeline/objectives/causal_lm.py). BartForCausalLM and the other encoder-decoder families' decoders take the mean
     over unshifted labels: they trained to copy their input, with a loss times the world size, exit 0. Read from the
@@ -43,13 +43,13 @@ def own_loss(config) -> str:
     try:
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
         source = inspect.getsource(model_class.forward)
-    except (KeyError, OSError, TypeError):  # no causal LM (from_config says so), or no source to read: not refused
+    except (KeyError, ImportError, OSError, TypeError):  # no causal LM (from_config says so), or no source: not refused
         return ""
     if "loss_function(" in source:
         return ""
-    return (f"{model_class.__name__} computes a loss of its own in forward, not transformers' causal-LM loss "
-            "(loss_function: labels shifted by one, summed over num_items_in_batch), so the trainer would train it "
-            "wrong; fine-tune a decoder-only causal LM instead")
+    return (f"{model_class.__name__}'s forward does not compute transformers' causal-LM loss (loss_function: labels "
+            "shifted by one, summed over num_items_in_batch), so the trainer would train it wrong; fine-tune a "
+            "decoder-only causal LM instead")
 
 
 ATTENTION_SUPPORT = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",

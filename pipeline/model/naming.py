@@ -154,21 +154,7 @@ class WeightNames:
 def to_file_layout(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A state dict under the model's names, in the layout save_pretrained writes (per-expert tensors, original
     block names): transformers' own reversal of its load rules, so every consumer that reads save_pretrained's
-    files (older transformers, vLLM) reads ours. model: as transformers built it (as_built)."""
+    files (older transformers, vLLM) reads ours. model: as transformers' classes build it (Strategy.as_built)."""
     from transformers.core_model_loading import revert_weight_conversion
 
     return revert_weight_conversion(model, state_dict)
-
-
-def as_built(model: nn.Module) -> nn.Module:
-    """A meta-device copy of the model as transformers' classes build it from its config, for its conversion rules.
-    Why: fully_shard gives every module it wraps a class of its own (FSDPDeepseekV4ForCausalLM), and transformers
-    looks the rules up by class name first; under that name it missed the causal LM's own rules and applied its base
-    model's at the root: fsdp2 exported DeepSeek-V4's embed_tokens as `embed`, which from_pretrained then left
-    random (exit 0)."""
-    import copy
-
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(copy.deepcopy(model.config))

@@ -176,7 +176,8 @@ class Strategy(ABC):
         return self.num_matmul_params - self.num_trainable if self.freezes_base else 0
 
     def record(self, model: nn.Module) -> None:
-        """The unwrapped model's tied names, parameter counts and shapes, before any wrapper changes them."""
+        """The unwrapped model's tied names, parameter counts and shapes, before any wrapper changes them, and a meta
+        copy of it as transformers builds it."""
         self.module = model
         self.tied = tied_keys(model)
         self.names = WeightNames(model, self.base_name)
@@ -184,6 +185,10 @@ class Strategy(ABC):
         self.num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.shapes = {name: p.shape for name, p in model.named_parameters()}
         self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        # the model as transformers' classes build it, for their naming rules at export (to_file_layout): fully_shard
+        # gives a module a class of its own (FSDPDeepseekV4ForCausalLM) and transformers looks the rules up by class
+        # name; under it fsdp2 exported DeepSeek-V4's embed_tokens as `embed`, which from_pretrained left random
+        self.as_built = meta_model(model.config)
 
     @property
     def freezes_base(self) -> bool:

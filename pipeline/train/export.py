@@ -27,7 +27,7 @@ from pipeline.distributed.runtime import DTYPES, Dist, init_distributed
 from pipeline.errors import ArgumentParser, UserError, naming
 from pipeline.fsutil import replace_dir
 from pipeline.model.adapters import ADAPTER_FILES, LowRankAdapter
-from pipeline.model.naming import as_built, to_file_layout
+from pipeline.model.naming import to_file_layout
 from pipeline.model.weight_check import FOLDER_RECORD
 from pipeline.model.weight_files import INDEX, read_header
 from pipeline.ownership import OWNER_FILE, check_not_nested, check_only, describe, kind_of, mark
@@ -139,7 +139,7 @@ def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dt
         shutil.rmtree(scratch)
         model = strategy.module
         restore_scalars(work, scalars)
-        in_file_layout(work, model)
+        in_file_layout(work, strategy.as_built)
         write_index(work)
         config = model.config.__class__.from_dict(model.config.to_dict())
         config.dtype = dtype
@@ -237,7 +237,6 @@ def in_file_layout(folder: Path, model) -> None:
     transformers and vLLM read. Decided from the headers; a file that needs it is read whole (at most FILE_BYTES)."""
     from safetensors.torch import load_file, save_file
 
-    model = as_built(model)
     for path in sorted(folder.glob("*.safetensors")):
         shapes = {name: torch.empty(e.shape, device="meta") for name, e in read_header(path).items()}
         if set(to_file_layout(model, shapes)) == set(shapes):

@@ -13,6 +13,7 @@ import random
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from pipeline.strategies.registry import ignored_knobs, make_strategy, out_of_me
 from pipeline.train.blocks import check_one_batch, make_sampler, prepare_blocks
 from pipeline.train.checkpoint import Checkpointer, state_problem, step_name
 from pipeline.train.export import described, export_run, run_exports
-from pipeline.train.optim import build_optimizer, build_scheduler
+from pipeline.train.optim import build_optimizer, build_scheduler, rescale_lr
 from pipeline.train.preflight import Plan
 from pipeline.train.profiling import StepProfiler, memory_breakdown
 from pipeline.train.reference import with_reference
@@ -116,6 +117,8 @@ class Trainer:
         self.base_val: HeldOut | None = None
         """The base model's validation figures (step 0), kept in checkpoints for the run's closing line."""
         self.bad_steps, self.skipped_since_save = 0, 0
+        self.pending_eval = False
+        """A validation after a step is under way: a stop inside it saves the step with it, and the rerun runs it."""
         self.applied = 0
         """Steps this process applied (every rank counts alike: the decision is agreed)."""
         self.timer = PhaseTimer(d.device)
@@ -166,35 +169,26 @@ class Trainer:
         return {"step": self.step, "samples_seen": self.samples_seen, "best_val": self.best_val,
                 "base_val": None if self.base_val is None else dataclasses.asdict(self.base_val),
                 "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "pending_eval": self.pending_eval,
                 **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.samples_seen = int(state["step"]), int(state["samples_seen"])
         self.best_val = float(state["best_val"])
         self.base_val = HeldOut(**state["base_val"]) if state.get("base_val") else None  # absent before --eval-base
+        self.pending_eval = bool(state.get("pending_eval"))
         self.sampler.load_state_dict(state["sampler"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):  # (a run resumed into fp16 starts at --loss-scale)
             self.scaler.load_state_dict(state["scaler"])
-        self.rescale_lr(float(state["scheduler"]["base_lrs"][0]))
+        saved = float(state["scheduler"]["base_lrs"][0])
+        if rescale_lr(self.scheduler, self.optimizer, saved, self.cfg.optim.lr) and self.dist.is_main:
+            log.warning("--lr changed from %g to %g: the schedule continues at step %d with the new peak", saved,
+                        self.cfg.optim.lr, self.step)
         old, new = state["sampler"]["global_batch"], self.sampler.global_batch
         if old != new and self.dist.is_main:
             log.warning("global batch changed from %d to %d blocks: continuing from the next unseen block "
                         "(%d consumed in epoch %d)", old, new, self.sampler.consumed, self.sampler.epoch)
-
-    def rescale_lr(self, saved: float) -> None:
-        """--lr changed since the checkpoint (say, lowered after a divergence): the schedule goes on from this step
-        with the new peak. Every schedule here is the peak times a factor of the step, so scaling is exact."""
-        factor = self.cfg.optim.lr / saved
-        if math.isclose(factor, 1.0, rel_tol=1e-9):
-            return
-        self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
-        for group in self.optimizer.param_groups:
-            group["lr"] *= factor
-            group["initial_lr"] *= factor
-        if self.dist.is_main:
-            log.warning("--lr changed from %g to %g: the schedule continues at step %d with the new peak", saved,
-                        self.cfg.optim.lr, self.step)
 
     def resume(self) -> dict | None:
         """Fill the model: from the newest complete checkpoint (or --resume-from), verified file by file, without
@@ -255,6 +249,8 @@ class Trainer:
         self.model.train()
         if self.step == 0 and self.cfg.train.eval_base:
             self.base_val = self.evaluate(telemetry)
+        elif self.pending_eval:  # resumed from a stop during this step's validation
+            self.validate_after_step(telemetry)
         window = Window()  # after the base's validation: the first window's throughput is of training alone
         while self.step < self.total_steps:
             stop, time_to_save = self.boundary()
@@ -286,7 +282,7 @@ class Trainer:
                 window = Window()
             if self.cfg.train.eval_freq and self.step % self.cfg.train.eval_freq == 0 and self.step < self.total_steps:
                 started = time.perf_counter()
-                self.evaluate(telemetry)
+                self.validate_after_step(telemetry)
                 window.started += time.perf_counter() - started  # the window's throughput is of training alone
             if (self.cfg.train.ckpt_freq and self.step % self.cfg.train.ckpt_freq == 0) or time_to_save:
                 self.save()
@@ -302,6 +298,11 @@ class Trainer:
             self.stop(telemetry, "before the export ")
         export_run(self.strategy, self.cfg, self.plan.model_dir, self.dist, self.plan.spec.chat_template,
                    self.plan.fingerprint)
+
+    def validate_after_step(self, telemetry: Telemetry) -> None:
+        self.pending_eval = True
+        self.evaluate(telemetry)
+        self.pending_eval = False
 
     def log_profile(self, telemetry: Telemetry, summary: dict) -> None:
         """The profiled steps' split by kind of work and memory, as an event and a log line (the kernels: the file)."""
@@ -335,7 +336,7 @@ class Trainer:
         self.ckpt.finish_if_done(all_done=flags[1].item() == 0)
         return bool(flags[0].item()), bool(flags[2].item())
 
-    def stop(self, telemetry: Telemetry, during: str = "") -> None:
+    def stop(self, telemetry: Telemetry, during: str = "") -> NoReturn:
         """The stop a signal asked for, agreed by every rank: the step's checkpoint written (synchronously), one line,
         Interrupted. A collective."""
         saved = self.save(sync=True)
