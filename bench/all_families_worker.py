@@ -29,6 +29,8 @@ from pipeline.strategies.registry import make_strategy, settle
 from pipeline.train.export import export_model
 
 STRATEGIES = ("fsdp2", "ddp")
+LEAK_TOLERANCE = 1e-4
+"""later_token_leak above this: not a causal LM as configured."""
 LOSS_TOLERANCE = 1e-4
 """fp32, the same rows: summation order only (bench/family_losses.py: 4.8e-7 at most over the named families)."""
 
@@ -93,6 +95,18 @@ def where(exc: BaseException) -> str:
     return f"{Path(frame.filename).name}:{frame.lineno}"
 
 
+def later_token_leak(model: torch.nn.Module, batch) -> float:
+    """How much the logits before the last position move when only the last token changes, relative to their
+    largest magnitude: 0 for a causal LM up to float noise (a mixture of experts' grouped routing: 1e-6), large for
+    a model that attends both ways (an encoder as a causal LM without is_decoder) or otherwise leaks the future."""
+    changed = batch.input_ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % min(512, model.config.get_text_config().vocab_size)
+    with torch.no_grad():
+        before = model(input_ids=batch.input_ids).logits[:, :-1]
+        after = model(input_ids=changed).logits[:, :-1]
+    return ((before - after).abs().max() / before.abs().max().clamp_min(1e-12)).item()
+
+
 def verdicts(folder: Path, scratch: Path, d) -> list[dict]:
     """Each strategy's verdict; one "cannot build" where transformers' own model cannot load or run what it saved, or
     one "refused" where fsdp1.py's start refuses the family (modeling.own_loss, at preflight)."""
@@ -116,6 +130,9 @@ def verdicts(folder: Path, scratch: Path, d) -> list[dict]:
     if why := own_loss(config):
         return [{"strategy": "-", "verdict": "refused", "why": why}]
     results = []
+    if (leak := later_token_leak(reference, batch)) > LEAK_TOLERANCE:
+        results.append({"strategy": "-", "verdict": "wrong", "why": f"attends to later tokens: the logits before the "
+                        f"last position move by {leak:.1e} of their size when only the last token changes"})
     for name in STRATEGIES:
         try:
             results.append({"strategy": name, **check(name, folder, reference, expected, batch, items, scratch, d)})
