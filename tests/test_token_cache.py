@@ -1,10 +1,12 @@
 """The token cache: streamed in chunks to the same bytes as the whole corpus cut in memory, resumable after a kill,
 and waited for without a collective (so a build longer than the collective timeout does not kill the run)."""
 
+import contextlib
 import io
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -234,6 +236,25 @@ def test_a_stop_signal_ends_the_build_before_its_next_chunk_and_the_rerun_resume
     assert len(list(partial.glob("*/meta.json"))) == 1
 
 
+def lock_args(train_env: dict, tmp_path: Path) -> list[str]:
+    """A short fsdp1.py run on the demo corpus, for the tests that hold its cache's build lock."""
+    return ["-e", "r", "-d", str(train_env["dataset"]), "-m", "local/tiny", "--save-dir", str(tmp_path),
+            "--seq-length", "64", "--max-steps", "2", "--ckpt-freq", "0", "--eval-freq", "0"]
+
+
+@contextlib.contextmanager
+def lock_held(args: list[str], env: dict) -> Iterator[subprocess.Popen]:
+    """The token cache build lock of fsdp1.py's args held by another process (as a --prepare-only job on the node
+    would) until a line reaches its stdin or the block ends."""
+    holder = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "hold_cache_lock.py"), *args],
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert holder.stdout.readline().startswith("locked ")
+        yield holder
+    finally:
+        kill_tree(holder)
+
+
 def test_a_stop_signal_ends_the_wait_for_another_processs_build(tmp_path, train_env):
     """Both ranks wait for a build another process holds the lock of (rank 0 for the lock, rank 1 for the cache):
     SIGTERM ends the wait on each at its next poll, with the stop line and no traceback, while the lock is still
@@ -243,22 +264,14 @@ def test_a_stop_signal_ends_the_wait_for_another_processs_build(tmp_path, train_
 
     from conftest import start_torchrun
 
-    args = ["-e", "r", "-d", train_env["dataset"], "-m", "local/tiny", "--save-dir", tmp_path, "--seq-length", "64",
-            "--max-steps", "2", "--ckpt-freq", "0", "--eval-freq", "0"]
-    env = with_root(train_env["env"])
-    holder = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "hold_cache_lock.py"), *map(str, args)],
-                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        assert holder.stdout.readline().startswith("locked ")
-        with open(tmp_path / "out.log", "w") as out:
-            run = start_torchrun(2, ROOT / "fsdp1.py", *args, env=env, stdout=out, stderr=subprocess.STDOUT)
-            log = tmp_path / "r" / "train.log"
-            wait_for(lambda: log.exists() and "another process is building the token cache" in log.read_text(), run)
-            os.kill(run.pid, signal.SIGTERM)  # the launcher forwards it to the workers
-            run.wait(timeout=60)
+    args, env = lock_args(train_env, tmp_path), with_root(train_env["env"])
+    log = tmp_path / "r" / "train.log"
+    with lock_held(args, env) as holder, open(tmp_path / "out.log", "w") as out:
+        run = start_torchrun(2, ROOT / "fsdp1.py", *args, env=env, stdout=out, stderr=subprocess.STDOUT)
+        wait_for(lambda: log.exists() and "another process is building the token cache" in log.read_text(), run)
+        os.kill(run.pid, signal.SIGTERM)  # the launcher forwards it to the workers
+        run.wait(timeout=60)
         assert holder.poll() is None  # the build it waited for never finished
-    finally:
-        kill_tree(holder)
     logged = log.read_text()  # each rank's own line: neither was killed by the launcher's grace period
     assert "[rank=0] WARNING stopped by signal while waiting for another process's build of the token cache " in \
         logged, logged[-3000:]
@@ -269,15 +282,10 @@ def test_a_stop_signal_ends_the_wait_for_another_processs_build(tmp_path, train_
 def test_ranks_wait_out_a_build_longer_than_the_collective_timeout(tmp_path, train_env):
     """The cache's lock is held (as a --prepare-only job on the node would) for three collective timeouts: rank 0
     waits on the lock and rank 1 polls for the cache, neither inside a collective, and the run then trains."""
-    args = ["-e", "r", "-d", train_env["dataset"], "-m", "local/tiny", "--save-dir", tmp_path, "--seq-length", "64",
-            "--max-steps", "2", "--ckpt-freq", "0", "--eval-freq", "0"]
-    env = with_root(train_env["env"])
-    holder = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "hold_cache_lock.py"), *map(str, args)],
-                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        assert holder.stdout.readline().startswith("locked ")
+    args, env = lock_args(train_env, tmp_path), with_root(train_env["env"])
+    with lock_held(args, env) as holder:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(ROOT / "fsdp1.py"), *map(str, args), "--collective-timeout-s", "4"]
+               str(ROOT / "fsdp1.py"), *args, "--collective-timeout-s", "4"]
         run = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
         log = tmp_path / "r" / "train.log"
@@ -287,8 +295,6 @@ def test_ranks_wait_out_a_build_longer_than_the_collective_timeout(tmp_path, tra
         holder.stdin.write("release\n")
         holder.stdin.flush()
         output, _ = run.communicate(timeout=300)
-    finally:
-        kill_tree(holder)
     assert run.returncode == 0, output[-3000:]
     assert "building token cache" in output and "token cache built" in output
 
