@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -112,12 +113,22 @@ def script():
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory) -> dict[str, Path]:
+def tiny_models(tmp_path_factory) -> Iterator[dict[str, Path]]:
     """The bundled tiny Llama, tied and untied, built once per test session (random weights, trained tokenizer)."""
     from pipeline.prep.tiny import build_tiny
 
     root = tmp_path_factory.mktemp("tiny")
-    return {kind: build_tiny(root / kind, tied=kind == "tied") for kind in ("tied", "untied")}
+    models = {kind: build_tiny(root / kind, tied=kind == "tied") for kind in ("tied", "untied")}
+    built = {kind: folder_bytes(folder) for kind, folder in models.items()}
+    yield models
+    # shared by every test of a worker: a test that writes into one (a weight check's record, say) changes what the
+    # tests after it read, so the outcome would depend on the order tests are dealt in
+    for kind, folder in models.items():
+        assert folder_bytes(folder) == built[kind], f"a test wrote into the shared tiny model {folder}"
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def hub_env(hf_home: Path, offline: bool = True) -> dict[str, str]:

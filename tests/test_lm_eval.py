@@ -3,6 +3,7 @@ lm_eval.simple_evaluate does when called directly, and every way a task cannot r
 training."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,11 +62,18 @@ def simple_evaluate(env: dict, *models: tuple[Path, Path | None]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def adapter_folder(tiny_models, tmp_path_factory) -> Path:
+def base_folder(tiny_models, tmp_path_factory) -> Path:
+    """A copy of the tied tiny model: evaluating an adapter checks its base's weights and records that check in the
+    base's folder, which must not be the session's shared tiny model (tests compare its files byte for byte)."""
+    return Path(shutil.copytree(tiny_models["tied"], tmp_path_factory.mktemp("lm_eval_base") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def adapter_folder(base_folder, tmp_path_factory) -> Path:
     """A PEFT LoRA folder on the tiny model whose B matrices are not zero (so the adapter changes every answer's
     likelihood)."""
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_models["tied"]),
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_folder),
                            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -76,7 +84,7 @@ def adapter_folder(tiny_models, tmp_path_factory) -> Path:
     return folder
 
 
-def test_evaluate_scores_tasks_as_simple_evaluate_does_on_a_model_and_an_adapter(train_env, tiny_models,
+def test_evaluate_scores_tasks_as_simple_evaluate_does_on_a_model_and_an_adapter(train_env, base_folder,
                                                                                   adapter_folder, tmp_path):
     env = offline(train_env["env"])
     out = tmp_path / "eval.json"
@@ -85,7 +93,7 @@ def test_evaluate_scores_tasks_as_simple_evaluate_does_on_a_model_and_an_adapter
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["loss"] > 0 and report["tokens"] > 0  # the held-out loss and the tasks, in one report
-    direct, direct_adapter = simple_evaluate(env, (tiny_models["tied"], None), (tiny_models["tied"], adapter_folder))
+    direct, direct_adapter = simple_evaluate(env, (base_folder, None), (base_folder, adapter_folder))
     assert report["lm_eval"]["results"] == direct and 0 <= direct["corpus_cloze"]["acc,none"] <= 1
     assert report["lm_eval"]["n-shot"] == {"corpus_cloze": 0} and "|corpus_cloze|" in proc.stdout
 
