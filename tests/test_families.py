@@ -316,6 +316,45 @@ def test_a_causal_lm_with_a_loss_of_its_own_is_refused_before_training(train_env
     assert not (tmp_path / "runs").exists()
 
 
+def test_an_encoder_as_a_causal_lm_is_refused_unless_its_config_says_is_decoder():
+    """ELECTRA and RemBERT trained with exit 0 while attending to the tokens they predict (bench/all_families.py):
+    every causal-LM class of transformers' registry whose __init__ checks is_decoder is refused from its defaults,
+    and the advice holds: with is_decoder set, a tiny ELECTRA's earlier logits ignore a changed later token."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from pipeline.model.modeling import attends_ahead, cannot_train
+    from pipeline.prep.hub import family_lines
+
+    def refused_by_default(model_type: str) -> bool:
+        try:
+            config = CONFIG_MAPPING[model_type]()
+        except Exception:  # noqa: BLE001 (a family whose defaults transformers itself rejects: nothing to train)
+            return False
+        return bool(attends_ahead(config))
+
+    refused = sorted(filter(refused_by_default, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+    assert refused == ["bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie",
+                       "megatron-bert", "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer",
+                       "xlm-roberta", "xlm-roberta-xl", "xmod"]
+    electra = AutoConfig.for_model("electra", vocab_size=64, embedding_size=32, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=1, num_attention_heads=2)
+    why = ("ElectraForCausalLM attends to later tokens unless its config sets is_decoder (false here), so next-token "
+           'training would teach it to read the answer; set "is_decoder": true in its config.json')
+    assert cannot_train(electra) == why and family_lines(electra) == [f"warning: fsdp1.py refuses it: {why}"]
+    ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    later = ids.clone()
+    later[0, 6:] = (later[0, 6:] + 1) % 64
+    moved = {}
+    for is_decoder in (False, True):
+        electra.is_decoder = is_decoder
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(electra).eval()
+        with torch.no_grad():
+            moved[is_decoder] = (model(later).logits - model(ids).logits)[0, :6].abs().max().item()
+    assert attends_ahead(electra) == "" and moved[True] == 0.0 < 1e-5 < moved[False]
+
+
 def test_an_untested_family_trains_without_the_vocabulary_parallel_head_under_auto(group_of_one):
     """Its loss is then the model's own forward: nothing the suite has not checked stands between them."""
     olmo = AutoConfig.for_model("olmo", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

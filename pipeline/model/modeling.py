@@ -31,6 +31,37 @@ def untested_family(config) -> str:
     return f"model_type {model_type!r} is not one of the families the suite trains ({', '.join(TESTED_MODEL_TYPES)})"
 
 
+def cannot_train(config) -> str:
+    """Why the trainer refuses this config's causal LM ("" when it does not): every rule below, first match."""
+    return own_loss(config) or attends_ahead(config)
+
+
+def causal_lm_class(config) -> type | None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (KeyError, ImportError):  # no causal LM: from_config says so in its own words
+        return None
+
+
+def attends_ahead(config) -> str:
+    """Why this config's causal LM attends to later tokens ("" when it does not): the encoder families' causal-LM
+    classes (BERT, RoBERTa, ELECTRA, RemBERT and the others that warn "as a standalone, add is_decoder=True") build
+    a two-way mask unless config.is_decoder, and only log that warning. Trained on the next token, such a model
+    reads it: ELECTRA and RemBERT trained with exit 0 (bench/all_families.py measures the leak over transformers'
+    whole registry). Read from the class's own __init__, where transformers checks the flag."""
+    model_class = causal_lm_class(config)
+    try:
+        source = inspect.getsource(model_class.__init__) if model_class else ""
+    except (OSError, TypeError):  # no source: not refused
+        return ""
+    if "not config.is_decoder" not in source or getattr(config, "is_decoder", False):
+        return ""
+    return (f"{model_class.__name__} attends to later tokens unless its config sets is_decoder (false here), so "
+            "next-token training would teach it to read the answer; set \"is_decoder\": true in its config.json")
+
+
 def own_loss(config) -> str:
     """Why the trainer cannot train this config's causal LM ("" when it can): its forward does not compute
     transformers' causal-LM loss (`self.loss_function`: labels shifted by one, summed over
@@ -38,14 +69,12 @@ def own_loss(config) -> str:
     (pipeline/objectives/causal_lm.py). BartForCausalLM and the other encoder-decoder families' decoders take the mean
     over unshifted labels: they trained to copy their input, with a loss times the world size, exit 0. Read from the
     forward's source, the property itself: bench/all_families.py checks it over transformers' whole registry."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
+    model_class = causal_lm_class(config)
     try:
-        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-        source = inspect.getsource(model_class.forward)
-    except (KeyError, ImportError, OSError, TypeError):  # no causal LM (from_config says so), or no source: not refused
+        source = inspect.getsource(model_class.forward) if model_class else ""
+    except (OSError, TypeError):  # no source: not refused
         return ""
-    if "loss_function(" in source:
+    if not source or "loss_function(" in source:
         return ""
     return (f"{model_class.__name__}'s forward does not compute transformers' causal-LM loss (loss_function: labels "
             "shifted by one, summed over num_items_in_batch), so the trainer would train it wrong; fine-tune a "

@@ -319,7 +319,7 @@ def _read_json(path: Path) -> dict:
 
 def family_lines(config) -> list[str]:
     """What the report says of the model's family: a mixture of experts' routing, an untested family."""
-    from pipeline.model.modeling import own_loss, untested_family
+    from pipeline.model.modeling import cannot_train, untested_family
 
     lines = []
     text = config.get_text_config()
@@ -332,7 +332,7 @@ def family_lines(config) -> list[str]:
     if getattr(text, "is_heterogeneous", False):
         lines.append(f"layers differ in {', '.join(sorted(text.per_layer_attributes or ()))}: every figure is "
                      "counted layer by layer")
-    if why := own_loss(config):
+    if why := cannot_train(config):
         lines.append(f"warning: fsdp1.py refuses it: {why}")
     elif why := untested_family(config):
         lines.append(f"warning: {why}; fsdp1.py attempts it")

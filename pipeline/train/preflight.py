@@ -31,7 +31,7 @@ from pipeline.distributed.launch import Launch
 from pipeline.errors import UserError
 from pipeline.eval.samples import Prompt, read_prompts
 from pipeline.model.adapters import chosen_targets
-from pipeline.model.modeling import meta_model, own_loss
+from pipeline.model.modeling import cannot_train, meta_model
 from pipeline.model.weight_check import WeightCheck, read_line, unchanged_weights, weights_digest
 from pipeline.model.weight_files import read_index
 from pipeline.objectives.build import REFERENCE_OBJECTIVES
@@ -225,7 +225,7 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
     if limit is not None and cfg.data.seq_length > limit:
         raise UserError(f"--seq-length {cfg.data.seq_length} is above the model's limit "
                         f"(max_position_embeddings {limit})")
-    if why := own_loss(hf_config):
+    if why := cannot_train(hf_config):
         raise UserError(f"--model-name {cfg.model.model_name}: {why}")
     if cfg.model.attn_implementation != "auto":  # a kernel the family refuses: one line, before any weight is read
         meta_model(hf_config, attn_implementation=cfg.model.attn_implementation)
