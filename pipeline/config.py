@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from pipeline.data.sources import parse_sources
 from pipeline.errors import UserError
+from pipeline.train.trackers import check_report_to
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 Sharding = Literal["auto", "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
@@ -108,7 +109,14 @@ class RunConfig(Section):
     """Seconds a rank's heartbeat may stall before it counts as lost (a dead node, a killed process): every other rank
     then exits within about this plus 10 s, naming it. 0 turns the heartbeat off (the collective timeout remains)."""
 
+    report_to: str = "tensorboard"
+    """Where the metrics go besides metrics.jsonl, comma-separated: tensorboard, mlflow, wandb, trackio, or none.
+    Offline unless the tracker's own variables say otherwise: MLflow to RUN/mlruns unless MLFLOW_TRACKING_URI, W&B
+    with WANDB_MODE=offline unless set (RUN/wandb; `wandb sync` uploads it later), Trackio to its local store. A
+    resumed run continues its tracker run (RUN/trackers.json holds the ids)."""
+
     def check(self) -> None:
+        check_report_to(self.report_to)
         _check(bool(self.experiment_name), "--experiment-name (-e) is required")
         _check(not self.resume_from or (self.resume_from.startswith("step-") and self.resume_from[5:].isdigit()),
                f"--resume-from must name a checkpoint like step-00000040, got {self.resume_from!r}")

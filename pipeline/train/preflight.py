@@ -40,6 +40,7 @@ from pipeline.prep.hub import resolve_model_dir
 from pipeline.strategies.auto import MemoryPlan, plan_memory
 from pipeline.train.checkpoint import read_state
 from pipeline.train.export import check_replaceable, run_exports
+from pipeline.train.trackers import check_installed
 
 
 @dataclass(frozen=True)
@@ -314,6 +315,7 @@ def preflight(cfg: Config, launch: Launch | None = None) -> Plan:
     """Every user mistake we can detect cheaply; identical on every rank. launch: the workers' launch, for a
     parent that checks before it starts them (else this process's own)."""
     check_run_folder(cfg)
+    check_installed(cfg.run.report_to)
     plan = resolve_inputs(cfg, launch)
     check_apart(cfg.run_dir, "the run folder", inputs(cfg, plan.model_dir), RUN_HINT)
     if cfg.train.sample_prompts:

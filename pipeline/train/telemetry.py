@@ -28,6 +28,7 @@ from pipeline.fsutil import write_atomic
 from pipeline.model.modeling import layer_configs
 from pipeline.strategies.memory import GIB
 from pipeline.train.signals import Interrupted
+from pipeline.train.trackers import Trackers
 
 PHASES = ("data", "forward", "backward", "update", "total")
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
@@ -167,18 +168,20 @@ def finite_or_text(x: float) -> float | str:
 class Telemetry:
     """Writes the run's events; only the enabled (rank 0) instance touches stdout, files and TensorBoard."""
 
-    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, start_step: int):
+    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, start_step: int,
+                 report_to: str = "tensorboard", params: dict | None = None):
+        """report_to: --report-to, the trackers the events' numbers and texts also go to; params: what they record
+        of the run (its config and fingerprint)."""
         self.run_dir, self.enabled = run_dir, enabled
         self.metrics = _open_events(run_dir / "metrics.jsonl") if enabled else None
-        self.tb = None
+        self.trackers: Trackers | None = None
         self.bar = None
         self._console = contextlib.nullcontext()
         if enabled:
-            from torch.utils.tensorboard import SummaryWriter
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self.trackers = Trackers(run_dir, report_to, params or {})
             # a bar on a terminal only (redirected, it is noise in the file); log lines go through tqdm.write
             # meanwhile, which lifts the bar, prints the line and puts the bar back under it
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr,
@@ -194,22 +197,24 @@ class Telemetry:
         # and the files, before its message
         self.close(plot=exc_type is None or issubclass(exc_type, (UserError, Interrupted)))
 
-    def event(self, kind: str, step: int, tensorboard: bool = True, **fields) -> None:
-        """One line of metrics.jsonl; with tensorboard, its finite numbers as TensorBoard scalars too."""
+    def event(self, kind: str, step: int, tracked: bool = True, **fields) -> None:
+        """One line of metrics.jsonl; when tracked, its finite numbers to the trackers too (TensorBoard's
+        scalars), named EVENT/FIELD."""
         if not self.enabled:
             return
         record = {"event": kind, "step": step, "time": round(time.time(), 3), **fields}
         with naming(self.run_dir / "metrics.jsonl"):
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
-        for key, value in fields.items() if tensorboard else ():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                self.tb.add_scalar(f"{kind}/{key}", value, step)
+        if tracked:
+            self.trackers.scalars(step, {f"{kind}/{key}": value for key, value in fields.items()
+                                         if isinstance(value, (int, float)) and not isinstance(value, bool)
+                                         and math.isfinite(value)})
 
     def text(self, tag: str, step: int, text: str) -> None:
-        """Text for TensorBoard's text tab, indented as a markdown code block so it shows as written."""
+        """Text for the trackers that show text (TensorBoard's text tab, MLflow's artifacts, W&B)."""
         if self.enabled:
-            self.tb.add_text(tag, "\n".join("    " + line for line in text.splitlines()), step)
+            self.trackers.text(tag, step, text)
 
     def human(self, line: dict) -> None:
         """The seed-style `[rank=0] {...}` line, on the console (above the bar) and in train.log."""
@@ -225,7 +230,7 @@ class Telemetry:
         if not self.enabled or self.metrics.closed:
             return
         draw = [lambda: plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")] if plot else []
-        for closing in [self.bar.close, lambda: self._console.__exit__(None, None, None), self.tb.close,
+        for closing in [self.bar.close, lambda: self._console.__exit__(None, None, None), self.trackers.close,
                         self.metrics.close, *draw]:
             try:  # what is left of the logs must not hide why the run ends (a full disk fails every write here)
                 closing()

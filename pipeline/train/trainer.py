@@ -235,7 +235,9 @@ class Trainer:
             log.info("run already complete at step %d: %s", self.step, final)
             return
         # closed (and the losses plotted, unless the run crashed) however the loop ends, before any message
-        with Telemetry(self.run_dir, self.dist.is_main, self.total_steps, self.step) as telemetry:
+        params = {**self.cfg.flat(), **{f"fingerprint/{k}": v for k, v in self.plan.fingerprint.items()}}
+        with Telemetry(self.run_dir, self.dist.is_main, self.total_steps, self.step, self.cfg.run.report_to,
+                       params) as telemetry:
             self.ckpt.listener = lambda step, fields: telemetry.event("checkpoint", step, **fields)
             if self.resumed_from:
                 telemetry.event("resume", self.step, **self.resumed_from)
@@ -490,7 +492,7 @@ class Trainer:
                                self.dist)
         for index, (prompt, ids) in enumerate(zip(self.plan.prompts, completions, strict=True)):
             text = self.plan.tokenizer.decode(ids, skip_special_tokens=True)
-            telemetry.event("sample", self.step, tensorboard=False, index=index, prompt=prompt.shown, completion=text)
+            telemetry.event("sample", self.step, tracked=False, index=index, prompt=prompt.shown, completion=text)
             telemetry.text(f"sample/{index}", self.step, f"{prompt.shown}\n-> {text}")
             if self.dist.is_main:
                 log.info("sample %d at step %d: %r -> %r", index, self.step, prompt.shown, text)

@@ -1,0 +1,174 @@
+"""--report-to: every tracker's own store holds the numbers metrics.jsonl holds, under its names and steps; a resumed
+run continues its tracker run; a missing package is one line, a failing tracker one warning."""
+
+import json
+import math
+import sqlite3
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT, preflight_errors, run_script
+
+from pipeline.errors import UserError
+from pipeline.train import trackers
+from pipeline.train.telemetry import read_metrics
+from pipeline.train.trackers import Trackers, check_installed, check_report_to
+
+DEMO = ["--config", str(ROOT / "configs" / "demo.yaml"), "-b", "2", "--log-freq", "1", "--eval-freq", "2"]
+
+
+def tracked(run_dir: Path) -> list[tuple[str, int, float]]:
+    """What metrics.jsonl says the trackers were given: each event's finite numbers as (EVENT/FIELD, step, value)."""
+    return sorted((f"{e['event']}/{k}", e["step"], v) for e in read_metrics(run_dir / "metrics.jsonl")
+                  if e["event"] != "sample" for k, v in e.items() if k not in ("event", "step", "time")
+                  and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+
+
+def mlflow_values(run_dir: Path) -> tuple[list, list]:
+    """(the runs in RUN/mlflow.db, every metric value logged to them as (key, step, value)), read by MLflow's client."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("fsdp1")
+    runs = client.search_runs([experiment.experiment_id])
+    values = sorted((key, m.step, m.value) for run in runs for key in run.data.metrics
+                    for m in client.get_metric_history(run.info.run_id, key))
+    return runs, values
+
+
+def wandb_records(path: Path) -> Iterator[bytes]:
+    """The records of a W&B offline file (run-ID.wandb), what `wandb sync` uploads: wandb 0.31 has no Python reader
+    of its own any more. The format is LevelDB's log (blocks of 32 KiB; each record's pieces with a 7-byte header: a
+    checksum, the length, and whether it is whole, first, middle or last) after a 7-byte W&B header."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", path
+    pos, pieces = 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = struct.unpack_from("<HB", data, pos + 4)
+        if kind == 0:  # zeros: the end of what was written
+            break
+        pieces += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # whole or last
+            yield pieces
+            pieces = b""
+
+
+def wandb_values(run_dir: Path) -> tuple[set[str], list]:
+    """(the run ids of RUN/wandb's offline runs, every value logged as (key, trainer/step, value)), parsed with W&B's
+    own protobuf messages."""
+    from wandb.proto import wandb_internal_pb2
+
+    ids, values = set(), []
+    for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        for data in wandb_records(path):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(data)
+            if record.WhichOneof("record_type") == "run":
+                ids.add(record.run.run_id)
+            if record.WhichOneof("record_type") == "history":
+                # a text (W&B's Html) is stored as its file's description (sample/N/path, /size, ...): not a number
+                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item}
+                items = {k: v for k, v in items.items() if not k.startswith("sample/")}
+                step = items.pop("trainer/step", None)
+                assert step is not None or not [k for k in items if not k.startswith("_")], items
+                values += [(k, step, v) for k, v in items.items() if not k.startswith("_") and
+                           isinstance(v, (int, float))]
+    return ids, sorted(values)
+
+
+def trackio_values(store: Path) -> tuple[set[str], list]:
+    """(the run ids in Trackio's local store of project fsdp1, every number in it as (key, step, value))."""
+    with sqlite3.connect(store / "fsdp1.db") as db:
+        rows = db.execute("SELECT run_id, step, metrics FROM metrics").fetchall()
+    return {row[0] for row in rows}, sorted((k, step, v) for _, step, metrics in rows
+                                            for k, v in json.loads(metrics).items()
+                                            if not k.startswith("_") and isinstance(v, (int, float)))
+
+
+def test_every_tracker_holds_the_jsonl_numbers_and_a_resume_continues_the_same_run(train_env, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "The river"}\n')
+    env = {**train_env["env"], "TRACKIO_DIR": str(tmp_path / "trackio")}
+    args = ["-e", "r", "-d", train_env["dataset"], "-m", "local/tiny", "--save-dir", tmp_path, *DEMO,
+            "--sample-prompts", prompts, "--report-to", "tensorboard,mlflow,wandb,trackio"]
+    for steps in (2, 4):  # the rerun resumes at step 2 and goes on to 4
+        proc = run_script("fsdp1.py", *args, "--max-steps", steps, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "r"
+    expected = tracked(run)
+    assert ("train/loss", 4, next(e["loss"] for e in read_metrics(run / "metrics.jsonl")
+                                  if e["event"] == "train" and e["step"] == 4)) in expected
+    runs, values = mlflow_values(run)
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED" and runs[0].info.run_name == "r"
+    assert values == expected
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    state = json.loads((run / "state.json").read_text())
+    # the config the run started with (MLflow's parameters are written once; a rerun may change --max-steps)
+    assert {k: runs[0].data.params[k] for k in config} == {k: str(v) for k, v in {**config, "max_steps": 2}.items()}
+    assert runs[0].data.params["fingerprint/dataset"] == state["fingerprint"]["dataset"]
+    ids, values = wandb_values(run)
+    assert ids == {json.loads((run / "trackers.json").read_text())["wandb"]} and values == expected
+    ids, values = trackio_values(tmp_path / "trackio")
+    assert len(ids) == 1 and values == expected
+    # the samples as text: MLflow's artifacts, one per prompt and validation
+    sample = next(e for e in read_metrics(run / "metrics.jsonl") if e["event"] == "sample" and e["step"] == 4)
+    text = (run / "mlartifacts").glob(f"{runs[0].info.run_id}/artifacts/sample/0/step-00000004.txt")
+    assert next(text).read_text() == f"{sample['prompt']}\n-> {sample['completion']}"
+
+
+def test_report_to_names_known_trackers_and_a_missing_package_is_one_line(monkeypatch):
+    for value, message in (
+            ("tensorboard,comet", "--report-to: unknown tracker 'comet'; choose from none, tensorboard, mlflow, wandb, "
+                                  "trackio (comma-separated)"),
+            ("none,wandb", "--report-to 'none,wandb': name each tracker once, or none alone"),
+            ("wandb,wandb", "--report-to 'wandb,wandb': name each tracker once, or none alone")):
+        with pytest.raises(UserError) as err:
+            check_report_to(value)
+        assert str(err.value) == message
+    check_report_to("none")
+    monkeypatch.setitem(trackers.PACKAGES, "trackio", "trackio_not_installed_here")
+    with pytest.raises(UserError) as err:
+        check_installed("tensorboard,trackio")
+    assert str(err.value) == ("--report-to trackio needs the trackio_not_installed_here package, which is not "
+                              "installed here: pip install trackio_not_installed_here (or leave trackio out of "
+                              "--report-to)")
+
+
+def test_a_tracker_that_fails_during_the_run_is_one_warning_and_the_others_go_on(tmp_path, caplog):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    t = Trackers(tmp_path, "mlflow,tensorboard", {"learning_rate": 1e-4})
+    t.scalars(1, {"train/loss": 3.0})
+    (tmp_path / "mlflow.db").write_bytes(b"not a database any more")  # the store gone under the run
+    t.scalars(2, {"train/loss": 2.0})
+    t.scalars(3, {"train/loss": 1.0})
+    t.close()
+    warnings = [r.getMessage() for r in caplog.records if "--report-to" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("--report-to mlflow failed at step 2 (")
+    assert warnings[0].endswith("); training goes on without it")
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(s.step, s.value) for s in acc.Scalars("train/loss")] == [(1, 3.0), (2, 2.0), (3, 1.0)]
+
+
+def test_fsdp1_refuses_a_missing_tracker_package_and_a_bad_report_to_in_preflight(train_env, tmp_path):
+    """Before any weight or data is read (the package hidden from this interpreter by a sitecustomize)."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None\n")
+    base = ["-e", "r", "-d", train_env["dataset"], "-m", "local/tiny", "--save-dir", tmp_path / "runs"]
+    errors = preflight_errors([[*base, "--report-to", "tensorboard,wandb"], [*base, "--report-to", "wandb,"],
+                               [*base, "--report-to", "none"]], {**train_env["env"], "PYTHONPATH": str(hide)})
+    assert errors == ["--report-to wandb needs the wandb package, which is not installed here: pip install wandb "
+                      "(or leave wandb out of --report-to)",
+                      "--report-to: unknown tracker ''; choose from none, tensorboard, mlflow, wandb, trackio "
+                      "(comma-separated)", "ok"]
+    assert not (tmp_path / "runs").exists()
