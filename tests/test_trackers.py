@@ -1,6 +1,7 @@
 """--report-to: every tracker's own store holds the numbers metrics.jsonl holds, under its names and steps; a resumed
 run continues its tracker run; a missing package is one line, a failing tracker one warning."""
 
+import contextlib
 import json
 import math
 import sqlite3
@@ -14,7 +15,8 @@ from conftest import ROOT, preflight_errors, run_script
 
 from pipeline.errors import UserError
 from pipeline.train import trackers
-from pipeline.train.telemetry import read_metrics
+from pipeline.train.signals import Interrupted
+from pipeline.train.telemetry import Telemetry, read_metrics
 from pipeline.train.trackers import Trackers, check_installed, check_report_to
 
 DEMO = ["--config", str(ROOT / "configs" / "demo.yaml"), "-b", "2", "--log-freq", "1", "--eval-freq", "2"]
@@ -172,3 +174,18 @@ def test_fsdp1_refuses_a_missing_tracker_package_and_a_bad_report_to_in_prefligh
                       "--report-to: unknown tracker ''; choose from none, tensorboard, mlflow, wandb, trackio "
                       "(comma-separated)", "ok"]
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("raised", "status"), [(None, "FINISHED"), (Interrupted(15), "KILLED"),
+                                                (RuntimeError("a crash"), "FAILED")])
+def test_the_tracker_run_ends_with_how_the_training_ended(tmp_path, raised, status):
+    from mlflow.tracking import MlflowClient
+
+    with contextlib.suppress(type(raised) if raised else ()), \
+            Telemetry(tmp_path, enabled=True, total_steps=4, start_step=0, report_to="mlflow", params={}) as t:
+        t.event("train", 1, loss=3.0)
+        if raised:
+            raise raised
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("fsdp1").experiment_id])
+    assert run.info.status == status and run.data.metrics == {"train/loss": 3.0}

@@ -195,7 +195,8 @@ class Telemetry:
     def __exit__(self, exc_type, exc, tb) -> None:
         # a clean end, a stop by signal or a refusal (divergence) plots what the run has; a crash only ends the bar
         # and the files, before its message
-        self.close(plot=exc_type is None or issubclass(exc_type, (UserError, Interrupted)))
+        status = "FINISHED" if exc_type is None else "KILLED" if issubclass(exc_type, Interrupted) else "FAILED"
+        self.close(plot=exc_type is None or issubclass(exc_type, (UserError, Interrupted)), status=status)
 
     def event(self, kind: str, step: int, tracked: bool = True, **fields) -> None:
         """One line of metrics.jsonl; when tracked, its finite numbers to the trackers too (TensorBoard's
@@ -225,13 +226,14 @@ class Telemetry:
         if self.bar is not None:
             self.bar.update(1)
 
-    def close(self, plot: bool = True) -> None:
-        """End the bar and flush the files; plot the losses unless the run is failing. Once."""
+    def close(self, plot: bool = True, status: str = "FINISHED") -> None:
+        """End the bar and flush the files; plot the losses unless the run is failing; end the trackers' runs with
+        status (FINISHED, KILLED: stopped by a signal, FAILED). Once."""
         if not self.enabled or self.metrics.closed:
             return
         draw = [lambda: plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")] if plot else []
-        for closing in [self.bar.close, lambda: self._console.__exit__(None, None, None), self.trackers.close,
-                        self.metrics.close, *draw]:
+        for closing in [self.bar.close, lambda: self._console.__exit__(None, None, None),
+                        lambda: self.trackers.close(status), self.metrics.close, *draw]:
             try:  # what is left of the logs must not hide why the run ends (a full disk fails every write here)
                 closing()
             except OSError as exc:

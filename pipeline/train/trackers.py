@@ -92,7 +92,7 @@ class TensorBoard:
         # indented as a markdown code block, so TensorBoard's text tab shows it as written
         self.writer.add_text(tag, "\n".join("    " + line for line in text.splitlines()), step)
 
-    def close(self) -> None:
+    def close(self, status: str) -> None:
         self.writer.close()
 
 
@@ -131,8 +131,8 @@ class MLflow:
     def text(self, tag: str, step: int, text: str) -> None:
         self.client.log_text(self.run_id, text, f"{tag}/step-{step:08d}.txt")
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, status)
 
 
 class WandB:
@@ -159,8 +159,8 @@ class WandB:
     def text(self, tag: str, step: int, text: str) -> None:
         self.run.log({"trainer/step": step, tag: self.wandb.Html(f"<pre>{_escaped(text)}</pre>")})
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, status: str) -> None:
+        self.run.finish(exit_code=0 if status == "FINISHED" else 1)
 
 
 class Trackio:
@@ -183,7 +183,7 @@ class Trackio:
     def text(self, tag: str, step: int, text: str) -> None:
         self.run.log({tag: text}, step=step)
 
-    def close(self) -> None:
+    def close(self, status: str) -> None:
         self.run.finish()
 
 
@@ -218,8 +218,9 @@ class Trackers:
     def text(self, tag: str, step: int, text: str) -> None:
         self._each(f"step {step}", lambda t: t.text(tag, step, text))
 
-    def close(self) -> None:
-        self._each("the end", lambda t: t.close())
+    def close(self, status: str = "FINISHED") -> None:
+        """End every tracker's run: FINISHED, KILLED (stopped by a signal; a rerun resumes it) or FAILED."""
+        self._each("the end", lambda t: t.close(status))
         self.active = []
 
     def _each(self, when: str, call: Callable[[Any], None]) -> None:
