@@ -189,3 +189,18 @@ def test_the_tracker_run_ends_with_how_the_training_ended(tmp_path, raised, stat
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("fsdp1").experiment_id])
     assert run.info.status == status and run.data.metrics == {"train/loss": 3.0}
+
+
+def test_a_tracking_server_out_of_reach_is_one_warning_and_the_other_trackers_go_on(tmp_path, caplog, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # the discard port: nothing listens
+    t = Trackers(tmp_path, "mlflow,tensorboard", {})
+    t.scalars(1, {"train/loss": 3.0})
+    t.close()
+    (warning,) = [r.getMessage() for r in caplog.records if "--report-to" in r.getMessage()]
+    assert warning.startswith("--report-to mlflow could not start (MlflowException: ")
+    assert warning.endswith("; training goes on without it") and not (tmp_path / "mlflow.db").exists()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(s.step, s.value) for s in acc.Scalars("train/loss")] == [(1, 3.0)]

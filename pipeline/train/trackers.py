@@ -102,6 +102,9 @@ class MLflow:
     name = "mlflow"
 
     def __init__(self, run_dir: Path, ids: dict, params: dict):
+        # a tracking server that is gone costs the training seconds, not minutes of MLflow's retries at every call
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(mlflow_uri(run_dir))
