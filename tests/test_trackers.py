@@ -23,10 +23,17 @@ DEMO = ["--config", str(ROOT / "configs" / "demo.yaml"), "-b", "2", "--log-freq"
 
 
 def tracked(run_dir: Path) -> list[tuple[str, int, float]]:
-    """What metrics.jsonl says the trackers were given: each event's finite numbers as (EVENT/FIELD, step, value)."""
-    return sorted((f"{e['event']}/{k}", e["step"], v) for e in read_metrics(run_dir / "metrics.jsonl")
-                  if e["event"] != "sample" for k, v in e.items() if k not in ("event", "step", "time")
-                  and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+    """What metrics.jsonl says the trackers were given: each event's finite numbers as (EVENT/FIELD, step, value),
+    a field's dict of numbers (time_ms, mem_gb) as EVENT/FIELD/KEY."""
+    def leaves(name: str, value: object) -> list[tuple[str, float]]:
+        if isinstance(value, dict):
+            return [leaf for k, v in value.items() for leaf in leaves(f"{name}/{k}", v)]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return [(name, value)] if number else []
+
+    return sorted((key, e["step"], v) for e in read_metrics(run_dir / "metrics.jsonl") if e["event"] != "sample"
+                  for k, value in e.items() if k not in ("event", "step", "time")
+                  for key, v in leaves(f"{e['event']}/{k}", value))
 
 
 def mlflow_values(run_dir: Path) -> tuple[list, list]:
@@ -106,8 +113,8 @@ def test_every_tracker_holds_the_jsonl_numbers_and_a_resume_continues_the_same_r
         assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "r"
     expected = tracked(run)
-    assert ("train/loss", 4, next(e["loss"] for e in read_metrics(run / "metrics.jsonl")
-                                  if e["event"] == "train" and e["step"] == 4)) in expected
+    last = next(e for e in read_metrics(run / "metrics.jsonl") if e["event"] == "train" and e["step"] == 4)
+    assert {("train/loss", 4, last["loss"]), ("train/time_ms/forward", 4, last["time_ms"]["forward"])} <= set(expected)
     runs, values = mlflow_values(run)
     assert len(runs) == 1 and runs[0].info.status == "FINISHED" and runs[0].info.run_name == "r"
     assert values == expected

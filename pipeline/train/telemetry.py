@@ -165,6 +165,17 @@ def finite_or_text(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)
 
 
+def numbers(fields: dict, prefix: str) -> dict[str, float]:
+    """The finite numbers among fields, each named prefix/key; a dict's own under prefix/key/its key."""
+    out = {}
+    for key, value in fields.items():
+        if isinstance(value, dict):
+            out.update(numbers(value, f"{prefix}/{key}"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[f"{prefix}/{key}"] = value
+    return out
+
+
 class Telemetry:
     """Writes the run's events; only the enabled (rank 0) instance touches stdout, files and TensorBoard."""
 
@@ -200,7 +211,7 @@ class Telemetry:
 
     def event(self, kind: str, step: int, tracked: bool = True, **fields) -> None:
         """One line of metrics.jsonl; when tracked, its finite numbers to the trackers too (TensorBoard's
-        scalars), named EVENT/FIELD."""
+        scalars), named EVENT/FIELD (EVENT/FIELD/KEY inside a field that is a dict: time_ms, mem_gb)."""
         if not self.enabled:
             return
         record = {"event": kind, "step": step, "time": round(time.time(), 3), **fields}
@@ -208,9 +219,7 @@ class Telemetry:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
         if tracked:
-            self.trackers.scalars(step, {f"{kind}/{key}": value for key, value in fields.items()
-                                         if isinstance(value, (int, float)) and not isinstance(value, bool)
-                                         and math.isfinite(value)})
+            self.trackers.scalars(step, numbers(fields, kind))
 
     def text(self, tag: str, step: int, text: str) -> None:
         """Text for the trackers that show text (TensorBoard's text tab, MLflow's artifacts, W&B)."""
