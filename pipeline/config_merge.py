@@ -22,7 +22,7 @@ from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import read_yaml, write_text_atomic
 
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "configs" / "profiles"
-LIST_KEYS = ("lora_targets",)
+LIST_KEYS = ("lora_targets", "report_to", "lm_eval_tasks")
 """String keys a YAML file may give as a list (joined with commas, as the flag takes them)."""
 SHORT_FLAGS = {"experiment_name": "-e", "dataset_name": "-d", "model_name": "-m", "batch_size": "-b"}
 

@@ -39,6 +39,20 @@ def test_precedence_cli_over_file_over_profile_over_defaults(tmp_path):
     assert cfg.run_dir == Path("outputs/x")
 
 
+def test_a_comma_separated_flag_may_be_a_list_in_a_config_file(tmp_path):
+    """As the HF Trainer's users write report_to: [wandb]."""
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("report_to: [mlflow, wandb]\nlm_eval_tasks: [hellaswag, arc_easy]\nlora_targets: [q_proj]\n")
+    cfg = resolve([*REQUIRED, "--config", str(cfg_file)])
+    assert (cfg.run.report_to, cfg.train.lm_eval_tasks, cfg.model.lora_targets) == ("mlflow,wandb",
+                                                                                   "hellaswag,arc_easy", "q_proj")
+    cfg_file.write_text("report_to: [mlflow, comet]\n")
+    with pytest.raises(UserError) as err:
+        resolve([*REQUIRED, "--config", str(cfg_file)])
+    assert str(err.value) == ("--report-to: unknown tracker 'comet'; choose from none, tensorboard, mlflow, wandb, "
+                              "trackio (comma-separated)")
+
+
 def test_a_null_in_a_config_file_is_the_default_not_the_text_none(tmp_path):
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text("profile: cpu_debug\nchat_template: null\nseq_length:\nlr: ~\n")

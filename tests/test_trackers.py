@@ -6,12 +6,14 @@ import json
 import math
 import sqlite3
 import struct
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, preflight_errors, run_script
+from conftest import ROOT, preflight_errors, run_script, with_root
 
 from pipeline.errors import UserError
 from pipeline.train import trackers
@@ -211,3 +213,33 @@ def test_a_tracking_server_out_of_reach_is_one_warning_and_the_other_trackers_go
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [(s.step, s.value) for s in acc.Scalars("train/loss")] == [(1, 3.0)]
+
+
+RUN = """import logging, sys
+from pathlib import Path
+from pipeline.train.trackers import Trackers
+logging.basicConfig(level=logging.WARNING)
+t = Trackers(Path(sys.argv[1]), "mlflow", {"seed": 0})
+t.scalars(3, {"train/loss": 1.5})
+t.close()
+"""
+
+
+def test_a_resumed_run_whose_mlflow_store_was_deleted_starts_a_new_mlflow_run(tmp_path):
+    """Each run a process of its own, as a resume is (MLflow keeps a store open for the process's life)."""
+    from mlflow.tracking import MlflowClient
+
+    def run() -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, "-c", RUN, str(tmp_path)], capture_output=True, text=True,
+                              env=with_root(), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    run()
+    old = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
+    (tmp_path / "mlflow.db").unlink()
+    proc = run()
+    new = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert new != old and client.get_run(new).data.metrics == {"train/loss": 1.5}
+    assert f"--report-to mlflow: run {old} of RUN/trackers.json is not in sqlite:///" in proc.stderr

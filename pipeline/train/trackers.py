@@ -108,7 +108,7 @@ class MLflow:
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(mlflow_uri(run_dir))
-        if run_id := ids.get(self.name):
+        if (run_id := ids.get(self.name)) and self.known(run_id):
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
             return
@@ -122,6 +122,18 @@ class MLflow:
         from mlflow.entities import Param
 
         self.client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+
+    def known(self, run_id: str) -> bool:
+        """Whether the store holds the run (a store deleted, or another MLFLOW_TRACKING_URI: a new run starts)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+        except MlflowException:
+            log.warning("--report-to mlflow: run %s of RUN/trackers.json is not in %s; starting a new one", run_id,
+                        self.client.tracking_uri)
+            return False
+        return True
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         import time
