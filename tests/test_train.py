@@ -220,12 +220,14 @@ def test_a_run_folder_too_long_for_the_files_under_it_is_refused_before_training
     limit = os.pathconf(tmp_path, "PC_PATH_MAX")
     fits = tmp_path / ("d" * 100) / "run"
     check_path_room(fits)
-    deep = Path(tmp_path, *["d" * 200] * (limit // 201), "run")
-    size = len(os.fsencode(deep))
-    assert size + RUN_FILE_BYTES >= limit
-    with pytest.raises(UserError) as err:
-        check_path_room(deep)
-    assert str(err.value) == (f"the run folder's path is {size} bytes long ({str(deep)[:60]}...): the files a run "
-                              f"writes under it would pass this system's limit of {limit} bytes a path; use a shorter "
-                              "--save-dir")
+    # just under the limit (the files under it would pass it), and past it (stat itself fails: ENAMETOOLONG)
+    for deep in (Path(tmp_path, *["d" * 200] * ((limit - len(str(tmp_path))) // 201), "run"),
+                 Path(tmp_path, *["d" * 200] * (limit // 200 + 1), "run")):
+        size = len(os.fsencode(deep))
+        assert size + RUN_FILE_BYTES >= limit
+        with pytest.raises(UserError) as err:
+            check_path_room(deep)
+        assert str(err.value) == (f"the run folder's path is {size} bytes long ({str(deep)[:60]}...): the files a "
+                                  f"run writes under it would pass this system's limit of {limit} bytes a path; use "
+                                  "a shorter --save-dir")
     assert not (tmp_path / ("d" * 200)).exists()  # nothing written

@@ -294,16 +294,24 @@ RUN_FILE_BYTES = 128
 def check_run_folder(cfg: Config) -> None:
     """The run folder is a run's, or new, in no folder of another kind, and short enough for every file a run writes
     under it: refused in one line before anything is written (pipeline/ownership.py)."""
+    check_path_room(cfg.run_dir)  # first: the others look at the folder, which a path past the limit cannot name
     check_target(cfg.run_dir, "run", "the run folder", RUN_HINT)
     check_not_nested(cfg.run_dir, "run", "the run folder")
-    check_path_room(cfg.run_dir)
+
+
+def named_and_exists(path: Path) -> bool:
+    """Path.exists, False for a path past the system's limit (stat fails with ENAMETOOLONG: Python 3.11 raises it)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def check_path_room(run_dir: Path) -> None:
     """The system's longest path (PATH_MAX, of the folder's nearest existing ancestor) leaves RUN_FILE_BYTES under
     the run folder: else the run would train, checkpoint, then fail to export (ENAMETOOLONG) hours later."""
     full = Path(os.path.abspath(run_dir))
-    existing = next(p for p in (full, *full.parents) if p.exists())
+    existing = next(p for p in (full, *full.parents) if named_and_exists(p))
     limit = os.pathconf(existing, "PC_PATH_MAX") if hasattr(os, "pathconf") else 4096
     size = len(os.fsencode(full))
     if size + RUN_FILE_BYTES >= limit:
