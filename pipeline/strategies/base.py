@@ -9,6 +9,8 @@ plain Hugging Face model (tied aliases left out), so every strategy reads and wr
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -185,10 +187,15 @@ class Strategy(ABC):
         self.num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.shapes = {name: p.shape for name, p in model.named_parameters()}
         self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-        # the model as transformers' classes build it, for their naming rules at export (to_file_layout): fully_shard
-        # gives a module a class of its own (FSDPDeepseekV4ForCausalLM) and transformers looks the rules up by class
-        # name; under it fsdp2 exported DeepSeek-V4's embed_tokens as `embed`, which from_pretrained left random
-        self.as_built = meta_model(model.config)
+        self.built_config = copy.deepcopy(model.config)
+
+    @functools.cached_property
+    def as_built(self) -> nn.Module:
+        """The model as transformers' classes build it (on the meta device), for their naming rules at export
+        (to_file_layout): fully_shard gives a module a class of its own (FSDPDeepseekV4ForCausalLM) and transformers
+        looks the rules up by class name; under it fsdp2 exported DeepSeek-V4's embed_tokens as `embed`, which
+        from_pretrained left random. Built when the export asks (about a second for 8B), from the config as built."""
+        return meta_model(self.built_config)
 
     @property
     def freezes_base(self) -> bool:
