@@ -4,6 +4,8 @@ run continues its tracker run; a missing package is one line, a failing tracker 
 import contextlib
 import json
 import math
+import os
+import signal
 import sqlite3
 import struct
 import subprocess
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, preflight_errors, run_script, with_root
+from conftest import ROOT, events, preflight_errors, run_script, start_torchrun, wait_for, with_root
 
 from pipeline.errors import UserError
 from pipeline.train import trackers
@@ -243,3 +245,18 @@ def test_a_resumed_run_whose_mlflow_store_was_deleted_starts_a_new_mlflow_run(tm
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert new != old and client.get_run(new).data.metrics == {"train/loss": 1.5}
     assert f"--report-to mlflow: run {old} of RUN/trackers.json is not in sqlite:///" in proc.stderr
+
+
+def test_a_run_stopped_by_a_signal_ends_its_tracker_run_as_killed(train_env, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    proc = start_torchrun(2, ROOT / "fsdp1.py", "-e", "r", "-d", train_env["dataset"], "-m", "local/tiny",
+                          "--save-dir", tmp_path, *DEMO, "--max-steps", "1000", "--report-to", "mlflow",
+                          env=train_env["env"])
+    wait_for(lambda: events(tmp_path / "r", "train"), proc)
+    os.kill(proc.pid, signal.SIGTERM)  # the launcher forwards it to the workers
+    proc.wait(timeout=120)
+    assert "stopped by signal at step " in (tmp_path / "r" / "train.log").read_text()
+    client = MlflowClient(f"sqlite:///{tmp_path / 'r' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("fsdp1").experiment_id])
+    assert run.info.status == "KILLED"

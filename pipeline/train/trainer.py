@@ -343,7 +343,8 @@ class Trainer:
         Interrupted. A collective."""
         saved = self.save(sync=True)
         self.ckpt.wait()
-        telemetry.close()  # the bar ends (and the plot is drawn) before the message; the `with` then closes nothing
+        # the bar ends (and the plot is drawn) before the message; the `with` then closes nothing
+        telemetry.close(status="KILLED")
         where = f"checkpoint {self.ckpt.root / step_name(self.step)} saved" if saved else \
             f"the last good checkpoint is {self.last_checkpoint()}"
         # said once, by rank 0; the others keep it in train.log (their console shows warnings only)
