@@ -36,13 +36,19 @@ def cannot_train(config) -> str:
     return own_loss(config) or attends_ahead(config)
 
 
-def causal_lm_class(config) -> type | None:
+def causal_lm_source(config, member: str) -> tuple[type | None, str]:
+    """The config's causal-LM class and the source of one of its members; (None, "") when it has no causal LM
+    (from_config says so in its own words), "" when the source cannot be read: the rules reading it refuse nothing."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    except (KeyError, ImportError):  # no causal LM: from_config says so in its own words
-        return None
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (KeyError, ImportError):
+        return None, ""
+    try:
+        return model_class, inspect.getsource(getattr(model_class, member))
+    except (OSError, TypeError):
+        return model_class, ""
 
 
 def attends_ahead(config) -> str:
@@ -51,11 +57,7 @@ def attends_ahead(config) -> str:
     a two-way mask unless config.is_decoder, and only log that warning. Trained on the next token, such a model
     reads it: ELECTRA and RemBERT trained with exit 0 (bench/all_families.py measures the leak over transformers'
     whole registry). Read from the class's own __init__, where transformers checks the flag."""
-    model_class = causal_lm_class(config)
-    try:
-        source = inspect.getsource(model_class.__init__) if model_class else ""
-    except (OSError, TypeError):  # no source: not refused
-        return ""
+    model_class, source = causal_lm_source(config, "__init__")
     if "not config.is_decoder" not in source or getattr(config, "is_decoder", False):
         return ""
     return (f"{model_class.__name__} attends to later tokens unless its config sets is_decoder (false here), so "
@@ -69,11 +71,7 @@ def own_loss(config) -> str:
     (pipeline/objectives/causal_lm.py). BartForCausalLM and the other encoder-decoder families' decoders take the mean
     over unshifted labels: they trained to copy their input, with a loss times the world size, exit 0. Read from the
     forward's source, the property itself: bench/all_families.py checks it over transformers' whole registry."""
-    model_class = causal_lm_class(config)
-    try:
-        source = inspect.getsource(model_class.forward) if model_class else ""
-    except (OSError, TypeError):  # no source: not refused
-        return ""
+    model_class, source = causal_lm_source(config, "forward")
     if not source or "loss_function(" in source:
         return ""
     return (f"{model_class.__name__}'s forward does not compute transformers' causal-LM loss (loss_function: labels "
