@@ -111,7 +111,7 @@ class RunConfig(Section):
 
     report_to: str = "tensorboard"
     """Where the metrics go besides metrics.jsonl, comma-separated: tensorboard, mlflow, wandb, trackio, or none.
-    Offline unless the tracker's own variables say otherwise: MLflow to RUN/mlruns unless MLFLOW_TRACKING_URI, W&B
+    Offline unless the tracker's own variables say otherwise: MLflow to RUN/mlflow.db unless MLFLOW_TRACKING_URI, W&B
     with WANDB_MODE=offline unless set (RUN/wandb; `wandb sync` uploads it later), Trackio to its local store. A
     resumed run continues its tracker run (RUN/trackers.json holds the ids)."""
 

@@ -9,16 +9,18 @@ fails mid-run (a full disk, a server gone) is one warning and is dropped; traini
 
 from __future__ import annotations
 
+import html
 import importlib.util
 import json
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import UserError
+from pipeline.errors import UserError, first_line
 from pipeline.fsutil import write_text_atomic
 
 TRACKERS = ("tensorboard", "mlflow", "wandb", "trackio")
@@ -33,15 +35,20 @@ PROJECT = "fsdp1"
 log = logging.getLogger("pipeline")
 
 
+def named(report_to: str) -> tuple[str, ...]:
+    """--report-to's names, in order, as given (none included)."""
+    return tuple(name.strip() for name in report_to.split(","))
+
+
 def chosen(report_to: str) -> tuple[str, ...]:
     """--report-to's trackers, in order (none: no tracker)."""
-    names = tuple(name.strip() for name in report_to.split(","))
+    names = named(report_to)
     return () if names == ("none",) else names
 
 
 def check_report_to(report_to: str) -> None:
     """--report-to names known trackers, each once; none stands alone."""
-    names = tuple(name.strip() for name in report_to.split(","))
+    names = named(report_to)
     unknown = [n for n in names if n not in (*TRACKERS, "none")]
     if unknown:
         raise UserError(f"--report-to: unknown tracker {unknown[0]!r}; choose from none, {', '.join(TRACKERS)} "
@@ -53,7 +60,7 @@ def check_report_to(report_to: str) -> None:
 def modules(name: str) -> tuple[str, ...]:
     """What the tracker imports: MLflow's local store is a SQLite database, which mlflow-skinny alone cannot open
     (the full mlflow package brings SQLAlchemy and Alembic); a tracking server needs the client only."""
-    if name == "mlflow" and mlflow_uri(Path(".")).startswith("sqlite:"):
+    if name == "mlflow" and (os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:").startswith("sqlite:"):
         return ("mlflow", "sqlalchemy", "alembic")
     return (PACKAGES[name],)
 
@@ -62,11 +69,12 @@ def check_installed(report_to: str) -> None:
     """Before any heavy work: every chosen tracker's modules import here."""
     for name in chosen(report_to):
         missing = [m for m in modules(name) if importlib.util.find_spec(m) is None]
+        if not missing:
+            continue
         package = PACKAGES[name]
         what = (f"the {package} package, which is" if missing == [package] else
                 f"{', '.join(missing)}, which the full {package} package brings and are")
-        if missing:
-            raise UserError(f"--report-to {name} needs {what} not installed here: pip install {package} (or leave "
+        raise UserError(f"--report-to {name} needs {what} not installed here: pip install {package} (or leave "
                             f"{name} out of --report-to)")
 
 
@@ -136,8 +144,6 @@ class MLflow:
         return True
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -172,7 +178,7 @@ class WandB:
         self.run.log({"trainer/step": step, **values})
 
     def text(self, tag: str, step: int, text: str) -> None:
-        self.run.log({"trainer/step": step, tag: self.wandb.Html(f"<pre>{_escaped(text)}</pre>")})
+        self.run.log({"trainer/step": step, tag: self.wandb.Html(f"<pre>{html.escape(text, quote=False)}</pre>")})
 
     def close(self, status: str) -> None:
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
@@ -186,7 +192,6 @@ class Trackio:
     def __init__(self, run_dir: Path, ids: dict, params: dict):
         import trackio
 
-        self.trackio = trackio
         ids[self.name] = run_dir.name
         # no system-metric threads: the run logs its own memory and speed
         self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT") or PROJECT, name=run_dir.name,
@@ -205,15 +210,10 @@ class Trackio:
 KINDS = {cls.name: cls for cls in (TensorBoard, MLflow, WandB, Trackio)}
 
 
-def _escaped(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
 class Trackers:
     """The run's trackers (rank 0 only): each call goes to every tracker still working."""
 
     def __init__(self, run_dir: Path, report_to: str, params: dict[str, Any]):
-        self.run_dir = run_dir
         ids_file = run_dir / IDS_FILE
         ids = json.loads(ids_file.read_text()) if ids_file.exists() else {}
         self.active: list = []
@@ -222,7 +222,7 @@ class Trackers:
                 self.active.append(KINDS[name](run_dir, ids, params))
             except Exception as exc:  # noqa: BLE001 (a tracker that cannot start must not stop the training)
                 log.warning("--report-to %s could not start (%s: %s); training goes on without it", name,
-                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                            type(exc).__name__, first_line(exc))
         if ids:
             write_text_atomic(ids_file, json.dumps(ids, indent=1, sort_keys=True) + "\n")
 
@@ -245,4 +245,4 @@ class Trackers:
             except Exception as exc:  # noqa: BLE001 (a tracker's failure is its own: the run and the others go on)
                 self.active.remove(tracker)
                 log.warning("--report-to %s failed at %s (%s: %s); training goes on without it", tracker.name, when,
-                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                            type(exc).__name__, first_line(exc))
