@@ -370,7 +370,7 @@ class TrainConfig(Section):
                f"--lm-eval-include {self.lm_eval_include} names no task to run; add --lm-eval-tasks T1,T2")
 
 
-Objective = Literal["sft", "dpo", "ipo", "simpo", "orpo"]
+Objective = Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto"]
 
 
 @dataclass
@@ -378,19 +378,29 @@ class ObjectiveConfig(Section):
     objective: Objective = "sft"
     """What the run trains for: sft (next-token loss on the targets of text and conversations), or, on a dataset of
     preference pairs, dpo, ipo (both against a reference: the base with the adapters off, or under full fine-tuning
-    the base's log-probabilities computed once before the first step), simpo or orpo (no reference)."""
+    the base's log-probabilities computed once before the first step), simpo or orpo (no reference); kto on unpaired
+    records (a completion labelled desirable or not) or on pairs (each answer a record, as TRL unpairs them),
+    against a reference as dpo's."""
     reference_model: str = ""
-    """dpo, ipo: the reference, when not the base: a Hub id or folder found as --model-name is (the SFT model a
+    """dpo, ipo, kto: the reference, when not the base: a Hub id or folder found as --model-name is (the SFT model a
     run aligns from), of the policy's architecture and vocabulary; its log-probabilities are computed once before
     the first step and kept beside the token cache."""
     pref_beta: float = 0.1
-    """dpo, ipo, simpo: beta, how far the policy may move from the reference (simpo: the reward scale)."""
+    """dpo, ipo, kto, simpo: beta, how far the policy may move from the reference (simpo: the reward scale)."""
     pref_label_smoothing: float = 0.0
     """dpo: the share of pairs assumed mislabelled (conservative DPO, cDPO); below 0.5."""
     simpo_gamma: float = 0.5
     """simpo: the target reward margin, divided by beta as TRL's simpo_gamma is."""
     orpo_lambda: float = 0.1
     """orpo: the weight of the odds-ratio term beside the chosen answer's negative log-likelihood."""
+    kto_desirable_weight: float = 1.0
+    """kto: the weight of a desirable completion's loss (TRL's desirable_weight); with fewer desirable than
+    undesirable records, raise it so that their weighted counts are about even (KTO paper, eq. 8)."""
+    kto_undesirable_weight: float = 1.0
+    """kto: the weight of an undesirable completion's loss (TRL's undesirable_weight)."""
+
+    KTO_ONLY = ("kto_desirable_weight", "kto_undesirable_weight")
+    """Fields a run's fingerprint holds only under kto: a dpo run from before kto existed still resumes."""
 
     def check(self) -> None:
         # beta multiplies sums of log-probabilities (thousands) and divides simpo's gamma: neither may overflow
@@ -401,8 +411,14 @@ class ObjectiveConfig(Section):
                f"--pref-label-smoothing is for --objective dpo, not {self.objective}")
         _in(self.simpo_gamma, 0, 1e3, "simpo_gamma")
         _in(self.orpo_lambda, 1e-6, 1e3, "orpo_lambda")
-        _check(not self.reference_model or self.objective in ("dpo", "ipo"),
-               f"--reference-model is for --objective dpo or ipo, not {self.objective}")
+        _check(not self.reference_model or self.objective in ("dpo", "ipo", "kto"),
+               f"--reference-model is for --objective dpo, ipo or kto, not {self.objective}")
+        for name in self.KTO_ONLY:
+            _in(getattr(self, name), 0, 1e3, name)
+            _check(getattr(self, name) == 1.0 or self.objective == "kto",
+                   f"{flag(name)} is for --objective kto, not {self.objective}")
+        _check(self.kto_desirable_weight > 0 or self.kto_undesirable_weight > 0,
+               "--kto-desirable-weight and --kto-undesirable-weight are both 0: nothing would be trained")
 
     @property
     def preference(self) -> bool:

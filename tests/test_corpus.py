@@ -508,8 +508,9 @@ def test_a_worker_reads_no_file_or_row_beyond_its_limits(tmp_path, monkeypatch):
 
 def test_every_data_kind_reads_back_from_its_own_to_json_and_to_parquet(tmp_path):
     """What DATA-HF writes reads back through DATA-HF: a dataset of text, conversations, tool calls with results and
-    schemas and reasoning traces, and one of preference pairs (standard and conversational), each exported with
-    datasets' own to_json and to_parquet, gives every row back as it was (its source is the file it was read from)."""
+    schemas and reasoning traces, one of preference pairs and one of KTO's unpaired records (each standard and
+    conversational), each exported with datasets' own to_json and to_parquet, gives every row back as it was (its
+    source is the file it was read from)."""
     weather = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
     call = {"role": "assistant", "content": None,
             "tool_calls": [{"id": "c1", "type": "function",
@@ -523,8 +524,11 @@ def test_every_data_kind_reads_back_from_its_own_to_json_and_to_parquet(tmp_path
               "rejected": [{"role": "assistant", "content": "7"}]}]
     write(tmp_path / "sft", "notes.txt", "a document\n")
     write(tmp_path / "sft", "chats.jsonl", "\n".join(map(json.dumps, chats)) + "\n")
+    unpaired = [{"prompt": "2+2?", "completion": "4", "label": True},
+                {"prompt": chat("3+3?"), "completion": [{"role": "assistant", "content": "7"}], "label": False}]
     write(tmp_path / "pairs", "pairs.jsonl", "\n".join(map(json.dumps, pairs)) + "\n")
-    for kind, rows in (("sft", 4), ("pairs", 2)):
+    write(tmp_path / "kto", "feedback.jsonl", "\n".join(map(json.dumps, unpaired)) + "\n")
+    for kind, rows in (("sft", 4), ("pairs", 2), ("kto", 2)):
         build(tmp_path / kind, tmp_path / f"{kind}-ds", num_proc=1)
         first = datasets.load_from_disk(str(tmp_path / f"{kind}-ds"))
         assert len(first) == rows

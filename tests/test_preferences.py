@@ -50,13 +50,15 @@ def test_pairs_in_every_form_are_kept_as_pairs_and_bad_ones_skipped_by_reason(tm
         ("The sky is", [], chat("", " blue.")[1:], chat("", " green.")[1:]),
         ("", chat("Hi?"), chat("", "Hello!")[1:], chat("", "Go away.")[1:]),
         ("", chat("2+2?"), chat("", "4")[1:], chat("", "5")[1:]),
+        ("q", [], [], chat("", "an answer labelled bad")[1:]),  # KTO's record: its completion never a chosen answer
     ]
     prefs = report["preferences"]
-    assert (prefs["rows"], prefs["by_form"]) == (3, {"conversational": 1, "implicit": 1, "standard": 1})
+    assert (prefs["rows"], prefs["by_form"]) == (4, {"conversational": 1, "implicit": 1, "standard": 1,
+                                                     "unpaired": 1})
     assert {k: v["where"] for k, v in prefs["skipped"].items()} == {
         "empty_answer": ["pairs.jsonl:line 5"], "missing_field": ["pairs.jsonl:line 6"],
         "not_alternating": ["pairs.jsonl:line 9"], "prompt_not_shared": ["pairs.jsonl:line 8"],
-        "same_answers": ["pairs.jsonl:line 4"], "unpaired_preference": ["pairs.jsonl:line 7"]}
+        "same_answers": ["pairs.jsonl:line 4"]}
     # our own to_json reads back to the same pairs
     ds.to_json(str(tmp_path / "again" / "rows.jsonl"))
     build_dataset(CorpusConfig(tmp_path / "again", tmp_path / "out2", num_proc=1))
@@ -104,11 +106,11 @@ def test_the_objective_the_data_and_the_reference_must_agree_in_one_line(tmp_pat
                                 train_env["env"])
     assert refusals == [
         f"{tmp_path / 'pairs'} holds 3 preference pairs (chosen and rejected answers): train them with --objective "
-        "dpo, ipo, simpo or orpo",
+        "dpo, ipo, simpo, orpo or kto",
         f"--objective simpo trains on preference pairs and {train_env['dataset']} holds none (DATA-HF reads records "
         "with chosen and rejected answers as pairs)",
         "ok",
-        "--reference-model is for --objective dpo or ipo, not orpo",
+        "--reference-model is for --objective dpo, ipo or kto, not orpo",
         f"--reference-model {other_vocab} has another vocabulary than local/tiny (vocab_size 512 vs 1024, or other "
         "tokens): a reference scores the policy's tokens, so it must share its tokenizer",
         "--reference-model local/tiny does not fit local/tiny-untied's architecture: its tensor lm_head.weight is "
@@ -216,7 +218,7 @@ def test_a_dataset_of_pairs_becomes_blocks_of_whole_pairs(tmp_path, tiny_models,
         log_cache_meta(tmp_path / "cache")
     assert f"preference pairs: kept 40, truncated 1; {meta['pair_blocks']} blocks of them" in caplog.text
     assert (f"1 preference pairs were longer than a block and had their prompts cut from the left: {cut} prompt "
-            f"tokens in all, {cut:.1f} a pair (a larger --seq-length keeps them whole)") in caplog.text
+            f"tokens in all, {cut:.1f} each (a larger --seq-length keeps them whole)") in caplog.text
     assert meta["pairs_kept"] == 41 and meta["train_blocks"] + meta["val_blocks"] == meta["blocks"]
     seen = 0
     for split in ("train", "val"):

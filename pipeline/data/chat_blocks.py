@@ -61,14 +61,28 @@ def _tokenize_pairs(batch: dict, tokenizer, spec: BlockSpec) -> dict:
     return pair_tokens.tokenize_pairs_batch(batch, tokenizer, spec.chat_date, spec.seq_length, keep_as_text)
 
 
+def _tokenize_kto(batch: dict, indices: list[int], answers, tokenizer, spec: BlockSpec) -> dict:
+    """Each preference row -> its KTO examples (pair_tokens.tokenize_kto_batch), each fitted into a block."""
+    keep_as_text = None if spec.special_tokens_in_data else chat_tokens.special_texts(tokenizer)
+    return pair_tokens.tokenize_kto_batch(batch, indices, answers, tokenizer, spec.chat_date, spec.seq_length,
+                                          keep_as_text)
+
+
 def pair_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path
                 ) -> tuple[np.ndarray, np.ndarray, dict, int]:
-    """Preference rows tokenized, fitted and packed whole into blocks, each chosen answer before its rejected one;
-    what happened to them, by status; the prompt tokens truncation cut, over every kept pair."""
+    """Preference rows tokenized, fitted and packed whole into blocks, each chosen answer before its rejected one
+    (under KTO each example's completion before its KL sequence); what happened to them, by status; the prompt tokens
+    truncation cut, over every kept pair."""
     with datasets_bars(sys.stderr.isatty()), naming(work):
-        tokenized = ds.map(_tokenize_pairs, remove_columns=ds.column_names, desc="tokenizing preference pairs",
-                           fn_kwargs={"tokenizer": tokenizer, "spec": spec},
-                           **map_kwargs(work, "pairs", num_proc, len(ds)))
+        if spec.kto:
+            tokenized = ds.map(_tokenize_kto, remove_columns=ds.column_names, desc="tokenizing KTO examples",
+                               with_indices=True, fn_kwargs={"answers": ds.select_columns(["chosen", "rejected"]),
+                                                             "tokenizer": tokenizer, "spec": spec},
+                               **map_kwargs(work, "kto", num_proc, len(ds)))
+        else:
+            tokenized = ds.map(_tokenize_pairs, remove_columns=ds.column_names, desc="tokenizing preference pairs",
+                               fn_kwargs={"tokenizer": tokenizer, "spec": spec},
+                               **map_kwargs(work, "pairs", num_proc, len(ds)))
     codes = np.asarray(tokenized.data.column("status").to_numpy())
     status = Counter(pair_tokens.STATUS[c] for c in codes.tolist())
     kept = np.flatnonzero(codes <= pair_tokens.STATUS.index("truncated"))
@@ -77,7 +91,8 @@ def pair_blocks(ds, tokenizer, spec: BlockSpec, num_proc: int, work: Path
     pairs = [pair_tokens.TokenPair(columns["chosen"][i], columns["chosen_trained"][i].astype(bool),
                                    columns["rejected"][i], columns["rejected_trained"][i].astype(bool), 0)
              for i in kept]
-    blocks, flags = pair_tokens.pack_pairs(pairs, spec.seq_length, tokenizer.eos_token_id) if pairs else (
+    undesirable = (np.asarray(tokenized.data.column("desirable").to_numpy())[kept] == 0) if spec.kto else None
+    blocks, flags = pair_tokens.pack_pairs(pairs, spec.seq_length, tokenizer.eos_token_id, undesirable) if pairs else (
         np.zeros((0, spec.seq_length), np.uint32), np.zeros((0, spec.seq_length), np.uint8))
     cut = int(np.asarray(tokenized.data.column("cut").to_numpy())[kept].sum())
     return blocks, flags, {s: status.get(s, 0) for s in pair_tokens.STATUS}, cut

@@ -65,15 +65,21 @@ def conversation_rows(ds) -> np.ndarray:
     return np.asarray(lengths.to_numpy(zero_copy_only=False)) > 0
 
 
-def preference_rows(ds) -> int:
-    """How many rows hold a preference pair: a non-empty `chosen` (DATA-HF's list of messages, or a hub dataset's
-    string), from the Arrow column alone."""
-    if "chosen" not in ds.column_names:
-        return 0
-    column = ds.data.column("chosen")
+def preference_rows(ds) -> tuple[int, int]:
+    """(pairs, unpaired): how many rows hold a preference pair (a non-empty `chosen` and `rejected`: DATA-HF's lists of
+    messages, or a hub dataset's strings) and how many one answer alone (KTO's unpaired records: chosen when
+    desirable, rejected when not), from the Arrow columns alone."""
+    if "chosen" not in ds.column_names or "rejected" not in ds.column_names:
+        return 0, 0
+    chosen, rejected = (np.asarray(_answer_sizes(ds.data.column(name)).to_numpy(zero_copy_only=False)) > 0
+                        for name in ("chosen", "rejected"))
+    return int((chosen & rejected).sum()), int((chosen ^ rejected).sum())
+
+
+def _answer_sizes(column):
     sizes = pc.list_value_length(column) if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) \
         else pc.utf8_length(pc.cast(column, pa.string()))
-    return int(pc.sum(pc.greater(pc.fill_null(sizes, 0), 0)).as_py() or 0)
+    return pc.fill_null(sizes, 0)
 
 
 DATA_RECORD = ".content-hashes.json"
@@ -147,6 +153,8 @@ class BlockSpec:
     stays text, so data cannot end a document or forge a chat turn."""
     pairs: bool = False
     """The dataset holds preference pairs: blocks of packed pairs (pipeline/data/pair_tokens.py)."""
+    kto: bool = False
+    """With pairs: the rows are KTO examples, each packed as its completion and its KL sequence."""
     train_reasoning: bool = True
     """A trained assistant turn's reasoning trace is a target (off: context)."""
 
@@ -161,6 +169,8 @@ class BlockSpec:
         key = {"seq_length": self.seq_length, "val_fraction": self.val_fraction, "seed": self.seed}
         if self.pairs:
             key["pairs"] = True
+        if self.kto:
+            key["kto"] = True
         if self.chats or self.pairs:
             key.update(train_on=self.train_on, chat_date=self.chat_date,
                        chat_template=hashlib.sha256(self.chat_template.encode()).hexdigest()[:16]

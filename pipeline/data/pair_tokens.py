@@ -7,6 +7,12 @@ longer than a block has its prompt cut from the left, as TRL's keep_end truncati
 whose answers alone do not fit is dropped. Pairs are packed best-fit decreasing by their two lengths together; in
 a block the chosen answer comes right before its rejected one, each starting a sequence (positions restart, so no
 sequence attends to another), and the flags say which is which.
+
+A KTO example is packed as a pair is: its completion in the chosen place (flagged UNDESIRABLE too when labelled
+so) and, in the rejected place, its KL sequence, the prompt followed by another record's completion (the record
+before it in the dataset, the first taking the last's: TRL's mismatched pairs, whose log-probability ratio estimates
+the KL term). A pair under KTO is two examples, its chosen answer desirable and its rejected one not, as TRL unpairs
+them.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ CHOSEN = 4
 """Flag bit of every token of a chosen answer's sequence (packing's TRAIN is 1, START 2)."""
 REJECTED = 8
 """Flag bit of every token of a rejected answer's sequence."""
+UNDESIRABLE = 16
+"""Flag bit of every token of a KTO example's completion labelled undesirable (its chosen place)."""
 STATUS = ("kept", "truncated", "dropped_too_long", "malformed", "template_mismatch", "template_error",
           "tools_not_rendered", "reasoning_not_rendered", "prompt_cut_too_far")
 MIN_PROMPT = 16
@@ -87,9 +95,11 @@ def fit_pair(pair: TokenPair, capacity: int) -> tuple[TokenPair | None, str]:
                      pair.prompt - cut), "truncated"
 
 
-def pack_pairs(pairs: list[TokenPair], capacity: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def pack_pairs(pairs: list[TokenPair], capacity: int, pad_id: int, undesirable: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
     """(blocks [n, capacity] uint32, flags uint8) of the pairs packed best-fit decreasing by their two lengths, the
-    chosen answer before its rejected one; the room left in a block is padding, one more untrained sequence."""
+    chosen answer before its rejected one; the room left in a block is padding, one more untrained sequence.
+    undesirable: per pair, KTO's label (the chosen place's sequence flagged UNDESIRABLE where true)."""
     bins = packing.best_fit_decreasing(np.array([len(p) for p in pairs], dtype=np.int64), capacity)
     blocks = np.full((len(bins), capacity), pad_id, dtype=np.uint32)
     flags = np.zeros((len(bins), capacity), dtype=np.uint8)
@@ -99,6 +109,8 @@ def pack_pairs(pairs: list[TokenPair], capacity: int, pad_id: int) -> tuple[np.n
             for ids, trained, role in ((pairs[i].chosen, pairs[i].chosen_trained, CHOSEN),
                                        (pairs[i].rejected, pairs[i].rejected_trained, REJECTED)):
                 blocks[b, at:at + len(ids)] = ids
+                if undesirable is not None and undesirable[i] and role == CHOSEN:
+                    role = CHOSEN | UNDESIRABLE
                 flags[b, at:at + len(ids)] = np.where(trained, packing.TRAIN, 0) | role
                 flags[b, at] |= packing.START
                 at += len(ids)
@@ -124,22 +136,55 @@ def tokenize_pairs_batch(batch: dict, tokenizer, date: str, capacity: int, keep_
                             "cut": []}
     for text, prompt, chosen, rejected in zip(batch["text"], batch["messages"], batch["chosen"], batch["rejected"],
                                               strict=True):
-        try:
-            whole = tokenize_pair(tokenizer, text, prompt, chosen, rejected, date, keep_as_text)
-            fitted, status = fit_pair(whole, capacity)
-        except BadConversation:
-            fitted, status = None, "malformed"
-        except chat_tokens.TemplateMismatch:
-            fitted, status = None, "template_mismatch"
-        except TemplateError:  # the template's own raise_exception
-            fitted, status = None, "template_error"
-        except NotRendered as exc:  # a hub dataset's answer with a trace or calls its template leaves out
-            fitted, status = None, str(exc)
-        empty_ids, empty_mask = np.zeros(0, np.uint32), np.zeros(0, np.uint8)
-        out["chosen"].append(fitted.chosen if fitted else empty_ids)
-        out["chosen_trained"].append(fitted.chosen_trained.astype(np.uint8) if fitted else empty_mask)
-        out["rejected"].append(fitted.rejected if fitted else empty_ids)
-        out["rejected_trained"].append(fitted.rejected_trained.astype(np.uint8) if fitted else empty_mask)
-        out["status"].append(STATUS.index(status))
-        out["cut"].append(whole.prompt - fitted.prompt if fitted else 0)
+        _add_fitted(out, tokenizer, (text, prompt, chosen, rejected), date, capacity, keep_as_text)
+    return out
+
+
+def _add_fitted(out: dict, tokenizer, parts: tuple, date: str, capacity: int, keep_as_text) -> None:
+    """One pair (prompt text, prompt messages, the two answers) tokenized and fitted, appended to out's columns."""
+    whole = None
+    try:
+        whole = tokenize_pair(tokenizer, *parts, date, keep_as_text)
+        fitted, status = fit_pair(whole, capacity)
+    except BadConversation:
+        fitted, status = None, "malformed"
+    except chat_tokens.TemplateMismatch:
+        fitted, status = None, "template_mismatch"
+    except TemplateError:  # the template's own raise_exception
+        fitted, status = None, "template_error"
+    except NotRendered as exc:  # a hub dataset's answer with a trace or calls its template leaves out
+        fitted, status = None, str(exc)
+    empty_ids, empty_mask = np.zeros(0, np.uint32), np.zeros(0, np.uint8)
+    out["chosen"].append(fitted.chosen if fitted else empty_ids)
+    out["chosen_trained"].append(fitted.chosen_trained.astype(np.uint8) if fitted else empty_mask)
+    out["rejected"].append(fitted.rejected if fitted else empty_ids)
+    out["rejected_trained"].append(fitted.rejected_trained.astype(np.uint8) if fitted else empty_mask)
+    out["status"].append(STATUS.index(status))
+    out["cut"].append(whole.prompt - fitted.prompt if fitted else 0)
+
+
+def kl_answer(row: dict, desirable: bool) -> list[dict]:
+    """The completion of the record before that a KTO example's KL sequence takes: a pair's answer of the same label
+    (its chosen one for a desirable example), an unpaired record's one."""
+    chosen, rejected = row["chosen"] or [], row["rejected"] or []
+    return chosen if (desirable and chosen) or not rejected else rejected
+
+
+def tokenize_kto_batch(batch: dict, indices: list[int], answers, tokenizer, date: str, capacity: int,
+                       keep_as_text) -> dict:
+    """datasets.map (with_indices) over preference rows as KTO examples: an unpaired row one, a pair two (chosen
+    desirable, rejected not); each example's completion and KL sequence fitted into a block as a pair's two answers,
+    with its label (desirable). answers: the dataset's chosen and rejected columns, where the KL completion of a
+    batch's first row is read (row i takes row i - 1's, row 0 the last row's)."""
+    out: dict[str, list] = {"chosen": [], "chosen_trained": [], "rejected": [], "rejected_trained": [], "status": [],
+                            "cut": [], "desirable": []}
+    rows = [dict(zip(("chosen", "rejected"), r, strict=True)) for r in zip(batch["chosen"], batch["rejected"],
+                                                                              strict=True)]
+    for k, (i, text, prompt, row) in enumerate(zip(indices, batch["text"], batch["messages"], rows, strict=True)):
+        before = rows[k - 1] if k else answers[(i - 1) % len(answers)]
+        for desirable, answer in ((True, row["chosen"]), (False, row["rejected"])):
+            if answer:
+                _add_fitted(out, tokenizer, (text, prompt, answer, kl_answer(before, desirable)), date, capacity,
+                            keep_as_text)
+                out["desirable"].append(int(desirable))
     return out

@@ -372,6 +372,9 @@ def _write_blocks(final: Path, out: Path, work: Path, spec: BlockSpec, blocks: n
             "pairs_kept": pair_tokens.count_pairs(flags),
             "targets": writer.targets, "blocks": len(blocks), "train_blocks": len(blocks) - n_val, "val_blocks": n_val,
             "seq_length": spec.seq_length, "rows": rows, "flags": True}
+    if spec.kto:
+        undesirable = int(((flags & packing.START) > 0)[(flags & pair_tokens.UNDESIRABLE) > 0].sum())
+        meta["kto"] = {"desirable": meta["pairs_kept"] - undesirable, "undesirable": undesirable}
     (final / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     _publish(final, out, work)
 

@@ -1,4 +1,5 @@
-"""The run's objective from its config: the causal-LM loss (sft), or a preference objective with its reference."""
+"""The run's objective from its config: the causal-LM loss (sft), a preference objective or KTO with its
+reference."""
 
 from __future__ import annotations
 
@@ -10,23 +11,27 @@ from pipeline.config import ObjectiveConfig
 from pipeline.model.adapters import adapters_disabled
 from pipeline.model.head import Head
 from pipeline.objectives.causal_lm import CausalLMLoss
+from pipeline.objectives.kto import KTOObjective, KTOSettings
 from pipeline.objectives.objective import Objective
 from pipeline.objectives.preference import PreferenceObjective, Reference
 from pipeline.objectives.preference_losses import PreferenceSettings
 from pipeline.objectives.reference import adapters_off
 
-REFERENCE_OBJECTIVES = ("dpo", "ipo")
+REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
 """Objectives measured against a reference: the base with the adapters off, or log-probabilities computed before
 training (full fine-tuning, --reference-model)."""
 
 
 def make_objective(o: ObjectiveConfig, head: Head, reference: Reference | None = None) -> Objective:
     """What the trainer calls on each micro-batch, blind to which: (batch, items of the step) -> loss. reference:
-    DPO's and IPO's, when not the base with the adapters off (reference.precomputed, reference.none)."""
+    DPO's, IPO's and KTO's, when not the base with the adapters off (reference.precomputed, reference.none)."""
     if not o.preference:
         return CausalLMLoss(head)
-    settings = PreferenceSettings(o.objective, o.pref_beta, o.pref_label_smoothing, o.simpo_gamma, o.orpo_lambda)
     off: Callable[[], contextlib.AbstractContextManager] = functools.partial(adapters_disabled, head.model)
+    if o.objective == "kto":
+        return KTOObjective(head, KTOSettings(o.pref_beta, o.kto_desirable_weight, o.kto_undesirable_weight),
+                            reference or adapters_off(head, off))
+    settings = PreferenceSettings(o.objective, o.pref_beta, o.pref_label_smoothing, o.simpo_gamma, o.orpo_lambda)
     if o.objective not in REFERENCE_OBJECTIVES:
         return PreferenceObjective(head, settings, None)
     return PreferenceObjective(head, settings, reference or adapters_off(head, off))

@@ -33,6 +33,7 @@ class CausalLMLoss:
     """
 
     counted = "trained_tokens"
+    shown = ()
 
     def __init__(self, head: Head):
         self.head = head

@@ -35,7 +35,11 @@ class HeldOut:
 
 class Objective(Protocol):
     counted: str
-    """What items() counts, as the log names its rate: "trained_tokens" or "pairs" (`trained_tokens_per_s`...)."""
+    """What items() counts, as the log names its rate: "trained_tokens", "pairs" or "examples"
+    (`trained_tokens_per_s`...)."""
+    shown: tuple[tuple[str, str], ...]
+    """(metric, short name) of the figures the log line shows beside the loss, in the training and the validation
+    line; none: the validation line shows the perplexity."""
 
     def __call__(self, batch: Batch, num_items: float) -> torch.Tensor:
         """The batch's share of the step's loss, its sum divided by num_items (the step's items over every rank and

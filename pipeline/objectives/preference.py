@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from pipeline.data import packing
 from pipeline.data.batches import Batch
-from pipeline.data.pair_tokens import CHOSEN, REJECTED, count_pairs
+from pipeline.data.pair_tokens import CHOSEN, REJECTED, UNDESIRABLE, count_pairs
 from pipeline.model.head import Head
 from pipeline.model.vocab_parallel import IGNORE
 from pipeline.objectives.objective import HeldOut
@@ -36,7 +36,8 @@ objective reads, in their order): objectives/reference.py."""
 
 def answers(flags: torch.Tensor, labels: torch.Tensor, logps: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per pair of the rows (in order), the summed log-probability and the target count of its chosen and rejected
-    answers. A position's log-probability is its next token's, which belongs to the sequence that token is in."""
+    answers, and whether its chosen place holds a KTO completion labelled undesirable. A position's log-probability
+    is its next token's, which belongs to the sequence that token is in."""
     starts = (flags & packing.START) > 0
     seq = torch.cumsum(starts.flatten().long(), 0).view(flags.shape) - 1  # every row begins with a START
     owner = torch.cat([seq[:, 1:], seq[:, -1:]], 1)  # position t predicts token t + 1
@@ -47,7 +48,7 @@ def answers(flags: torch.Tensor, labels: torch.Tensor, logps: torch.Tensor) -> d
     first = flags.flatten()[starts.flatten()]
     chosen, rejected = (first & CHOSEN) > 0, (first & REJECTED) > 0
     return {"chosen": sums[chosen], "rejected": sums[rejected], "chosen_len": lengths[chosen],
-            "rejected_len": lengths[rejected]}
+            "rejected_len": lengths[rejected], "undesirable": (first[chosen] & UNDESIRABLE) > 0}
 
 
 def sequence_logps(head: Head, batch: Batch) -> dict[str, torch.Tensor]:
@@ -61,6 +62,7 @@ class PreferenceObjective:
     """DPO, IPO, SimPO or ORPO over a batch of packed pairs, strategy-blind: the head says how the model is run."""
 
     counted = "pairs"
+    shown = (("rewards/accuracies", "accuracy"), ("rewards/margins", "margin"))
 
     def __init__(self, head: Head, settings: PreferenceSettings, reference: Reference | None):
         self.head, self.settings, self.reference = head, settings, reference

@@ -114,8 +114,9 @@ FEATURES = datasets.Features({
 chats trains in one run, each row in its own way) and its tool schemas in tools ("" for none). A message's optional
 fields (conversations.OPTIONAL) are null where it has none; datasets written before they existed have role and
 content alone and still read. A preference row has its chosen and rejected answers (each a list of assistant
-messages), and its prompt in messages (conversational) or in text (standard); the other rows have them empty. A
-dataset holds preference rows alone (DATA-HF refuses a folder that mixes them with others)."""
+messages), and its prompt in messages (conversational) or in text (standard); an unpaired (KTO) row has one of them,
+chosen when labelled desirable, rejected when not; the other rows have them empty. A dataset holds preference rows
+alone (DATA-HF refuses a folder that mixes them with others)."""
 
 
 @dataclass
@@ -458,7 +459,9 @@ def format_summary(report: dict) -> str:
         where = report["records_in_wrappers"]["where"]
         lines.append(f"  lists of records read from inside an object: {wrapped} ({', '.join(where[:3])}"
                      f"{' ...' if len(where) > 3 else ''}; the object's other values are not text)")
-    lines += _kind_lines(report["preferences"], "preference pairs", "preference records", "by_form")
+    unpaired = report["preferences"]["by_form"].get("unpaired", 0)
+    kept = "preference records" if unpaired else "preference pairs"  # KTO's unpaired records are no pairs
+    lines += _kind_lines(report["preferences"], kept, "preference records", "by_form")
     lines += _kind_lines(report["conversations"], "conversations", "conversations", "by_format")
     lines.append(f"  report: {Path(report['save_dir']) / REPORT}")
     return "\n".join(lines)

@@ -1,13 +1,18 @@
-"""Preference records (a chosen and a rejected answer to one prompt) in the forms TRL reads, turned into one: a Pair.
+"""Preference records in the forms TRL reads, turned into one: a Pair.
 
+Paired (a chosen and a rejected answer to one prompt):
     standard         {"prompt": "...", "chosen": "...", "rejected": "..."}
     conversational   {"prompt": [messages], "chosen": [messages], "rejected": [messages]}
     implicit prompt  {"chosen": [messages], "rejected": [messages]}: whole conversations sharing their first turns,
                      which are the prompt
+Unpaired (KTO's: one completion, labelled desirable or not):
+    standard         {"prompt": "...", "completion": "...", "label": true}
+    conversational   {"prompt": [messages], "completion": [messages], "label": false}
 
-Any record with a "chosen" or a "rejected" key is one of these or is skipped by reason; never text (its rejected
-answers would be trained on) nor a conversation. An unpaired preference record (KTO's prompt, completion and label)
-is skipped by reason too: a completion labelled bad must not become a conversation to imitate.
+Any record with a "chosen" or a "rejected" key, or with a prompt, a completion and a label, is one of these or is
+skipped by reason; never text (its rejected answers would be trained on) nor a conversation (a completion labelled
+bad must not become one to imitate). An unpaired record is a Pair with one answer: chosen when its label is true,
+rejected when false, the other empty.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 from pipeline.prep import conversations
 
 REASONS = ("missing_field", "malformed_message", "tool_calls", "reasoning_trace", "empty_answer", "same_answers",
-           "prompt_not_shared", "not_alternating", "unpaired_preference")
+           "prompt_not_shared", "not_alternating", "bad_label")
 """Why a preference record is skipped."""
 ANSWER_ROLE = "assistant"
 
@@ -35,12 +40,19 @@ class Pair:
     prompt_text: str
     prompt_messages: list[dict]
     chosen: list[dict]
-    """The chosen answer: assistant messages continuing the prompt (a standard pair's: one, its text)."""
+    """The chosen answer: assistant messages continuing the prompt (a standard pair's: one, its text); an unpaired
+    record's completion when labelled desirable, else empty."""
     rejected: list[dict]
+    """The rejected answer; an unpaired record's completion when labelled undesirable, else empty."""
 
     @property
     def conversational(self) -> bool:
         return bool(self.prompt_messages)
+
+    @property
+    def unpaired(self) -> bool:
+        """A KTO record: one answer, its label which of the two it is."""
+        return not (self.chosen and self.rejected)
 
     @property
     def chars(self) -> int:
@@ -50,8 +62,8 @@ class Pair:
 
 def detect(record: object) -> str | None:
     """The preference form of a JSON value ("standard", "conversational", "implicit", "row" for a pair of our own
-    datasets read back, or "unpaired" for a KTO record, "incomplete" for a chosen without a rejected or the reverse),
-    None when it is no preference record."""
+    datasets read back, paired or not), "unpaired" for a KTO record, "incomplete" for a chosen without a rejected or
+    the reverse, None when it is no preference record."""
     if not isinstance(record, dict):
         return None
     if "text" in record and isinstance(record.get("messages"), list) and set(record) <= conversations.OWN_ROW:
@@ -72,7 +84,7 @@ def to_pair(record: dict, form: str) -> Pair:
     if form == "incomplete":
         raise BadPair("missing_field")
     if form == "unpaired":
-        raise BadPair("unpaired_preference")
+        return _unpaired(record)
     if record.get("tools") not in (None, "", [], "[]"):  # schemas a pair's template would need: not trained yet
         raise BadPair("tool_schemas")
     if form == "row":  # read back from our own dataset: the prompt in messages (conversational) or in text
@@ -83,6 +95,9 @@ def to_pair(record: dict, form: str) -> Pair:
                     _messages(record.get("rejected") or []))
         if prompt:
             _check_turns(pair)
+        if pair.unpaired and (pair.chosen or pair.rejected):  # a KTO record of ours: its one answer
+            _check_answers(pair)
+            return pair
     elif form == "standard":
         parts = (record["prompt"], record["chosen"], record["rejected"])
         if not all(isinstance(p, str) for p in parts):
@@ -95,6 +110,27 @@ def to_pair(record: dict, form: str) -> Pair:
         _check_turns(pair)
     else:
         pair = _split_shared_prompt(_messages(record["chosen"]), _messages(record["rejected"]))
+        _check_turns(pair)
+    _check_answers(pair)
+    return pair
+
+
+def _unpaired(record: dict) -> Pair:
+    """A KTO record: its completion as the chosen answer (label true) or the rejected one (label false). The label
+    must be a JSON boolean: a string "false" or a number would be a guess at which answer to imitate."""
+    if record.get("tools") not in (None, "", [], "[]"):
+        raise BadPair("tool_schemas")
+    label, prompt, completion = record["label"], record["prompt"], record["completion"]
+    if not isinstance(label, bool):
+        raise BadPair("bad_label")
+    if isinstance(prompt, str):
+        if not isinstance(completion, str):
+            raise BadPair("malformed_message")
+        answer, pair_prompt, text = [_answer(completion)], [], prompt
+    else:
+        answer, pair_prompt, text = _messages(completion), _messages(prompt), ""
+    pair = Pair(text, pair_prompt, answer if label else [], [] if label else answer)
+    if pair_prompt:
         _check_turns(pair)
     _check_answers(pair)
     return pair
@@ -137,6 +173,8 @@ def _check_turns(pair: Pair) -> None:
     if not prompt or prompt[-1]["role"] != "user":
         raise BadPair("not_alternating")
     for answer in (pair.chosen, pair.rejected):
+        if not answer and pair.unpaired:  # a KTO record's other answer
+            continue
         if answer and answer[0]["role"] != ANSWER_ROLE:
             raise BadPair("not_alternating")
         try:
@@ -148,7 +186,8 @@ def _check_turns(pair: Pair) -> None:
 
 
 def _check_answers(pair: Pair) -> None:
-    for answer in (pair.chosen, pair.rejected):
+    answers = [a for a in (pair.chosen, pair.rejected) if a] if pair.unpaired else [pair.chosen, pair.rejected]
+    for answer in answers or [[]]:
         if not answer or any(not m["content"].strip() for m in answer):
             raise BadPair("empty_answer")
     if pair.chosen == pair.rejected:
@@ -156,8 +195,8 @@ def _check_answers(pair: Pair) -> None:
 
 
 def files_holding(shards: list[str], pairs: bool, shown: int = 3) -> str:
-    """The source files of a folder's preference pairs (pairs) or of its other rows, read back from DATA-HF's Arrow
-    shards, with their rows of that kind: where a folder that mixes the two has the fewer."""
+    """The source files of a folder's preference rows (pairs, or KTO's unpaired records) or of its other rows, read
+    back from DATA-HF's Arrow shards, with their rows of that kind: where a folder that mixes the two has the fewer."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -165,7 +204,8 @@ def files_holding(shards: list[str], pairs: bool, shown: int = 3) -> str:
     for shard in shards:
         with pa.ipc.open_stream(shard) as reader:
             table = reader.read_all()
-        is_pair = pc.greater(pc.list_value_length(table.column("chosen")), 0)
+        is_pair = pc.or_(pc.greater(pc.list_value_length(table.column("chosen")), 0),
+                         pc.greater(pc.list_value_length(table.column("rejected")), 0))
         for source, flag in zip(table.column("source").to_pylist(), is_pair.to_pylist(), strict=True):
             if flag == pairs:
                 found[source] += 1

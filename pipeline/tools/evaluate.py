@@ -12,7 +12,8 @@ also (or only) lm-evaluation-harness tasks, offline, on the same model (eval/har
 On a dataset of preference pairs it scores the pairs as DPO does (--objective and --pref-beta choose how): the loss,
 the preference accuracy (how often the chosen answer's reward is the higher) and the mean margin, against --reference
 (its log-probabilities computed once and kept beside the token cache), an adapter's base with the adapter off, or
-without either the model's own log-probabilities.
+without either the model's own log-probabilities. On KTO's unpaired records, as KTO does: the loss, the mean margin
+of the desirable and undesirable completions' rewards and the KL term.
 """
 
 from __future__ import annotations
@@ -126,17 +127,17 @@ def resolve(argv: list[str] | None) -> tuple[Config, AdapterFolder | None, argpa
 
 def scored_as(cfg: Config, reference: str | None) -> Config:
     """Pairs are scored by a preference objective (dpo unless another is given: the next-token loss of both answers
-    would say nothing of the preference), with --reference as its reference model; anything else by the causal-LM
-    loss."""
-    pairs = bool(cfg.data.dataset_name) and bool(preference_rows(load_text_dataset(cfg.data.dataset_name)))
-    if reference and not pairs:
+    would say nothing of the preference), unpaired records by kto, with --reference as its reference model; anything
+    else by the causal-LM loss."""
+    pairs, unpaired = preference_rows(load_text_dataset(cfg.data.dataset_name)) if cfg.data.dataset_name else (0, 0)
+    if reference and not pairs and not unpaired:
         raise UserError("--reference is for a dataset of preference pairs: the rewards of their answers are measured "
                         "against it")
-    if not pairs:
+    if not pairs and not unpaired:
         return cfg
-    objective = cfg.objective.objective if cfg.objective.preference else "dpo"
+    objective = "kto" if unpaired else cfg.objective.objective if cfg.objective.preference else "dpo"
     if reference and objective not in REFERENCE_OBJECTIVES:
-        raise UserError(f"--reference is for --objective dpo or ipo, not {objective}, which has no reference")
+        raise UserError(f"--reference is for --objective dpo, ipo or kto, not {objective}, which has no reference")
     return dataclasses.replace(cfg, objective=dataclasses.replace(cfg.objective, objective=objective,
                                                                   reference_model=reference or ""))
 
@@ -260,24 +261,28 @@ def held_out_figures(cfg: Config, args: argparse.Namespace, result: HeldOut) -> 
     if not cfg.objective.preference:
         return {**data, "ppl": finite_or_text(result.ppl), "tokens": result.tokens}
     reference = cfg.objective.reference_model or ("the base, adapter off" if cfg.model.adapter != "none" else None)
-    return {**data, "objective": cfg.objective.objective, "pref_beta": cfg.objective.pref_beta,
-            "reference": reference if cfg.objective.objective in REFERENCE_OBJECTIVES else None, "pairs": result.tokens,
-            "preference_accuracy": result.metrics["rewards/accuracies"],
+    data.update(objective=cfg.objective.objective, pref_beta=cfg.objective.pref_beta,
+                reference=reference if cfg.objective.objective in REFERENCE_OBJECTIVES else None)
+    if cfg.objective.objective == "kto":  # no pairs, so no accuracy: the margin of the two labels' rewards
+        return {**data, "examples": result.tokens, "mean_margin": result.metrics["rewards/margins"], **result.metrics}
+    return {**data, "pairs": result.tokens, "preference_accuracy": result.metrics["rewards/accuracies"],
             "mean_margin": result.metrics["rewards/margins"], **result.metrics}
 
 
 def table(report: dict) -> str:
     model = report["base_model"] + (f" + adapter {report['adapter']}" if report["adapter"] else "")
     cut = f"{report['dataset']} ({report['split']}: {report['blocks']:,} blocks of {report['seq_length']} tokens, "
-    if "pairs" not in report:
+    if "objective" not in report:
         rows = {"model": model, "dataset": cut + f"{report['tokens']:,} target tokens)",
                 "loss": _figure(report["loss"], ".5f"), "ppl": _figure(report["ppl"], ".3f")}
     else:
-        rows = {"model": model, "dataset": cut + f"{report['pairs']:,} pairs)",
+        items = "pairs" if "pairs" in report else "examples"
+        rows = {"model": model, "dataset": cut + f"{report[items]:,} {items})",
                 "reference": report["reference"] or "none (the model's own log-probabilities)",
                 f"{report['objective']} loss": _figure(report["loss"], ".5f"),
-                "accuracy": format(report["preference_accuracy"], ".4f"),
-                "margin": format(report["mean_margin"], ".4f")}
+                **({"accuracy": format(report["preference_accuracy"], ".4f")} if items == "pairs" else {}),
+                "margin": format(report["mean_margin"], ".4f"),
+                **({"kl": format(report["kl"], ".4f")} if "kl" in report else {})}
     width = max(map(len, rows)) + 1
     return "\n".join(f"{k:<{width}} {v}" for k, v in rows.items())
 

@@ -160,12 +160,14 @@ def log_cache_meta(path: Path) -> None:
         log.info("%s: %s; %d blocks of them, %d of text", what, counts, meta["chat_blocks"], meta["text_blocks"])
     if "pairs" in meta:
         counts, cut = meta["pairs"], meta.get("pairs_prompt_tokens_cut", 0)
-        log.info("preference pairs: %s; %d blocks of them", ", ".join(f"{k} {v}" for k, v in counts.items() if v),
-                 meta["pair_blocks"])
+        what = "KTO examples (each its completion and its KL sequence)" if "kto" in meta else "preference pairs"
+        log.info("%s: %s; %d blocks of them%s", what, ", ".join(f"{k} {v}" for k, v in counts.items() if v),
+                 meta["pair_blocks"], "; of those kept, {desirable} desirable and {undesirable} undesirable".format(
+                     **meta["kto"]) if "kto" in meta else "")
         if counts.get("truncated"):
-            log.warning("%d preference pairs were longer than a block and had their prompts cut from the left: %d "
-                        "prompt tokens in all, %.1f a pair (a larger --seq-length keeps them whole)",
-                        counts["truncated"], cut, cut / counts["truncated"])
+            log.warning("%d %s were longer than a block and had their prompts cut from the left: %d prompt tokens in "
+                        "all, %.1f each (a larger --seq-length keeps them whole)", counts["truncated"],
+                        what.split(" (")[0], cut, cut / counts["truncated"])
     if split := meta.get("turn_by_turn"):
         log.info("%d conversations trained turn by turn (their template rewrites earlier turns) as %d samples: "
                  "%d tokens more than one rendering of each (+%.1f%%)", split["conversations"], split["samples"],

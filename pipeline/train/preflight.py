@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import Config, ModelConfig
+from pipeline.config import Config, ModelConfig, ObjectiveConfig
 from pipeline.data.dataset import (
     BlockSpec,
     conversation_rows,
@@ -106,11 +106,16 @@ def run_fingerprint(cfg: Config, model_dir: Path, hf_config, data: list[DataSour
         "dataset": dataset,
         **spec.key(),
         **({"adapter": adapter_settings(cfg.model)} if cfg.model.adapter != "none" else {}),
-        # an SFT run's fingerprint has no such field, so runs from before preference objectives still resume
-        # (and reference_model only where given, so runs from before it still resume)
-        **({"objective": {k: v for k, v in dataclasses.asdict(cfg.objective).items()
-                          if k != "reference_model" or v}} if cfg.objective.preference else {}),
+        **({"objective": objective_settings(cfg.objective)} if cfg.objective.preference else {}),
     }
+
+
+def objective_settings(o: ObjectiveConfig) -> dict:
+    """A preference run's objective as its fingerprint holds it. An SFT run's fingerprint has no such field, so runs
+    from before preference objectives still resume; reference_model only where given and KTO's weights only under
+    kto, so runs from before those existed still resume."""
+    return {k: v for k, v in dataclasses.asdict(o).items()
+            if (k != "reference_model" or v) and (k not in o.KTO_ONLY or o.objective == "kto")}
 
 
 def adapter_settings(m: ModelConfig) -> dict:
@@ -171,14 +176,21 @@ def check_base_weights(cfg: Config, model_dir: Path) -> WeightCheck:
     return check
 
 
-def check_objective(cfg: Config, pairs: int) -> None:
+def check_objective(cfg: Config, pairs: int, unpaired: int) -> None:
     """The objective fits the data: pairs train with a preference objective (SFT on them would train the prompts
-    alone), text and conversations with sft."""
+    alone), unpaired records with kto (any other would read a labelled completion as a pair or as an answer to
+    imitate), text and conversations with sft."""
     objective, data = cfg.objective.objective, cfg.data.dataset_name
+    if unpaired and objective != "kto":
+        raise UserError(f"{data} holds {unpaired:,} unpaired preference records (a prompt, one completion and its "
+                        "label): train them with --objective kto")
     if pairs and objective == "sft":
         raise UserError(f"{data} holds {pairs:,} preference pairs (chosen and rejected answers): train them with "
-                        "--objective dpo, ipo, simpo or orpo")
-    if not pairs and objective != "sft":
+                        "--objective dpo, ipo, simpo, orpo or kto")
+    if not pairs and not unpaired and objective == "kto":
+        raise UserError(f"--objective kto trains on labelled completions and {data} holds none (DATA-HF reads "
+                        "records with a prompt, a completion and a true/false label, and pairs, as KTO's records)")
+    if not pairs and objective not in ("sft", "kto"):
         raise UserError(f"--objective {objective} trains on preference pairs and {data} holds none (DATA-HF reads "
                         "records with chosen and rejected answers as pairs)")
 
@@ -238,7 +250,7 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
     spec = BlockSpec(cfg.data.seq_length, cfg.data.val_fraction, cfg.run.seed, chats, cfg.data.train_on,
                      cfg.data.chat_date, cfg.data.chat_template and tokenizer.chat_template, cfg.data.document_mask,
                      cfg.data.allow_special_tokens_in_data, pairs=cfg.objective.preference,
-                     train_reasoning=cfg.data.train_on_reasoning)
+                     kto=cfg.objective.objective == "kto", train_reasoning=cfg.data.train_on_reasoning)
     fingerprint = run_fingerprint(cfg, model_dir, hf_config, data, spec)
     check_cache_root(cfg, inputs(cfg, model_dir))
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -257,12 +269,13 @@ def load_sources(cfg: Config) -> list[DataSource]:
             raise UserError(f"--dataset-name: {d.source.path} and {held[d.fingerprint]} hold the same dataset (one "
                             "fingerprint); a mixture names each dataset once, with one weight")
         held[d.fingerprint] = d.source.path
-    pairs = sum(preference_rows(d.dataset) for d in data)
-    if len(data) > 1 and (pairs or cfg.objective.preference):
+    counts = [preference_rows(d.dataset) for d in data]
+    pairs, unpaired = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    if len(data) > 1 and (pairs or unpaired or cfg.objective.preference):
         raise UserError(f"--dataset-name {cfg.data.dataset_name} mixes datasets for a preference objective or of "
                         "preference pairs: a mixture trains text and conversations with --objective sft; train pairs "
                         "from one dataset")
-    check_objective(cfg, pairs)
+    check_objective(cfg, pairs, unpaired)
     return data
 
 

@@ -433,13 +433,13 @@ class Trainer:
                   **self.objective.read_metrics(reduce=True)}
         telemetry.event("train", self.step, **fields)
         t = fields["time_ms"]
-        rate = "pairs/s" if self.objective.counted == "pairs" else "trained_tok/s"
+        tokens = self.objective.counted == "trained_tokens"
+        rate = "trained_tok/s" if tokens else f"{self.objective.counted}/s"
         telemetry.human({"global_step": self.step, "epoch": fields["epoch"], "loss": round(fields["loss"], 4),
                          "lr": f"{fields['lr']:.3g}", "grad_norm": round(fields["grad_norm"], 4),
                          "tok/s": round(tokens_per_s),
-                         rate: round(fields[f"{self.objective.counted}_per_s"], 2 if rate == "pairs/s" else None),
-                         "mfu": fields["mfu"], **{k: round(fields[k], 4) for k in ("rewards/accuracies",
-                                                                                   "rewards/margins") if k in fields},
+                         rate: round(fields[f"{self.objective.counted}_per_s"], None if tokens else 2),
+                         "mfu": fields["mfu"], **{k: round(fields[k], 4) for k, _ in self.objective.shown},
                          **{f"time/{k}": t[k] for k in t},
                          "mem/peak_alloc_gb": fields["mem_gb"]["peak_alloc"]})
 
@@ -474,10 +474,9 @@ class Trainer:
         costs = {"seconds": round(time.perf_counter() - sampled, 6),
                  **({"sample_seconds": round(sampled - start, 6)} if self.plan.prompts else {})}
         telemetry.event("eval", self.step, loss=val.loss, ppl=val.ppl, **val.metrics, **by_source, **costs)
-        # a preference objective's mean is over pairs: its exp is no perplexity, its accuracy and margin say more
-        m = val.metrics
-        shown = ({"eval_accuracy": round(m["rewards/accuracies"], 4), "eval_margin": round(m["rewards/margins"], 4)}
-                 if "rewards/accuracies" in m else {"eval_ppl": round(val.ppl, 3)})
+        # a preference objective's mean is over pairs or examples: its exp is no perplexity, its figures say more
+        shown = ({f"eval_{name}": round(val.metrics[k], 4) for k, name in self.objective.shown}
+                 or {"eval_ppl": round(val.ppl, 3)})
         telemetry.human({"global_step": self.step, "eval_loss": round(val.loss, 5), **shown,
                          **{k: None if v is None else round(v, 5) for k, v in by_source.items()}})
         if self.cfg.run.save_best and self.step > 0 and val.loss < self.best_val:  # step 0 is the base, not a result

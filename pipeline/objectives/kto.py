@@ -1,0 +1,134 @@
+"""KTO (Ethayarajh et al. 2024, as TRL's KTOTrainer computes it) over blocks of packed KTO examples
+(pipeline/data/pair_tokens.py: each example's completion, then its KL sequence, the prompt with another record's
+completion).
+
+Per example, with r = log pi(y|x) - log pi_ref(y|x) summed over the completion's tokens:
+    desirable     w_d * (1 - sigmoid(beta * (r - z)))
+    undesirable   w_u * (1 - sigmoid(beta * (z - r)))
+where z, the KL term, is the mean over the micro-step's KL sequences of the same ratio, without gradient, clamped at
+0. TRL takes z over each process's batch and then the mean of the processes' figures; here the mean is over every
+rank's KL sequences of the micro-step (equal when the ranks hold as many examples, as they do in TRL's batches).
+
+The window's figures carry TRL's names: kl, rewards/chosen and rewards/rejected (beta * r of the desirable and the
+undesirable completions), rewards/margins (their difference), logps/chosen, logps/rejected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pipeline.data.batches import Batch
+from pipeline.data.pair_tokens import count_pairs
+from pipeline.model.head import Head
+from pipeline.objectives.objective import HeldOut
+from pipeline.objectives.preference import Reference, sequence_logps
+
+METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+"""TRL's names for what a window of KTO examples averages."""
+
+
+@dataclass(frozen=True)
+class KTOSettings:
+    beta: float = 0.1
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+
+
+def kto_losses(s: KTOSettings, logps: torch.Tensor, ref_logps: torch.Tensor, undesirable: torch.Tensor,
+               kl: torch.Tensor) -> torch.Tensor:
+    """Each example's loss from the policy's and the reference's summed log-probabilities of its completion, its
+    label and the batch's KL term (a scalar, no gradient)."""
+    ratio = logps - ref_logps
+    desirable = s.desirable_weight * (1 - F.sigmoid(s.beta * (ratio - kl)))
+    return torch.where(undesirable, s.undesirable_weight * (1 - F.sigmoid(s.beta * (kl - ratio))), desirable)
+
+
+class KTOObjective:
+    """KTO over a batch of packed examples, strategy-blind: the head says how the model is run."""
+
+    counted = "examples"
+    shown = (("rewards/margins", "margin"), ("kl", "kl"))
+
+    def __init__(self, head: Head, settings: KTOSettings, reference: Reference):
+        self.head, self.settings, self.reference = head, settings, reference
+        self.window: torch.Tensor | None = None
+        """Examples, desirable ones, then the sums of their rewards and log-probabilities, and the KL terms of the
+        micro-steps with their count, since the window was last read (on the device: read once per window)."""
+
+    def items(self, ids: np.ndarray, flags: np.ndarray | None, valid_rows: int | None = None) -> int:
+        return count_pairs(flags, valid_rows)
+
+    def closing(self, base: HeldOut, final: HeldOut) -> str:
+        b, f = base.metrics, final.metrics
+        return (f"kto loss {base.loss:.4f} -> {final.loss:.4f} over {final.tokens} examples; reward margin "
+                f"(desirable - undesirable) {b['rewards/margins']:.4f} -> {f['rewards/margins']:.4f}, kl "
+                f"{b['kl']:.4f} -> {f['kl']:.4f}")
+
+    @contextlib.contextmanager
+    def window_apart(self) -> Iterator[None]:
+        kept, self.window = self.window, None
+        try:
+            yield
+        finally:
+            self.window = kept
+
+    def kl_term(self, ratios: torch.Tensor) -> torch.Tensor:
+        """The mean of the KL sequences' log-probability ratios over every rank's examples of this micro-step, at
+        least 0 (0 where there is none). A collective off the vocabulary-parallel path: every rank calls it once per
+        micro-step, as it calls the objective."""
+        total = torch.stack([ratios.sum(), ratios.new_tensor(float(len(ratios)))]).double()
+        if not self.head.vocab_parallel and dist.is_initialized():  # there every rank saw every example already
+            dist.all_reduce(total)
+        kl = total[0] / total[1].clamp(min=1)
+        return kl.clamp(min=0).to(ratios.dtype)
+
+    def __call__(self, batch: Batch, num_items: float) -> torch.Tensor:
+        got = sequence_logps(self.head, batch)
+        with torch.no_grad():
+            ref, ref_kl = self.reference(batch)
+        keep = (got["chosen_len"] > 0) & (got["rejected_len"] > 0)  # a padding row's examples have no target
+        logps, undesirable, ref = got["chosen"][keep], got["undesirable"][keep], ref[keep]
+        with torch.no_grad():
+            kl = self.kl_term(got["rejected"][keep] - ref_kl[keep])
+        losses = kto_losses(self.settings, logps, ref, undesirable, kl)
+        self._add(logps.detach(), ref, undesirable, kl)
+        loss = losses.sum() / max(float(num_items), 1.0)
+        # as the causal-LM loss: the vocabulary-parallel sum over every rank's examples is already global; this
+        # rank's share is scaled by the world size, which the wrappers average over
+        return loss if self.head.vocab_parallel else loss * self.head.world_size
+
+    def _add(self, logps: torch.Tensor, ref: torch.Tensor, undesirable: torch.Tensor, kl: torch.Tensor) -> None:
+        rewards = self.settings.beta * (logps - ref)
+        good = ~undesirable
+        values = torch.stack([logps.new_tensor(float(len(logps))), good.sum().to(logps.dtype), rewards[good].sum(),
+                              rewards[undesirable].sum(), logps[good].sum(), logps[undesirable].sum(), kl,
+                              logps.new_tensor(1.0)]).double()
+        self.window = values if self.window is None else self.window + values
+
+    def read_metrics(self, reduce: bool) -> dict[str, float]:
+        """The window's figures, then reset: rewards and log-probabilities averaged over the desirable and the
+        undesirable examples (NaN where the window has none of one), kl over its micro-steps. reduce: summed over the
+        ranks first (not on the vocabulary-parallel path, where every rank saw every example). A collective when
+        reduce."""
+        window, self.window = self.window, None
+        if window is None:
+            window = torch.zeros(8, dtype=torch.float64, device=next(self.head.model.parameters()).device)
+        if reduce and not self.head.vocab_parallel and dist.is_initialized():
+            dist.all_reduce(window)
+        n, good, r_good, r_bad, l_good, l_bad, kl, steps = window.tolist()  # a host sync, once per window
+        bad = n - good
+
+        def mean(total: float, count: float) -> float:
+            return total / count if count else float("nan")
+
+        chosen, rejected = mean(r_good, good), mean(r_bad, bad)
+        return {"kl": mean(kl, steps), "rewards/chosen": chosen, "rewards/rejected": rejected,
+                "rewards/margins": chosen - rejected, "logps/chosen": mean(l_good, good),
+                "logps/rejected": mean(l_bad, bad)}
