@@ -75,6 +75,13 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 	$(PY) -m pipeline.evaluate $(DEMO)/outputs/dpo/hf --reference $(DEMO)/outputs/chat/hf \
 		--config $(DEMO)/outputs/dpo/config.yaml
 	@echo
+	@echo "== KTO: the same kind of adapters taught from single answers labelled good or bad (no pairs): the margin of"
+	@echo "   the good answers' rewards over the bad ones' grows from 0"
+	$(PY) DATA-HF.py --data_folder examples/kto --save_dir $(DEMO)/hf_datasets/feedback --overwrite
+	rm -rf $(DEMO)/outputs/kto
+	$(PY) fsdp1.py --nproc-per-node 2 -e kto --save-dir $(DEMO)/outputs \
+		-d $(DEMO)/hf_datasets/feedback -m $(DEMO)/outputs/chat/hf --config configs/demo_kto.yaml
+	@echo
 	@echo "== agents: tool calls and reasoning traces through Qwen3's template (its history rewritten turn by turn),"
 	@echo "   mixed 0.7/0.3 with the conversations; the log says what each source gave and each has its eval loss"
 	$(PY) DATA-HF.py --data_folder examples/agents --save_dir $(DEMO)/hf_datasets/agents --overwrite
@@ -91,6 +98,7 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 	@echo "  chat run:            $(DEMO)/outputs/chat (try it: $(PY) -m pipeline.chat $(DEMO)/outputs/chat/hf)"
 	@echo "  LoRA run:            $(DEMO)/outputs/chat-lora (adapter/ in PEFT's format on chat/hf, hf/ merged)"
 	@echo "  DPO run:             $(DEMO)/outputs/dpo (metrics.jsonl: rewards/* and logps/* per window and eval)"
+	@echo "  KTO run:             $(DEMO)/outputs/kto (metrics.jsonl: kl, rewards/* and logps/* per window and eval)"
 	@echo "  agents run:          $(DEMO)/outputs/agents (metrics.jsonl: eval/loss/agents and eval/loss/chats)"
 
 # Two pytest workers, one test file each at a time (module fixtures stay shared), the longest files first
