@@ -370,7 +370,7 @@ class TrainConfig(Section):
                f"--lm-eval-include {self.lm_eval_include} names no task to run; add --lm-eval-tasks T1,T2")
 
 
-Objective = Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto"]
+Objective = Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto", "reward"]
 
 
 @dataclass
@@ -380,7 +380,8 @@ class ObjectiveConfig(Section):
     preference pairs, dpo, ipo (both against a reference: the base with the adapters off, or under full fine-tuning
     the base's log-probabilities computed once before the first step), simpo or orpo (no reference); kto on unpaired
     records (a completion labelled desirable or not) or on pairs (each answer a record, as TRL unpairs them),
-    against a reference as dpo's."""
+    against a reference as dpo's; reward trains a reward model on pairs (the family's sequence-classification head,
+    one score, the Bradley-Terry loss of TRL's RewardTrainer)."""
     reference_model: str = ""
     """dpo, ipo, kto: the reference, when not the base: a Hub id or folder found as --model-name is (the SFT model a
     run aligns from), of the policy's architecture and vocabulary; its log-probabilities are computed once before
@@ -398,9 +399,13 @@ class ObjectiveConfig(Section):
     undesirable records, raise it so that their weighted counts are about even (KTO paper, eq. 8)."""
     kto_undesirable_weight: float = 1.0
     """kto: the weight of an undesirable completion's loss (TRL's undesirable_weight)."""
+    center_rewards_coefficient: float = 0.0
+    """reward: the weight of (r_chosen + r_rejected)^2 beside the Bradley-Terry loss, which keeps the rewards
+    centred on 0 (TRL's center_rewards_coefficient; 0: off)."""
 
-    KTO_ONLY = ("kto_desirable_weight", "kto_undesirable_weight")
-    """Fields a run's fingerprint holds only under kto: a dpo run from before kto existed still resumes."""
+    ONLY = {"kto_desirable_weight": "kto", "kto_undesirable_weight": "kto", "center_rewards_coefficient": "reward"}
+    """Fields of one objective, which a run's fingerprint holds only under it: a run from before they existed still
+    resumes."""
 
     def check(self) -> None:
         # beta multiplies sums of log-probabilities (thousands) and divides simpo's gamma: neither may overflow
@@ -413,10 +418,10 @@ class ObjectiveConfig(Section):
         _in(self.orpo_lambda, 1e-6, 1e3, "orpo_lambda")
         _check(not self.reference_model or self.objective in ("dpo", "ipo", "kto"),
                f"--reference-model is for --objective dpo, ipo or kto, not {self.objective}")
-        for name in self.KTO_ONLY:
+        for name, objective in self.ONLY.items():
             _in(getattr(self, name), 0, 1e3, name)
-            _check(getattr(self, name) == 1.0 or self.objective == "kto",
-                   f"{flag(name)} is for --objective kto, not {self.objective}")
+            _check(getattr(self, name) == ObjectiveConfig.__dataclass_fields__[name].default
+                   or self.objective == objective, f"{flag(name)} is for --objective {objective}, not {self.objective}")
         _check(self.kto_desirable_weight > 0 or self.kto_undesirable_weight > 0,
                "--kto-desirable-weight and --kto-undesirable-weight are both 0: nothing would be trained")
 

@@ -34,6 +34,8 @@ def unsupported_terms(model: nn.Module) -> str:
     they would not): an input embedding whose forward does more than a lookup (Gemma's scale by sqrt(hidden)), or a
     term on the logits."""
     embed = model.get_input_embeddings()
+    if getattr(model.get_output_embeddings(), "out_features", None) == 1:  # pipeline/model/reward_head.py
+        return "its output layer is a reward model's score (one output, no vocabulary)"
     if type(embed).forward is not nn.Embedding.forward:
         return f"its input embedding ({type(embed).__name__}) does more than a lookup"
     config = model.config

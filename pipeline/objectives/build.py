@@ -16,15 +16,19 @@ from pipeline.objectives.objective import Objective
 from pipeline.objectives.preference import PreferenceObjective, Reference
 from pipeline.objectives.preference_losses import PreferenceSettings
 from pipeline.objectives.reference import adapters_off
+from pipeline.objectives.reward import RewardObjective
 
 REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
 """Objectives measured against a reference: the base with the adapters off, or log-probabilities computed before
 training (full fine-tuning, --reference-model)."""
 
 
-def make_objective(o: ObjectiveConfig, head: Head, reference: Reference | None = None) -> Objective:
+def make_objective(o: ObjectiveConfig, head: Head, reference: Reference | None = None, pad: int = 0) -> Objective:
     """What the trainer calls on each micro-batch, blind to which: (batch, items of the step) -> loss. reference:
-    DPO's, IPO's and KTO's, when not the base with the adapters off (reference.precomputed, reference.none)."""
+    DPO's, IPO's and KTO's, when not the base with the adapters off (reference.precomputed, reference.none). pad: the
+    pad token a reward model pools by (reward_head.pad_id)."""
+    if o.objective == "reward":
+        return RewardObjective(head, pad, o.center_rewards_coefficient)
     if not o.preference:
         return CausalLMLoss(head)
     off: Callable[[], contextlib.AbstractContextManager] = functools.partial(adapters_disabled, head.model)

@@ -32,6 +32,7 @@ from pipeline.errors import UserError
 from pipeline.eval.samples import Prompt, read_prompts
 from pipeline.model.adapters import chosen_targets
 from pipeline.model.modeling import cannot_train, meta_model
+from pipeline.model.reward_head import reward_head_layout
 from pipeline.model.weight_check import WeightCheck, read_line, unchanged_weights, weights_digest
 from pipeline.model.weight_files import read_index
 from pipeline.objectives.build import REFERENCE_OBJECTIVES
@@ -81,6 +82,8 @@ class Plan:
     reference: ReferencePlan | None = None
     """dpo, ipo without adapters or with --reference-model: the model whose log-probabilities are computed before
     the first step (pipeline/objectives/reference_pass.py)."""
+    reward_layout: tuple[str, str] | None = None
+    """reward: the family's sequence-classification class and its score's name (pipeline/model/reward_head.py)."""
 
     @property
     def mixture(self) -> bool:
@@ -112,10 +115,10 @@ def run_fingerprint(cfg: Config, model_dir: Path, hf_config, data: list[DataSour
 
 def objective_settings(o: ObjectiveConfig) -> dict:
     """A preference run's objective as its fingerprint holds it. An SFT run's fingerprint has no such field, so runs
-    from before preference objectives still resume; reference_model only where given and KTO's weights only under
-    kto, so runs from before those existed still resume."""
+    from before preference objectives still resume; reference_model only where given and an objective's own fields
+    (KTO's weights) only under it, so runs from before those existed still resume."""
     return {k: v for k, v in dataclasses.asdict(o).items()
-            if (k != "reference_model" or v) and (k not in o.KTO_ONLY or o.objective == "kto")}
+            if (k != "reference_model" or v) and o.ONLY.get(k, o.objective) == o.objective}
 
 
 def adapter_settings(m: ModelConfig) -> dict:
@@ -195,6 +198,23 @@ def check_objective(cfg: Config, pairs: int, unpaired: int) -> None:
                         "records with chosen and rejected answers as pairs)")
 
 
+def check_reward(cfg: Config, hf_config) -> tuple[str, str]:
+    """A reward model trains the whole model and neither generates nor answers lm-eval's tasks; its family must have
+    a sequence-classification class that reads it (reward_head_layout). One line each, before any weight is read."""
+    if cfg.model.adapter != "none":
+        raise UserError(f"--objective reward trains the whole model: reward models with --adapter {cfg.model.adapter} "
+                        "are not built yet (their score head would have to train and export beside the adapters); "
+                        "drop --adapter")
+    if cfg.model.strategy == "manual":  # its own flat shards take no parameter a transform initialises
+        raise UserError("--objective reward trains under --strategy ddp, fsdp2 or fsdp1 (auto picks among them), not "
+                        "manual")
+    for given, name in ((cfg.train.sample_prompts, "--sample-prompts"), (cfg.train.lm_eval_tasks, "--lm-eval-tasks")):
+        if given:
+            raise UserError(f"{name}: a reward model scores text and does not generate; drop it (its validation "
+                            "gives the held-out accuracy)")
+    return reward_head_layout(hf_config)
+
+
 def plan_reference(cfg: Config, plan: Plan, base: WeightCheck | None = None) -> ReferencePlan | None:
     """The reference whose log-probabilities a pass computes before training: --reference-model, or the base under
     full fine-tuning (an adapter run's reference is its base with the adapters off: None). A reference of another
@@ -240,6 +260,7 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
                         f"(max_position_embeddings {limit})")
     if why := cannot_train(hf_config):
         raise UserError(f"--model-name {cfg.model.model_name}: {why}")
+    layout = check_reward(cfg, hf_config) if cfg.objective.objective == "reward" else None
     if cfg.model.attn_implementation != "auto":  # a kernel the family refuses: one line, before any weight is read
         meta_model(hf_config, attn_implementation=cfg.model.attn_implementation)
     if cfg.model.adapter != "none":  # --lora-targets naming no linear layer: one line, before any weight is read
@@ -255,7 +276,7 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
     check_cache_root(cfg, inputs(cfg, model_dir))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return Plan(model_dir, hf_config, data, tokenizer, spec, fingerprint,
-                plan_memory(cfg, hf_config, device, launch))
+                plan_memory(cfg, hf_config, device, launch), reward_layout=layout)
 
 
 def load_sources(cfg: Config) -> list[DataSource]:

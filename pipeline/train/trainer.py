@@ -27,6 +27,7 @@ from pipeline.eval.heldout import Stopped, held_out_loss
 from pipeline.eval.samples import complete, stop_ids
 from pipeline.model.modeling import untested_family
 from pipeline.model.registry import transforms_for
+from pipeline.model.reward_head import RewardHead, pad_id
 from pipeline.objectives.build import make_objective
 from pipeline.objectives.objective import HeldOut
 from pipeline.objectives.reference import precomputed
@@ -100,7 +101,9 @@ class Trainer:
         check_one_batch(self.blocks, cfg, d)
         self.sampler = make_sampler(self.blocks, cfg, d)
         self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.sampler.steps_per_epoch
-        self.strategy = make_strategy(cfg.model, d, self.dtype, transforms_for(cfg.model, self.dtype))
+        pad = pad_id(plan.tokenizer)
+        reward = [RewardHead(plan.reward_layout, pad)] if plan.reward_layout else []
+        self.strategy = make_strategy(cfg.model, d, self.dtype, [*transforms_for(cfg.model, self.dtype), *reward])
         if d.is_main:
             self.log_plan()
         # what the process holds before the model exists: the estimate covers what comes above it
@@ -110,7 +113,7 @@ class Trainer:
         if plan.reference is not None:  # before the checkpoint or base fills the model: the pass loads the reference
             self.blocks = with_reference(self.blocks, plan.reference, self.strategy, self.dtype, cfg.train.batch_size)
         head = self.strategy.head()
-        self.objective = make_objective(cfg.objective, head, plan.reference and precomputed(head))
+        self.objective = make_objective(cfg.objective, head, plan.reference and precomputed(head), pad)
         self.optimizer = build_optimizer(self.strategy.param_groups(cfg.optim.weight_decay), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.step, self.samples_seen, self.best_val = 0, 0, math.inf

@@ -1,0 +1,112 @@
+"""A reward model's head as a model transform: the causal LM's output layer replaced by one score per token (a linear
+layer from the hidden state to one output, no bias) and its forward by the sequence-classification one's before
+pooling (the body's last hidden state through the score, no term on the logits), so the model's own forward, under
+every strategy's wrapper, gives each position's score; the reward objective reads it at each sequence's last token
+that is not padding, where transformers' `AutoModelForSequenceClassification` reads it. The export is that class's
+model: the body under the same names, the head as its `score`, the config naming the family's
+sequence-classification class with one label and the pad token it pools by.
+
+Why not build the sequence-classification class itself: its forward pools one position per row, and a packed block
+holds many sequences. Why the family is checked first (reward_head_layout): the export is read by the family's
+sequence-classification class, so its body must have the causal LM's names and its head a single linear map, which
+preflight verifies on the two classes as transformers builds them, for the family at hand.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from pipeline.errors import UserError
+from pipeline.model.modeling import trunk
+from pipeline.model.transforms import ModelTransform
+
+HEAD = "lm_head.weight"
+"""Where the causal LM's output layer is (every family that has a sequence-classification class names it so)."""
+
+
+def reward_head_layout(hf_config) -> tuple[str, str]:
+    """(the family's sequence-classification class, the state-dict name of its score: `score.weight`), after
+    checking that the class reads what this transform trains: the causal LM's body under the same names, and a score
+    that is one bias-free linear map of the last hidden state. A family without such a class, or with another
+    layout, is one line."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    kind = type(hf_config).__name__.removesuffix("Config")
+    config = copy.deepcopy(hf_config)
+    config.num_labels = 1
+    with torch.device("meta"):
+        try:
+            scorer = AutoModelForSequenceClassification.from_config(config)
+        except ValueError:
+            raise UserError(f"--objective reward: transformers has no sequence-classification class for {kind} "
+                            f"(model_type {hf_config.model_type}), which would read the reward model") from None
+        causal = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config))
+    body = {k for k in causal.state_dict() if k != HEAD}
+    extra = sorted(set(scorer.state_dict()) - body)
+    score = next((m for m in scorer.modules() if isinstance(m, nn.Linear) and m.out_features == 1), None)
+    names = {id(m): n for n, m in scorer.named_modules()}
+    if score is None or score.bias is not None or extra != [f"{names[id(score)]}.weight"] or \
+            body - set(scorer.state_dict()):
+        raise UserError(f"--objective reward: {type(scorer).__name__} is not the causal LM's body with a one-output "
+                        f"linear score (its own tensors: {', '.join(extra) or 'none'}), so a reward model trained "
+                        "here would not load into it")
+    return type(scorer).__name__, extra[0]
+
+
+def pad_id(tokenizer) -> int:
+    """The token a reward model's sequence-classification class pools by: the tokenizer's pad token, else its end of
+    sequence (as TRL's RewardTrainer sets it)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def scores_forward(self, input_ids=None, position_ids=None, **kwargs):
+    """The sequence-classification forward before its pooling: every position's score, as `logits` [rows, seq, 1]."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    hidden = trunk(self)(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state
+    return CausalLMOutputWithPast(logits=self.get_output_embeddings()(hidden))
+
+
+class RewardHead(ModelTransform):
+    """The output layer replaced by a score per token; initialised as transformers initialises a linear layer (normal,
+    std initializer_range) from a generator seeded with torch's seed, so every rank and strategy draws the same."""
+
+    name = "reward_head"
+
+    def __init__(self, layout: tuple[str, str], pad_token_id: int):
+        (self.architecture, self.score_name), self.pad_token_id = layout, pad_token_id
+        self.std, self.shape = 0.02, (1, 0)
+        """The score's initial spread (the config's initializer_range) and shape, read in apply."""
+
+    def apply(self, model: nn.Module) -> None:
+        old = model.get_output_embeddings()
+        with torch.device("meta"):
+            model.set_output_embeddings(nn.Linear(old.in_features, 1, bias=False, dtype=old.weight.dtype))
+        # the class's own forward would apply its terms on the logits (Gemma's soft-capping): the scores' instead
+        model.__class__ = type(f"Reward{type(model).__name__}", (type(model),), {"forward": scores_forward})
+        config = model.config
+        self.std = getattr(config, "initializer_range", 0.02)
+        self.shape = (1, old.in_features)
+        # what the export's config says: the family's sequence-classification class, one label, the pad token it
+        # pools by, no tie (its head is not the embedding)
+        config.tie_word_embeddings = False
+        config.num_labels = 1
+        config.pad_token_id = self.pad_token_id
+        config.architectures = [self.architecture]
+
+    def base_name(self, name: str) -> str | None:
+        return None if name == HEAD else name
+
+    def after_base_weights(self, model: nn.Module) -> None:
+        """The score's initial values, the same whole matrix on every rank, put in through DCP's state-dict API (which
+        lays it out as each wrapper holds it: FSDP1's flat shards too). A collective under the sharding wrappers."""
+        generator = torch.Generator().manual_seed(torch.initial_seed())
+        full = torch.empty(self.shape, dtype=torch.float32).normal_(0.0, self.std, generator=generator)
+        set_model_state_dict(model, {HEAD: full}, options=StateDictOptions(full_state_dict=True, strict=False))
+
+    def export_state(self, state: dict) -> dict:
+        return {self.score_name if k == HEAD else k: v for k, v in state.items()}
