@@ -57,6 +57,14 @@ def reward_head_layout(hf_config) -> tuple[str, str]:
     return type(scorer).__name__, extra[0]
 
 
+def is_reward_model(hf_config) -> bool:
+    """Whether a model folder's config is a reward model's (a sequence-classification class with one label, as this
+    transform exports one): its score is then read from the folder, not initialised."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    return getattr(hf_config, "num_labels", None) == 1 and any(a.endswith("ForSequenceClassification")
+                                                               for a in architectures)
+
+
 def pad_id(tokenizer) -> int:
     """The token a reward model's sequence-classification class pools by: the tokenizer's pad token, else its end of
     sequence (as TRL's RewardTrainer sets it)."""
@@ -77,8 +85,10 @@ class RewardHead(ModelTransform):
 
     name = "reward_head"
 
-    def __init__(self, layout: tuple[str, str], pad_token_id: int):
+    def __init__(self, layout: tuple[str, str], pad_token_id: int, trained: bool = False):
         (self.architecture, self.score_name), self.pad_token_id = layout, pad_token_id
+        self.trained = trained
+        """The model folder is a reward model (is_reward_model): its score is read from it, not initialised."""
         self.std, self.shape = 0.02, (1, 0)
         """The score's initial spread (the config's initializer_range) and shape, read in apply."""
 
@@ -99,11 +109,16 @@ class RewardHead(ModelTransform):
         config.architectures = [self.architecture]
 
     def base_name(self, name: str) -> str | None:
-        return None if name == HEAD else name
+        if name != HEAD:
+            return name
+        return self.score_name if self.trained else None
 
     def after_base_weights(self, model: nn.Module) -> None:
         """The score's initial values, the same whole matrix on every rank, put in through DCP's state-dict API (which
-        lays it out as each wrapper holds it: FSDP1's flat shards too). A collective under the sharding wrappers."""
+        lays it out as each wrapper holds it: FSDP1's flat shards too). A collective under the sharding wrappers.
+        Nothing where the folder held the score."""
+        if self.trained:
+            return
         generator = torch.Generator().manual_seed(torch.initial_seed())
         full = torch.empty(self.shape, dtype=torch.float32).normal_(0.0, self.std, generator=generator)
         set_model_state_dict(model, {HEAD: full}, options=StateDictOptions(full_state_dict=True, strict=False))

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pipeline.config import ObjectiveConfig
 from pipeline.model.adapters import adapters_disabled
 from pipeline.model.head import Head
+from pipeline.model.reward_head import RewardHead
 from pipeline.objectives.causal_lm import CausalLMLoss
 from pipeline.objectives.kto import KTOObjective, KTOSettings
 from pipeline.objectives.objective import Objective
@@ -23,12 +24,13 @@ REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
 training (full fine-tuning, --reference-model)."""
 
 
-def make_objective(o: ObjectiveConfig, head: Head, reference: Reference | None = None, pad: int = 0) -> Objective:
+def make_objective(o: ObjectiveConfig, head: Head, reference: Reference | None = None,
+                   reward_head: RewardHead | None = None) -> Objective:
     """What the trainer calls on each micro-batch, blind to which: (batch, items of the step) -> loss. reference:
-    DPO's, IPO's and KTO's, when not the base with the adapters off (reference.precomputed, reference.none). pad: the
-    pad token a reward model pools by (reward_head.pad_id)."""
+    DPO's, IPO's and KTO's, when not the base with the adapters off (reference.precomputed, reference.none).
+    reward_head: a reward model's (its pad token is where the rewards are read up to)."""
     if o.objective == "reward":
-        return RewardObjective(head, pad, o.center_rewards_coefficient)
+        return RewardObjective(head, reward_head.pad_token_id, o.center_rewards_coefficient)
     if not o.preference:
         return CausalLMLoss(head)
     off: Callable[[], contextlib.AbstractContextManager] = functools.partial(adapters_disabled, head.model)

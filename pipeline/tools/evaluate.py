@@ -54,6 +54,7 @@ from pipeline.eval.harness import Tasks, check_tasks, run_tasks
 from pipeline.eval.heldout import held_out_loss
 from pipeline.fsutil import sha256_file, write_text_atomic
 from pipeline.model.registry import transforms_for
+from pipeline.model.reward_head import is_reward_model
 from pipeline.objectives.build import REFERENCE_OBJECTIVES, make_objective
 from pipeline.objectives.objective import HeldOut
 from pipeline.objectives.reference import none as no_reference
@@ -133,9 +134,18 @@ def scored_as(cfg: Config, reference: str | None) -> Config:
     if reference and not pairs and not unpaired:
         raise UserError("--reference is for a dataset of preference pairs: the rewards of their answers are measured "
                         "against it")
+    from transformers import AutoConfig
+
+    if reward := is_reward_model(AutoConfig.from_pretrained(resolve_model_dir(cfg.model.model_name))):
+        if not pairs:  # a reward model scores pairs alone: the next-token loss of its score would be no figure
+            raise UserError(f"{cfg.model.model_name} is a reward model: it is evaluated on preference pairs (-d "
+                            "PAIRS), its figures the accuracy and margins of its rewards")
+        if reference:
+            raise UserError("--reference is for --objective dpo, ipo or kto: a reward model is scored alone")
     if not pairs and not unpaired:
         return cfg
-    objective = "kto" if unpaired else cfg.objective.objective if cfg.objective.preference else "dpo"
+    objective = "reward" if reward else "kto" if unpaired else \
+        cfg.objective.objective if cfg.objective.preference else "dpo"
     if reference and objective not in REFERENCE_OBJECTIVES:
         raise UserError(f"--reference is for --objective dpo, ipo or kto, not {objective}, which has no reference")
     return dataclasses.replace(cfg, objective=dataclasses.replace(cfg.objective, objective=objective,
@@ -223,7 +233,8 @@ def evaluate(cfg: Config, plan: Plan, adapter: AdapterFolder | None, split: str,
         raise UserError(f"{cfg.data.dataset_name} has no validation blocks at --val-fraction {cfg.data.val_fraction:g}"
                         f" and --seq-length {cfg.data.seq_length}; pass --split all, or the run's --val-fraction")
     dtype = compute_dtype(cfg.model.precision, d.device)
-    strategy = make_strategy(cfg.model, d, dtype, transforms_for(cfg.model, dtype))
+    reward = [plan.reward_head] if plan.reward_head else []
+    strategy = make_strategy(cfg.model, d, dtype, [*transforms_for(cfg.model, dtype), *reward])
     strategy.build(plan.hf_config)
     head, reference = strategy.head(), None
     if cfg.objective.reference_model:  # before the model's own weights: the pass loads the reference's
@@ -235,7 +246,8 @@ def evaluate(cfg: Config, plan: Plan, adapter: AdapterFolder | None, split: str,
     if adapter is not None:
         load_adapter(strategy, adapter)
     parts = [blocks.part("val"), *([blocks.part("train")] if split == "all" else [])]
-    result = held_out_loss(strategy, parts, cfg.train.batch_size, d, make_objective(cfg.objective, head, reference))
+    objective = make_objective(cfg.objective, head, reference, plan.reward_head)
+    result = held_out_loss(strategy, parts, cfg.train.batch_size, d, objective)
     if result is None:
         raise UserError(f"the {split} blocks of {cfg.data.dataset_name} hold no token the loss counts (--train-on "
                         f"{cfg.data.train_on}); use --split all or another --train-on")
@@ -265,6 +277,10 @@ def held_out_figures(cfg: Config, args: argparse.Namespace, result: HeldOut) -> 
                 reference=reference if cfg.objective.objective in REFERENCE_OBJECTIVES else None)
     if cfg.objective.objective == "kto":  # no pairs, so no accuracy: the margin of the two labels' rewards
         return {**data, "examples": result.tokens, "mean_margin": result.metrics["rewards/margins"], **result.metrics}
+    if cfg.objective.objective == "reward":  # the model's own rewards: no reference, no beta
+        data.update(reference=None, pref_beta=None)
+        return {**data, "pairs": result.tokens, "preference_accuracy": result.metrics["accuracy"],
+                "mean_margin": result.metrics["margin"], **result.metrics}
     return {**data, "pairs": result.tokens, "preference_accuracy": result.metrics["rewards/accuracies"],
             "mean_margin": result.metrics["rewards/margins"], **result.metrics}
 
@@ -278,7 +294,8 @@ def table(report: dict) -> str:
     else:
         items = "pairs" if "pairs" in report else "examples"
         rows = {"model": model, "dataset": cut + f"{report[items]:,} {items})",
-                "reference": report["reference"] or "none (the model's own log-probabilities)",
+                **({"reference": report["reference"] or "none (the model's own log-probabilities)"}
+                   if report["objective"] != "reward" else {}),
                 f"{report['objective']} loss": _figure(report["loss"], ".5f"),
                 **({"accuracy": format(report["preference_accuracy"], ".4f")} if items == "pairs" else {}),
                 "margin": format(report["mean_margin"], ".4f"),

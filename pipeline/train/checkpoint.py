@@ -422,26 +422,34 @@ def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[Strategy, Path, di
         check_same_base(model_dir, fingerprint["model_name"], fingerprint["base_weights"], f"--checkpoint {checkpoint}")
     elif fingerprint.get("adapter"):  # a run from before base_weights: at least sound weights
         unchanged_weights(model_dir, fingerprint["model_name"])
-    return checkpoint_model(checkpoint, model_dir, d, fingerprint.get("adapter", {})), model_dir, fingerprint
+    reward = fingerprint.get("objective", {}).get("objective") == "reward"
+    return (checkpoint_model(checkpoint, model_dir, d, fingerprint.get("adapter", {}), reward), model_dir,
+            fingerprint)
 
 
-def checkpoint_model(checkpoint: Path, model_dir: Path, d: Dist, adapter: dict | None = None) -> Strategy:
+def checkpoint_model(checkpoint: Path, model_dir: Path, d: Dist, adapter: dict | None = None,
+                     reward: bool = False) -> Strategy:
     """The model of a complete training checkpoint of the model in model_dir (its config), in fp32 under fsdp2
     FULL_SHARD (ddp for QLoRA on one rank), no optimizer. adapter: the run's adapter settings
     (preflight.adapter_settings) when it trained adapters, which the checkpoint holds alone: the base weights are
-    then read from model_dir. A collective."""
-    from transformers import AutoConfig
+    then read from model_dir. reward: a reward model's checkpoint (its score head in place of the output layer). A
+    collective."""
+    from transformers import AutoConfig, AutoTokenizer
 
     from pipeline.config import ModelConfig
     from pipeline.model.registry import transforms_for
+    from pipeline.model.reward_head import RewardHead, pad_id, reward_head_layout
 
     # fsdp2 on one rank cannot rebuild QLoRA's NF4 weights (FSDP2._check_nf4): ddp there, which holds them whole
     one_rank_nf4 = (adapter or {}).get("adapter") == "qlora" and d.world_size == 1
     config = ModelConfig(model_name=str(model_dir), precision="fp32", strategy="ddp" if one_rank_nf4 else "fsdp2",
                          sharding="NO_SHARD" if one_rank_nf4 else "FULL_SHARD", vocab_parallel="off",
                          **(adapter or {}))
-    strategy = make_strategy(config, d, torch.float32, transforms_for(config, torch.float32))
-    strategy.build(AutoConfig.from_pretrained(model_dir))
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    heads = [RewardHead(reward_head_layout(hf_config), pad_id(AutoTokenizer.from_pretrained(model_dir)))] if reward \
+        else []
+    strategy = make_strategy(config, d, torch.float32, [*transforms_for(config, torch.float32), *heads])
+    strategy.build(hf_config)
     if strategy.freezes_base:
         strategy.load_weights(model_dir)
     state = strategy.state_dict()

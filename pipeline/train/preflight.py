@@ -32,7 +32,7 @@ from pipeline.errors import UserError
 from pipeline.eval.samples import Prompt, read_prompts
 from pipeline.model.adapters import chosen_targets
 from pipeline.model.modeling import cannot_train, meta_model
-from pipeline.model.reward_head import reward_head_layout
+from pipeline.model.reward_head import RewardHead, is_reward_model, pad_id, reward_head_layout
 from pipeline.model.weight_check import WeightCheck, read_line, unchanged_weights, weights_digest
 from pipeline.model.weight_files import read_index
 from pipeline.objectives.build import REFERENCE_OBJECTIVES
@@ -82,8 +82,8 @@ class Plan:
     reference: ReferencePlan | None = None
     """dpo, ipo without adapters or with --reference-model: the model whose log-probabilities are computed before
     the first step (pipeline/objectives/reference_pass.py)."""
-    reward_layout: tuple[str, str] | None = None
-    """reward: the family's sequence-classification class and its score's name (pipeline/model/reward_head.py)."""
+    reward_head: RewardHead | None = None
+    """reward: the transform that makes the model a reward model (pipeline/model/reward_head.py)."""
 
     @property
     def mixture(self) -> bool:
@@ -276,7 +276,8 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
     check_cache_root(cfg, inputs(cfg, model_dir))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return Plan(model_dir, hf_config, data, tokenizer, spec, fingerprint,
-                plan_memory(cfg, hf_config, device, launch), reward_layout=layout)
+                plan_memory(cfg, hf_config, device, launch),
+                reward_head=RewardHead(layout, pad_id(tokenizer), is_reward_model(hf_config)) if layout else None)
 
 
 def load_sources(cfg: Config) -> list[DataSource]:

@@ -27,7 +27,6 @@ from pipeline.eval.heldout import Stopped, held_out_loss
 from pipeline.eval.samples import complete, stop_ids
 from pipeline.model.modeling import untested_family
 from pipeline.model.registry import transforms_for
-from pipeline.model.reward_head import RewardHead, pad_id
 from pipeline.objectives.build import make_objective
 from pipeline.objectives.objective import HeldOut
 from pipeline.objectives.reference import precomputed
@@ -101,8 +100,7 @@ class Trainer:
         check_one_batch(self.blocks, cfg, d)
         self.sampler = make_sampler(self.blocks, cfg, d)
         self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.sampler.steps_per_epoch
-        pad = pad_id(plan.tokenizer)
-        reward = [RewardHead(plan.reward_layout, pad)] if plan.reward_layout else []
+        reward = [plan.reward_head] if plan.reward_head else []
         self.strategy = make_strategy(cfg.model, d, self.dtype, [*transforms_for(cfg.model, self.dtype), *reward])
         if d.is_main:
             self.log_plan()
@@ -113,7 +111,7 @@ class Trainer:
         if plan.reference is not None:  # before the checkpoint or base fills the model: the pass loads the reference
             self.blocks = with_reference(self.blocks, plan.reference, self.strategy, self.dtype, cfg.train.batch_size)
         head = self.strategy.head()
-        self.objective = make_objective(cfg.objective, head, plan.reference and precomputed(head), pad)
+        self.objective = make_objective(cfg.objective, head, plan.reference and precomputed(head), plan.reward_head)
         self.optimizer = build_optimizer(self.strategy.param_groups(cfg.optim.weight_decay), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.step, self.samples_seen, self.best_val = 0, 0, math.inf
