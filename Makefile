@@ -82,6 +82,13 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 	$(PY) fsdp1.py --nproc-per-node 2 -e kto --save-dir $(DEMO)/outputs \
 		-d $(DEMO)/hf_datasets/feedback -m $(DEMO)/outputs/chat/hf --config configs/demo_kto.yaml
 	@echo
+	@echo "== reward model: the chat model trained whole to score the friendlier answer of each pair above the plain"
+	@echo "   one; its export is an AutoModelForSequenceClassification, evaluated on the held-out pairs"
+	rm -rf $(DEMO)/outputs/reward
+	$(PY) fsdp1.py --nproc-per-node 2 -e reward --save-dir $(DEMO)/outputs \
+		-d $(DEMO)/hf_datasets/pairs -m $(DEMO)/outputs/chat/hf --config configs/demo_reward.yaml
+	$(PY) -m pipeline.evaluate $(DEMO)/outputs/reward/hf --config $(DEMO)/outputs/reward/config.yaml
+	@echo
 	@echo "== agents: tool calls and reasoning traces through Qwen3's template (its history rewritten turn by turn),"
 	@echo "   mixed 0.7/0.3 with the conversations; the log says what each source gave and each has its eval loss"
 	$(PY) DATA-HF.py --data_folder examples/agents --save_dir $(DEMO)/hf_datasets/agents --overwrite
@@ -99,6 +106,7 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 	@echo "  LoRA run:            $(DEMO)/outputs/chat-lora (adapter/ in PEFT's format on chat/hf, hf/ merged)"
 	@echo "  DPO run:             $(DEMO)/outputs/dpo (metrics.jsonl: rewards/* and logps/* per window and eval)"
 	@echo "  KTO run:             $(DEMO)/outputs/kto (metrics.jsonl: kl, rewards/* and logps/* per window and eval)"
+	@echo "  reward model:        $(DEMO)/outputs/reward (hf/: AutoModelForSequenceClassification; accuracy, margin)"
 	@echo "  agents run:          $(DEMO)/outputs/agents (metrics.jsonl: eval/loss/agents and eval/loss/chats)"
 
 # Two pytest workers, one test file each at a time (module fixtures stay shared), the longest files first

@@ -1,0 +1,184 @@
+"""Reward models (--objective reward): the score head as a transform reads as each family's sequence-classification
+class does, the Bradley-Terry loss over packed pairs is the loss of each pair alone, a run ranks held-out pairs, resumes
+bitwise and exports a folder AutoModelForSequenceClassification loads (bench/reward_vs_trl.py compares whole runs with
+TRL's RewardTrainer)."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from test_preferences import arithmetic_pairs
+
+from pipeline.errors import UserError
+from pipeline.prep.tiny import FAMILIES, family_config
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_s_reward_head_scores_as_its_sequence_classification_class_or_is_refused(family):
+    """Each family the suite trains: the causal LM with the reward head transform gives, at a sequence's last token,
+    the score its family's AutoModelForSequenceClassification gives with the same weights (the export's names),
+    soft-capped and scaled families included (that class applies no term on the logits); a family without such a
+    class is one line."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from pipeline.model.reward_head import RewardHead, reward_head_layout
+
+    config = family_config(family, 1024, 1, 2)
+    if config.model_type not in transformers.models.auto.modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+        with pytest.raises(UserError) as refused:
+            reward_head_layout(config)
+        assert str(refused.value) == (
+            f"--objective reward: transformers has no sequence-classification class for "
+            f"{type(config).__name__.removesuffix('Config')} (model_type {config.model_type}), which would read the "
+            "reward model")
+        return
+    layout = reward_head_layout(config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    head = RewardHead(layout, pad_token_id=0)
+    head.apply(model)
+    model.get_output_embeddings().weight = torch.nn.Parameter(torch.randn(1, config.hidden_size))
+    scorer = AutoModelForSequenceClassification.from_config(model.config).eval()
+    missing = scorer.load_state_dict(head.export_state(model.state_dict()), strict=True)
+    assert not missing.missing_keys and scorer.config.architectures == [type(scorer).__name__] == [layout[0]]
+    ids = torch.randint(3, 1024, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits[0, -1], scorer(input_ids=ids).logits[0],
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_the_bradley_terry_loss_over_packed_pairs_is_each_pair_s_alone(tiny_models):
+    """Over a packed block (several pairs, each answer its own sequence, a padding sequence after them) the objective
+    reads each answer's reward at its last token that is not padding, and gives the loss, every parameter's gradient
+    and TRL's metrics of the Bradley-Terry loss (with center_rewards_coefficient) written out pair by pair with the
+    sequence-classification model on each answer alone."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from pipeline.data.batches import make_batch
+    from pipeline.data.pair_tokens import pack_pairs, tokenize_pair
+    from pipeline.model.head import Head
+    from pipeline.model.reward_head import RewardHead, pad_id, reward_head_layout
+    from pipeline.objectives.reward import RewardObjective
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["untied"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["untied"], dtype=torch.float32)
+    head = RewardHead(reward_head_layout(model.config), pad_id(tokenizer))
+    head.apply(model)
+    torch.manual_seed(0)
+    model.get_output_embeddings().weight = torch.nn.Parameter(torch.randn(1, model.config.hidden_size) * 0.1)
+    answer = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+    pairs = [tokenize_pair(tokenizer, f"Sum {i} and {i}:", [], answer(f" {2 * i}"), answer(f" not {i}"), "", None)
+             for i in range(4)]
+    blocks, flags = pack_pairs(pairs, 96, tokenizer.eos_token_id)
+    assert len(blocks) == 1 and ((flags & 2) > 0).sum() == 9  # 8 answers and a padding sequence after them
+    objective = RewardObjective(Head(model, False, 1), head.pad_token_id, center_rewards_coefficient=0.01)
+    loss = objective(make_batch(blocks, flags, torch.device("cpu")), 4)
+    loss.backward()
+    packed = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    scorer = AutoModelForSequenceClassification.from_config(model.config)
+    scorer.load_state_dict(head.export_state(model.state_dict()))
+    rewards = [[scorer(input_ids=torch.from_numpy(s.astype(np.int64))[None]).logits[0, 0] for s in (p.chosen,
+                                                                                                      p.rejected)]
+               for p in pairs]
+    alone = sum(-torch.nn.functional.logsigmoid(c - r) + 0.01 * (c + r) ** 2 for c, r in rewards) / 4
+    torch.testing.assert_close(loss, alone, rtol=0, atol=1e-6)
+    # the same parameters in the scorer: its gradients are the causal LM's (the score's under the head's name)
+    alone.backward()
+    for name, param in scorer.named_parameters():
+        ours = packed["lm_head.weight" if name == head.score_name else name]
+        torch.testing.assert_close(ours, param.grad, rtol=1e-4, atol=1e-6, msg=name)
+    flat = [r.item() for pair in rewards for r in pair]
+    metrics = objective.read_metrics(reduce=False)
+    assert metrics == pytest.approx({
+        "accuracy": sum(c > r for c, r in rewards).item() / 4, "margin": sum(c - r for c, r in rewards).item() / 4,
+        "mean_reward": sum(flat) / 8, "min_reward": min(flat), "max_reward": max(flat)}, rel=1e-5, abs=1e-6)
+
+
+def test_reward_runs_are_refused_in_one_line_where_they_cannot_train(tmp_path, train_env):
+    """Adapters, sampling, lm-eval and the hand-written strategy are refused for a reward model, and its coefficient
+    for other objectives; each before any weight is read. The plain run passes."""
+    from conftest import ROOT, preflight_errors
+
+    arithmetic_pairs(tmp_path, 2)
+    common = ["-e", "r", "-m", "local/tiny", "--save-dir", tmp_path / "runs", "--config",
+              ROOT / "configs" / "demo.yaml", "-d", tmp_path / "pairs"]
+    reward = [*common, "--objective", "reward"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Hi"}\n')
+    refusals = preflight_errors([reward, [*reward, "--adapter", "lora"], [*reward, "--sample-prompts", prompts],
+                                 [*reward, "--strategy", "manual"],
+                                 [*common, "--objective", "dpo", "--center-rewards-coefficient", 0.1],
+                                 [*reward, "--center-rewards-coefficient", -1]], train_env["env"])
+    assert refusals == [
+        "ok",
+        "--objective reward trains the whole model: reward models with --adapter lora are not built yet (their score "
+        "head would have to train and export beside the adapters); drop --adapter",
+        "--sample-prompts: a reward model scores text and does not generate; drop it (its validation gives the "
+        "held-out accuracy)",
+        "--objective reward trains under --strategy ddp, fsdp2 or fsdp1 (auto picks among them), not manual",
+        "--center-rewards-coefficient is for --objective reward, not dpo",
+        "--center-rewards-coefficient must be in [0, 1000], got -1"]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_reward_model_ranks_held_out_pairs_resumes_bitwise_and_exports_a_sequence_classifier(tmp_path, train_env):
+    """Trained on pairs of a right sum against a wrong product (fsdp2), it ranks the held-out pairs (validation
+    accuracy above 0.9, from about chance); a rerun from a checkpoint repeats the steps after it bit for bit (under
+    ddp, the same figures); the export loads with AutoModelForSequenceClassification and scores each held-out answer
+    as the run did; pipeline.evaluate of it gives the run's final validation."""
+    import re
+    import subprocess
+    import sys
+
+    from conftest import ROOT, events, torchrun, with_root
+    from transformers import AutoModelForSequenceClassification
+
+    arithmetic_pairs(tmp_path, 10)
+
+    def run(name: str, *extra: object) -> str:
+        proc = torchrun(2, ROOT / "fsdp1.py", "-e", name, "-d", tmp_path / "pairs", "-m", "local/tiny", "--save-dir",
+                        tmp_path / "runs", "--config", ROOT / "configs" / "demo.yaml", "--seq-length", 128,
+                        "--max-steps", 8, "--log-freq", 1, "--ckpt-freq", 4, "--lr", 3e-3, "--objective", "reward",
+                        "--precision", "fp32", *extra, env=train_env["env"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout + proc.stderr
+
+    said = run("rm", "--strategy", "fsdp2")
+    rm = tmp_path / "runs" / "rm"
+    train, evals = events(rm, "train"), events(rm, "eval")
+    assert "vocabulary-parallel head off for RewardLlamaForCausalLM: its output layer is a reward model's score" in said
+    assert evals[-1]["accuracy"] > 0.9 and evals[-1]["loss"] < evals[0]["loss"] < 0.8
+    assert set(train[-1]) >= {"accuracy", "margin", "mean_reward", "min_reward", "max_reward"}
+    assert train[-1]["min_reward"] <= train[-1]["mean_reward"] <= train[-1]["max_reward"]
+    final = evals[-1]
+    assert re.search(rf"validation accuracy {evals[0]['accuracy']:.3f} -> {final['accuracy']:.3f} over \d+ pairs; "
+                     rf"reward loss {evals[0]['loss']:.4f} -> {final['loss']:.4f}", said), said[-2000:]
+    scorer, info = AutoModelForSequenceClassification.from_pretrained(rm / "hf", output_loading_info=True)
+    assert not any(info.values()) and scorer.config.num_labels == 1
+    proc = subprocess.run([sys.executable, "-m", "pipeline.evaluate", str(rm / "hf"), "--config",
+                           str(rm / "config.yaml"), "--out", tmp_path / "e.json"], cwd=ROOT, capture_output=True,
+                          text=True, env=with_root(train_env["env"]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "e.json").read_text())
+    assert (report["objective"], report["reference"]) == ("reward", None)
+    assert report["loss"] == pytest.approx(final["loss"], abs=1e-5) and report["accuracy"] == final["accuracy"]
+    # the export scores a held-out answer as the run did: its chosen answers above its rejected ones
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(rm / "hf")
+    row = load_from_disk(str(tmp_path / "pairs"))[0]
+    scores = [scorer(input_ids=tokenizer(row["text"] + row[k][0]["content"] + tokenizer.eos_token,
+                                         return_tensors="pt").input_ids).logits.item() for k in ("chosen", "rejected")]
+    assert scores[0] > scores[1]
+    shutil.copytree(rm, tmp_path / "runs" / "again", ignore=shutil.ignore_patterns("hf"))
+    run("again", "--strategy", "fsdp2", "--resume-from", "step-00000004")
+    again = events(tmp_path / "runs" / "again", "train")
+    assert [e["step"] for e in again] == [*range(1, 9), 5, 6, 7, 8]
+    keys = ("loss", "grad_norm", "accuracy", "margin", "mean_reward", "min_reward", "max_reward")
+    assert [[e[k] for k in keys] for e in again[8:]] == [[e[k] for k in keys] for e in train[4:]]
