@@ -100,8 +100,8 @@ def test_the_bradley_terry_loss_over_packed_pairs_is_each_pair_s_alone(tiny_mode
 
 
 def test_reward_runs_are_refused_in_one_line_where_they_cannot_train(tmp_path, train_env):
-    """Adapters, sampling, lm-eval and the hand-written strategy are refused for a reward model, and its coefficient
-    for other objectives; each before any weight is read. The plain run passes."""
+    """Sampling and the hand-written strategy are refused for a reward model, and its coefficient for other
+    objectives; each before any weight is read. The plain run and the adapter run pass."""
     from conftest import ROOT, preflight_errors
 
     arithmetic_pairs(tmp_path, 2)
@@ -110,14 +110,12 @@ def test_reward_runs_are_refused_in_one_line_where_they_cannot_train(tmp_path, t
     reward = [*common, "--objective", "reward"]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Hi"}\n')
-    refusals = preflight_errors([reward, [*reward, "--adapter", "lora"], [*reward, "--sample-prompts", prompts],
+    refusals = preflight_errors([reward, [*reward, "--adapter", "qlora"], [*reward, "--sample-prompts", prompts],
                                  [*reward, "--strategy", "manual"],
                                  [*common, "--objective", "dpo", "--center-rewards-coefficient", 0.1],
                                  [*reward, "--center-rewards-coefficient", -1]], train_env["env"])
     assert refusals == [
-        "ok",
-        "--objective reward trains the whole model: reward models with --adapter lora are not built yet (their score "
-        "head would have to train and export beside the adapters); drop --adapter",
+        "ok", "ok",
         "--sample-prompts: a reward model scores text and does not generate; drop it (its validation gives the "
         "held-out accuracy)",
         "--objective reward trains under --strategy ddp, fsdp2 or fsdp1 (auto picks among them), not manual",
@@ -126,11 +124,14 @@ def test_reward_runs_are_refused_in_one_line_where_they_cannot_train(tmp_path, t
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_reward_model_ranks_held_out_pairs_resumes_bitwise_and_exports_a_sequence_classifier(tmp_path, train_env):
+def test_a_reward_model_ranks_held_out_pairs_resumes_bitwise_and_exports_a_sequence_classifier(tmp_path, train_env,
+                                                                                              tiny_models):
     """Trained on pairs of a right sum against a wrong product (fsdp2), it ranks the held-out pairs (validation
-    accuracy above 0.9, from about chance); a rerun from a checkpoint repeats the steps after it bit for bit (under
-    ddp, the same figures); the export loads with AutoModelForSequenceClassification and scores each held-out answer
-    as the run did; pipeline.evaluate of it gives the run's final validation."""
+    accuracy above 0.9); the export loads with AutoModelForSequenceClassification and scores a chosen answer above
+    its rejected one; pipeline.evaluate of it gives the run's final validation. With LoRA (ddp) the score trains
+    beside the adapters: the adapter folder (peft's SEQ_CLS, the score as modules_to_save) on the base loaded as a
+    sequence classifier scores as the merged export does, and a rerun from a checkpoint (the adapters and the score)
+    repeats the steps after it bit for bit."""
     import re
     import subprocess
     import sys
@@ -176,8 +177,22 @@ def test_a_reward_model_ranks_held_out_pairs_resumes_bitwise_and_exports_a_seque
     scores = [scorer(input_ids=tokenizer(row["text"] + row[k][0]["content"] + tokenizer.eos_token,
                                          return_tensors="pt").input_ids).logits.item() for k in ("chosen", "rejected")]
     assert scores[0] > scores[1]
-    shutil.copytree(rm, tmp_path / "runs" / "again", ignore=shutil.ignore_patterns("hf"))
-    run("again", "--strategy", "fsdp2", "--resume-from", "step-00000004")
+    run("lora", "--strategy", "ddp", "--adapter", "lora", "--lr", 1e-2)
+    lora = tmp_path / "runs" / "lora"
+    config = json.loads((lora / "adapter" / "adapter_config.json").read_text())
+    assert (config["task_type"], config["modules_to_save"]) == ("SEQ_CLS", ["score"])
+    from peft import PeftModel
+
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_models["tied"], num_labels=1,
+                                                              pad_token_id=scorer.config.pad_token_id)
+    merged = AutoModelForSequenceClassification.from_pretrained(lora / "hf").eval()
+    adapted = PeftModel.from_pretrained(base, lora / "adapter").eval()
+    ids = tokenizer(row["text"] + row["chosen"][0]["content"], return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    train = events(lora, "train")
+    shutil.copytree(lora, tmp_path / "runs" / "again", ignore=shutil.ignore_patterns("hf", "adapter"))
+    run("again", "--strategy", "ddp", "--adapter", "lora", "--lr", 1e-2, "--resume-from", "step-00000004")
     again = events(tmp_path / "runs" / "again", "train")
     assert [e["step"] for e in again] == [*range(1, 9), 5, 6, 7, 8]
     keys = ("loss", "grad_norm", "accuracy", "margin", "mean_reward", "min_reward", "max_reward")

@@ -255,16 +255,20 @@ class LowRankAdapter(ModelTransform):
 
     def adapter_state(self, model: nn.Module, module: nn.Module) -> dict:
         """The adapter as PeftModel.save_pretrained writes it (`base_model.model.<path>.lora_A.weight`, every tensor
-        whole and 2-D, DoRA's magnitude 1-D as peft keeps it), on rank 0 only (empty elsewhere). A collective: the
-        adapters are gathered whole, one tensor at a time, into rank 0's host memory. module: the unwrapped model."""
+        whole and 2-D, DoRA's magnitude 1-D as peft keeps it), on rank 0 only (empty elsewhere), with any other
+        trainable parameter whole under its own name (a reward model's score: peft's modules_to_save). A collective:
+        the trainable parameters are gathered whole, one tensor at a time, into rank 0's host memory. module: the
+        unwrapped model."""
         from peft import get_peft_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-        full = {k: v for k, v in get_model_state_dict(model, options=options).items() if is_adapter_key(k)}
+        trainable = get_model_state_dict(model, options=options)
+        full = {k: v for k, v in trainable.items() if is_adapter_key(k)}
         if not full:
             return {}
         peft_sd = get_peft_model_state_dict(module, state_dict=full, adapter_name=ADAPTER_NAME)
-        return {PEFT_PREFIX + k: v.contiguous() for k, v in peft_sd.items()}
+        others = {k: v for k, v in trainable.items() if not is_adapter_key(k)}
+        return {PEFT_PREFIX + k: v.contiguous() for k, v in {**peft_sd, **others}.items()}
 
 
 def layer_order(key: str) -> tuple[int, str]:

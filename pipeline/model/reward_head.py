@@ -123,5 +123,9 @@ class RewardHead(ModelTransform):
         full = torch.empty(self.shape, dtype=torch.float32).normal_(0.0, self.std, generator=generator)
         set_model_state_dict(model, {HEAD: full}, options=StateDictOptions(full_state_dict=True, strict=False))
 
+    def export_name(self, name: str) -> str:
+        """A tensor's name in the sequence-classification model: the score's its own, every other the same."""
+        return self.score_name if name == HEAD else name
+
     def export_state(self, state: dict) -> dict:
-        return {self.score_name if k == HEAD else k: v for k, v in state.items()}
+        return {self.export_name(k): v for k, v in state.items()}

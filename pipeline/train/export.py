@@ -26,8 +26,9 @@ from pipeline.config import Config
 from pipeline.distributed.runtime import DTYPES, Dist, init_distributed
 from pipeline.errors import ArgumentParser, UserError, naming
 from pipeline.fsutil import replace_dir
-from pipeline.model.adapters import ADAPTER_FILES, LowRankAdapter
+from pipeline.model.adapters import ADAPTER_FILES, PEFT_PREFIX, LowRankAdapter
 from pipeline.model.naming import to_file_layout
+from pipeline.model.reward_head import RewardHead
 from pipeline.model.weight_check import FOLDER_RECORD
 from pipeline.model.weight_files import INDEX, read_header
 from pipeline.ownership import OWNER_FILE, check_not_nested, check_only, describe, kind_of, mark
@@ -177,10 +178,15 @@ def export_adapter(strategy: Strategy, model_dir: Path, out: Path, base_model: s
     check_replaceable(out, "the adapter folder")
     adapter = adapter_of(strategy)
     tensors = adapter.adapter_state(strategy.model, strategy.module)
+    config = copy.deepcopy(adapter.peft_config)
+    if reward := next((t for t in strategy.transforms if isinstance(t, RewardHead)), None):
+        # a reward model's adapter: its score beside the LoRA tensors (peft's modules_to_save), read onto the base
+        # loaded with AutoModelForSequenceClassification
+        tensors = {PEFT_PREFIX + reward.export_name(k.removeprefix(PEFT_PREFIX)): v for k, v in tensors.items()}
+        config.task_type, config.modules_to_save = "SEQ_CLS", [reward.score_name.removesuffix(".weight")]
     if d.is_main:
         work = fresh_partial(out, record or {})
         save_file(tensors, work / "adapter_model.safetensors", metadata={"format": "pt"})
-        config = copy.deepcopy(adapter.peft_config)
         config.base_model_name_or_path, config.inference_mode = base_model, True
         config.save_pretrained(work)
         copy_tokenizer(model_dir, work, chat_template)

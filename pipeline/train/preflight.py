@@ -199,12 +199,8 @@ def check_objective(cfg: Config, pairs: int, unpaired: int) -> None:
 
 
 def check_reward(cfg: Config, hf_config) -> tuple[str, str]:
-    """A reward model trains the whole model and neither generates nor answers lm-eval's tasks; its family must have
-    a sequence-classification class that reads it (reward_head_layout). One line each, before any weight is read."""
-    if cfg.model.adapter != "none":
-        raise UserError(f"--objective reward trains the whole model: reward models with --adapter {cfg.model.adapter} "
-                        "are not built yet (their score head would have to train and export beside the adapters); "
-                        "drop --adapter")
+    """A reward model neither generates nor answers lm-eval's tasks; its family must have a sequence-classification
+    class that reads it (reward_head_layout). One line each, before any weight is read."""
     if cfg.model.strategy == "manual":  # its own flat shards take no parameter a transform initialises
         raise UserError("--objective reward trains under --strategy ddp, fsdp2 or fsdp1 (auto picks among them), not "
                         "manual")
