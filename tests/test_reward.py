@@ -131,12 +131,13 @@ def test_a_reward_model_ranks_held_out_pairs_resumes_bitwise_and_exports_a_seque
     its rejected one; pipeline.evaluate of it gives the run's final validation. With LoRA (ddp) the score trains
     beside the adapters: the adapter folder (peft's SEQ_CLS, the score as modules_to_save) on the base loaded as a
     sequence classifier scores as the merged export does, and a rerun from a checkpoint (the adapters and the score)
-    repeats the steps after it bit for bit."""
+    repeats the steps after it bit for bit. pipeline.chat refuses either folder in one line (a reward model does not
+    generate)."""
     import re
     import subprocess
     import sys
 
-    from conftest import ROOT, events, torchrun, with_root
+    from conftest import ROOT, events, run_module, torchrun, with_root
     from transformers import AutoModelForSequenceClassification
 
     arithmetic_pairs(tmp_path, 10)
@@ -197,3 +198,10 @@ def test_a_reward_model_ranks_held_out_pairs_resumes_bitwise_and_exports_a_seque
     assert [e["step"] for e in again] == [*range(1, 9), 5, 6, 7, 8]
     keys = ("loss", "grad_norm", "accuracy", "margin", "mean_reward", "min_reward", "max_reward")
     assert [[e[k] for k in keys] for e in again[8:]] == [[e[k] for k in keys] for e in train[4:]]
+    # loaded as a causal LM, a reward model's missing head would be random: pipeline.chat refuses it in one line
+    for folder, why in ((rm / "hf", f"{rm / 'hf'} is a reward model (LlamaForSequenceClassification): it scores text "
+                         f"and does not generate; score pairs with python -m pipeline.evaluate {rm / 'hf'} -d PAIRS"),
+                        (lora / "adapter", f"{lora / 'adapter'} is a reward model's adapter: it scores text and does "
+                         "not generate")):
+        proc = run_module("pipeline.chat", folder, "--prompt", "Hi", env=train_env["env"])
+        assert (proc.returncode, proc.stderr.strip()) == (2, f"error: {why}")

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import ArgumentParser, UserError
+from pipeline.model.reward_head import is_reward_model
 from pipeline.model.weight_files import read_index
 from pipeline.ownership import read_mark
 
@@ -29,6 +30,8 @@ def base_folder(model_dir: Path) -> tuple[Path, bool]:
 
     if (model_dir / "adapter_config.json").exists():
         config = json.loads((model_dir / "adapter_config.json").read_text(encoding="utf-8"))
+        if config.get("task_type") == "SEQ_CLS":  # a reward model's adapter: on a causal LM it would babble
+            raise UserError(f"{model_dir} is a reward model's adapter: it scores text and does not generate")
         return base_dir(model_dir, config.get("base_model_name_or_path") or ""), True
     if not (model_dir / "config.json").exists():
         raise UserError(f"{model_dir} is not a model folder (no config.json) nor an adapter folder (no "
@@ -143,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.temperature <= 100:  # nan and inf too: sampling divides the logits by it
         raise UserError(f"--temperature must be in [0, 100], got {args.temperature}")
     folder, adapter = base_folder(args.model_dir)
-    limit = positions(AutoConfig.from_pretrained(folder))
+    config = AutoConfig.from_pretrained(folder)
+    if is_reward_model(config):  # loaded as a causal LM its missing head would be random: babble, not an answer
+        raise UserError(f"{args.model_dir} is a reward model ({config.architectures[0]}): it scores text and does not "
+                        f"generate; score pairs with python -m pipeline.evaluate {args.model_dir} -d PAIRS")
+    limit = positions(config)
     if limit is not None and args.max_new_tokens >= limit:  # before any weight is read
         raise UserError(f"--max-new-tokens {args.max_new_tokens} is beyond what {args.model_dir} can generate: it has "
                         f"{limit} positions in all, the prompt included")

@@ -116,6 +116,9 @@ def resolve(argv: list[str] | None) -> tuple[Config, AdapterFolder | None, argpa
     if not cfg.data.dataset_name and Tasks.of(cfg.train) is None:
         raise UserError("nothing to evaluate: give a dataset (-d DATASET, or --config RUN/config.yaml) for the "
                         "held-out loss, or --lm-eval-tasks, or both")
+    if Tasks.of(cfg.train) is not None and adapter is None and reward_model(model):
+        raise UserError(f"--lm-eval-tasks: {model} is a reward model, which scores text and does not generate; "
+                        "evaluate it on preference pairs (-d PAIRS)")
     settings = {"adapter": "none"}
     if adapter is not None:
         settings = dict(adapter.settings)
@@ -126,6 +129,13 @@ def resolve(argv: list[str] | None) -> tuple[Config, AdapterFolder | None, argpa
     return settle(cfg), adapter, args
 
 
+def reward_model(model: str) -> bool:
+    """Whether the model named is a reward model (reward_head.is_reward_model of its config)."""
+    from transformers import AutoConfig
+
+    return is_reward_model(AutoConfig.from_pretrained(resolve_model_dir(model)))
+
+
 def scored_as(cfg: Config, reference: str | None) -> Config:
     """Pairs are scored by a preference objective (dpo unless another is given: the next-token loss of both answers
     would say nothing of the preference), unpaired records by kto, with --reference as its reference model; anything
@@ -134,9 +144,7 @@ def scored_as(cfg: Config, reference: str | None) -> Config:
     if reference and not pairs and not unpaired:
         raise UserError("--reference is for a dataset of preference pairs: the rewards of their answers are measured "
                         "against it")
-    from transformers import AutoConfig
-
-    if reward := is_reward_model(AutoConfig.from_pretrained(resolve_model_dir(cfg.model.model_name))):
+    if reward := reward_model(cfg.model.model_name):
         if not pairs:  # a reward model scores pairs alone: the next-token loss of its score would be no figure
             raise UserError(f"{cfg.model.model_name} is a reward model: it is evaluated on preference pairs (-d "
                             "PAIRS), its figures the accuracy and margins of its rewards")
