@@ -253,10 +253,10 @@ class LowRankAdapter(ModelTransform):
                                       shape=weight.shape, stride=weight.stride())
         return rows
 
-    def adapter_state(self, model: nn.Module, module: nn.Module) -> dict:
+    def adapter_state(self, model: nn.Module, module: nn.Module, saved: frozenset[str] = frozenset()) -> dict:
         """The adapter as PeftModel.save_pretrained writes it (`base_model.model.<path>.lora_A.weight`, every tensor
-        whole and 2-D, DoRA's magnitude 1-D as peft keeps it), on rank 0 only (empty elsewhere), with any other
-        trainable parameter whole under its own name (a reward model's score: peft's modules_to_save). A collective:
+        whole and 2-D, DoRA's magnitude 1-D as peft keeps it), on rank 0 only (empty elsewhere), with the parameters
+        named in saved whole under their own names (a reward model's score: peft's modules_to_save). A collective:
         the trainable parameters are gathered whole, one tensor at a time, into rank 0's host memory. module: the
         unwrapped model."""
         from peft import get_peft_model_state_dict
@@ -267,7 +267,7 @@ class LowRankAdapter(ModelTransform):
         if not full:
             return {}
         peft_sd = get_peft_model_state_dict(module, state_dict=full, adapter_name=ADAPTER_NAME)
-        others = {k: v for k, v in trainable.items() if not is_adapter_key(k)}
+        others = {k: v for k, v in trainable.items() if k in saved}
         return {PEFT_PREFIX + k: v.contiguous() for k, v in {**peft_sd, **others}.items()}
 
 

@@ -28,7 +28,7 @@ from pipeline.errors import ArgumentParser, UserError, naming
 from pipeline.fsutil import replace_dir
 from pipeline.model.adapters import ADAPTER_FILES, PEFT_PREFIX, LowRankAdapter
 from pipeline.model.naming import to_file_layout
-from pipeline.model.reward_head import RewardHead
+from pipeline.model.reward_head import HEAD, RewardHead
 from pipeline.model.weight_check import FOLDER_RECORD
 from pipeline.model.weight_files import INDEX, read_header
 from pipeline.ownership import OWNER_FILE, check_not_nested, check_only, describe, kind_of, mark
@@ -177,9 +177,10 @@ def export_adapter(strategy: Strategy, model_dir: Path, out: Path, base_model: s
 
     check_replaceable(out, "the adapter folder")
     adapter = adapter_of(strategy)
-    tensors = adapter.adapter_state(strategy.model, strategy.module)
+    reward = next((t for t in strategy.transforms if isinstance(t, RewardHead)), None)
+    tensors = adapter.adapter_state(strategy.model, strategy.module, frozenset({HEAD}) if reward else frozenset())
     config = copy.deepcopy(adapter.peft_config)
-    if reward := next((t for t in strategy.transforms if isinstance(t, RewardHead)), None):
+    if reward:
         # a reward model's adapter: its score beside the LoRA tensors (peft's modules_to_save), read onto the base
         # loaded with AutoModelForSequenceClassification
         tensors = {PEFT_PREFIX + reward.export_name(k.removeprefix(PEFT_PREFIX)): v for k, v in tensors.items()}
