@@ -256,3 +256,17 @@ def test_kto_with_lora_trains_on_two_ranks_resumes_bitwise_and_full_fine_tuning_
     full = events(tmp_path / "runs" / "full", "train")
     assert "reference log-probabilities of 64 pairs under local/tiny: computed in " in said
     assert (full[0]["loss"], full[0]["kl"]) == pytest.approx((0.5, 0), abs=1e-6) and full[-1]["loss"] < 0.5
+
+
+def test_unbalanced_labels_get_the_weights_the_kto_paper_recommends():
+    """TRL's check of the KTO paper's eq. 8 (w_d * n_d / (w_u * n_u) in [1, 4/3]), with its rounding: balanced labels
+    or a weight in its range say nothing; otherwise both ranges, either to be used."""
+    from pipeline.objectives.kto import KTOSettings, balance_advice
+
+    assert balance_advice(60, 60, KTOSettings()) == ""
+    assert balance_advice(30, 90, KTOSettings(desirable_weight=3.5)) == ""
+    assert balance_advice(30, 90, KTOSettings(undesirable_weight=0.3)) == ""
+    assert balance_advice(30, 90, KTOSettings()) == (
+        "30 desirable and 90 undesirable examples at --kto-desirable-weight 1 and --kto-undesirable-weight 1: the KTO "
+        "paper's balance (eq. 8) wants --kto-desirable-weight in [3, 3.99] or --kto-undesirable-weight in [0.25, 0.33] "
+        "(one of them, not both)")

@@ -50,6 +50,22 @@ def kto_losses(s: KTOSettings, logps: torch.Tensor, ref_logps: torch.Tensor, und
     return torch.where(undesirable, s.undesirable_weight * (1 - F.sigmoid(s.beta * (kl - ratio))), desirable)
 
 
+def balance_advice(desirable: int, undesirable: int, s: KTOSettings) -> str:
+    """The weights to use where the labels are unbalanced and neither weight is in the range the KTO paper
+    recommends (its eq. 8: w_d * n_d / (w_u * n_u) in [1, 4/3], TRL's check and rounding), "" where they are fine."""
+    n_d, n_u = max(desirable, 1), max(undesirable, 1)
+    if n_d == n_u:
+        return ""
+    des = (round(n_u * s.undesirable_weight / n_d, 2), round(n_u * s.undesirable_weight / n_d * 1.33, 2))
+    und = (round(n_d * s.desirable_weight / n_u / 1.33, 2), round(n_d * s.desirable_weight / n_u, 2))
+    if des[0] <= s.desirable_weight <= des[1] or und[0] <= s.undesirable_weight <= und[1]:
+        return ""
+    return (f"{desirable} desirable and {undesirable} undesirable examples at --kto-desirable-weight "
+            f"{s.desirable_weight:g} and --kto-undesirable-weight {s.undesirable_weight:g}: the KTO paper's balance "
+            f"(eq. 8) wants --kto-desirable-weight in [{des[0]:g}, {des[1]:g}] or --kto-undesirable-weight in "
+            f"[{und[0]:g}, {und[1]:g}] (one of them, not both)")
+
+
 class KTOObjective:
     """KTO over a batch of packed examples, strategy-blind: the head says how the model is run."""
 

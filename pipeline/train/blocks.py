@@ -11,7 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
-from pipeline.config import Config
+from pipeline.config import Config, ObjectiveConfig
 from pipeline.data import pair_tokens
 from pipeline.data.mixture import MixedBlocks
 from pipeline.data.sampler import BlockSampler, MixtureSampler
@@ -26,6 +26,7 @@ from pipeline.data.token_cache import (
 from pipeline.distributed.launch import Launch
 from pipeline.distributed.runtime import Dist, gather_objects
 from pipeline.errors import UserError
+from pipeline.objectives.kto import KTOSettings, balance_advice
 from pipeline.train.preflight import DataSource, Plan
 from pipeline.train.signals import Interrupted, StopRequest
 from pipeline.train.telemetry import log
@@ -57,7 +58,7 @@ def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks | MixedBlocks:
     for source, (status, path) in zip(plan.data, ensure_blocks(cfg, plan, d.is_local_main), strict=True):
         if d.is_main:
             log.info("token cache %s: %s%s", status, path, f" ({source.source.name})" if plan.mixture else "")
-            log_cache_meta(path)
+            log_cache_meta(path, cfg.objective)
         caches.append(open_blocks(path))
     blocks = MixedBlocks([s.source for s in plan.data], caches) if plan.mixture else caches[0]
     if plan.mixture and d.is_main:
@@ -151,9 +152,14 @@ def prepare_only(cfg: Config, plan: Plan, launch: Launch) -> int:
     return 0
 
 
-def log_cache_meta(path: Path) -> None:
-    """What the cache holds: conversations kept, truncated and dropped, and the share of tokens trained."""
+def log_cache_meta(path: Path, objective: ObjectiveConfig | None = None) -> None:
+    """What the cache holds: conversations kept, truncated and dropped, and the share of tokens trained; under kto,
+    weights that do not balance its labels (balance_advice)."""
     meta = json.loads((path / "meta.json").read_text())
+    if "kto" in meta and objective is not None and (advice := balance_advice(
+            meta["kto"]["desirable"], meta["kto"]["undesirable"],
+            KTOSettings(objective.pref_beta, objective.kto_desirable_weight, objective.kto_undesirable_weight))):
+        log.warning("KTO: %s", advice)
     if "conversations" in meta:
         counts = ", ".join(f"{k} {v}" for k, v in meta["conversations"].items() if v)
         what = "conversation samples" if "turn_by_turn" in meta else "conversations"  # split ones count per sample
