@@ -131,13 +131,14 @@ def test_a_reward_model_ranks_held_out_pairs_resumes_bitwise_and_exports_a_seque
     its rejected one; pipeline.evaluate of it gives the run's final validation. With LoRA (ddp) the score trains
     beside the adapters: the adapter folder (peft's SEQ_CLS, the score as modules_to_save) on the base loaded as a
     sequence classifier scores as the merged export does, and a rerun from a checkpoint (the adapters and the score)
-    repeats the steps after it bit for bit. pipeline.chat refuses either folder in one line (a reward model does not
-    generate)."""
+    repeats the steps after it bit for bit. MODEL_DOWNLOAD imports the export into the cache as the sequence
+    classifier it is; from there it trains further as a reward model only. pipeline.chat refuses either folder in one
+    line (a reward model does not generate)."""
     import re
     import subprocess
     import sys
 
-    from conftest import ROOT, events, run_module, torchrun, with_root
+    from conftest import ROOT, events, hub_env, preflight_errors, run_module, run_script, torchrun, with_root
     from transformers import AutoModelForSequenceClassification
 
     arithmetic_pairs(tmp_path, 10)
@@ -169,6 +170,17 @@ def test_a_reward_model_ranks_held_out_pairs_resumes_bitwise_and_exports_a_seque
     report = json.loads((tmp_path / "e.json").read_text())
     assert (report["objective"], report["reference"]) == ("reward", None)
     assert report["loss"] == pytest.approx(final["loss"], abs=1e-5) and report["accuracy"] == final["accuracy"]
+    # MODEL_DOWNLOAD imports it (checked as the sequence classifier it is): it trains further as a reward model, and
+    # anything else is refused, since it has no language-model head
+    imported = run_script("MODEL_DOWNLOAD.py", "--model-name", "local/rm", "--source", rm / "hf",
+                          env=hub_env(tmp_path / "hf"))
+    assert imported.returncode == 0 and "model:       LlamaForSequenceClassification at " in imported.stdout
+    base = ["-e", "next", "-m", "local/rm", "--save-dir", tmp_path / "next", "--config",
+            ROOT / "configs" / "demo.yaml", "-d", tmp_path / "pairs"]
+    assert preflight_errors([[*base, "--objective", "reward"], [*base, "--objective", "dpo"]],
+                            hub_env(tmp_path / "hf")) == [
+        "ok", "--model-name local/rm is a reward model (LlamaForSequenceClassification): it trains further with "
+        "--objective reward only (it has no language-model head)"]
     # the export scores a held-out answer as the run did: its chosen answers above its rejected ones
     from datasets import load_from_disk
     from transformers import AutoTokenizer

@@ -234,6 +234,7 @@ def verify(model_dir: Path) -> ModelReport:
 
     from pipeline.model.modeling import meta_model
     from pipeline.model.naming import WeightNames
+    from pipeline.model.reward_head import RewardHead, is_reward_model, reward_head_layout
     from pipeline.model.weight_files import read_index
 
     try:
@@ -244,7 +245,12 @@ def verify(model_dir: Path) -> ModelReport:
     disk = sum(path.stat().st_size for path in {e.path for e in index.values()})
     dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, config.dtype or "float32")
     model = meta_model(config, dtype)
-    names = WeightNames(model)  # tied weights stored once under either name; per-expert tensors joined
+    head = None
+    if is_reward_model(config):  # a reward model (fsdp1.py --objective reward's export): its score beside the body
+        head = RewardHead(reward_head_layout(config), config.pad_token_id, trained=True)
+        head.apply(model)
+    # tied weights stored once under either name; per-expert tensors joined; a reward model's score under its name
+    names = WeightNames(model, head.base_name) if head else WeightNames(model)
     expected = model.state_dict()
     sources = names.sources(index, expected, model_dir)
     for name, src in sources.items():
@@ -258,7 +264,7 @@ def verify(model_dir: Path) -> ModelReport:
                             f"{str(tensor.dtype).removeprefix('torch.')}")
     used = {e.name for src in sources.values() for group in src.parts.values() for e in group}
     used |= {n for n in index if names.partners.get(n) in sources}
-    return ModelReport(type(model).__name__, sum(p.numel() for p in model.parameters()),
+    return ModelReport(head.architecture if head else type(model).__name__, sum(p.numel() for p in model.parameters()),
                        str(dtype).removeprefix("torch."), disk, config, sorted(set(index) - used))
 
 

@@ -256,6 +256,9 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
                         f"(max_position_embeddings {limit})")
     if why := cannot_train(hf_config):
         raise UserError(f"--model-name {cfg.model.model_name}: {why}")
+    if is_reward_model(hf_config) and cfg.objective.objective != "reward":
+        raise UserError(f"--model-name {cfg.model.model_name} is a reward model ({hf_config.architectures[0]}): it "
+                        "trains further with --objective reward only (it has no language-model head)")
     layout = check_reward(cfg, hf_config) if cfg.objective.objective == "reward" else None
     if cfg.model.attn_implementation != "auto":  # a kernel the family refuses: one line, before any weight is read
         meta_model(hf_config, attn_implementation=cfg.model.attn_implementation)
