@@ -30,8 +30,8 @@ def arithmetic_feedback(tmp_path: Path, n: int) -> Path:
 
 def test_unpaired_records_in_both_forms_are_kept_with_their_label_and_bad_ones_skipped_by_reason(tmp_path):
     """TRL's standard and conversational unpaired forms become rows with their completion as the chosen answer
-    (desirable) or the rejected one (not); a label that is no JSON boolean is never guessed; pairs in the same folder
-    are kept beside them (KTO trains on both)."""
+    (desirable) or the rejected one (not); a label that is no JSON boolean is never guessed, nor a pair missing an
+    answer read as a KTO record; pairs in the same folder are kept beside them (KTO trains on both)."""
     rows = [
         {"prompt": "The sky is", "completion": " blue.", "label": True},
         {"prompt": chat("Hi?"), "completion": answer("Go away."), "label": False},
@@ -41,6 +41,8 @@ def test_unpaired_records_in_both_forms_are_kept_with_their_label_and_bad_ones_s
         {"prompt": chat("Hi?"), "completion": chat("no"), "label": True},
         {"prompt": "x", "completion": answer("y"), "label": True},
         {"prompt": "2+2?", "chosen": "4", "rejected": "5"},
+        {"prompt": chat("Hi?"), "chosen": [], "rejected": answer("no")},  # a pair missing an answer: no KTO record
+        {"chosen": chat("a", "b"), "rejected": chat("a")},
     ]
     write_jsonl(tmp_path / "data" / "feedback.jsonl", rows)
     report = build_dataset(CorpusConfig(tmp_path / "data", tmp_path / "out", num_proc=1))
@@ -53,7 +55,8 @@ def test_unpaired_records_in_both_forms_are_kept_with_their_label_and_bad_ones_s
     prefs = report["preferences"]
     assert (prefs["rows"], prefs["by_form"]) == (3, {"standard": 1, "unpaired": 2})
     assert {k: v["where"] for k, v in prefs["skipped"].items()} == {
-        "bad_label": ["feedback.jsonl:line 3", "feedback.jsonl:line 4"], "empty_answer": ["feedback.jsonl:line 5"],
+        "bad_label": ["feedback.jsonl:line 3", "feedback.jsonl:line 4"],
+        "empty_answer": ["feedback.jsonl:line 5", "feedback.jsonl:line 9", "feedback.jsonl:line 10"],
         "malformed_message": ["feedback.jsonl:line 7"], "not_alternating": ["feedback.jsonl:line 6"]}
     assert "  preference records: 3 (standard 1, unpaired 2)\n" in format_summary(report)
 

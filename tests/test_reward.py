@@ -50,6 +50,30 @@ def test_every_family_s_reward_head_scores_as_its_sequence_classification_class_
                                    rtol=1e-5, atol=1e-6)
 
 
+def test_the_score_is_the_class_s_own_one_output_layer_and_trains_in_fp32_beside_adapters():
+    """The score is found by its name in the sequence-classification class (Qwen2-MoE's one-output shared-expert
+    gates are no score), and beside a frozen bf16 base it is a trainable fp32 parameter (AdamW on bf16 weights would
+    lose updates below their precision)."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    from pipeline.config import ModelConfig
+    from pipeline.model.adapters import adapter_transform
+    from pipeline.model.reward_head import HEAD, RewardHead, reward_head_layout
+
+    moe = Qwen2MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, num_experts=2, num_experts_per_tok=1)
+    assert reward_head_layout(moe) == ("Qwen2MoeForSequenceClassification", "score.weight")
+    config = family_config("llama", 1024, 1, 2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    adapter_transform(ModelConfig(model_name="m", adapter="lora"), torch.bfloat16).apply(model)
+    RewardHead(reward_head_layout(config), 0).apply(model)
+    score = dict(model.named_parameters())[HEAD]
+    assert (score.dtype, score.requires_grad) == (torch.float32, True)
+    assert dict(model.named_parameters())["model.embed_tokens.weight"].dtype == torch.bfloat16
+
+
 def test_the_bradley_terry_loss_over_packed_pairs_is_each_pair_s_alone(tiny_models):
     """Over a packed block (several pairs, each answer its own sequence, a padding sequence after them) the objective
     reads each answer's reward at its last token that is not padding, and gives the loss, every parameter's gradient
@@ -177,10 +201,20 @@ def test_a_reward_model_ranks_held_out_pairs_resumes_bitwise_and_exports_a_seque
     assert imported.returncode == 0 and "model:       LlamaForSequenceClassification at " in imported.stdout
     base = ["-e", "next", "-m", "local/rm", "--save-dir", tmp_path / "next", "--config",
             ROOT / "configs" / "demo.yaml", "-d", tmp_path / "pairs"]
+    policy = ["-e", "dpo", "-m", "local/tiny", "--save-dir", tmp_path / "next", "--config",
+              ROOT / "configs" / "demo.yaml", "-d", tmp_path / "pairs", "--objective", "dpo"]
     assert preflight_errors([[*base, "--objective", "reward"], [*base, "--objective", "dpo"]],
                             hub_env(tmp_path / "hf")) == [
         "ok", "--model-name local/rm is a reward model (LlamaForSequenceClassification): it trains further with "
         "--objective reward only (it has no language-model head)"]
+    assert preflight_errors([[*policy, "--reference-model", rm / "hf"]], train_env["env"]) == [
+        f"--reference-model {rm / 'hf'} is a reward model (LlamaForSequenceClassification): a reference gives "
+        "log-probabilities, which a reward model has no head for"]
+    # nor does pipeline.evaluate score a model without a trained score as a reward model
+    proc = run_module("pipeline.evaluate", "local/tiny", "--config", rm / "config.yaml", env=train_env["env"])
+    assert (proc.returncode, proc.stderr.strip().splitlines()[-1]) == (2, (
+        "error: local/tiny is not a reward model (a run of --objective reward exports one to RUN/hf): its rewards "
+        "would come from a score drawn at random"))
     # the export scores a held-out answer as the run did: its chosen answers above its rejected ones
     from datasets import load_from_disk
     from transformers import AutoTokenizer

@@ -43,6 +43,8 @@ def read_adapter_folder(path: Path) -> AdapterFolder:
     pipeline can build is one line."""
     try:
         conf = json.loads((path / CONFIG).read_text(encoding="utf-8"))
+        if conf.get("task_type") == "SEQ_CLS":  # fsdp1.py --objective reward's, its score beside the adapters
+            raise UserError(f"{path} is a reward model's adapter; evaluate its run's merged model (RUN/hf)")
         if conf.get("peft_type") != "LORA":
             raise UserError(f"{path} holds a {conf.get('peft_type')} adapter; only LoRA and DoRA adapters are "
                             "supported")

@@ -47,10 +47,9 @@ def reward_head_layout(hf_config) -> tuple[str, str]:
         causal = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config))
     body = {k for k in causal.state_dict() if k != HEAD}
     extra = sorted(set(scorer.state_dict()) - body)
-    score = next((m for m in scorer.modules() if isinstance(m, nn.Linear) and m.out_features == 1), None)
-    names = {id(m): n for n, m in scorer.named_modules()}
-    if score is None or score.bias is not None or extra != [f"{names[id(score)]}.weight"] or \
-            body - set(scorer.state_dict()):
+    score = scorer.get_submodule(extra[0].removesuffix(".weight")) if len(extra) == 1 else None
+    if not isinstance(score, nn.Linear) or score.out_features != 1 or score.bias is not None or \
+            not extra[0].endswith(".weight") or body - set(scorer.state_dict()):
         raise UserError(f"--objective reward: {type(scorer).__name__} is not the causal LM's body with a one-output "
                         f"linear score (its own tensors: {', '.join(extra) or 'none'}), so a reward model trained "
                         "here would not load into it")
@@ -76,7 +75,8 @@ def scores_forward(self, input_ids=None, position_ids=None, **kwargs):
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     hidden = trunk(self)(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state
-    return CausalLMOutputWithPast(logits=self.get_output_embeddings()(hidden))
+    score = self.get_output_embeddings()
+    return CausalLMOutputWithPast(logits=score(hidden.to(score.weight.dtype)))  # an fp32 score beside adapters
 
 
 class RewardHead(ModelTransform):
@@ -94,8 +94,11 @@ class RewardHead(ModelTransform):
 
     def apply(self, model: nn.Module) -> None:
         old = model.get_output_embeddings()
+        # trained in fp32 beside adapters (their frozen base, the old head included, is in the compute dtype: AdamW
+        # on bf16 weights would lose updates below their precision), else in the model's own dtype
+        dtype = old.weight.dtype if old.weight.requires_grad else torch.float32
         with torch.device("meta"):
-            model.set_output_embeddings(nn.Linear(old.in_features, 1, bias=False, dtype=old.weight.dtype))
+            model.set_output_embeddings(nn.Linear(old.in_features, 1, bias=False, dtype=dtype))
         # the class's own forward would apply its terms on the logits (Gemma's soft-capping): the scores' instead
         model.__class__ = type(f"Reward{type(model).__name__}", (type(model),), {"forward": scores_forward})
         config = model.config

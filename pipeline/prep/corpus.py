@@ -415,7 +415,8 @@ def _build_locked(cfg: CorpusConfig, files: list[str], sizes: list[int], pre_ski
             others = report["rows"] - pairs
             held = files_holding([r.shard for r in results if r.rows], pairs <= others)
             fewer = f"the {'pairs' if pairs <= others else 'others'} are in {held}"
-            raise UserError(f"{cfg.data_folder} mixes {pairs} preference pairs with {others} text or conversation "
+            kind = "preference records" if report["preferences"]["by_form"].get("unpaired") else "preference pairs"
+            raise UserError(f"{cfg.data_folder} mixes {pairs} {kind} with {others} text or conversation "
                             f"rows ({fewer}): a run trains on one kind (SFT or a preference objective); convert them "
                             "from separate folders into separate datasets")
         write_layout(work / "dataset", [Path(r.shard) for r in results if r.rows])

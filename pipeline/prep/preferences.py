@@ -44,15 +44,12 @@ class Pair:
     record's completion when labelled desirable, else empty."""
     rejected: list[dict]
     """The rejected answer; an unpaired record's completion when labelled undesirable, else empty."""
+    unpaired: bool = False
+    """A KTO record (its form says so, never an empty answer of a pair): one answer, its label which of the two."""
 
     @property
     def conversational(self) -> bool:
         return bool(self.prompt_messages)
-
-    @property
-    def unpaired(self) -> bool:
-        """A KTO record: one answer, its label which of the two it is."""
-        return not (self.chosen and self.rejected)
 
     @property
     def chars(self) -> int:
@@ -91,13 +88,11 @@ def to_pair(record: dict, form: str) -> Pair:
         if not isinstance(record["text"], str):
             raise BadPair("malformed_message")
         prompt = _messages(record["messages"])
-        pair = Pair(record["text"] if not prompt else "", prompt, _messages(record.get("chosen") or []),
-                    _messages(record.get("rejected") or []))
+        chosen, rejected = _messages(record.get("chosen") or []), _messages(record.get("rejected") or [])
+        # a row with one answer is a KTO record of ours (DATA-HF writes no pair with an empty answer)
+        pair = Pair(record["text"] if not prompt else "", prompt, chosen, rejected, bool(chosen) != bool(rejected))
         if prompt:
             _check_turns(pair)
-        if pair.unpaired and (pair.chosen or pair.rejected):  # a KTO record of ours: its one answer
-            _check_answers(pair)
-            return pair
     elif form == "standard":
         parts = (record["prompt"], record["chosen"], record["rejected"])
         if not all(isinstance(p, str) for p in parts):
@@ -129,7 +124,7 @@ def _unpaired(record: dict) -> Pair:
         answer, pair_prompt, text = [_answer(completion)], [], prompt
     else:
         answer, pair_prompt, text = _messages(completion), _messages(prompt), ""
-    pair = Pair(text, pair_prompt, answer if label else [], [] if label else answer)
+    pair = Pair(text, pair_prompt, answer if label else [], [] if label else answer, unpaired=True)
     if pair_prompt:
         _check_turns(pair)
     _check_answers(pair)

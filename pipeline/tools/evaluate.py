@@ -144,7 +144,11 @@ def scored_as(cfg: Config, reference: str | None) -> Config:
     if reference and not pairs and not unpaired:
         raise UserError("--reference is for a dataset of preference pairs: the rewards of their answers are measured "
                         "against it")
-    if reward := reward_model(cfg.model.model_name):
+    reward = reward_model(cfg.model.model_name)
+    if cfg.objective.objective == "reward" and not reward:  # its score would be drawn at random, not read
+        raise UserError(f"{cfg.model.model_name} is not a reward model (a run of --objective reward exports one to "
+                        "RUN/hf): its rewards would come from a score drawn at random")
+    if reward:
         if not pairs:  # a reward model scores pairs alone: the next-token loss of its score would be no figure
             raise UserError(f"{cfg.model.model_name} is a reward model: it is evaluated on preference pairs (-d "
                             "PAIRS), its figures the accuracy and margins of its rewards")

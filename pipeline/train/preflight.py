@@ -117,6 +117,8 @@ def objective_settings(o: ObjectiveConfig) -> dict:
     """A preference run's objective as its fingerprint holds it. An SFT run's fingerprint has no such field, so runs
     from before preference objectives still resume; reference_model only where given and an objective's own fields
     (KTO's weights) only under it, so runs from before those existed still resume."""
+    if o.objective == "reward":  # the preference objectives' settings play no part in it
+        return {"objective": o.objective, "center_rewards_coefficient": o.center_rewards_coefficient}
     return {k: v for k, v in dataclasses.asdict(o).items()
             if (k != "reference_model" or v) and o.ONLY.get(k, o.objective) == o.objective}
 
@@ -226,6 +228,9 @@ def plan_reference(cfg: Config, plan: Plan, base: WeightCheck | None = None) -> 
 
     ref_dir = resolve_model_dir(o.reference_model, "--reference-model")
     ref_config = AutoConfig.from_pretrained(ref_dir)
+    if is_reward_model(ref_config):  # run as a causal LM, its head would be missing (or a tied embedding)
+        raise UserError(f"--reference-model {o.reference_model} is a reward model ({ref_config.architectures[0]}): a "
+                        "reference gives log-probabilities, which a reward model has no head for")
     mine, theirs = getattr(plan.hf_config, "vocab_size", None), getattr(ref_config, "vocab_size", None)
     if mine != theirs or AutoTokenizer.from_pretrained(ref_dir).get_vocab() != plan.tokenizer.get_vocab():
         raise UserError(f"--reference-model {o.reference_model} has another vocabulary than {cfg.model.model_name} "
