@@ -64,7 +64,8 @@ def test_unpaired_records_in_both_forms_are_kept_with_their_label_and_bad_ones_s
 def test_kto_examples_pack_each_completion_with_the_record_befores_as_its_kl_sequence(tiny_models):
     """An unpaired row is one example and a pair two (chosen desirable, rejected not); each example's KL sequence is
     its prompt with the completion of the record before it (a pair's answer of the same label; the first record takes
-    the last's), whichever map batch the record falls in; the flags mark the undesirable completions alone."""
+    the last's), whichever map batch the record falls in, cut from its end where it would not fit (a long neighbour
+    drops no example); the flags mark the undesirable completions alone."""
     from transformers import AutoTokenizer
 
     from pipeline.data import chat_tokens, packing
@@ -94,6 +95,14 @@ def test_kto_examples_pack_each_completion_with_the_record_befores_as_its_kl_seq
              p.rejected_trained.astype(np.uint8).tolist(), int(d)) for p, d in expected]
     assert examples([[0, 1, 2]]) == want
     assert examples([[0], [1, 2]]) == examples([[0, 1], [2]]) == want
+    # a long record last: p0's KL sequence takes its completion, cut from the end to fit (p0 itself kept whole);
+    # its own example, too long for a block, is dropped
+    long = ds.add_item({"text": "p3", "messages": [], "chosen": answer(" word" * 80), "rejected": []})
+    got = tokenize_kto_batch(long[0:1], [0], long, tokenizer, "", 64, keep)
+    whole = tokenize_pair(tokenizer, "p0", [], answer(" A"), answer(" word" * 80), "", keep)
+    assert got["status"] == [0] and len(whole) > 64 and got["chosen"][0].tolist() == whole.chosen.tolist()
+    assert got["rejected"][0].tolist() == whole.rejected.tolist()[:64 - len(whole.chosen)]
+    assert tokenize_kto_batch(long[3:4], [3], long, tokenizer, "", 64, keep)["status"] == [2]  # dropped_too_long
     blocks, flags = pack_pairs([p for p, _ in expected], 64, tokenizer.eos_token_id,
                                np.array([not d for _, d in expected]))
     starts = (flags & packing.START) > 0

@@ -11,8 +11,8 @@ sequence attends to another), and the flags say which is which.
 A KTO example is packed as a pair is: its completion in the chosen place (flagged UNDESIRABLE too when labelled
 so) and, in the rejected place, its KL sequence, the prompt followed by another record's completion (the record
 before it in the dataset, the first taking the last's: TRL's mismatched pairs, whose log-probability ratio estimates
-the KL term). A pair under KTO is two examples, its chosen answer desirable and its rejected one not, as TRL unpairs
-them.
+the KL term; cut from its end where the example would not fit a block, so a long neighbour drops no example). A pair
+under KTO is two examples, its chosen answer desirable and its rejected one not, as TRL unpairs them.
 """
 
 from __future__ import annotations
@@ -140,12 +140,25 @@ def tokenize_pairs_batch(batch: dict, tokenizer, date: str, capacity: int, keep_
     return out
 
 
-def _add_fitted(out: dict, tokenizer, parts: tuple, date: str, capacity: int, keep_as_text) -> None:
-    """One pair (prompt text, prompt messages, the two answers) tokenized and fitted, appended to out's columns."""
+def fit_kto(example: TokenPair, capacity: int) -> tuple[TokenPair | None, str]:
+    """A KTO example within capacity: its KL sequence's completion cut from its end first, down to one token (that
+    sequence only feeds the KL estimate, as TRL's collator truncates it: a long neighbour must not drop the example),
+    then its prompt as a pair's is (fit_pair)."""
+    over = len(example) - capacity
+    if over > 0:
+        keep = max(example.prompt + 1, len(example.rejected) - over)
+        example = TokenPair(example.chosen, example.chosen_trained, example.rejected[:keep],
+                            example.rejected_trained[:keep], example.prompt)
+    return fit_pair(example, capacity)
+
+
+def _add_fitted(out: dict, tokenizer, parts: tuple, date: str, capacity: int, keep_as_text, fit=fit_pair) -> None:
+    """One pair (prompt text, prompt messages, the two answers) tokenized and fitted (fit: fit_pair, or fit_kto for a
+    KTO example), appended to out's columns."""
     whole = None
     try:
         whole = tokenize_pair(tokenizer, *parts, date, keep_as_text)
-        fitted, status = fit_pair(whole, capacity)
+        fitted, status = fit(whole, capacity)
     except BadConversation:
         fitted, status = None, "malformed"
     except chat_tokens.TemplateMismatch:
@@ -185,6 +198,6 @@ def tokenize_kto_batch(batch: dict, indices: list[int], answers, tokenizer, date
         for desirable, answer in ((True, row["chosen"]), (False, row["rejected"])):
             if answer:
                 _add_fitted(out, tokenizer, (text, prompt, answer, kl_answer(before, desirable)), date, capacity,
-                            keep_as_text)
+                            keep_as_text, fit_kto)
                 out["desirable"].append(int(desirable))
     return out
