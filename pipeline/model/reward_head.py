@@ -47,9 +47,10 @@ def reward_head_layout(hf_config) -> tuple[str, str]:
         causal = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config))
     body = {k for k in causal.state_dict() if k != HEAD}
     extra = sorted(set(scorer.state_dict()) - body)
-    score = scorer.get_submodule(extra[0].removesuffix(".weight")) if len(extra) == 1 else None
+    one = len(extra) == 1 and extra[0].endswith(".weight")  # a tensor of a module of its own, not a bare parameter
+    score = scorer.get_submodule(extra[0].removesuffix(".weight")) if one else None
     if not isinstance(score, nn.Linear) or score.out_features != 1 or score.bias is not None or \
-            not extra[0].endswith(".weight") or body - set(scorer.state_dict()):
+            body - set(scorer.state_dict()):
         raise UserError(f"--objective reward: {type(scorer).__name__} is not the causal LM's body with a one-output "
                         f"linear score (its own tensors: {', '.join(extra) or 'none'}), so a reward model trained "
                         "here would not load into it")
