@@ -9,7 +9,7 @@ import datasets
 import numpy as np
 import pytest
 from test_corpus import stored
-from test_preferences import chat, write_jsonl
+from test_preferences import alone_logp, chat, reference_of, write_jsonl
 
 from pipeline.prep.corpus import CorpusConfig, build_dataset, format_summary
 
@@ -126,8 +126,6 @@ def test_kto_on_packed_examples_has_the_loss_and_gradient_of_kto_on_each_example
     from pipeline.data.pair_tokens import pack_pairs, tokenize_pair
     from pipeline.model.head import Head
     from pipeline.objectives.kto import KTOObjective, KTOSettings
-    from pipeline.objectives.preference import answers
-    from pipeline.objectives.token_logps import token_logps
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_models["tied"])
     policy = AutoModelForCausalLM.from_pretrained(tiny_models["tied"], dtype=torch.float32)
@@ -137,34 +135,23 @@ def test_kto_on_packed_examples_has_the_loss_and_gradient_of_kto_on_each_example
                               answer(f" {i + 5}"), "", None) for i, good in enumerate(labels)]
     blocks, flags = pack_pairs(examples, 64, tokenizer.eos_token_id, np.array([not g for g in labels]))
     batch = make_batch(blocks, flags, torch.device("cpu"))
-    torch_flags = torch.from_numpy(flags.astype(np.int64))
     settings = KTOSettings(beta=0.1, desirable_weight=1.5, undesirable_weight=0.5)
 
-    def reference_of(model):
-        def reference(b):
-            got = answers(torch_flags, *token_logps(Head(model, False, 1), b)[::-1])
-            return got["chosen"], got["rejected"]
-        return reference
-
     with torch.no_grad():
-        same = KTOObjective(Head(policy, False, 1), settings, reference_of(policy))
+        same = KTOObjective(Head(policy, False, 1), settings, reference_of(policy, flags))
         torch.testing.assert_close(same(batch, 4), torch.tensor((1.5 + 0.5) / 4, dtype=torch.float32))
-    objective = KTOObjective(Head(policy, False, 1), settings, reference_of(ref_model))
+    objective = KTOObjective(Head(policy, False, 1), settings, reference_of(ref_model, flags))
     loss = objective(batch, 4)
     loss.backward()
     packed = {n: p.grad.clone() for n, p in policy.named_parameters()}
     policy.zero_grad()
 
-    def logp(model, ids, trained):
-        ids = torch.from_numpy(ids.astype(np.int64))[None]
-        picked = model(input_ids=ids).logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None]).squeeze(1)
-        return picked[torch.from_numpy(trained)[1:]].sum()
-
     with torch.no_grad():
-        kl = torch.stack([logp(policy, e.rejected, e.rejected_trained) - logp(ref_model, e.rejected, e.rejected_trained)
-                          for e in examples]).mean().clamp(min=0)
-        refs = [logp(ref_model, e.chosen, e.chosen_trained) for e in examples]
-    mine = [logp(policy, e.chosen, e.chosen_trained) for e in examples]
+        ratios = [alone_logp(policy, e.rejected, e.rejected_trained)
+                  - alone_logp(ref_model, e.rejected, e.rejected_trained) for e in examples]
+        kl = torch.stack(ratios).mean().clamp(min=0)
+        refs = [alone_logp(ref_model, e.chosen, e.chosen_trained) for e in examples]
+    mine = [alone_logp(policy, e.chosen, e.chosen_trained) for e in examples]
     terms = [1.5 * (1 - torch.sigmoid(0.1 * (m - r - kl))) if good else 0.5 * (1 - torch.sigmoid(0.1 * (kl - m + r)))
              for m, r, good in zip(mine, refs, labels, strict=True)]
     alone = torch.stack(terms).sum() / 4

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pytest
 from test_corpus import stored
 
@@ -240,20 +241,44 @@ def test_a_dataset_of_pairs_becomes_blocks_of_whole_pairs(tmp_path, tiny_models,
     assert seen == 41
 
 
+def reference_of(model, flags):
+    """A reference reading each pair's (chosen, rejected) summed log-probabilities under model from the packed
+    batch, as the objectives read the policy's (flags: the blocks' packing flags)."""
+    import torch
+
+    from pipeline.model.head import Head
+    from pipeline.objectives.preference import answers
+    from pipeline.objectives.token_logps import token_logps
+
+    torch_flags = torch.from_numpy(flags.astype(np.int64))
+
+    def reference(b):
+        got = answers(torch_flags, *token_logps(Head(model, False, 1), b)[::-1])
+        return got["chosen"], got["rejected"]
+    return reference
+
+
+def alone_logp(model, ids, trained):
+    """The summed log-probability model gives the trained tokens of one sequence, run on its own."""
+    import torch
+
+    ids = torch.from_numpy(ids.astype(np.int64))[None]
+    picked = model(input_ids=ids).logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None]).squeeze(1)
+    return picked[torch.from_numpy(trained)[1:]].sum()
+
+
 def test_dpo_on_packed_pairs_has_the_gradient_of_dpo_on_each_pair_alone(tiny_models):
     """The objective over a packed block (policy and reference log-probabilities read per answer from the block)
     gives the loss and every parameter's gradient that DPO written out over each pair's sequences alone gives, and
     its TRL-named metrics; at a reference equal to the policy every pair's loss is ln 2."""
-    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.data.batches import make_batch
     from pipeline.data.pair_tokens import pack_pairs, tokenize_pair
     from pipeline.model.head import Head
-    from pipeline.objectives.preference import PreferenceObjective, answers
+    from pipeline.objectives.preference import PreferenceObjective
     from pipeline.objectives.preference_losses import PreferenceSettings
-    from pipeline.objectives.token_logps import token_logps
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_models["tied"])
     policy = AutoModelForCausalLM.from_pretrained(tiny_models["tied"], dtype=torch.float32)
@@ -262,33 +287,24 @@ def test_dpo_on_packed_pairs_has_the_gradient_of_dpo_on_each_pair_alone(tiny_mod
                            [{"role": "assistant", "content": f" not {i}"}], "", None) for i in range(4)]
     blocks, flags = pack_pairs(pairs, 64, tokenizer.eos_token_id)
     batch = make_batch(blocks, flags, torch.device("cpu"))
-    torch_flags = torch.from_numpy(flags.astype(np.int64))
-
-    def reference_of(model):
-        def reference(b):
-            got = answers(torch_flags, *token_logps(Head(model, False, 1), b)[::-1])
-            return got["chosen"], got["rejected"]
-        return reference
 
     with torch.no_grad():
-        same = PreferenceObjective(Head(policy, False, 1), PreferenceSettings("dpo", 0.1), reference_of(policy))
+        same = PreferenceObjective(Head(policy, False, 1), PreferenceSettings("dpo", 0.1), reference_of(policy, flags))
         torch.testing.assert_close(same(batch, 4), torch.tensor(np.log(2), dtype=torch.float32))
-    objective = PreferenceObjective(Head(policy, False, 1), PreferenceSettings("dpo", 0.1), reference_of(ref_model))
+    objective = PreferenceObjective(Head(policy, False, 1), PreferenceSettings("dpo", 0.1),
+                                    reference_of(ref_model, flags))
     loss = objective(batch, 4)
     loss.backward()
     packed = {n: p.grad.clone() for n, p in policy.named_parameters()}
     policy.zero_grad()
 
-    def logp(model, ids, trained):
-        ids = torch.from_numpy(ids.astype(np.int64))[None]
-        picked = model(input_ids=ids).logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None]).squeeze(1)
-        return picked[torch.from_numpy(trained)[1:]].sum()
-
     terms = []
     for p in pairs:
         with torch.no_grad():
-            ref = logp(ref_model, p.chosen, p.chosen_trained) - logp(ref_model, p.rejected, p.rejected_trained)
-        margin = logp(policy, p.chosen, p.chosen_trained) - logp(policy, p.rejected, p.rejected_trained) - ref
+            ref = (alone_logp(ref_model, p.chosen, p.chosen_trained)
+                   - alone_logp(ref_model, p.rejected, p.rejected_trained))
+        margin = (alone_logp(policy, p.chosen, p.chosen_trained) - alone_logp(policy, p.rejected, p.rejected_trained)
+                  - ref)
         terms.append(-torch.nn.functional.logsigmoid(0.1 * margin))
     alone = torch.stack(terms).sum() / 4
     alone.backward()

@@ -15,20 +15,16 @@ undesirable completions), rewards/margins (their difference), logps/chosen, logp
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipeline.data.batches import Batch
-from pipeline.data.pair_tokens import count_pairs
 from pipeline.model.head import Head
 from pipeline.objectives.objective import HeldOut
-from pipeline.objectives.preference import Reference, sequence_logps
+from pipeline.objectives.preference import OverPairs, Reference, sequence_logps
 
 METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 """TRL's names for what a window of KTO examples averages."""
@@ -66,34 +62,22 @@ def balance_advice(desirable: int, undesirable: int, s: KTOSettings) -> str:
             f"[{und[0]:g}, {und[1]:g}] (one of them, not both)")
 
 
-class KTOObjective:
-    """KTO over a batch of packed examples, strategy-blind: the head says how the model is run."""
+class KTOObjective(OverPairs):
+    """KTO over a batch of packed examples, strategy-blind: the head says how the model is run. Its window: examples,
+    desirable ones, then the sums of their rewards and log-probabilities, and the KL terms of the micro-steps with
+    their count."""
 
     counted = "examples"
     shown = (("rewards/margins", "margin"), ("kl", "kl"))
 
     def __init__(self, head: Head, settings: KTOSettings, reference: Reference):
         self.head, self.settings, self.reference = head, settings, reference
-        self.window: torch.Tensor | None = None
-        """Examples, desirable ones, then the sums of their rewards and log-probabilities, and the KL terms of the
-        micro-steps with their count, since the window was last read (on the device: read once per window)."""
-
-    def items(self, ids: np.ndarray, flags: np.ndarray | None, valid_rows: int | None = None) -> int:
-        return count_pairs(flags, valid_rows)
 
     def closing(self, base: HeldOut, final: HeldOut) -> str:
         b, f = base.metrics, final.metrics
         return (f"kto loss {base.loss:.4f} -> {final.loss:.4f} over {final.tokens} examples; reward margin "
                 f"(desirable - undesirable) {b['rewards/margins']:.4f} -> {f['rewards/margins']:.4f}, kl "
                 f"{b['kl']:.4f} -> {f['kl']:.4f}")
-
-    @contextlib.contextmanager
-    def window_apart(self) -> Iterator[None]:
-        kept, self.window = self.window, None
-        try:
-            yield
-        finally:
-            self.window = kept
 
     def kl_term(self, ratios: torch.Tensor) -> torch.Tensor:
         """The mean of the KL sequences' log-probability ratios over every rank's examples of this micro-step, at

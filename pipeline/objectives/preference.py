@@ -34,18 +34,24 @@ Reference = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]
 objective reads, in their order): objectives/reference.py."""
 
 
+def sequences(flags: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """The packed sequences of the rows: each position's sequence ([rows, seq], numbered in order over the rows),
+    how many there are, and each one's first flags (which answer it is)."""
+    starts = (flags & packing.START) > 0
+    seq = torch.cumsum(starts.flatten().long(), 0).view(flags.shape) - 1  # every row begins with a START
+    n = int(seq.max().item()) + 1 if seq.numel() else 0  # a host sync per micro-step: how many sequences
+    return seq, n, flags.flatten()[starts.flatten()]
+
+
 def answers(flags: torch.Tensor, labels: torch.Tensor, logps: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per pair of the rows (in order), the summed log-probability and the target count of its chosen and rejected
     answers, and whether its chosen place holds a KTO completion labelled undesirable. A position's log-probability
     is its next token's, which belongs to the sequence that token is in."""
-    starts = (flags & packing.START) > 0
-    seq = torch.cumsum(starts.flatten().long(), 0).view(flags.shape) - 1  # every row begins with a START
+    seq, n, first = sequences(flags)
     owner = torch.cat([seq[:, 1:], seq[:, -1:]], 1)  # position t predicts token t + 1
     counted = (labels != IGNORE).to(logps.dtype)
-    n = int(seq.max().item()) + 1 if seq.numel() else 0  # a host sync per micro-step: how many sequences
     sums = logps.new_zeros(n).index_add(0, owner.flatten(), logps.flatten())
     lengths = logps.new_zeros(n).index_add(0, owner.flatten(), counted.flatten())
-    first = flags.flatten()[starts.flatten()]
     chosen, rejected = (first & CHOSEN) > 0, (first & REJECTED) > 0
     return {"chosen": sums[chosen], "rejected": sums[rejected], "chosen_len": lengths[chosen],
             "rejected_len": lengths[rejected], "undesirable": (first[chosen] & UNDESIRABLE) > 0}
@@ -58,26 +64,15 @@ def sequence_logps(head: Head, batch: Batch) -> dict[str, torch.Tensor]:
     return answers(head.every_row(batch.flags), labels, logps)
 
 
-class PreferenceObjective:
-    """DPO, IPO, SimPO or ORPO over a batch of packed pairs, strategy-blind: the head says how the model is run."""
+class OverPairs:
+    """What the objectives over packed pairs (preference, KTO, reward) share: their items are the blocks' pairs
+    (KTO's examples), and their window of figures, set aside for a validation pass."""
 
-    counted = "pairs"
-    shown = (("rewards/accuracies", "accuracy"), ("rewards/margins", "margin"))
-
-    def __init__(self, head: Head, settings: PreferenceSettings, reference: Reference | None):
-        self.head, self.settings, self.reference = head, settings, reference
-        self.window: torch.Tensor | None = None
-        """Pairs, then each metric summed over them, since the window was last read (on the device: read once per
-        window)."""
+    window: torch.Tensor | None = None
+    """The figures summed since the window was last read (on the device: read once per window)."""
 
     def items(self, ids: np.ndarray, flags: np.ndarray | None, valid_rows: int | None = None) -> int:
         return count_pairs(flags, valid_rows)
-
-    def closing(self, base: HeldOut, final: HeldOut) -> str:
-        b, f = base.metrics, final.metrics
-        return (f"{self.settings.objective} loss {base.loss:.4f} -> {final.loss:.4f} over {final.tokens} pairs; "
-                f"preference accuracy {b['rewards/accuracies']:.3f} -> {f['rewards/accuracies']:.3f}, mean margin "
-                f"{b['rewards/margins']:.4f} -> {f['rewards/margins']:.4f}")
 
     @contextlib.contextmanager
     def window_apart(self) -> Iterator[None]:
@@ -87,6 +82,23 @@ class PreferenceObjective:
             yield
         finally:
             self.window = kept
+
+
+class PreferenceObjective(OverPairs):
+    """DPO, IPO, SimPO or ORPO over a batch of packed pairs, strategy-blind: the head says how the model is run. Its
+    window: pairs, then each metric summed over them."""
+
+    counted = "pairs"
+    shown = (("rewards/accuracies", "accuracy"), ("rewards/margins", "margin"))
+
+    def __init__(self, head: Head, settings: PreferenceSettings, reference: Reference | None):
+        self.head, self.settings, self.reference = head, settings, reference
+
+    def closing(self, base: HeldOut, final: HeldOut) -> str:
+        b, f = base.metrics, final.metrics
+        return (f"{self.settings.objective} loss {base.loss:.4f} -> {final.loss:.4f} over {final.tokens} pairs; "
+                f"preference accuracy {b['rewards/accuracies']:.3f} -> {f['rewards/accuracies']:.3f}, mean margin "
+                f"{b['rewards/margins']:.4f} -> {f['rewards/margins']:.4f}")
 
     def __call__(self, batch: Batch, num_items: float) -> torch.Tensor:
         got = sequence_logps(self.head, batch)

@@ -9,20 +9,16 @@ margin (the mean of r_chosen - r_rejected), mean_reward, min_reward and max_rewa
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pipeline.data import packing
 from pipeline.data.batches import Batch
-from pipeline.data.pair_tokens import CHOSEN, REJECTED, count_pairs
+from pipeline.data.pair_tokens import CHOSEN, REJECTED
 from pipeline.model.head import Head
 from pipeline.model.vocab_parallel import IGNORE
 from pipeline.objectives.objective import HeldOut
+from pipeline.objectives.preference import OverPairs, sequences
 
 METRICS = ("accuracy", "margin", "mean_reward", "min_reward", "max_reward")
 
@@ -32,48 +28,33 @@ def scored_positions(flags: torch.Tensor, input_ids: torch.Tensor, labels: torch
     """(chosen, rejected, kept): per pair of the rows, in order, the flat index of each answer's last token that is
     not pad_id (its last token where every token is pad_id), and whether the pair is trained (a padding row repeats
     a real one with no target)."""
-    starts = (flags & packing.START) > 0
-    seq = torch.cumsum(starts.flatten().long(), 0) - 1  # every row begins with a START
-    n = int(seq.max().item()) + 1 if seq.numel() else 0  # a host sync per micro-step: how many sequences
+    seq, n, first = sequences(flags)
+    seq = seq.flatten()
     index = torch.arange(seq.numel(), device=flags.device)
     real = torch.where(input_ids.flatten() != pad_id, index, -1)
     last_any = index.new_full((n,), -1).scatter_reduce(0, seq, index, "amax")
     last_real = index.new_full((n,), -1).scatter_reduce(0, seq, real, "amax")
     last = torch.where(last_real >= 0, last_real, last_any)
     trained = index.new_zeros(n).index_add(0, seq, (labels.flatten() != IGNORE).long())
-    first = flags.flatten()[starts.flatten()]
     chosen, rejected = (first & CHOSEN) > 0, (first & REJECTED) > 0
     return last[chosen], last[rejected], (trained[chosen] > 0) & (trained[rejected] > 0)
 
 
-class RewardObjective:
+class RewardObjective(OverPairs):
     """The Bradley-Terry loss of a reward model over a batch of packed pairs, strategy-blind: the model's forward
-    gives every position's score (the reward head's transform), read at each answer's last token."""
+    gives every position's score (the reward head's transform), read at each answer's last token. Its window: pairs,
+    pairs ranked right, the sums of margins and of rewards, the least and the greatest reward."""
 
     counted = "pairs"
     shown = (("accuracy", "accuracy"), ("margin", "margin"))
 
     def __init__(self, head: Head, pad_id: int, center_rewards_coefficient: float = 0.0):
         self.head, self.pad_id, self.center = head, pad_id, center_rewards_coefficient
-        self.window: torch.Tensor | None = None
-        """Pairs, pairs ranked right, the sums of margins and of rewards, the least and the greatest reward, since
-        the window was last read (on the device: read once per window)."""
-
-    def items(self, ids: np.ndarray, flags: np.ndarray | None, valid_rows: int | None = None) -> int:
-        return count_pairs(flags, valid_rows)
 
     def closing(self, base: HeldOut, final: HeldOut) -> str:
         b, f = base.metrics, final.metrics
         return (f"accuracy {b['accuracy']:.3f} -> {f['accuracy']:.3f} over {final.tokens} pairs; reward loss "
                 f"{base.loss:.4f} -> {final.loss:.4f}, mean margin {b['margin']:.4f} -> {f['margin']:.4f}")
-
-    @contextlib.contextmanager
-    def window_apart(self) -> Iterator[None]:
-        kept, self.window = self.window, None
-        try:
-            yield
-        finally:
-            self.window = kept
 
     def rewards(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each trained pair's (chosen, rejected) rewards, this rank's rows (a reward head is never
