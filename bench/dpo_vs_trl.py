@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 from pathlib import Path
@@ -84,13 +85,48 @@ def trl(work: Path, model: Path, data: Path, flags: list) -> dict:
     return json.loads(out.read_text())
 
 
-def exactness(args) -> None:
+def tiny_llama(work: Path) -> Path:
+    """The tiny Llama the exactness comparisons train, built once in the work folder."""
     from pipeline.prep.tiny import build_tiny
 
-    work = args.workdir
     model = work / "tiny-llama"
     if not (model / "config.json").exists():
         build_tiny(model)
+    return model
+
+
+def largest(mine: list[dict], theirs: dict[int, dict], key: str) -> float:
+    """The largest |ours - TRL's| of a figure over the steps where both have it (TRL's KTO leaves out a step's
+    rewards/chosen when its batch holds no desirable example; ours is NaN there)."""
+    diffs = [abs(e[key] - theirs[e["step"]][key]) for e in mine
+             if key in theirs[e["step"]] and e.get(key) is not None and not math.isnan(e[key])]
+    return max(diffs, default=math.nan)
+
+
+def compare(case: str, mine: list[dict], theirs: dict, metrics: tuple[str, ...], steps: int, rows: list,
+            details: dict) -> None:
+    """One case of an exactness comparison, ours against TRL's per-step log: its table row (appended to rows), its
+    per-step values (details[case]) and its largest differences (printed)."""
+    by_step = {e["step"]: e for e in theirs["logs"]}
+    diffs = {k: largest(mine, by_step, k) for k in ("loss", *metrics)}
+    details[case] = {"ours": [{k: e.get(k) for k in ("step", "loss", *metrics)} for e in mine],
+                     "trl": theirs["logs"], "matched": theirs["matched"],
+                     "token_mismatches": theirs["token_mismatches"], "trainable": theirs.get("trainable")}
+    rows.append([case, f"{theirs['token_mismatches']} of {theirs['matched']}", f"{mine[0]['loss']:.7f}",
+                 f"{by_step[1]['loss']:.7f}", f"{mine[-1]['loss']:.5f}", f"{by_step[steps]['loss']:.5f}",
+                 *(f"{diffs[k]:.1e}" for k in ("loss", *metrics))])
+    print(json.dumps({case: diffs}), flush=True)
+
+
+def exact_table(items: str, metrics: tuple[str, ...], steps: int, rows: list) -> str:
+    """The exactness table of compare()'s rows (items: what a block holds, "pairs" or "examples")."""
+    return table(["case", f"{items} whose tokens differ", "loss step 1, ours", "TRL", f"loss step {steps}, ours", "TRL",
+                  "largest |diff|: loss", *metrics], rows)
+
+
+def exactness(args) -> None:
+    work = args.workdir
+    model = tiny_llama(work)
     data = pairs_dataset(work)
     seq = one_pair_per_block(model, data)
     cases = {"full fine-tuning, ours ddp": (["--strategy", "ddp", "--lr", 1e-3, "--warmup-steps", 2],
@@ -108,18 +144,7 @@ def exactness(args) -> None:
         key = json.dumps(trl_flags)
         if key not in trl_runs:  # the full fine-tuning cases share TRL's run
             trl_runs[key] = trl(work, model, data, [*trl_flags, "--order", cache])
-        theirs = trl_runs[key]
-        by_step = {e["step"]: e for e in theirs["logs"]}
-        diffs = {"loss": max(abs(e["loss"] - by_step[e["step"]]["loss"]) for e in mine)}
-        for m in METRICS:
-            diffs[m] = max(abs(e[m] - by_step[e["step"]][m]) for e in mine)
-        details[case] = {"ours": [{k: e[k] for k in ("step", "loss", *METRICS)} for e in mine],
-                         "trl": theirs["logs"], "matched": theirs["matched"],
-                         "token_mismatches": theirs["token_mismatches"], "trainable": theirs.get("trainable")}
-        rows.append([case, f"{theirs['token_mismatches']} of {theirs['matched']}", f"{mine[0]['loss']:.7f}",
-                     f"{by_step[1]['loss']:.7f}", f"{mine[-1]['loss']:.5f}", f"{by_step[12]['loss']:.5f}",
-                     *(f"{diffs[k]:.1e}" for k in ("loss", *METRICS))])
-        print(json.dumps({case: diffs}), flush=True)
+        compare(case, mine, trl_runs[key], METRICS, 12, rows, details)
     (work / "dpo_trl_exact.json").write_text(json.dumps(details, indent=1))
     body = "\n".join([
         f"- Machine: {machine()}.",
@@ -129,8 +154,7 @@ def exactness(args) -> None:
         f"tiny Llama, blocks of {seq} tokens (one pair each), 2 gloo ranks x 2 pairs, 12 steps, fp32, beta 0.1, "
         "AdamW (0.9, 0.95), clipping 1.0, warm-up 2 then cosine; lr 1e-3 (full) and 2e-3 (LoRA).",
         "",
-        table(["case", "pairs whose tokens differ", "loss step 1, ours", "TRL", "loss step 12, ours", "TRL",
-               "largest |diff|: loss", *METRICS], rows),
+        exact_table("pairs", METRICS, 12, rows),
     ])
     update_section("dpo_trl_exact", body)
     print(body)

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
-from common import BENCH, ROOT, bench_env, fsdp1, launch, machine, table, torchrun_cmd, update_section
-from dpo_vs_trl import DATE, run_cache
+from common import BENCH, ROOT, bench_env, fsdp1, launch, machine, torchrun_cmd, update_section
+from dpo_vs_trl import DATE, compare, exact_table, run_cache, tiny_llama
 
 METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 STEPS = 12
@@ -70,25 +69,13 @@ def trl(work: Path, model: Path, data: Path, flags: list) -> dict:
     return json.loads(out.read_text())
 
 
-def largest(mine: list[dict], theirs: dict[int, dict], key: str) -> float:
-    """The largest |ours - TRL's| of a figure over the steps where both have it (TRL leaves out a step's
-    rewards/chosen when its batch holds no desirable example; ours is NaN there)."""
-    diffs = [abs(e[key] - theirs[e["step"]][key]) for e in mine
-             if key in theirs[e["step"]] and e.get(key) is not None and not math.isnan(e[key])]
-    return max(diffs, default=math.nan)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "kto")
     args = p.parse_args()
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
-    from pipeline.prep.tiny import build_tiny
-
-    model = work / "tiny-llama"
-    if not (model / "config.json").exists():
-        build_tiny(model)
+    model = tiny_llama(work)
     data = kto_dataset(work)
     seq = one_example_per_block(model, data)
     cases = {"full fine-tuning, ours ddp": (["--strategy", "ddp", "--lr", 1e-3, "--warmup-steps", 2],
@@ -104,16 +91,7 @@ def main() -> None:
         key = json.dumps(trl_flags)
         if key not in trl_runs:  # the full fine-tuning cases share TRL's run (one order: same seed and world)
             trl_runs[key] = trl(work, model, data, [*trl_flags, "--order", run_cache(work / "runs" / name)])
-        theirs = trl_runs[key]
-        by_step = {e["step"]: e for e in theirs["logs"]}
-        diffs = {k: largest(mine, by_step, k) for k in ("loss", *METRICS)}
-        details[case] = {"ours": [{k: e.get(k) for k in ("step", "loss", *METRICS)} for e in mine],
-                         "trl": theirs["logs"], "matched": theirs["matched"],
-                         "token_mismatches": theirs["token_mismatches"], "trainable": theirs.get("trainable")}
-        rows.append([case, f"{theirs['token_mismatches']} of {theirs['matched']}", f"{mine[0]['loss']:.7f}",
-                     f"{by_step[1]['loss']:.7f}", f"{mine[-1]['loss']:.5f}", f"{by_step[STEPS]['loss']:.5f}",
-                     *(f"{diffs[k]:.1e}" for k in ("loss", *METRICS))])
-        print(json.dumps({case: diffs}), flush=True)
+        compare(case, mine, trl_runs[key], METRICS, STEPS, rows, details)
     (work / "kto_trl_exact.json").write_text(json.dumps(details, indent=1))
     body = "\n".join([
         f"- Machine: {machine()}.",
@@ -124,8 +102,7 @@ def main() -> None:
         "steps, fp32, beta 0.1, desirable and undesirable weights 1, AdamW (0.9, 0.95), clipping 1.0, warm-up 2 then "
         "cosine; lr 1e-3 (full) and 2e-3 (LoRA). TRL's KL completions are set to ours (see the worker).",
         "",
-        table(["case", "examples whose tokens differ", "loss step 1, ours", "TRL", f"loss step {STEPS}, ours", "TRL",
-               "largest |diff|: loss", *METRICS], rows),
+        exact_table("examples", METRICS, STEPS, rows),
     ])
     update_section("kto_trl_exact", body)
     print(body)

@@ -17,8 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
-from common import BENCH, ROOT, bench_env, fsdp1, launch, machine, table, torchrun_cmd, update_section
-from dpo_vs_trl import DATE, one_pair_per_block, pairs_dataset, run_cache
+from common import BENCH, ROOT, bench_env, fsdp1, launch, machine, torchrun_cmd, update_section
+from dpo_vs_trl import DATE, compare, exact_table, one_pair_per_block, pairs_dataset, run_cache, tiny_llama
 
 METRICS = ("accuracy", "margin", "mean_reward", "min_reward", "max_reward")
 STEPS = 12
@@ -30,11 +30,7 @@ def main() -> None:
     args = p.parse_args()
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
-    from pipeline.prep.tiny import build_tiny
-
-    model = work / "tiny-llama"
-    if not (model / "config.json").exists():
-        build_tiny(model)
+    model = tiny_llama(work)
     data = pairs_dataset(work)
     seq = one_pair_per_block(model, data)
     cases = {"ours ddp": (["--strategy", "ddp"], []), "ours fsdp2": (["--strategy", "fsdp2"], []),
@@ -57,15 +53,7 @@ def main() -> None:
                                 "--chat-date", DATE, "--order", run_cache(work / "runs" / name), *trl_flags),
                    bench_env(), timeout=1800)
             trl_runs[key] = json.loads(out.read_text())
-        theirs = trl_runs[key]
-        by_step = {e["step"]: e for e in theirs["logs"]}
-        diffs = {k: max(abs(e[k] - by_step[e["step"]][k]) for e in mine) for k in ("loss", *METRICS)}
-        details[case] = {"ours": [{k: e[k] for k in ("step", "loss", *METRICS)} for e in mine], "trl": theirs["logs"],
-                         "matched": theirs["matched"], "token_mismatches": theirs["token_mismatches"]}
-        rows.append([case, f"{theirs['token_mismatches']} of {theirs['matched']}", f"{mine[0]['loss']:.7f}",
-                     f"{by_step[1]['loss']:.7f}", f"{mine[-1]['loss']:.5f}", f"{by_step[STEPS]['loss']:.5f}",
-                     *(f"{diffs[k]:.1e}" for k in ("loss", *METRICS))])
-        print(json.dumps({case: diffs}), flush=True)
+        compare(case, mine, trl_runs[key], METRICS, STEPS, rows, details)
     (work / "reward_trl_exact.json").write_text(json.dumps(details, indent=1))
     body = "\n".join([
         f"- Machine: {machine()}.",
@@ -75,8 +63,7 @@ def main() -> None:
         f"Llama as a reward model (its score drawn alike on both sides), blocks of {seq} tokens (one pair each), 2 "
         f"gloo ranks x 2 pairs, {STEPS} steps, fp32, AdamW (0.9, 0.95), clipping 1.0, warm-up 2 then cosine, lr 1e-3.",
         "",
-        table(["case", "pairs whose tokens differ", "loss step 1, ours", "TRL", f"loss step {STEPS}, ours", "TRL",
-               "largest |diff|: loss", *METRICS], rows),
+        exact_table("pairs", METRICS, STEPS, rows),
     ])
     update_section("reward_trl_exact", body)
     print(body)

@@ -38,13 +38,17 @@ from pipeline.data.token_cache import open_blocks
 from pipeline.model.adapters import default_targets
 
 
-class InOrder(DPOTrainer):
-    """The dataset's own order: the driver put it in ours. The Trainer has no public setting for that
+class SequentialOrder:
+    """A Trainer in the dataset's own order: the driver put it in ours. The Trainer has no public setting for that
     (`train_sampling_strategy` is random, group_by_length or batch_rebalance), so its sampler hook is overridden; were
     the hook renamed, TRL would shuffle and the step-by-step comparison would show it at once."""
 
     def _get_train_sampler(self, train_dataset=None):
         return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+
+
+class InOrder(SequentialOrder, DPOTrainer):
+    """DPOTrainer in the dataset's own order."""
 
 
 class Record(TrainerCallback):

@@ -3,10 +3,10 @@ runs, in our run's order, from the same initial score.
 
 Our run packs one pair per block and draws its blocks by pipeline/data/sampler.py's permutation; TRL gets its own
 tokenization of the same records, reordered so that its sequential sampler gives rank r at step s the pairs our rank
-r trains at step s (accelerate deals batch k to process k mod world; the Trainer's sampler hook overridden as in
-bench/trl_dpo_worker.py). Every block of ours is matched to TRL's tokens of its record (both answers' ids). The
-score is drawn as ours is (pipeline/model/reward_head.py: normal with the config's initializer_range, from a generator
-seeded with the run's seed).
+r trains at step s (accelerate deals batch k to process k mod world; trl_dpo_worker.SequentialOrder keeps that order).
+Every block of ours is matched to TRL's tokens of its record (both answers' ids). The score is drawn as ours is
+(pipeline/model/reward_head.py: normal with the config's initializer_range, from a generator seeded with the run's
+seed).
 
 Rank 0 writes {"logs": [TRL's per-step log], "matched", "token_mismatches"} to --out.
 """
@@ -20,21 +20,17 @@ from pathlib import Path
 import numpy as np
 import torch
 from datasets import load_from_disk
-from torch.utils.data import SequentialSampler
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl import RewardConfig, RewardTrainer
-from trl_dpo_worker import Record
+from trl_dpo_worker import Record, SequentialOrder
 
 from pipeline.data.pair_tokens import CHOSEN, REJECTED
 from pipeline.data.sampler import BlockSampler
 from pipeline.data.token_cache import open_blocks
 
 
-class InOrder(RewardTrainer):
-    """The dataset's own order (the driver put it in ours); see bench/trl_dpo_worker.InOrder."""
-
-    def _get_train_sampler(self, train_dataset=None):
-        return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+class InOrder(SequentialOrder, RewardTrainer):
+    """RewardTrainer in the dataset's own order (the driver put it in ours)."""
 
 
 def in_our_order(dataset, cache: Path, seed: int, world: int, batch: int) -> tuple:
