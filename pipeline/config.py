@@ -6,14 +6,13 @@ them). Every key of a YAML file is a field name below (snake_case); every flag i
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal
 
+from pipeline.config_base import Section, flag, in_range, require
+from pipeline.config_grpo import GRPOConfig
 from pipeline.data.sources import parse_sources
-from pipeline.errors import UserError
 from pipeline.train.trackers import check_report_to
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
@@ -33,52 +32,6 @@ YEAR_S = 365 * 24 * 3600
 """The longest time a flag may give, in seconds: beyond it a timedelta or a wait overflows and nobody means it."""
 NAME_BYTES = 200
 """The longest --experiment-name, in bytes: file systems allow 255 per name, and NAME-2 (--no-resume) adds some."""
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise UserError(message)
-
-
-def flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-@cache
-def choices(cls: type) -> dict[str, tuple[str, ...]]:
-    """The allowed values of each Literal-typed field of a config section, from its type hints."""
-    hints = get_type_hints(cls)
-    return {f.name: get_args(hints[f.name]) for f in dataclasses.fields(cls) if get_origin(hints[f.name]) is Literal}
-
-
-@cache
-def float_fields(cls: type) -> tuple[str, ...]:
-    """The float-typed fields of a config section, from its type hints."""
-    hints = get_type_hints(cls)
-    return tuple(f.name for f in dataclasses.fields(cls) if hints[f.name] is float)
-
-
-def _in(value: float, low: float, high: float, name: str, low_open: bool = False) -> None:
-    """A range check naming the flag: [low, high], or (low, high] with low_open."""
-    ok = (value > low if low_open else value >= low) and value <= high
-    _check(ok, f"{flag(name)} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value:g}")
-
-
-class Section:
-    """A config section: every float field finite and every Literal field's choice checked in one place, then the
-    section's own checks (ranges that keep each number from overflowing where it is used)."""
-
-    def __post_init__(self) -> None:
-        for key in float_fields(type(self)):
-            value = getattr(self, key)
-            _check(math.isfinite(value), f"{flag(key)} must be a finite number, got {value}")
-        for key, allowed in choices(type(self)).items():
-            value = getattr(self, key)
-            _check(value in allowed, f"{flag(key)} must be one of {', '.join(allowed)}, got {value!r}")
-        self.check()
-
-    def check(self) -> None:
-        """Checks across fields, or of ranges: UserError naming the flag."""
 
 
 @dataclass
@@ -117,18 +70,18 @@ class RunConfig(Section):
 
     def check(self) -> None:
         check_report_to(self.report_to)
-        _check(bool(self.experiment_name), "--experiment-name (-e) is required")
-        _check(not self.resume_from or (self.resume_from.startswith("step-") and self.resume_from[5:].isdigit()),
+        require(bool(self.experiment_name), "--experiment-name (-e) is required")
+        require(not self.resume_from or (self.resume_from.startswith("step-") and self.resume_from[5:].isdigit()),
                f"--resume-from must name a checkpoint like step-00000040, got {self.resume_from!r}")
-        _check("/" not in self.experiment_name and self.experiment_name not in (".", ".."),
+        require("/" not in self.experiment_name and self.experiment_name not in (".", ".."),
                f"--experiment-name must be a plain folder name, got {self.experiment_name!r}")
-        _check(len(self.experiment_name.encode("utf-8", "surrogateescape")) <= NAME_BYTES,
+        require(len(self.experiment_name.encode("utf-8", "surrogateescape")) <= NAME_BYTES,
                f"--experiment-name is {len(self.experiment_name.encode('utf-8', 'surrogateescape'))} bytes long; a "
                f"folder name may have at most {NAME_BYTES}")
-        _check(0 <= self.seed < 2**32, f"--seed must be in [0, {2**32 - 1}], got {self.seed}")
+        require(0 <= self.seed < 2**32, f"--seed must be in [0, {2**32 - 1}], got {self.seed}")
         # a year at most: a timedelta or a wait beyond that overflows
-        _in(self.collective_timeout_s, 0, YEAR_S, "collective_timeout_s", low_open=True)
-        _check(self.peer_timeout_s == 0 or 2 <= self.peer_timeout_s <= YEAR_S,
+        in_range(self.collective_timeout_s, 0, YEAR_S, "collective_timeout_s", low_open=True)
+        require(self.peer_timeout_s == 0 or 2 <= self.peer_timeout_s <= YEAR_S,
                f"--peer-timeout-s must be 0 (off) or in [2, {YEAR_S:g}], got {self.peer_timeout_s:g}")
 
 
@@ -169,17 +122,17 @@ class DataConfig(Section):
     before the job (plain python, same arguments); the training run then finds it. A killed build resumes."""
 
     def check(self) -> None:
-        _check(bool(self.chat_date.strip()), "--chat-date must not be empty")
-        _check(self.train_on_reasoning or self.train_on != "all",
+        require(bool(self.chat_date.strip()), "--chat-date must not be empty")
+        require(self.train_on_reasoning or self.train_on != "all",
                "--train-on-reasoning off makes traces context, but --train-on all trains every token; use --train-on "
                "assistant or last with it")
         if self.dataset_name:  # a mixture's weights and names: one line before anything is loaded
             parse_sources(self.dataset_name)
-        _check(not self.chat_template or Path(self.chat_template).is_file(),
+        require(not self.chat_template or Path(self.chat_template).is_file(),
                f"--chat-template {self.chat_template} does not exist or is not a file")
-        _check(self.seq_length >= 8, f"--seq-length must be at least 8, got {self.seq_length}")
-        _check(0 <= self.val_fraction < 0.5, f"--val-fraction must be in [0, 0.5), got {self.val_fraction}")
-        _check(self.num_proc >= 0, f"--num-proc must be >= 0, got {self.num_proc}")
+        require(self.seq_length >= 8, f"--seq-length must be at least 8, got {self.seq_length}")
+        require(0 <= self.val_fraction < 0.5, f"--val-fraction must be in [0, 0.5), got {self.val_fraction}")
+        require(self.num_proc >= 0, f"--num-proc must be >= 0, got {self.num_proc}")
 
 
 @dataclass
@@ -250,18 +203,18 @@ class ModelConfig(Section):
     of experts' router."""
 
     def check(self) -> None:
-        _check(bool(self.model_name), "--model-name (-m) is required")
-        _check(self.lora_rank >= 1, f"--lora-rank must be at least 1, got {self.lora_rank}")
-        _in(self.lora_alpha, 0, 1e4, "lora_alpha", low_open=True)  # alpha / rank scales every adapter's output
-        _check(0 <= self.lora_dropout < 1, f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
-        _check(all(t.strip() for t in self.lora_targets.split(",")) or not self.lora_targets,
+        require(bool(self.model_name), "--model-name (-m) is required")
+        require(self.lora_rank >= 1, f"--lora-rank must be at least 1, got {self.lora_rank}")
+        in_range(self.lora_alpha, 0, 1e4, "lora_alpha", low_open=True)  # alpha / rank scales every adapter's output
+        require(0 <= self.lora_dropout < 1, f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
+        require(all(t.strip() for t in self.lora_targets.split(",")) or not self.lora_targets,
                f"--lora-targets must be a comma-separated list of module names, got {self.lora_targets!r}")
-        _check(not (self.adapter == "qlora" and self.cpu_offload), "--adapter qlora does not take --cpu-offload "
+        require(not (self.adapter == "qlora" and self.cpu_offload), "--adapter qlora does not take --cpu-offload "
                "(its base is already 4-bit, and NF4 weights are not moved between host and device); use --adapter lora "
                "with --cpu-offload")
-        _check(self.min_params >= 1, f"--min-params must be at least 1, got {self.min_params}")
-        _check(self.memory_gb >= 0, f"--memory-gb must be >= 0, got {self.memory_gb}")
-        _check(self.memory_gb <= 2**20, f"--memory-gb must be at most {2**20} (a PiB), got {self.memory_gb:g}")
+        require(self.min_params >= 1, f"--min-params must be at least 1, got {self.min_params}")
+        require(self.memory_gb >= 0, f"--memory-gb must be >= 0, got {self.memory_gb}")
+        require(self.memory_gb <= 2**20, f"--memory-gb must be at most {2**20} (a PiB), got {self.memory_gb:g}")
         # what a strategy accepts, and so --vocab-parallel on, is the strategies' to say (registry.check); --sharding
         # auto is resolved there (settle), never here
 
@@ -282,10 +235,10 @@ class OptimConfig(Section):
     def check(self) -> None:
         # no upper bound: weights an lr or a decay too large breaks turn non-finite, which the step guard stops in
         # one line that names --lr
-        _check(self.lr > 0, f"--lr must be a positive number, got {self.lr}")
-        _check(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
-        _check(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        _check(self.max_grad_norm >= 0, f"--max-grad-norm must be >= 0, got {self.max_grad_norm}")
+        require(self.lr > 0, f"--lr must be a positive number, got {self.lr}")
+        require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
+        require(self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        require(self.max_grad_norm >= 0, f"--max-grad-norm must be >= 0, got {self.max_grad_norm}")
 
 
 @dataclass
@@ -348,29 +301,29 @@ class TrainConfig(Section):
 
     def check(self) -> None:
         for name in ("batch_size", "grad_accum", "num_epochs", "log_freq", "lm_eval_batch_size"):
-            _check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1, "
+            require(getattr(self, name) >= 1, f"{flag(name)} must be at least 1, "
                                              f"got {getattr(self, name)}")
-        _check(self.loss_scale >= 1, f"--loss-scale must be at least 1, got {self.loss_scale:g}")
+        require(self.loss_scale >= 1, f"--loss-scale must be at least 1, got {self.loss_scale:g}")
         # the scale is an fp32 tensor (GradScaler) and multiplies the loss in fp32, whose largest value is 3.4e38
-        _check(self.loss_scale <= 2**64, f"--loss-scale must be at most 2^64 ({2**64:.4g}), got {self.loss_scale:g}")
-        _check(self.max_overflow_steps >= 1, f"--max-overflow-steps must be at least 1, got {self.max_overflow_steps}")
-        _check(self.profile_steps >= 1, f"--profile-steps must be at least 1, got {self.profile_steps}")
+        require(self.loss_scale <= 2**64, f"--loss-scale must be at most 2^64 ({2**64:.4g}), got {self.loss_scale:g}")
+        require(self.max_overflow_steps >= 1, f"--max-overflow-steps must be at least 1, got {self.max_overflow_steps}")
+        require(self.profile_steps >= 1, f"--profile-steps must be at least 1, got {self.profile_steps}")
         for name in ("max_steps", "ckpt_freq", "eval_freq", "max_bad_steps", "profile_from"):
-            _check(getattr(self, name) >= 0, f"{flag(name)} must be >= 0, got {getattr(self, name)}")
-        _check(self.keep_last >= 2, f"--keep-last must be at least 2, got {self.keep_last}")
-        _check(self.ckpt_minutes >= 0, f"--ckpt-minutes must be >= 0, got {self.ckpt_minutes:g}")
-        _check(self.ckpt_minutes <= YEAR_S / 60, f"--ckpt-minutes must be at most {YEAR_S / 60:g} (a year), got "
+            require(getattr(self, name) >= 0, f"{flag(name)} must be >= 0, got {getattr(self, name)}")
+        require(self.keep_last >= 2, f"--keep-last must be at least 2, got {self.keep_last}")
+        require(self.ckpt_minutes >= 0, f"--ckpt-minutes must be >= 0, got {self.ckpt_minutes:g}")
+        require(self.ckpt_minutes <= YEAR_S / 60, f"--ckpt-minutes must be at most {YEAR_S / 60:g} (a year), got "
                                                   f"{self.ckpt_minutes:g}")
-        _check(self.sample_max_tokens >= 1, f"--sample-max-tokens must be at least 1, got {self.sample_max_tokens}")
-        _check(not self.sample_prompts or Path(self.sample_prompts).is_file(),
+        require(self.sample_max_tokens >= 1, f"--sample-max-tokens must be at least 1, got {self.sample_max_tokens}")
+        require(not self.sample_prompts or Path(self.sample_prompts).is_file(),
                f"--sample-prompts {self.sample_prompts} does not exist or is not a file")
-        _check(not self.lm_eval_include or Path(self.lm_eval_include).is_dir(),
+        require(not self.lm_eval_include or Path(self.lm_eval_include).is_dir(),
                f"--lm-eval-include {self.lm_eval_include} is not a folder (of lm-eval task YAMLs)")
-        _check(not self.lm_eval_include or bool(self.lm_eval_tasks.strip(" ,")),
+        require(not self.lm_eval_include or bool(self.lm_eval_tasks.strip(" ,")),
                f"--lm-eval-include {self.lm_eval_include} names no task to run; add --lm-eval-tasks T1,T2")
 
 
-Objective = Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto", "reward"]
+Objective = Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto", "reward", "grpo"]
 
 
 @dataclass
@@ -381,7 +334,8 @@ class ObjectiveConfig(Section):
     the base's log-probabilities computed once before the first step), simpo or orpo (no reference); kto on unpaired
     records (a completion labelled desirable or not) or on pairs (each answer a record, as TRL unpairs them),
     against a reference as dpo's; reward trains a reward model on pairs (the family's sequence-classification head,
-    one score, the Bradley-Terry loss of TRL's RewardTrainer)."""
+    one score, the Bradley-Terry loss of TRL's RewardTrainer); grpo is online RL on a dataset of prompts (completions
+    generated in the training processes, scored by --reward: pipeline/config_grpo.py)."""
     reference_model: str = ""
     """dpo, ipo, kto: the reference, when not the base: a Hub id or folder found as --model-name is (the SFT model a
     run aligns from), of the policy's architecture and vocabulary; its log-probabilities are computed once before
@@ -409,25 +363,25 @@ class ObjectiveConfig(Section):
 
     def check(self) -> None:
         # beta multiplies sums of log-probabilities (thousands) and divides simpo's gamma: neither may overflow
-        _in(self.pref_beta, 1e-6, 1e3, "pref_beta")
-        _check(0 <= self.pref_label_smoothing < 0.5,
+        in_range(self.pref_beta, 1e-6, 1e3, "pref_beta")
+        require(0 <= self.pref_label_smoothing < 0.5,
                f"--pref-label-smoothing must be in [0, 0.5), got {self.pref_label_smoothing:g}")
-        _check(self.pref_label_smoothing == 0 or self.objective == "dpo",
+        require(self.pref_label_smoothing == 0 or self.objective == "dpo",
                f"--pref-label-smoothing is for --objective dpo, not {self.objective}")
-        _in(self.simpo_gamma, 0, 1e3, "simpo_gamma")
-        _in(self.orpo_lambda, 1e-6, 1e3, "orpo_lambda")
-        _check(not self.reference_model or self.objective in ("dpo", "ipo", "kto"),
+        in_range(self.simpo_gamma, 0, 1e3, "simpo_gamma")
+        in_range(self.orpo_lambda, 1e-6, 1e3, "orpo_lambda")
+        require(not self.reference_model or self.objective in ("dpo", "ipo", "kto"),
                f"--reference-model is for --objective dpo, ipo or kto, not {self.objective}")
         for name, objective in self.ONLY.items():
-            _in(getattr(self, name), 0, 1e3, name)
-            _check(getattr(self, name) == ObjectiveConfig.__dataclass_fields__[name].default
+            in_range(getattr(self, name), 0, 1e3, name)
+            require(getattr(self, name) == ObjectiveConfig.__dataclass_fields__[name].default
                    or self.objective == objective, f"{flag(name)} is for --objective {objective}, not {self.objective}")
-        _check(self.kto_desirable_weight > 0 or self.kto_undesirable_weight > 0,
+        require(self.kto_desirable_weight > 0 or self.kto_undesirable_weight > 0,
                "--kto-desirable-weight and --kto-undesirable-weight are both 0: nothing would be trained")
 
     @property
     def preference(self) -> bool:
-        return self.objective != "sft"
+        return self.objective not in ("sft", "grpo")
 
 
 @dataclass
@@ -438,6 +392,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -454,4 +409,4 @@ class Config:
 
 
 SECTIONS = {"run": RunConfig, "data": DataConfig, "model": ModelConfig, "optim": OptimConfig,
-            "train": TrainConfig, "objective": ObjectiveConfig}
+            "train": TrainConfig, "objective": ObjectiveConfig, "grpo": GRPOConfig}

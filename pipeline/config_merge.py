@@ -16,14 +16,17 @@ from typing import Any, Literal, get_origin, get_type_hints
 
 import yaml
 
-from pipeline.config import SECTIONS, Config, choices, flag
+from pipeline.config import SECTIONS, Config
+from pipeline.config_base import choices, flag
 from pipeline.data.sources import joined
 from pipeline.errors import ArgumentParser, UserError
 from pipeline.fsutil import read_yaml, write_text_atomic
 
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "configs" / "profiles"
-LIST_KEYS = ("lora_targets", "report_to", "lm_eval_tasks")
+LIST_KEYS = ("lora_targets", "report_to", "lm_eval_tasks", "reward")
 """String keys a YAML file may give as a list (joined with commas, as the flag takes them)."""
+REPEATED = ("reward",)
+"""Flags that may be given more than once, each time adding to the list."""
 SHORT_FLAGS = {"experiment_name": "-e", "dataset_name": "-d", "model_name": "-m", "batch_size": "-b"}
 
 
@@ -127,6 +130,8 @@ def add_config_arguments(p: argparse.ArgumentParser, leave_out: frozenset[str] =
         allowed = choices(SECTIONS[section]).get(key)
         if kinds(SECTIONS[section])[key] is bool:  # `--flag on|off`, or the bare `--flag` for on
             p.add_argument(*flags, dest=key, help=doc + default, metavar="on|off", nargs="?", const="on")
+        elif key in REPEATED:
+            p.add_argument(*flags, dest=key, help=doc + " (repeatable)", action="append")
         else:
             p.add_argument(*flags, dest=key, help=doc + default, choices=allowed)
 

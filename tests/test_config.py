@@ -16,7 +16,8 @@ def test_every_float_flag_refuses_what_is_not_a_finite_number():
     import dataclasses
     from typing import get_type_hints
 
-    from pipeline.config import Config, flag, float_fields
+    from pipeline.config import Config
+    from pipeline.config_base import flag, float_fields
 
     sections = [get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)]
     names = [name for section in sections for name in float_fields(section)]
@@ -169,7 +170,8 @@ def test_no_two_sections_define_the_same_key():
 
 
 def test_choices_come_from_the_type_hints_and_are_checked_once():
-    from pipeline.config import ModelConfig, RunConfig, choices
+    from pipeline.config import ModelConfig, RunConfig
+    from pipeline.config_base import choices
 
     assert choices(ModelConfig) == {"precision": ("auto", "bf16", "fp16", "fp32"),
                                     "strategy": ("fsdp2", "fsdp1", "ddp", "manual", "auto"),

@@ -8,7 +8,8 @@ from dataclasses import replace
 
 import torch
 
-from pipeline.config import VOCAB_PARALLEL_SHARDINGS, Config, ModelConfig, flag
+from pipeline.config import VOCAB_PARALLEL_SHARDINGS, Config, ModelConfig
+from pipeline.config_base import flag
 from pipeline.distributed.runtime import Dist, compute_dtype
 from pipeline.errors import UserError
 from pipeline.model.transforms import ModelTransform

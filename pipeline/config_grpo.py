@@ -1,0 +1,82 @@
+"""The settings of online RL (--objective grpo): its rewards, its generation and its loss, named as TRL's GRPOConfig
+names them, so a TRL user's settings carry over. The section is checked on its own here; that its flags are given
+only under --objective grpo is checked with the objective (pipeline/train/preflight.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeline.config_base import Section, in_range, require
+
+LossType = Literal["dapo", "dr_grpo", "grpo", "bnpo"]
+ScaleRewards = Literal["group", "batch", "none"]
+LongPrompts = Literal["cut", "drop"]
+MAX_LENGTH = 1 << 20
+"""The longest prompt or completion, in tokens: beyond it a cache or a mask would not fit any accelerator."""
+
+
+@dataclass
+class GRPOConfig(Section):
+    reward: str = ""
+    """grpo: the rewards, comma-separated (a YAML list): FILE.py:FUNCTION[:WEIGHT] (TRL's signature
+    `fn(prompts, completions, completion_ids, **columns) -> list[float | None]`), or a built-in NAME[:WEIGHT]
+    (`accuracy`: the completion's last number or \\boxed{} answer equals the `answer` column; `think_format`: a
+    <think>...</think> then the answer). The reward is their weighted sum (weight 1 by default)."""
+    num_generations: int = 8
+    """grpo: completions per prompt (G), compared within their group; each group lives on one rank."""
+    max_prompt_length: int = 512
+    """grpo: the longest prompt, in tokens; a longer one is cut from the left or dropped (--long-prompts)."""
+    long_prompts: LongPrompts = "cut"
+    """grpo: a prompt longer than --max-prompt-length: cut (its first tokens dropped, counted) or drop (the prompt
+    skipped, counted)."""
+    max_completion_length: int = 256
+    """grpo: the most tokens generated per completion; one that reaches it without a stop token is clipped."""
+    temperature: float = 1.0
+    """grpo: the sampling temperature of the training completions (validation's are greedy)."""
+    top_p: float = 1.0
+    """grpo: nucleus sampling: the smallest set of tokens whose probability reaches it (1: all)."""
+    top_k: int = 0
+    """grpo: sample among the k likeliest tokens only (0: all)."""
+    scale_rewards: ScaleRewards = "group"
+    """grpo: the advantage is the reward minus its group's mean, divided by the group's std (group), by the std over
+    every rank's completions of the step (batch), or not divided (none: Dr. GRPO)."""
+    loss_type: LossType = "dapo"
+    """grpo: how the per-token losses are averaged, as TRL defines each: dapo (over every completion token of the
+    step), dr_grpo (over completions x --max-completion-length), grpo (each completion's mean, then their mean),
+    bnpo (over the tokens of each micro-batch)."""
+    epsilon: float = 0.2
+    """grpo: the policy ratio is clipped to [1 - epsilon, 1 + epsilon-high]."""
+    epsilon_high: float = 0.0
+    """grpo: the upper clip (DAPO's clip-higher); 0: the same as --epsilon."""
+    grpo_beta: float = 0.0
+    """grpo: the weight of the KL penalty against the reference (the base with the adapters off); 0: none, and no
+    reference pass."""
+    num_iterations: int = 1
+    """grpo: optimizer steps per batch of completions (TRL's mu); only 1 is built."""
+    log_completions: int = 2
+    """grpo: completions (with their prompt and rewards) logged at each log line, to the samples log and
+    TensorBoard's text tab; 0: none."""
+
+    def check(self) -> None:
+        in_range(self.num_generations, 2, 4096, "num_generations")  # a group of one has no std to compare with
+        in_range(self.max_prompt_length, 1, MAX_LENGTH, "max_prompt_length")
+        in_range(self.max_completion_length, 1, MAX_LENGTH, "max_completion_length")
+        in_range(self.temperature, 1e-3, 100, "temperature")  # dividing logits by less overflows bf16
+        in_range(self.top_p, 0, 1, "top_p", low_open=True)
+        in_range(self.top_k, 0, 1 << 24, "top_k")
+        in_range(self.epsilon, 0, 10, "epsilon", low_open=True)
+        in_range(self.epsilon_high, 0, 10, "epsilon_high")
+        in_range(self.grpo_beta, 0, 1e3, "grpo_beta")
+        in_range(self.log_completions, 0, 1000, "log_completions")
+        require(self.num_iterations == 1, f"--num-iterations {self.num_iterations}: only 1 is built (a step's "
+                "completions are not reused for further steps yet)")
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon_high or self.epsilon
+
+    def given(self) -> list[str]:
+        """The fields set away from their defaults (refused under another objective)."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
