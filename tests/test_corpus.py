@@ -10,8 +10,9 @@ import datasets
 import pytest
 from conftest import ROOT, hold_lock, run_script
 
+from pipeline.data.dataset import prompt_rows
 from pipeline.errors import UserError
-from pipeline.prep.corpus import REPORT, CorpusConfig, build_dataset
+from pipeline.prep.corpus import REPORT, CorpusConfig, build_dataset, format_summary
 from pipeline.prep.extract import split_paragraphs, strings_in
 
 
@@ -27,7 +28,7 @@ def write(root: Path, rel: str, content: str | bytes) -> None:
 def rows_by_source(save_dir: Path) -> dict[str, list]:
     """Each source's rows in order: its text, or its messages for a conversation (whose text is empty)."""
     ds = datasets.load_from_disk(str(save_dir))
-    assert ds.column_names == ["text", "messages", "source", "chosen", "rejected", "tools"]
+    assert ds.column_names == ["text", "messages", "source", "chosen", "rejected", "tools", "columns"]
     out: dict[str, list] = {}
     for row in ds:
         assert (row["text"] == "") != (row["messages"] == [])
@@ -75,9 +76,7 @@ def test_conversations_in_every_format_and_malformed_ones_counted(tmp_path):
           "\n".join(map(json.dumps, lines[5:])) + "\n")
     write(data, "share.json", json.dumps([share, pc, {"text": "just text"}]))
     write(data, "single.json", json.dumps(alpaca_no_input))
-    prompts = [{"prompt": "What is 2+2?", "answer": "4"},  # TRL's prompt-only records, for online RL: no answer to
-               {"prompt": [{"role": "user", "content": "Hi?"}], "tests": ["t1"]}]  # train on, never text
-    write(data, "lists.jsonl", "\n".join(map(json.dumps, [pc_lists, *prompts])) + "\n")
+    write(data, "lists.jsonl", json.dumps(pc_lists) + "\n")
     write(data, "allbad.jsonl", json.dumps({"messages": chat("no answer")}) + "\n")
     report = build(data, tmp_path / "out")
     assert rows_by_source(tmp_path / "out") == {
@@ -95,7 +94,6 @@ def test_conversations_in_every_format_and_malformed_ones_counted(tmp_path):
         "malformed_message": ["chats.jsonl:line 10", "chats.jsonl:line 11", "chats.jsonl:line 12"],
         "no_assistant_turn": ["allbad.jsonl:line 1", "chats.jsonl:line 7"],
         "not_alternating": ["chats.jsonl:line 8", "chats.jsonl:line 9"],
-        "prompt_only": ["lists.jsonl:line 2", "lists.jsonl:line 3"],
         "unknown_role": ["chats.jsonl:line 3"],
     }
     assert report["bad_jsonl_lines"] == {"count": 1, "where": ["chats.jsonl:6"]}
@@ -508,9 +506,9 @@ def test_a_worker_reads_no_file_or_row_beyond_its_limits(tmp_path, monkeypatch):
 
 def test_every_data_kind_reads_back_from_its_own_to_json_and_to_parquet(tmp_path):
     """What DATA-HF writes reads back through DATA-HF: a dataset of text, conversations, tool calls with results and
-    schemas and reasoning traces, one of preference pairs and one of KTO's unpaired records (each standard and
-    conversational), each exported with datasets' own to_json and to_parquet, gives every row back as it was (its
-    source is the file it was read from)."""
+    schemas and reasoning traces, one of preference pairs, one of KTO's unpaired records and one of prompts with
+    their other keys (each standard and conversational), each exported with datasets' own to_json and to_parquet,
+    gives every row back as it was (its source is the file it was read from)."""
     weather = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
     call = {"role": "assistant", "content": None,
             "tool_calls": [{"id": "c1", "type": "function",
@@ -528,7 +526,10 @@ def test_every_data_kind_reads_back_from_its_own_to_json_and_to_parquet(tmp_path
                 {"prompt": chat("3+3?"), "completion": [{"role": "assistant", "content": "7"}], "label": False}]
     write(tmp_path / "pairs", "pairs.jsonl", "\n".join(map(json.dumps, pairs)) + "\n")
     write(tmp_path / "kto", "feedback.jsonl", "\n".join(map(json.dumps, unpaired)) + "\n")
-    for kind, rows in (("sft", 4), ("pairs", 2), ("kto", 2)):
+    prompts = [{"prompt": "Ünïcode 2+2?", **COLUMNS}, {"prompt": "Nothing else."},
+               {"prompt": chat("Weather in Oslo?", system="Be brief."), "tools": [weather], "answer": {"c": 21}}]
+    write(tmp_path / "grpo", "prompts.jsonl", "\n".join(json.dumps(r, ensure_ascii=False) for r in prompts) + "\n")
+    for kind, rows in (("sft", 4), ("pairs", 2), ("kto", 2), ("grpo", 3)):
         build(tmp_path / kind, tmp_path / f"{kind}-ds", num_proc=1)
         first = datasets.load_from_disk(str(tmp_path / f"{kind}-ds"))
         assert len(first) == rows
@@ -540,4 +541,103 @@ def test_every_data_kind_reads_back_from_its_own_to_json_and_to_parquet(tmp_path
             back = datasets.load_from_disk(str(tmp_path / f"{kind}-{fmt}-ds"))
             assert [{k: v for k, v in r.items() if k != "source"} for r in back] == [
                 {k: v for k, v in r.items() if k != "source"} for r in first], (kind, fmt)
-            assert not report["conversations"].get("skipped") and not report["preferences"].get("skipped")
+            assert not any(report[part]["skipped"] for part in ("conversations", "preferences", "prompts"))
+            assert report["prompts"]["rows"] == (rows if kind == "grpo" else 0)
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+COLUMNS = {"answer": "42", "tests": ["assert f() == 42", "assert f(1) == 43"], "n": -7, "ratio": 0.25, "ok": True,
+           "none": None, "meta": {"level": 2, "tags": ["añadir", "加法"], "deep": {"list": [1, [2, {"x": "y"}]]}}}
+"""A prompt record's other keys: nested values, unicode and numbers, each to come back as it was."""
+
+
+def test_prompt_records_in_both_forms_keep_their_other_keys_and_bad_ones_are_skipped_by_reason(tmp_path):
+    """TRL's prompt-only records (for GRPO) are prompt rows: a standard prompt's text or a conversational one's
+    messages (an agent's turn so far, up to a tool result, included), its tool schemas in tools, and every other key
+    as it was in columns ("{}" when none); a record that cannot be a prompt is skipped by reason, never text."""
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function",
+                            "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]}
+    agent = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Oslo?"}, call,
+             {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    good = [{"prompt": "What is 17 + 25?", **COLUMNS},
+            {"prompt": "Say hi."},
+            {"prompt": agent, "tools": [WEATHER], "id": 7}]
+    deep = "[" * 5000 + "]" * 5000
+
+    def calling(arguments: str, name: str = "weather") -> list[dict]:
+        return chat("Q") + [{**call, "tool_calls": [{"function": {"name": name, "arguments": arguments}}]}]
+
+    bad = {"malformed_prompt": {"prompt": 42}, "malformed_message": {"prompt": [{"role": "user"}]},
+           "unknown_role": {"prompt": [{"role": "robot", "content": "beep"}]},
+           "malformed_tool_call": {"prompt": calling("{}", name="") + [{"role": "tool", "content": "r"}]},
+           "bad_tool_arguments": {"prompt": calling("[1]") + [{"role": "tool", "content": "r"}]},
+           "empty_prompt": {"prompt": "  ", "answer": "1"}, "ends_with_answer": {"prompt": chat("2+2?", "4")},
+           "orphan_tool_result": {"prompt": chat("Q") + [{"role": "tool", "content": "r"}]},
+           "not_alternating": {"prompt": chat("Q") + chat("Q again")},
+           "bad_tool_schema": {"prompt": "Q", "tools": [{"function": {"description": "no name"}}]},
+           "bad_columns": {"text": "Q", "messages": [], "columns": "[1]"},  # a row of ours, columns no object
+           "too_deeply_nested": {"prompt": "Q", "tools": deep}}
+    data = tmp_path / "data"
+    write(data, "prompts.jsonl", "\n".join(json.dumps(r, ensure_ascii=False) for r in [*good, *bad.values()]) + "\n")
+    write(data, "more.yaml", "prompt: In YAML?\nanswer: 3\n---\nprompt: When?\ndate: 2024-01-01\n")  # a date: no JSON
+    write(data, "allbad.jsonl", json.dumps({"prompt": []}) + "\n")
+    report = build(data, tmp_path / "out", num_proc=1)
+    ds = datasets.load_from_disk(str(tmp_path / "out"))
+    assert [(r["source"], r["text"], stored(r["messages"]), r["tools"], json.loads(r["columns"])) for r in ds] == [
+        ("more.yaml", "In YAML?", [], "", {"answer": 3}),
+        ("prompts.jsonl", "What is 17 + 25?", [], "", COLUMNS),
+        ("prompts.jsonl", "Say hi.", [], "", {}),
+        ("prompts.jsonl", "", agent[:2] + [{"role": "assistant", "content": "", "tool_calls": json.dumps(
+            [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}, "id": "c1"}])},
+            agent[3]], json.dumps([WEATHER]), {"id": 7})]
+    assert ds["columns"][2] == "{}" and prompt_rows(ds) == 4 == report["rows"]
+    assert prompt_rows(datasets.Dataset.from_dict({"text": ["from before columns"], "messages": [[]]})) == 0
+    assert report["prompts"]["by_form"] == {"conversational": 1, "standard": 3}
+    assert {r: v["where"] for r, v in report["prompts"]["skipped"].items()} == {
+        **{reason: [f"prompts.jsonl:line {i}"] for i, reason in enumerate(bad, len(good) + 1)},
+        "bad_columns": ["more.yaml:document 2", f"prompts.jsonl:line {len(good) + 11}"],
+        "empty_prompt": ["allbad.jsonl:line 1", f"prompts.jsonl:line {len(good) + 6}"]}
+    assert report["skipped"] == {"no_valid_prompt": {"count": 1, "paths": ["allbad.jsonl"]}}
+    assert not report["conversations"]["rows"] and not report["conversations"]["skipped"]
+    summary = format_summary(report)
+    assert "\n  prompts: 4 (conversational 1, standard 3)\n" in summary
+    assert "\n  skipped 2 prompt records (bad_columns): more.yaml:document 2, prompts.jsonl:line 14\n" in summary
+
+
+def test_the_bundled_grpo_prompts_build_to_240_arithmetic_prompts_with_2_skipped(tmp_path):
+    bundled = ROOT / "examples" / "grpo" / "prompts" / "prompts.jsonl"
+    assert bundled.stat().st_size < 30_000
+    report = build(bundled.parent, tmp_path / "out", num_proc=1)
+    ds = datasets.load_from_disk(str(tmp_path / "out"))
+    assert len(ds) == prompt_rows(ds) == report["prompts"]["by_form"]["standard"] == 240
+    assert len(set(ds["text"])) == 240
+    for text, columns in zip(ds["text"], ds["columns"], strict=True):
+        a, op, b = text.removeprefix("What is ").removesuffix("? Answer with the number.").split(" ")
+        assert json.loads(columns) == {"answer": str({"+": int.__add__, "-": int.__sub__,
+                                                      "*": int.__mul__}[op](int(a), int(b)))}
+    assert {r: v["count"] for r, v in report["prompts"]["skipped"].items()} == {"empty_prompt": 1,
+                                                                               "ends_with_answer": 1}
+
+
+def test_a_folder_mixing_prompt_records_with_other_kinds_is_refused_in_one_line(tmp_path):
+    """GRPO reads prompts alone, and a prompt holds no answer another objective could train: a folder of both is
+    refused, saying how many of each and where the fewer kind is."""
+    prompts = [{"prompt": "2+2?", "answer": "4"}, {"prompt": chat("3+3?"), "answer": "6"}]
+    write(tmp_path / "a", "prompts.jsonl", "\n".join(map(json.dumps, prompts)) + "\n")
+    write(tmp_path / "a", "notes.txt", "a document\n")
+    write(tmp_path / "a", "pairs.jsonl", "\n".join(json.dumps({"prompt": f"{i}+{i}?", "chosen": str(2 * i),
+                                                               "rejected": "0"}) for i in range(1, 4)) + "\n")
+    write(tmp_path / "b", "prompts.jsonl", "\n".join(map(json.dumps, prompts * 2)) + "\n")
+    write(tmp_path / "b", "chat.jsonl", json.dumps({"messages": chat("Hi", "Hello")}) + "\n")
+    fix = ("a run trains on one kind (GRPO on prompts, or SFT or a preference objective); convert them from separate "
+           "folders into separate datasets")
+    for folder, line in (
+            ("a", "mixes 2 prompt records with 3 preference records and 1 text or conversation rows (the prompts are "
+                  f"in prompts.jsonl (2 rows)): {fix}"),
+            ("b", f"mixes 4 prompt records with 1 text or conversation rows (the others are in chat.jsonl (1 row)): "
+                  f"{fix}")):
+        with pytest.raises(UserError) as err:
+            build(tmp_path / folder, tmp_path / f"{folder}-out", num_proc=1)
+        assert str(err.value) == f"{tmp_path / folder} {line}"
+        assert not (tmp_path / f"{folder}-out").exists()

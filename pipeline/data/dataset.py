@@ -76,6 +76,18 @@ def preference_rows(ds) -> tuple[int, int]:
     return int((chosen & rejected).sum()), int((chosen ^ rejected).sum())
 
 
+def prompt_rows(ds) -> int:
+    """How many rows are prompts for online RL (a non-empty `columns`: DATA-HF's JSON object of a prompt record's other
+    keys, "" in every other row), from the Arrow column alone; 0 for a dataset without that column of strings (one
+    written before it existed, or a hub dataset), which holds no prompts."""
+    if "columns" not in ds.column_names:
+        return 0
+    column = ds.data.column("columns")
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        return 0
+    return int(pc.sum(pc.greater(pc.fill_null(pc.utf8_length(column), 0), 0)).as_py() or 0)
+
+
 def _answer_sizes(column):
     sizes = pc.list_value_length(column) if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) \
         else pc.utf8_length(pc.cast(column, pa.string()))

@@ -27,15 +27,14 @@ OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "t
                 "ipython": "tool"}
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "function_call": "assistant", "observation": "tool", "tool": "tool"}
-OWN_ROW = {"text", "messages", "source", "chosen", "rejected", "tools"}
+OWN_ROW = {"text", "messages", "source", "chosen", "rejected", "tools", "columns"}
 """The columns of a DATA-HF dataset: a record with these (a dataset's to_json or to_parquet) is one of its rows (a
-preference pair when chosen is not empty: pipeline/prep/preferences.py)."""
-REASONS = ("prompt_only", "malformed_message", "unknown_role", "malformed_tool_call", "bad_tool_arguments",
-           "bad_tool_schema", "tool_calls", "reasoning_trace", "empty", "no_assistant_turn", "orphan_tool_result",
-           "not_alternating")
-"""Why a conversation is skipped, in the order they are checked (prompt_only: TRL's prompt-only record, a prompt with
-no completion, for online RL; tool_calls and reasoning_trace: a preference pair holding them, which preference
-objectives do not train yet)."""
+preference pair when chosen is not empty: pipeline/prep/preferences.py; a prompt when columns is not empty:
+pipeline/prep/prompts.py). A dataset written before columns existed has the others alone."""
+REASONS = ("malformed_message", "unknown_role", "malformed_tool_call", "bad_tool_arguments", "bad_tool_schema",
+           "tool_calls", "reasoning_trace", "empty", "no_assistant_turn", "orphan_tool_result", "not_alternating")
+"""Why a conversation is skipped, in the order they are checked (tool_calls and reasoning_trace: a preference pair
+holding them, which preference objectives do not train yet)."""
 TOOL_KEYS = ("tool_calls", "function_call")
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 """Where an assistant message's tool calls and reasoning trace are found (the first present is read)."""
@@ -190,11 +189,11 @@ def _messages(items: object, role_key: str, content_key: str, roles: dict[str, s
     return out
 
 
-def messages_of(items: object) -> list[dict]:
-    """An OpenAI-style list of {"role", "content"} messages as a preference pair holds them, read and checked
-    message by message (roles known, content parts joined, no tool calls or reasoning traces); BadConversation
-    otherwise. Not checked as a whole conversation (check does that)."""
-    return _messages(items, "role", "content", OPENAI_ROLES, plain=True)
+def messages_of(items: object, plain: bool = True) -> list[dict]:
+    """An OpenAI-style list of {"role", "content"} messages as a preference pair (plain: no tool calls or reasoning
+    traces) or a prompt holds them, read and checked message by message (roles known, content parts joined);
+    BadConversation otherwise. Not checked as a whole conversation (check does that)."""
+    return _messages(items, "role", "content", OPENAI_ROLES, plain=plain)
 
 
 def _side(value: object, role: str) -> list[dict]:
@@ -209,7 +208,7 @@ def detect(record: object) -> str | None:
     when it is not a conversation."""
     if not isinstance(record, dict):
         return None
-    if "text" in record and isinstance(record.get("messages"), list) and set(record) <= OWN_ROW:
+    if is_own_row(record):
         return "row"
     if "messages" in record:
         return "messages"
@@ -219,15 +218,17 @@ def detect(record: object) -> str | None:
         return "alpaca"
     if "prompt" in record and "completion" in record:
         return "prompt_completion"
-    if "prompt" in record:  # a prompt to generate from ({"prompt": ..., "answer": ...}): joined into text, the
-        return "prompt_only"  # answer column and a conversational prompt's role names were trained as its words
-    return None
+    return None  # {"prompt": ...} alone is a prompt for online RL (pipeline/prep/prompts.py), never a conversation
+
+
+def is_own_row(record: dict) -> bool:
+    """Whether a JSON object is a row of one of our datasets read back (its to_json or to_parquet): our columns
+    alone, text and messages among them (a dataset written before some of the others existed lacks those)."""
+    return "text" in record and isinstance(record.get("messages"), list) and set(record) <= OWN_ROW
 
 
 def to_chat(record: dict, fmt: str) -> Chat:
     """The record (of format fmt, from detect) as a checked Chat; BadConversation when it cannot be trained on."""
-    if fmt == "prompt_only":
-        raise BadConversation("prompt_only")
     if fmt == "messages":
         messages = _messages(record["messages"], "role", "content", OPENAI_ROLES)
     elif fmt == "sharegpt":

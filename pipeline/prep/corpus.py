@@ -17,7 +17,7 @@ import secrets
 import shutil
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,10 +34,11 @@ from pipeline.prep.conversations import OPTIONAL, Chat
 from pipeline.prep.extract import SUPPORTED, Limits, Row, SkipFile, extract_file, row_chars
 from pipeline.prep.organize import MANIFEST
 from pipeline.prep.preferences import Pair, files_holding
+from pipeline.prep.prompts import Prompt, mixed_folder
+from pipeline.prep.report import REPORT, by_reason, format_summary, kind_report
 
 WRITE_CHARS = 8_000_000
 """A worker writes its buffered rows to its Arrow shard once they hold this many characters."""
-REPORT = "prep_report.json"
 
 
 @dataclass
@@ -109,14 +110,17 @@ FEATURES = datasets.Features({
     "chosen": MESSAGES,
     "rejected": MESSAGES,
     "tools": datasets.Value("string"),
+    "columns": datasets.Value("string"),
 })
 """A text row has messages []; a conversation row has text "" (one dataset holds both, so a corpus of documents and
 chats trains in one run, each row in its own way) and its tool schemas in tools ("" for none). A message's optional
 fields (conversations.OPTIONAL) are null where it has none; datasets written before they existed have role and
 content alone and still read. A preference row has its chosen and rejected answers (each a list of assistant
 messages), and its prompt in messages (conversational) or in text (standard); an unpaired (KTO) row has one of them,
-chosen when labelled desirable, rejected when not; the other rows have them empty. A dataset holds preference rows
-alone (DATA-HF refuses a folder that mixes them with others)."""
+chosen when labelled desirable, rejected when not; the other rows have them empty. A prompt row (for online RL) has
+its prompt in text or messages and the record's other keys as a JSON object in columns, "" in every other row (and
+no such column in datasets written before it existed). A dataset holds preference rows alone, or prompt rows alone
+(DATA-HF refuses a folder that mixes them with others)."""
 
 
 @dataclass
@@ -140,6 +144,10 @@ class ChunkResult:
     """Preference pairs kept, by input form."""
     bad_pairs: list[tuple[str, str]] = field(default_factory=list)
     """(reason, "file:line N") of each preference record skipped."""
+    prompts: Counter = field(default_factory=Counter)
+    """Prompts kept, by form."""
+    bad_prompts: list[tuple[str, str]] = field(default_factory=list)
+    """(reason, "file:line N") of each prompt record skipped."""
     wrapped: list[str] = field(default_factory=list)
     """"file: key" of each list of records read from inside an object."""
 
@@ -174,15 +182,20 @@ class ShardWriter:
     def flush(self) -> None:
         if not self.rows:
             return
-        texts = [r if isinstance(r, str) else r.prompt_text if isinstance(r, Pair) else "" for r in self.rows]
-        chats = [[] if isinstance(r, str) else r.prompt_messages if isinstance(r, Pair) else r.messages
+        # a comprehension per column and no object per row: a tuple per row (100k objects for the garbage collector to
+        # track per flush) made extraction 40% slower
+        prompted = (Pair, Prompt)  # the rows whose prompt is in text or messages
+        texts = [r if isinstance(r, str) else r.prompt_text if isinstance(r, prompted) else "" for r in self.rows]
+        chats = [[] if isinstance(r, str) else r.prompt_messages if isinstance(r, prompted) else r.messages
                  for r in self.rows]
         chosen = [r.chosen if isinstance(r, Pair) else [] for r in self.rows]
         rejected = [r.rejected if isinstance(r, Pair) else [] for r in self.rows]
-        tools = [r.tools if isinstance(r, Chat) else "" for r in self.rows]
+        tools = [r.tools if isinstance(r, (Chat, Prompt)) else "" for r in self.rows]
+        keys = [r.columns if isinstance(r, Prompt) else "" for r in self.rows]
         kind = self.schema.field("messages").type
         columns = [pa.array(texts, pa.string()), pa.array(chats, kind), pa.array(self.sources, pa.string()),
-                   pa.array(chosen, kind), pa.array(rejected, kind), pa.array(tools, pa.string())]
+                   pa.array(chosen, kind), pa.array(rejected, kind), pa.array(tools, pa.string()),
+                   pa.array(keys, pa.string())]
         try:
             self.writer.write_batch(pa.record_batch(columns, schema=self.schema))
         except OSError:
@@ -217,12 +230,13 @@ def extract_chunk(index: int, root: str, rels: list[str], shard: str, limits: Li
             res.bad_chats.extend((reason, f"{rel}:{where}") for reason, where in got.bad_chats)
             res.bad_rows.extend((reason, f"{rel}:{where}") for reason, where in got.bad_rows)
             res.bad_pairs.extend((reason, f"{rel}:{where}") for reason, where in got.bad_pairs)
+            res.bad_prompts.extend((reason, f"{rel}:{where}") for reason, where in got.bad_prompts)
             res.wrapped.extend(f"{rel}: {key}" for key in dict.fromkeys(got.wrapped))
             if not got.count:
-                why = "no_valid_pair" if got.bad_pairs else "no_valid_conversation" if got.bad_chats else "no_valid_row"
-                res.skipped.append((why, rel))
+                res.skipped.append((got.nothing_kept, rel))
                 continue
             res.pairs.update(got.pair_forms)
+            res.prompts.update(got.prompt_forms)
             res.chars += got.chars
             res.rows += got.count
             res.conversations.update(got.formats)
@@ -336,35 +350,17 @@ def _report(cfg: CorpusConfig, results: list[ChunkResult], pre_skipped: dict) ->
         "characters": sum(r.chars for r in results),
         "skipped": {r: {"count": len(p), "paths": sorted(p)} for r, p in sorted(skipped.items())},
         "bad_jsonl_lines": {"count": len(bad_lines), "where": bad_lines[:1000]},
-        "rows_skipped": _by_reason(res.bad_rows for res in results),
+        "rows_skipped": by_reason(res.bad_rows for res in results),
         "records_in_wrappers": {"count": sum(len(r.wrapped) for r in results),
                                 "where": [w for r in results for w in r.wrapped][:1000]},
         "limits": {"max_file_mb": cfg.max_file_mb, "max_row_mb": cfg.max_row_mb},
-        "conversations": _conversation_report(results),
-        "preferences": {"rows": sum(sum(r.pairs.values()) for r in results),
-                        "by_form": dict(sorted(sum((r.pairs for r in results), Counter()).items())),
-                        "skipped": _by_reason(res.bad_pairs for res in results)},
+        "conversations": kind_report([r.conversations for r in results], [r.bad_chats for r in results],
+                                      "by_format"),
+        "preferences": kind_report([r.pairs for r in results], [r.bad_pairs for r in results], "by_form"),
+        "prompts": kind_report([r.prompts for r in results], [r.bad_prompts for r in results], "by_form"),
         "num_proc": cfg.num_proc,
         "seconds": 0.0,
     }
-
-
-def _conversation_report(results: list[ChunkResult]) -> dict:
-    """Conversations kept (by input format) and skipped (by reason, with the first 1000 places of each)."""
-    kept: Counter = Counter()
-    for res in results:
-        kept.update(res.conversations)
-    return {"rows": sum(kept.values()), "by_format": dict(sorted(kept.items())),
-            "skipped": _by_reason(res.bad_chats for res in results)}
-
-
-def _by_reason(places: Iterable[list[tuple[str, str]]]) -> dict:
-    """(reason, where) pairs as {reason: {count, where: the first 1000}}."""
-    skipped: dict[str, list[str]] = defaultdict(list)
-    for pairs in places:
-        for reason, where in pairs:
-            skipped[reason].append(where)
-    return {r: {"count": len(w), "where": w[:1000]} for r, w in sorted(skipped.items())}
 
 
 def write_layout(folder: Path, shards: list[Path]) -> None:
@@ -411,6 +407,8 @@ def _build_locked(cfg: CorpusConfig, files: list[str], sizes: list[int], pre_ski
         if not report["rows"]:
             reasons = ", ".join(f"{r}: {v['count']}" for r, v in report["skipped"].items())
             raise UserError(f"no text extracted from {cfg.data_folder} ({reasons})")
+        if refused := mixed_folder(cfg.data_folder, report, [r.shard for r in results if r.rows]):
+            raise UserError(refused)
         if 0 < (pairs := report["preferences"]["rows"]) < report["rows"]:
             others = report["rows"] - pairs
             held = files_holding([r.shard for r in results if r.rows], pairs <= others)
@@ -426,46 +424,6 @@ def _build_locked(cfg: CorpusConfig, files: list[str], sizes: list[int], pre_ski
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return report
-
-
-def _kind_lines(part: dict, kept: str, skipped: str, by: str) -> list[str]:
-    """The summary's lines for conversations or preference pairs: how many were kept by form, and the records
-    skipped by reason with where the first were."""
-    if not part["rows"] and not part["skipped"]:
-        return []
-    forms = ", ".join(f"{k} {v}" for k, v in part[by].items()) or "none kept"
-    lines = [f"  {kept}: {part['rows']:,} ({forms})"]
-    for reason, info in part["skipped"].items():
-        where = info["where"]
-        lines.append(f"  skipped {info['count']} {skipped} ({reason}): {', '.join(where[:3])}"
-                     f"{' ...' if len(where) > 3 else ''}")
-    return lines
-
-
-def format_summary(report: dict) -> str:
-    lines = [
-        f"saved {report['rows']:,} rows ({report['characters']:,} characters) from {report['files_read']} files "
-        f"to {report['save_dir']} in {report['seconds']:.1f}s",
-        "  files by type: " + ", ".join(f"{k} {v}" for k, v in report["files_by_type"].items()),
-    ]
-    for reason, info in report["skipped"].items():
-        paths = info["paths"]
-        lines.append(f"  skipped {info['count']} ({reason}): {', '.join(paths[:5])}{' ...' if len(paths) > 5 else ''}")
-    if report["bad_jsonl_lines"]["count"]:
-        lines.append(f"  unparsable .jsonl lines skipped: {report['bad_jsonl_lines']['count']}")
-    for reason, info in report["rows_skipped"].items():
-        lines.append(f"  skipped {info['count']} rows ({reason}, limit --max_row_mb {report['limits']['max_row_mb']:g})"
-                     f": {', '.join(info['where'][:3])}{' ...' if len(info['where']) > 3 else ''}")
-    if wrapped := report["records_in_wrappers"]["count"]:
-        where = report["records_in_wrappers"]["where"]
-        lines.append(f"  lists of records read from inside an object: {wrapped} ({', '.join(where[:3])}"
-                     f"{' ...' if len(where) > 3 else ''}; the object's other values are not text)")
-    unpaired = report["preferences"]["by_form"].get("unpaired", 0)
-    kept = "preference records" if unpaired else "preference pairs"  # KTO's unpaired records are no pairs
-    lines += _kind_lines(report["preferences"], kept, "preference records", "by_form")
-    lines += _kind_lines(report["conversations"], "conversations", "conversations", "by_format")
-    lines.append(f"  report: {Path(report['save_dir']) / REPORT}")
-    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:

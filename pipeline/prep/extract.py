@@ -1,5 +1,6 @@
-"""One file of the corpus to dataset rows: text (cut at paragraph boundaries when long) or conversations, with what
-was skipped inside it and why. A file that yields nothing usable raises SkipFile; nothing here stops DATA-HF.
+"""One file of the corpus to dataset rows: text (cut at paragraph boundaries when long), conversations, preference
+records or prompts, with what was skipped inside it and why. A file that yields nothing usable raises SkipFile;
+nothing here stops DATA-HF.
 
 A worker's memory is bounded whatever the file: a file is sniffed (its first bytes) before it is read, so a binary
 or sparse file is skipped unread; .txt/.md and UTF-8 .jsonl files larger than WHOLE_BYTES are streamed (text in
@@ -20,7 +21,7 @@ from typing import BinaryIO
 
 import yaml
 
-from pipeline.prep import conversations, preferences
+from pipeline.prep import conversations, preferences, prompts
 from pipeline.yaml_bounds import PARSER, YamlBoundsError, check_bounds
 
 TEXT_TYPES = (".txt", ".md")
@@ -161,9 +162,9 @@ def _parse(loader, text: str, reason: str):
         raise SkipFile(reason) from None
 
 
-Row = str | conversations.Chat | preferences.Pair
-"""One dataset row: text, a conversation (pipeline/prep/conversations.py), or a preference pair
-(pipeline/prep/preferences.py)."""
+Row = str | conversations.Chat | preferences.Pair | prompts.Prompt
+"""One dataset row: text, a conversation (pipeline/prep/conversations.py), a preference pair
+(pipeline/prep/preferences.py), or a prompt for online RL (pipeline/prep/prompts.py)."""
 
 
 def row_chars(row: Row) -> int:
@@ -190,38 +191,52 @@ class Extracted:
     """Preference records skipped: (reason, where)."""
     pair_forms: Counter = field(default_factory=Counter)
     """Preference pairs kept, by input form."""
+    bad_prompts: list[tuple[str, str]] = field(default_factory=list)
+    """Prompt records skipped: (reason, where)."""
+    prompt_forms: Counter = field(default_factory=Counter)
+    """Prompts kept, by form."""
     bad_rows: list[tuple[str, str]] = field(default_factory=list)
     """Other rows skipped: (reason, where), e.g. row_too_large."""
     formats: Counter = field(default_factory=Counter)
     wrapped: list[str] = field(default_factory=list)
 
-    def row(self, row: Row, where: str) -> None:
-        """Keep a row, unless it is longer than the limit."""
+    @property
+    def bad_records(self) -> bool:
+        """Whether records of a kind we know were skipped: a file holding only those is skipped by their kind
+        (nothing_kept), not as one without text."""
+        return bool(self.bad_chats or self.bad_pairs or self.bad_prompts)
+
+    @property
+    def nothing_kept(self) -> str:
+        """Why a file that gave no row is skipped: the kind of its records that were, else no_valid_row."""
+        kinds = (("no_valid_pair", self.bad_pairs), ("no_valid_prompt", self.bad_prompts),
+                 ("no_valid_conversation", self.bad_chats))
+        return next((why for why, bad in kinds if bad), "no_valid_row")
+
+    def row(self, row: Row, where: str) -> bool:
+        """Keep a row, unless it is longer than the limit; whether it was kept."""
         n = row_chars(row)
         if n > self.limits.max_row_chars:
             self.bad_rows.append(("row_too_large", where))
-            return
+            return False
         self.count += 1
         self.chars += n
         if self.sink is None:
             self.rows.append(row)
         else:
             self.sink(row)
+        return True
 
     def add(self, record: object, where: str) -> None:
         """A parsed JSON value: a record of a kind we know (kept, or counted as skipped), a list of records wrapped
         in an object (each read as a record), or text. A preference record is looked for first: its prompt and
-        completion keys would otherwise read as a conversation."""
+        completion keys would otherwise read as a conversation; then a prompt (prompts.detect leaves conversations
+        out)."""
         if form := preferences.detect(record):
-            try:
-                pair = preferences.to_pair(record, form)
-            except preferences.BadPair as exc:
-                self.bad_pairs.append((str(exc), where))
-            except RecursionError:  # JSON nested past Python's stack inside a field: this record alone is skipped
-                self.bad_pairs.append(("too_deeply_nested", where))
-            else:
-                self.pair_forms[form] += 1
-                self.row(pair, where)
+            self._known(lambda: preferences.to_pair(record, form), form, self.pair_forms, self.bad_pairs, where)
+            return
+        if form := prompts.detect(record):
+            self._known(lambda: prompts.to_prompt(record, form), form, self.prompt_forms, self.bad_prompts, where)
             return
         fmt = conversations.detect(record)
         if fmt == "row":  # one of our own rows read back (a dataset's to_json): as it was
@@ -242,20 +257,25 @@ class Extracted:
             if row:
                 self.row(row, where)
             return
+        self._known(lambda: conversations.to_chat(record, fmt), fmt, self.formats, self.bad_chats, where)
+
+    def _known(self, make: Callable[[], Row], form: str, kept: Counter, bad: list, where: str) -> None:
+        """A record of a kind we know: its row kept (counted under form in kept), or skipped by reason (in bad)."""
         try:
-            chat = conversations.to_chat(record, fmt)
-        except conversations.BadConversation as exc:
-            self.bad_chats.append((str(exc), where))
-        except RecursionError:  # an arguments or tools string nested past Python's stack: this record alone
-            self.bad_chats.append(("too_deeply_nested", where))
+            row = make()
+        except (preferences.BadPair, prompts.BadPrompt, conversations.BadConversation) as exc:
+            bad.append((str(exc), where))
+        except RecursionError:  # JSON nested past Python's stack inside a field: this record alone is skipped
+            bad.append(("too_deeply_nested", where))
         else:
-            self.formats[fmt] += 1
-            self.row(chat, where)
+            if self.row(row, where):
+                kept[form] += 1
 
 
 def is_record(value: object) -> bool:
-    """Whether a JSON value is a record of a kind read as such (a preference pair, a conversation, a row of ours)."""
-    return bool(preferences.detect(value) or conversations.detect(value))
+    """Whether a JSON value is a record of a kind read as such (a preference pair, a prompt, a conversation, a row of
+    ours)."""
+    return bool(preferences.detect(value) or prompts.detect(value) or conversations.detect(value))
 
 
 def wrapped_records(value: object) -> list[tuple[str, list]]:
@@ -355,7 +375,7 @@ def _jsonl_rows(path: Path, encoding: str, out: Extracted) -> None:
             held |= _json_line(line if len(line) <= out.limits.max_row_chars else None, lineno, out)
     if not held:
         raise SkipFile("empty")
-    if out.bad_lines and not out.count and not out.bad_chats and not out.bad_rows and not out.bad_pairs:
+    if out.bad_lines and not out.count and not out.bad_records and not out.bad_rows:
         raise SkipFile("invalid_jsonl")
 
 
@@ -422,7 +442,7 @@ def extract_file(path: Path, limits: Limits | None = None, sink: Callable[[Row],
         _parquet_rows(path, out)
     else:
         _sniffed_rows(path, out)
-    if not out.count and not out.bad_chats and not out.bad_rows and not out.bad_pairs:
+    if not out.count and not out.bad_records and not out.bad_rows:
         raise SkipFile("no_text")
     return out
 
