@@ -89,6 +89,14 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 		-d $(DEMO)/hf_datasets/pairs -m $(DEMO)/outputs/chat/hf --config configs/demo_reward.yaml
 	$(PY) -m pipeline.evaluate $(DEMO)/outputs/reward/hf --config $(DEMO)/outputs/reward/config.yaml
 	@echo
+	@echo "== GRPO: online RL on arithmetic prompts; the two processes generate 4 completions of each prompt per step,"
+	@echo "   score them (the share of digits, and the answer's accuracy) and train LoRA adapters on the base model"
+	@echo "   from the advantages within each group; the held-out prompts' greedy mean reward rises"
+	$(PY) DATA-HF.py --data_folder examples/grpo/prompts --save_dir $(DEMO)/hf_datasets/prompts --overwrite
+	rm -rf $(DEMO)/outputs/grpo
+	$(PY) fsdp1.py --nproc-per-node 2 -e grpo --save-dir $(DEMO)/outputs \
+		-d $(DEMO)/hf_datasets/prompts -m $(DEMO_MODEL) --config configs/demo_grpo.yaml
+	@echo
 	@echo "== agents: tool calls and reasoning traces through Qwen3's template (its history rewritten turn by turn),"
 	@echo "   mixed 0.7/0.3 with the conversations; the log says what each source gave and each has its eval loss"
 	$(PY) DATA-HF.py --data_folder examples/agents --save_dir $(DEMO)/hf_datasets/agents --overwrite

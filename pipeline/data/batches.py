@@ -28,6 +28,8 @@ class Batch:
     ref: torch.Tensor | None = None
     """[batch, pairs, 2] float32: a reference's log-probabilities of each pair's chosen and rejected answers,
     computed before training (pipeline/objectives/reference_pass.py), NaN past a row's pairs; None without."""
+    rows: np.ndarray | None = None
+    """A batch of prompts (GRPO, pipeline/rl/prompts.py): each row's prompt, -1 for a padding row; None otherwise."""
 
 
 def _to(x: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -7,17 +7,22 @@ import contextlib
 import functools
 from collections.abc import Callable
 
-from pipeline.config import ObjectiveConfig
+from pipeline.config import Config, ObjectiveConfig
+from pipeline.distributed.runtime import Dist
 from pipeline.model.adapters import adapters_disabled
 from pipeline.model.head import Head
 from pipeline.model.reward_head import RewardHead
 from pipeline.objectives.causal_lm import CausalLMLoss
+from pipeline.objectives.grpo import GRPOObjective
 from pipeline.objectives.kto import KTOObjective, KTOSettings
 from pipeline.objectives.objective import Objective
 from pipeline.objectives.preference import PreferenceObjective, Reference
 from pipeline.objectives.preference_losses import PreferenceSettings
 from pipeline.objectives.reference import adapters_off
 from pipeline.objectives.reward import RewardObjective
+from pipeline.rl.prompts import PromptBlocks
+from pipeline.rl.rewards import Rewards
+from pipeline.rl.rollout import Roller
 
 REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
 """Objectives measured against a reference: the base with the adapters off, or log-probabilities computed before
@@ -41,3 +46,12 @@ def make_objective(o: ObjectiveConfig, head: Head, reference: Reference | None =
     if o.objective not in REFERENCE_OBJECTIVES:
         return PreferenceObjective(head, settings, None)
     return PreferenceObjective(head, settings, reference or adapters_off(head, off))
+
+
+def make_grpo(cfg: Config, head: Head, blocks: PromptBlocks, rewards: Rewards, tokenizer, stops: set[int], pad_id: int,
+              d: Dist, release: Callable[[], None]) -> GRPOObjective:
+    """GRPO over the run's prompts: the rollouts' maker, and the reference (the base with the adapters off) where a
+    KL penalty asks for one."""
+    off = functools.partial(adapters_disabled, head.model) if cfg.grpo.grpo_beta else None
+    roller = Roller(head, blocks.prompts, rewards, tokenizer, stops, pad_id)
+    return GRPOObjective(head, cfg.grpo, roller, d, cfg.run.seed, release, off)

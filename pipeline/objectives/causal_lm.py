@@ -18,10 +18,10 @@ from pipeline.model.vocab_parallel import (
     shifted_labels,
     vocab_row_offset,
 )
-from pipeline.objectives.objective import HeldOut
+from pipeline.objectives.objective import HeldOut, Offline
 
 
-class CausalLMLoss:
+class CausalLMLoss(Offline):
     """Next-token cross-entropy of a batch, as a sum over its targets divided by num_items, the number of targets in
     the whole step (every rank, every micro-step): so micro-steps and ranks with more targets weigh more, and a
     step's loss is the token-weighted mean whatever the packing.

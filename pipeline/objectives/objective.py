@@ -34,6 +34,9 @@ class HeldOut:
 
 
 class Objective(Protocol):
+    generates: bool
+    """Whether it makes the step's items itself (GRPO: its completions, generated in prepare()) instead of finding
+    them in the blocks."""
     counted: str
     """What items() counts, as the log names its rate: "trained_tokens", "pairs" or "examples"
     (`trained_tokens_per_s`...)."""
@@ -58,3 +61,15 @@ class Objective(Protocol):
 
     def closing(self, base: HeldOut, final: HeldOut) -> str:
         """The run's closing comparison of the validation figures, base -> final."""
+
+    def samples(self) -> list[dict]:
+        """Examples of what it trained on since last asked, for the samples log (GRPO's completions); [] for none."""
+
+
+class Offline:
+    """What an objective over the token cache's blocks answers where an online one (GRPO) does more."""
+
+    generates = False
+
+    def samples(self) -> list[dict]:
+        return []

@@ -21,7 +21,7 @@ from pipeline.data.batches import Batch
 from pipeline.data.pair_tokens import CHOSEN, REJECTED, UNDESIRABLE, count_pairs
 from pipeline.model.head import Head
 from pipeline.model.vocab_parallel import IGNORE
-from pipeline.objectives.objective import HeldOut
+from pipeline.objectives.objective import HeldOut, Offline
 from pipeline.objectives.preference_losses import PairTerms, PreferenceSettings, pair_terms
 from pipeline.objectives.token_logps import token_logps
 
@@ -64,7 +64,7 @@ def sequence_logps(head: Head, batch: Batch) -> dict[str, torch.Tensor]:
     return answers(head.every_row(batch.flags), labels, logps)
 
 
-class OverPairs:
+class OverPairs(Offline):
     """What the objectives over packed pairs (preference, KTO, reward) share: their items are the blocks' pairs
     (KTO's examples), and their window of figures, set aside for a validation pass."""
 

@@ -59,7 +59,8 @@ def summarise(name: str, status: str, error: str, events: list[dict], skip_steps
         name, status, error, steps=ordered[-1]["step"],
         step_s=statistics.median(per_step) if per_step else None,
         step_s_stdev=statistics.stdev(per_step) if len(per_step) > 1 else None,
-        tokens_per_s=statistics.median(e["tokens_per_s"] for e in steady) if steady else None,
+        tokens_per_s=statistics.median(rates) if (rates := [e["tokens_per_s"] for e in steady
+                                                            if e.get("tokens_per_s") is not None]) else None,
         peak_gb_by_rank=tuple(max(r[i] for r in ranks) for i in range(len(ranks[0]))) if ranks else (),
         comm_ms=statistics.median(comm) if comm and len(comm) == len(steady) else None,
         train_loss=ordered[-1]["loss"], eval_loss=evals[-1]["loss"] if evals else None)

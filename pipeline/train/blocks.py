@@ -26,7 +26,9 @@ from pipeline.data.token_cache import (
 from pipeline.distributed.launch import Launch
 from pipeline.distributed.runtime import Dist, gather_objects
 from pipeline.errors import UserError
+from pipeline.model.reward_head import pad_id
 from pipeline.objectives.kto import KTOSettings, balance_advice
+from pipeline.rl.prompts import PromptBlocks, build_prompt_blocks
 from pipeline.train.preflight import DataSource, Plan
 from pipeline.train.signals import Interrupted, StopRequest
 from pipeline.train.telemetry import log
@@ -51,9 +53,11 @@ def ensure_blocks(cfg: Config, plan: Plan, builder: bool) -> list[tuple[str, Pat
         raise Interrupted(StopRequest.signum or signal.SIGTERM) from None
 
 
-def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks | MixedBlocks:
+def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks | MixedBlocks | PromptBlocks:
     """Every rank memory-maps the token caches its node's first rank built (or found): one dataset's blocks, or a
-    mixture's sources' as one."""
+    mixture's sources' as one. GRPO's prompts are tokenized by every rank instead (pipeline/rl/prompts.py)."""
+    if plan.rewards is not None:
+        return prompt_blocks(cfg, plan, d)
     caches = []
     for source, (status, path) in zip(plan.data, ensure_blocks(cfg, plan, d.is_local_main), strict=True):
         if d.is_main:
@@ -68,6 +72,17 @@ def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks | MixedBlocks:
     return blocks
 
 
+def prompt_blocks(cfg: Config, plan: Plan, d: Dist) -> PromptBlocks:
+    blocks = build_prompt_blocks(plan.data[0].dataset, plan.tokenizer, cfg.grpo, cfg.data.chat_date,
+                                 cfg.data.val_fraction, cfg.run.seed, pad_id(plan.tokenizer))
+    if d.is_main:
+        counts = blocks.counts
+        log.info("prompts: %d kept (%d train, %d validation), %d cut from the left to --max-prompt-length %d "
+                 "(%d tokens in all), %d dropped as longer", counts["kept"], len(blocks.train), len(blocks.val),
+                 counts["cut"], cfg.grpo.max_prompt_length, counts["prompt_tokens_cut"], counts["dropped"])
+    return blocks
+
+
 def _shares(plan: Plan, caches: list[Blocks]) -> str:
     """Each source's training blocks and share of the run's."""
     total = sum(s.source.weight for s in plan.data)
@@ -75,7 +90,7 @@ def _shares(plan: Plan, caches: list[Blocks]) -> str:
                      for s, c in zip(plan.data, caches, strict=True))
 
 
-def make_sampler(blocks: Blocks | MixedBlocks, cfg: Config, d: Dist) -> BlockSampler:
+def make_sampler(blocks: Blocks | MixedBlocks | PromptBlocks, cfg: Config, d: Dist) -> BlockSampler:
     """The run's sampler: one permutation of a dataset's blocks, or a mixture's sources drawn by weight."""
     shape = (cfg.run.seed, d.world_size, d.rank, cfg.train.batch_size, cfg.train.grad_accum)
     if isinstance(blocks, MixedBlocks):
@@ -83,7 +98,7 @@ def make_sampler(blocks: Blocks | MixedBlocks, cfg: Config, d: Dist) -> BlockSam
     return BlockSampler(len(blocks.train), *shape)
 
 
-def check_one_batch(blocks: Blocks | MixedBlocks, cfg: Config, d: Dist) -> None:
+def check_one_batch(blocks: Blocks | MixedBlocks | PromptBlocks, cfg: Config, d: Dist) -> None:
     """Training needs at least one global batch of training blocks, and a mixture a block of each source: one line
     naming what to change."""
     global_batch = d.world_size * cfg.train.batch_size * cfg.train.grad_accum
@@ -92,6 +107,11 @@ def check_one_batch(blocks: Blocks | MixedBlocks, cfg: Config, d: Dist) -> None:
             if not n:
                 raise UserError(f"the mixture's source {source.name} ({source.path}) gives no training blocks of "
                                 f"{cfg.data.seq_length} tokens; give it more data, or leave it out of --dataset-name")
+    if isinstance(blocks, PromptBlocks) and len(blocks.train) < global_batch:
+        raise UserError(f"the dataset gives {len(blocks.train)} training prompts, fewer than one global batch "
+                        f"({d.world_size} processes x batch {cfg.train.batch_size} prompts x grad accum "
+                        f"{cfg.train.grad_accum} = {global_batch}); use more prompts or a smaller --batch-size, "
+                        "--grad-accum or --val-fraction")
     if len(blocks.train) < global_batch:
         raise UserError(f"the dataset gives {len(blocks.train)} training blocks of {cfg.data.seq_length} tokens, "
                         f"fewer than one global batch ({d.world_size} processes x batch {cfg.train.batch_size} x "

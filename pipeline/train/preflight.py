@@ -23,6 +23,7 @@ from pipeline.data.dataset import (
     dataset_fingerprint,
     load_text_dataset,
     preference_rows,
+    prompt_rows,
     size_fingerprint,
     tokenizer_fingerprint,
 )
@@ -38,9 +39,11 @@ from pipeline.model.weight_files import read_index
 from pipeline.objectives.build import REFERENCE_OBJECTIVES
 from pipeline.ownership import check_apart, check_not_nested, check_target
 from pipeline.prep.hub import resolve_model_dir
+from pipeline.rl.rewards import Rewards
 from pipeline.strategies.auto import MemoryPlan, plan_memory
 from pipeline.train.checkpoint import read_state
 from pipeline.train.export import check_replaceable, run_exports
+from pipeline.train.grpo_plan import check_prompts, grpo_settings, plan_rewards
 from pipeline.train.trackers import check_installed
 
 
@@ -84,6 +87,8 @@ class Plan:
     the first step (pipeline/objectives/reference_pass.py)."""
     reward_head: RewardHead | None = None
     """reward: the transform that makes the model a reward model (pipeline/model/reward_head.py)."""
+    rewards: Rewards | None = None
+    """grpo: the reward functions, loaded (pipeline/rl/rewards.py)."""
 
     @property
     def mixture(self) -> bool:
@@ -195,7 +200,7 @@ def check_objective(cfg: Config, pairs: int, unpaired: int) -> None:
     if not pairs and not unpaired and objective == "kto":
         raise UserError(f"--objective kto trains on labelled completions and {data} holds none (DATA-HF reads "
                         "records with a prompt, a completion and a true/false label, and pairs, as KTO's records)")
-    if not pairs and objective not in ("sft", "kto"):
+    if not pairs and objective not in ("sft", "kto", "grpo"):
         raise UserError(f"--objective {objective} trains on preference pairs and {data} holds none (DATA-HF reads "
                         "records with chosen and rejected answers as pairs)")
 
@@ -277,11 +282,16 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
                      cfg.data.allow_special_tokens_in_data, pairs=cfg.objective.preference,
                      kto=cfg.objective.objective == "kto", train_reasoning=cfg.data.train_on_reasoning)
     fingerprint = run_fingerprint(cfg, model_dir, hf_config, data, spec)
+    if rewards := plan_rewards(cfg):
+        fingerprint["grpo"] = grpo_settings(cfg, rewards)
+        if cfg.model.vocab_parallel == "auto":  # GRPO scores its completions through the model's own head
+            cfg.model.vocab_parallel = "off"
     check_cache_root(cfg, inputs(cfg, model_dir))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return Plan(model_dir, hf_config, data, tokenizer, spec, fingerprint,
                 plan_memory(cfg, hf_config, device, launch),
-                reward_head=RewardHead(layout, pad_id(tokenizer), is_reward_model(hf_config)) if layout else None)
+                reward_head=RewardHead(layout, pad_id(tokenizer), is_reward_model(hf_config)) if layout else None,
+                rewards=rewards)
 
 
 def load_sources(cfg: Config) -> list[DataSource]:
@@ -302,6 +312,7 @@ def load_sources(cfg: Config) -> list[DataSource]:
                         "preference pairs: a mixture trains text and conversations with --objective sft; train pairs "
                         "from one dataset")
     check_objective(cfg, pairs, unpaired)
+    check_prompts(cfg, sum(prompt_rows(d.dataset) for d in data))
     return data
 
 

@@ -27,7 +27,8 @@ from pipeline.eval.heldout import Stopped, held_out_loss
 from pipeline.eval.samples import complete, stop_ids
 from pipeline.model.modeling import untested_family
 from pipeline.model.registry import transforms_for
-from pipeline.objectives.build import make_objective
+from pipeline.model.reward_head import pad_id
+from pipeline.objectives.build import make_grpo, make_objective
 from pipeline.objectives.objective import HeldOut
 from pipeline.objectives.reference import precomputed
 from pipeline.strategies.memory import GIB
@@ -39,6 +40,7 @@ from pipeline.train.optim import build_optimizer, build_scheduler, rescale_lr
 from pipeline.train.preflight import Plan
 from pipeline.train.profiling import StepProfiler, memory_breakdown
 from pipeline.train.reference import with_reference
+from pipeline.train.reports import log_mixture, log_profile, log_samples
 from pipeline.train.signals import Interrupted, StopRequest, agreed_stop
 from pipeline.train.step import StepResult, Update, train_step
 from pipeline.train.telemetry import (
@@ -111,7 +113,9 @@ class Trainer:
         if plan.reference is not None:  # before the checkpoint or base fills the model: the pass loads the reference
             self.blocks = with_reference(self.blocks, plan.reference, self.strategy, self.dtype, cfg.train.batch_size)
         head = self.strategy.head()
-        self.objective = make_objective(cfg.objective, head, plan.reference and precomputed(head), plan.reward_head)
+        self.objective = make_grpo(cfg, head, self.blocks, plan.rewards, plan.tokenizer, stop_ids(
+            plan.tokenizer, plan.model_dir), pad_id(plan.tokenizer), d, self.strategy.release) if plan.rewards else \
+            make_objective(cfg.objective, head, plan.reference and precomputed(head), plan.reward_head)
         self.optimizer = build_optimizer(self.strategy.param_groups(cfg.optim.weight_decay), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.step, self.samples_seen, self.best_val = 0, 0, math.inf
@@ -269,7 +273,7 @@ class Trainer:
             result = self.train_step()
             self.step += 1
             if profiled := self.profiler.after(self.step, final=self.step >= self.total_steps):
-                self.log_profile(telemetry, profiled)
+                log_profile(telemetry, profiled, self.step, self.run_dir)
             self.samples_seen += self.sampler.global_batch
             telemetry.advance()
             window.add(result, lr)
@@ -294,7 +298,8 @@ class Trainer:
         if final and self.base_val and self.dist.is_main:
             log.info("validation %s, base -> step %d", self.objective.closing(self.base_val, final), self.step)
         if isinstance(self.sampler, MixtureSampler):
-            self.log_mixture(telemetry)
+            log_mixture(telemetry, self.sampler, self.blocks.sources, self.cfg.data.seq_length, self.step,
+                        self.dist.is_main)
         self.save()
         self.ckpt.wait()
         if agreed_stop():  # a signal during the last save: the export (one uninterruptible DCP write) waits for none
@@ -306,27 +311,6 @@ class Trainer:
         self.pending_eval = True
         self.evaluate(telemetry)
         self.pending_eval = False
-
-    def log_profile(self, telemetry: Telemetry, summary: dict) -> None:
-        """The profiled steps' split by kind of work and memory, as an event and a log line (the kernels: the file)."""
-        split = {kind: part["share"] for kind, part in summary["split"].items()}
-        telemetry.event("profile", self.step, step_ms=summary["step_ms"], split=split, memory=summary.get("memory"),
-                        path=str(self.run_dir / "profile" / "profile.json"))
-        shares = ", ".join(f"{kind} {share:.0%}" for kind, share in split.items() if share >= 0.005)
-        log.info("profile of steps %d-%d: %.1f ms a step (%s); kernels and trace in %s", summary["first_step"],
-                 self.step, summary["step_ms"], shares, self.run_dir / "profile")
-
-    def log_mixture(self, telemetry: Telemetry) -> None:
-        """What each source of a mixture gave the run: blocks, tokens, their share and the epochs of it."""
-        drawn, sizes = self.sampler.drawn, self.sampler.sizes
-        seq, total = self.cfg.data.seq_length, max(sum(drawn), 1)
-        sources = {s.name: {"blocks": n, "tokens": n * seq, "share": round(n / total, 6), "epochs": round(n / size, 4)}
-                   for s, n, size in zip(self.blocks.sources, drawn, sizes, strict=True)}
-        telemetry.event("mixture", self.step, sources=sources)
-        if self.dist.is_main:
-            log.info("mixture over %d steps: %s", self.step, "; ".join(
-                f"{name} {v['tokens']:,} tokens ({100 * v['share']:.1f}%, {v['epochs']:.2f} epochs of it)"
-                for name, v in sources.items()))
 
     def boundary(self) -> tuple[bool, bool]:
         """One small all-reduce per step: did any rank get a signal, has every rank finished its async save, and is
@@ -413,19 +397,28 @@ class Trainer:
         """One optimizer step (pipeline/train/step.py) over this rank's share of the sampler's next global batch."""
         # the step's targets over every rank and micro-step, from the global permutation: no communication
         idx, train = self.sampler.upcoming(), self.blocks.part("train")
-        items = self.objective.items(train.blocks[idx], train.flags_at(idx))
-        return train_step(self.strategy, self.objective, self.sampler.next_step(),
-                          lambda rows: train.batch(rows, self.dist.device), items, self.update, self.timer)
+        micro, make = self.sampler.next_step(), lambda rows: train.batch(rows, self.dist.device)
+        if self.objective.generates:  # its items are the completions it generates now (a collective)
+            with self.timer.phase("generate"):
+                batches = [make(rows) for rows in micro]
+                items = self.objective.prepare(batches, self.step)
+            micro, make = range(len(batches)), batches.__getitem__
+        else:
+            items = self.objective.items(train.blocks[idx], train.flags_at(idx))
+        return train_step(self.strategy, self.objective, micro, make, items, self.update, self.timer)
 
     def log_window(self, telemetry: Telemetry, window: Window) -> None:
         if not window.applied:  # every step of the window was skipped: logged one by one already
             return
         seconds = window.seconds()
-        tokens_per_s = self.sampler.global_batch * self.cfg.data.seq_length * window.steps / seconds
-        mfu = (tokens_per_s / self.dist.world_size * self.flops_per_token / self.peak) if self.peak else None
+        # blocks of --seq-length tokens; an objective that generates has no such blocks: its own rate says it
+        tokens_per_s = None if self.objective.generates else \
+            self.sampler.global_batch * self.cfg.data.seq_length * window.steps / seconds
+        mfu = (tokens_per_s / self.dist.world_size * self.flops_per_token / self.peak) if self.peak and tokens_per_s \
+            else None
         fields = {"epoch": self.sampler.epoch, "loss": window.loss / window.applied,
                   "lr": window.lr, "grad_norm": window.grad_norm,
-                  "tokens_per_s": round(tokens_per_s, 1),
+                  "tokens_per_s": tokens_per_s and round(tokens_per_s, 1),
                   f"{self.objective.counted}_per_s": round(window.targets / seconds, 3),
                   "mfu": None if mfu is None else round(mfu, 4),
                   "time_ms": self.timer.read(), "mem_gb": self.memory(),
@@ -433,12 +426,13 @@ class Trainer:
                   # a collective (a preference objective's pairs summed over the ranks): every rank logs the window
                   **self.objective.read_metrics(reduce=True)}
         telemetry.event("train", self.step, **fields)
+        log_samples(telemetry, self.objective.samples(), self.step)
         t = fields["time_ms"]
         tokens = self.objective.counted == "trained_tokens"
         rate = "trained_tok/s" if tokens else f"{self.objective.counted}/s"
         telemetry.human({"global_step": self.step, "epoch": fields["epoch"], "loss": round(fields["loss"], 4),
                          "lr": f"{fields['lr']:.3g}", "grad_norm": round(fields["grad_norm"], 4),
-                         "tok/s": round(tokens_per_s),
+                         **({"tok/s": round(tokens_per_s)} if tokens_per_s else {}),
                          rate: round(fields[f"{self.objective.counted}_per_s"], None if tokens else 2),
                          "mfu": fields["mfu"], **{k: round(fields[k], 4) for k, _ in self.objective.shown},
                          **{f"time/{k}": t[k] for k in t},

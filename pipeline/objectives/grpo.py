@@ -1,0 +1,205 @@
+"""GRPO (with DAPO's and Dr. GRPO's variants), as TRL's GRPOTrainer computes it, over completions the training
+processes generate themselves.
+
+A step: `prepare` completes each micro-batch's prompts G times with the policy as it is (pipeline/rl/rollout.py),
+scores them, and turns the rewards into advantages within each group (a group lives on one rank, so only
+--scale-rewards batch communicates); then the trainer calls the objective once per micro-batch, which scores the
+completions' tokens under the policy with autograd and returns its share of the clipped-surrogate loss
+(pipeline/objectives/grpo_losses.py). With one iteration per batch (TRL's num_iterations 1) the old policy is the
+current one, so the ratio is 1 in value and the loss's gradient is the policy gradient.
+
+Validation (the trainer's held-out pass): each held-out prompt completed greedily once, its mean reward the figure;
+the pass's "loss" is minus that mean, so --save-best keeps the best reward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pipeline.config_grpo import GRPOConfig
+from pipeline.data.batches import Batch
+from pipeline.distributed.runtime import Dist
+from pipeline.model.head import Head
+from pipeline.objectives.grpo_losses import (
+    GRPOLossSettings,
+    StepCounts,
+    advantages,
+    masked_mean,
+    micro_loss,
+    token_terms,
+    zero_std_groups,
+)
+from pipeline.objectives.objective import HeldOut
+from pipeline.rl.figures import Figures
+from pipeline.rl.generation import Sampling, seeded
+from pipeline.rl.rollout import Roller, Rollout
+
+
+class GRPOObjective:
+    counted = "completions"
+    shown = (("reward", "reward"), ("completions/mean_length", "len"))
+    generates = True
+
+    def __init__(self, head: Head, g: GRPOConfig, roller: Roller, d: Dist, seed: int, release: Callable[[], None],
+                 reference: Callable[[], contextlib.AbstractContextManager] | None = None):
+        self.head, self.g, self.roller, self.dist, self.seed, self.release = head, g, roller, d, seed, release
+        self.reference = reference
+        """The base with the adapters off (--grpo-beta > 0): the KL penalty's reference."""
+        self.settings = GRPOLossSettings(g.loss_type, g.epsilon, g.clip_high, g.grpo_beta, g.max_completion_length)
+        self.sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k)
+        self.greedy = Sampling(g.max_completion_length, greedy=True)
+        self.rollouts: list[Rollout] = []
+        self.counts: StepCounts | None = None
+        names = roller.rewards.names
+        self.figures = self._figures(names)
+        self.last_samples: list[dict] = []
+
+    def _figures(self, names: list[str]) -> Figures:
+        means = ["reward", "reward_std", *(f"rewards/{n}/mean" for n in names), "frac_reward_zero_std",
+                 "completions/mean_length", "completions/clipped_ratio", "clip_ratio/low_mean",
+                 "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy", *(["kl"] if self.g.grpo_beta else [])]
+        return Figures(means, [f"rewards/{n}/std" for n in names], peaks=["completions/max_length"],
+                       troughs=["completions/min_length"])
+
+    # ------------------------------------------------------------------------------------------ a step's rollouts
+
+    def prepare(self, batches: list[Batch], step: int) -> int:
+        """The step's completions, G per prompt of each micro-batch, scored, with their advantages (and, with a KL
+        penalty, the reference's log-probabilities); returns the completions over every rank. A collective."""
+        model = self.head.model
+        training = model.training
+        model.eval()  # no dropout while generating: the completions are the policy's own
+        try:
+            self.rollouts = [self.roller.roll(b, self.g.num_generations, self.sampling,
+                                              seeded(self.seed, step, self.dist.rank, m))
+                             for m, b in enumerate(batches)]
+            batch_std = self._batch_std() if self.g.scale_rewards == "batch" else None
+            for r in self.rollouts:
+                r.advantages = advantages(r.rewards, self.g.num_generations, self.g.scale_rewards,
+                                          batch_std).to(self.dist.device)
+                if self.reference is not None:
+                    with self.reference():
+                        r.ref_logps = self.policy_logps(r, entropy=False)[0]
+        finally:
+            self.release()  # the root stays gathered after a forward without backward
+            model.train(training)
+        tokens = torch.tensor([float(sum(int(r.completion_mask.sum()) for r in self.rollouts))])
+        if self.dist.world_size > 1:
+            dist.all_reduce(tokens)  # CPU tensor: gloo, no device sync
+        rows = sum(len(r.rewards) for r in self.rollouts) * self.dist.world_size
+        self.counts = StepCounts(int(tokens.item()), rows, len(batches), self.dist.world_size)
+        for r in self.rollouts:
+            self._rollout_figures(r)
+        self.last_samples = self._samples(self.rollouts[0], step)
+        return rows
+
+    def _batch_std(self) -> torch.Tensor:
+        """The std of every rank's rewards of the step (--scale-rewards batch): an all-gather, every rank the same
+        count."""
+        mine = torch.cat([r.rewards for r in self.rollouts])
+        if self.dist.world_size > 1:
+            every = [torch.zeros_like(mine) for _ in range(self.dist.world_size)]
+            dist.all_gather(every, mine)
+            mine = torch.cat(every)
+        return mine.std()
+
+    def _rollout_figures(self, r: Rollout) -> None:
+        f, group = self.figures, self.g.num_generations
+        f.add("reward", r.rewards)
+        f.add("reward_std", r.rewards.view(-1, group).std(dim=1))
+        for j, name in enumerate(self.roller.rewards.names):
+            f.add(f"rewards/{name}/mean", r.per_reward[:, j])
+            f.add(f"rewards/{name}/std", r.per_reward[:, j])
+        f.add("frac_reward_zero_std", zero_std_groups(r.rewards, group).float())
+        lengths = r.lengths.float()
+        for name in ("completions/mean_length", "completions/max_length", "completions/min_length"):
+            f.add(name, lengths)
+        f.add("completions/clipped_ratio", r.clipped.float())
+
+    def _samples(self, r: Rollout, step: int) -> list[dict]:
+        n = min(self.g.log_completions, len(r.texts))
+        names = self.roller.rewards.names
+        return [{"prompt": _shown(r.prompts[i]), "completion": r.texts[i], "reward": float(r.rewards[i]),
+                 "rewards": {name: None if torch.isnan(v) else float(v) for name, v in zip(names, r.per_reward[i],
+                                                                                            strict=True)}}
+                for i in range(n)]
+
+    def samples(self) -> list[dict]:
+        """The last step's first completions with their rewards, for the samples log; then none until the next."""
+        out, self.last_samples = self.last_samples, []
+        return out
+
+    # --------------------------------------------------------------------------------------------------- the loss
+
+    def policy_logps(self, r: Rollout, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each completion token's log-probability under the model (logits over the temperature, as TRL scores
+        them), [rows, C], and each token's entropy (no gradient) when asked."""
+        ids = torch.cat([r.prompt_ids, r.completion_ids], dim=1)
+        mask = torch.cat([r.prompt_mask, r.completion_mask], dim=1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        width = r.completion_ids.shape[1]
+        with self.head.autocasting(ids.device):
+            logits = self.head.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                                     logits_to_keep=width + 1).logits[:, :-1]
+        logprobs = (logits.float() / self.g.temperature).log_softmax(-1)
+        picked = torch.gather(logprobs, -1, r.completion_ids[..., None]).squeeze(-1)
+        if not entropy:
+            return picked, None
+        with torch.no_grad():
+            return picked, -(logprobs.exp() * logprobs).sum(-1)
+
+    def __call__(self, batch: Batch, num_items: float) -> torch.Tensor:
+        """Training: the next prepared micro-batch's share of the step's loss (num_items unused: the step's counts
+        are the rollouts'). Validation (the model in eval mode): minus the summed reward of the batch's prompts'
+        greedy completions."""
+        if not self.head.model.training:
+            return self._validate(batch)
+        r = self.rollouts.pop(0)
+        logps, entropy = self.policy_logps(r)
+        terms = token_terms(logps, logps.detach(), r.advantages, self.settings, r.ref_logps)
+        mask = r.completion_mask.to(logps.dtype)
+        f = self.figures
+        for name, flags in (("low", terms.low_clipped), ("high", terms.high_clipped), ("region", terms.region_clipped)):
+            f.add(f"clip_ratio/{name}_mean", masked_mean(flags.float(), mask).reshape(1))
+        f.add("entropy", entropy[mask.bool()])
+        if terms.kl is not None:
+            f.add("kl", terms.kl.detach()[mask.bool()])
+        return micro_loss(terms.loss, mask, self.settings, self.counts)
+
+    def _validate(self, batch: Batch) -> torch.Tensor:
+        r = self.roller.roll(batch, 1, self.greedy, None)
+        valid = r.valid
+        self.figures.add("reward", r.rewards[valid])
+        for j, name in enumerate(self.roller.rewards.names):
+            self.figures.add(f"rewards/{name}/mean", r.per_reward[valid, j])
+        self.figures.add("completions/mean_length", r.lengths[valid.to(r.lengths.device)].float())
+        return -r.rewards[valid].sum().to(self.dist.device)
+
+    # ---------------------------------------------------------------------------------------- what the trainer reads
+
+    def items(self, ids: np.ndarray, flags: np.ndarray | None, valid_rows: int | None = None) -> int:
+        """Validation's items: the batch's prompts (training counts its completions in prepare)."""
+        return len(ids) if valid_rows is None else valid_rows
+
+    def read_metrics(self, reduce: bool) -> dict[str, float]:
+        return self.figures.read(reduce)
+
+    @contextlib.contextmanager
+    def window_apart(self) -> Iterator[None]:
+        kept, self.figures = self.figures, self._figures(self.roller.rewards.names)
+        try:
+            yield
+        finally:
+            self.figures = kept
+
+    def closing(self, base: HeldOut, final: HeldOut) -> str:
+        return f"mean reward {0.0 - base.loss:.4f} -> {0.0 - final.loss:.4f} over {final.tokens} prompts"
+
+
+def _shown(prompt: str | list) -> str:
+    return prompt if isinstance(prompt, str) else str(prompt[-1].get("content", ""))

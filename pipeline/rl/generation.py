@@ -1,0 +1,107 @@
+"""Completions generated inside the training processes, by the policy as it is at this step, with a KV cache.
+
+Hazards:
+- Under FSDP (and the manual strategy) each forward all-gathers the parameters: a collective. Every rank therefore
+  steps its generation until every rank is done (one small all-reduce per token), feeding finished rows padding.
+- Exact resume: sampling draws from a generator seeded by (seed, step, rank, micro-batch), never the global RNG, so
+  a rerun from a checkpoint repeats the uninterrupted run's completions bitwise (same world size and device).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pipeline.model.head import Head
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+    """Validation's completions: the likeliest token each time (the other settings unused)."""
+
+
+def seeded(*parts: int) -> torch.Generator:
+    """A CPU generator seeded from these integers (seed, step, rank, micro-batch) through a hash, so neighbouring
+    tuples give unrelated streams."""
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def _filtered(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """The logits with tokens outside top-k and the top-p nucleus set to -inf (the likeliest always kept)."""
+    logits = logits / s.temperature
+    if s.top_k and s.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -torch.inf)
+    if s.top_p < 1:
+        ordered, order = torch.sort(logits, descending=True, dim=-1)
+        mass = ordered.softmax(-1).cumsum(-1)
+        drop = mass - ordered.softmax(-1) >= s.top_p  # the mass before a token already reaches top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), -torch.inf)
+    return logits
+
+
+def pick(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """Next tokens [rows] from last-position logits [rows, vocab]: greedy, or sampled on the CPU from the filtered
+    distribution (the generator lives there: the same draws on any device)."""
+    if s.greedy:
+        return logits.argmax(-1)
+    probs = _filtered(logits.float(), s).softmax(-1).cpu()
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+@torch.no_grad()
+def generate(head: Head, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s: Sampling, stops: set[int],
+             pad_id: int, generator: torch.Generator | None, group: dist.ProcessGroup | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(completion ids [rows, C], mask [rows, C]) for left-padded prompts [rows, P]: each row's tokens up to and
+    including its first stop token (TRL's completion mask), C the longest row's length (at most s.max_tokens). A
+    collective: every rank of group calls it, and steps until every rank's rows are done."""
+    from transformers import DynamicCache
+
+    model = head.model
+    rows, device = prompt_ids.shape[0], prompt_ids.device
+    mask = prompt_mask.long()
+    cache = DynamicCache()
+    ids, out = prompt_ids, []
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    stop = torch.tensor(sorted(stops), dtype=torch.long, device=device) if stops else None
+    for _ in range(s.max_tokens):
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+        with head.autocasting(device):
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                           use_cache=True, logits_to_keep=1).logits[:, -1]
+        token = torch.where(done, pad_id, pick(logits, s, generator))
+        out.append(token)
+        done |= torch.isin(token, stop) if stop is not None else torch.zeros_like(done)
+        ids, mask = token[:, None], torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        if _all_done(done, group):
+            break
+    completion = torch.stack(out, dim=1)
+    return completion, _through_first_stop(completion, stop)
+
+
+def _all_done(done: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """Whether every rank's rows have stopped: one all-reduce and a host sync per token (generation is sequential
+    anyway; a rank that stopped alone would leave the others' all-gathers waiting)."""
+    left = (~done).sum().reshape(1).float()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(left, group=group)
+    return left.item() == 0
+
+
+def _through_first_stop(completion: torch.Tensor, stop: torch.Tensor | None) -> torch.Tensor:
+    """1 for each token up to and including the row's first stop token, 0 after it."""
+    if stop is None:
+        return torch.ones_like(completion)
+    hit = torch.isin(completion, stop).long()
+    before = hit.cumsum(-1) - hit  # stops strictly before this position
+    return (before == 0).long()

@@ -1,0 +1,221 @@
+"""GRPO's rewards: the user's Python functions (TRL's signature) and the built-in checks, loaded once, called in the
+training process on each rank's own completions, and every value they return checked before it steers a gradient.
+
+A reward function is `fn(prompts, completions, completion_ids, **columns) -> list[float | None]`: prompts and
+completions are strings (standard prompts) or lists of messages (conversational ones), completion_ids the token ids,
+and each of the prompt rows' other columns a keyword argument holding one value per completion. None abstains: the
+reward is the weighted sum of the values given (TRL's nansum).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import numbers
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.errors import UserError
+
+RewardFn = Callable[..., Sequence]
+
+
+def _last_answer(text: str) -> str | None:
+    """A completion's answer: its last \\boxed{...}, else its last number (thousands' commas dropped)."""
+    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    if boxed:
+        return boxed[-1].strip()
+    numbers_found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    return numbers_found[-1].replace(",", "") if numbers_found else None
+
+
+def _same(answer: str, expected: object) -> bool:
+    """Equal as numbers where both are numbers (7 and 7.0), else as stripped text."""
+    want = str(expected).strip()
+    try:
+        return math.isclose(float(answer.replace(",", "")), float(want.replace(",", "")), rel_tol=0, abs_tol=1e-9)
+    except ValueError:
+        return answer == want
+
+
+def _text(completion: str | list) -> str:
+    return completion if isinstance(completion, str) else "".join(m.get("content") or "" for m in completion)
+
+
+def accuracy(prompts: list, completions: list, completion_ids: list, **columns) -> list[float | None]:
+    """1 where the completion's last \\boxed{} answer (else its last number) equals the row's `answer`, else 0; None
+    (abstains) for a row without one."""
+    answers = columns.get("answer") or [None] * len(completions)
+    out: list[float | None] = []
+    for completion, expected in zip(completions, answers, strict=True):
+        if expected is None:
+            out.append(None)
+            continue
+        found = _last_answer(_text(completion))
+        out.append(float(found is not None and _same(found, expected)))
+    return out
+
+
+THINK = re.compile(r"^\s*<think>.*?</think>\s*\S", re.DOTALL)
+
+
+def think_format(prompts: list, completions: list, completion_ids: list, **columns) -> list[float | None]:
+    """1 where the completion is a <think>...</think> reasoning block followed by an answer, else 0."""
+    return [float(bool(THINK.match(_text(c)))) for c in completions]
+
+
+BUILT_IN: dict[str, RewardFn] = {"accuracy": accuracy, "think_format": think_format}
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """One --reward entry."""
+
+    name: str
+    """The function's name: TRL's rewards/NAME metrics."""
+    weight: float
+    path: str = ""
+    """The Python file, "" for a built-in."""
+
+    def identity(self, digest: str) -> str:
+        return f"{self.path or 'built-in'}:{self.name}:{self.weight!r}:{digest}"
+
+
+def parse_rewards(text: str) -> list[RewardSpec]:
+    """The --reward list: FILE.py:FUNCTION[:WEIGHT] or NAME[:WEIGHT] (a built-in), comma-separated; one line for an
+    entry that is neither, a weight that is not a finite number, or a name given twice."""
+    specs = [_spec(entry.strip()) for entry in text.split(",") if entry.strip()]
+    names = [s.name for s in specs]
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise UserError(f"--reward names {twice[0]} twice; each reward's metrics are named by its function, so give "
+                        "each once (with a weight: NAME:2)")
+    return specs
+
+
+def _spec(entry: str) -> RewardSpec:
+    parts = entry.rsplit(":", 2) if ".py:" in entry else entry.split(":")
+    weight = 1.0
+    if len(parts) > 1 and _is_number(parts[-1]):
+        weight = float(parts.pop())
+        if not math.isfinite(weight) or abs(weight) > 1e6:
+            raise UserError(f"--reward {entry}: the weight must be a finite number within +-1e6, got {weight:g}")
+    if len(parts) == 1 and parts[0] in BUILT_IN:
+        return RewardSpec(parts[0], weight)
+    if len(parts) == 2 and parts[0].endswith(".py") and parts[1].isidentifier():
+        return RewardSpec(parts[1], weight, parts[0])
+    raise UserError(f"--reward {entry} is neither FILE.py:FUNCTION[:WEIGHT] nor a built-in reward "
+                    f"({', '.join(BUILT_IN)})[:WEIGHT]")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _load(spec: RewardSpec) -> tuple[RewardFn, str]:
+    """The function and the SHA-256 of its file (the built-ins: their name), loaded as a module of its own."""
+    if not spec.path:
+        return BUILT_IN[spec.name], "built-in"
+    path = Path(spec.path)
+    try:
+        source = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"--reward {spec.path}:{spec.name}: the file cannot be read ({exc.strerror or exc})") from None
+    digest = hashlib.sha256(source).hexdigest()[:16]
+    module_name = f"_reward_{digest}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        loader = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(loader)
+        try:
+            loader.loader.exec_module(module)
+        except Exception as exc:  # the user's module: any error in it is theirs to fix, named in one line
+            raise UserError(f"--reward {spec.path}: importing it raised {type(exc).__name__}: {exc}") from None
+        sys.modules[module_name] = module
+    fn = getattr(module, spec.name, None)
+    if not callable(fn):
+        raise UserError(f"--reward {spec.path}:{spec.name}: the file defines no function {spec.name}")
+    return fn, digest
+
+
+class Rewards:
+    """The run's reward functions, loaded, and their weighted sum over a batch of completions."""
+
+    def __init__(self, text: str):
+        self.specs = parse_rewards(text)
+        if not self.specs:
+            raise UserError("--objective grpo needs at least one --reward (FILE.py:FUNCTION[:WEIGHT] or a built-in: "
+                            f"{', '.join(BUILT_IN)})")
+        loaded = [_load(spec) for spec in self.specs]
+        self.functions = [fn for fn, _ in loaded]
+        self.identity = [spec.identity(digest) for spec, (_, digest) in zip(self.specs, loaded, strict=True)]
+        """What the run's fingerprint holds: a reward changed on resume is refused in one line."""
+        self.weights = torch.tensor([s.weight for s in self.specs], dtype=torch.float32)
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.specs]
+
+    def score(self, prompts: list, completions: list, completion_ids: list[list[int]],
+              columns: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rewards [n], per function [n, F] with NaN where one abstained): the weighted sum of the values given. Any
+        function that raises or returns a wrong count, NaN, inf or a non-number stops the run in one line naming it
+        and the prompt."""
+        # a column named as one of the functions' own arguments cannot reach them (TRL's signature takes them first)
+        keys = dict.fromkeys(k for row in columns for k in row if k not in ("prompts", "completions", "completion_ids"))
+        kwargs = {key: [row.get(key) for row in columns] for key in keys}
+        per = torch.full((len(completions), len(self.functions)), math.nan, dtype=torch.float32)
+        for j, (spec, fn) in enumerate(zip(self.specs, self.functions, strict=True)):
+            values = self._call(spec, fn, prompts, completions, completion_ids, kwargs)
+            for i, value in enumerate(values):
+                if value is not None:
+                    per[i, j] = float(value)
+        return (per * self.weights).nansum(dim=1), per
+
+    def _call(self, spec: RewardSpec, fn: RewardFn, prompts: list, completions: list, ids: list,
+              kwargs: dict) -> Sequence:
+        try:
+            values = fn(prompts=prompts, completions=completions, completion_ids=ids, **kwargs)
+        except Exception as exc:  # the user's code: named, with the prompt it failed on
+            where = _failing(fn, prompts, completions, ids, kwargs)
+            raise UserError(f"reward {_named(spec)} raised {type(exc).__name__}: {exc} (prompt {_shown(where)})"
+                            ) from None
+        if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+            count = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+            raise UserError(f"reward {_named(spec)} returned {count} values for {len(completions)} completions (prompt "
+                            f"{_shown(prompts[0])}); it must return one float or None per completion")
+        for i, value in enumerate(values):
+            if value is not None and not (isinstance(value, numbers.Real) and math.isfinite(float(value))):
+                raise UserError(f"reward {_named(spec)} returned {value!r:.40} for the completion "
+                                f"{_shown(completions[i])} of prompt {_shown(prompts[i])}; a reward must be a finite "
+                                "number, or None to abstain")
+        return values
+
+
+def _failing(fn: RewardFn, prompts: list, completions: list, ids: list, kwargs: dict) -> object:
+    """The first prompt whose completion alone makes fn raise (the batch's first if none alone does)."""
+    for i in range(len(completions)):
+        try:
+            fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1], completion_ids=ids[i:i + 1],
+               **{k: v[i:i + 1] for k, v in kwargs.items()})
+        except Exception:  # the one that fails alone is the one to name
+            return prompts[i]
+    return prompts[0]
+
+
+def _named(spec: RewardSpec) -> str:
+    return f"{spec.path}:{spec.name}" if spec.path else spec.name
+
+
+def _shown(value: object) -> str:
+    text = value if isinstance(value, str) else _text(value[-1:]) if isinstance(value, list) else str(value)
+    return repr(text[:60] + ("..." if len(text) > 60 else ""))

@@ -1,0 +1,80 @@
+"""A micro-batch's rollout: its prompts, each repeated G times and completed by the policy, the completions decoded
+and scored by the rewards. What the loss needs of it is kept on the device; the texts only for the samples log."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline.data.batches import Batch
+from pipeline.rl.generation import Sampling, generate
+from pipeline.rl.prompts import PromptRow
+from pipeline.rl.rewards import Rewards
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor
+    """[rows, P] left-padded, each prompt repeated G times in a row (its group)."""
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    """[rows, C] right-padded."""
+    completion_mask: torch.Tensor
+    """[rows, C] 1 up to and including the first stop token."""
+    rewards: torch.Tensor
+    """[rows] the weighted sum (float32, on the CPU)."""
+    per_reward: torch.Tensor
+    """[rows, F] each function's value, NaN where it abstained."""
+    valid: torch.Tensor
+    """[rows] bool: a real prompt's completion (False: a padding row of a validation batch)."""
+    clipped: torch.Tensor
+    """[rows] bool: reached --max-completion-length without a stop token."""
+    prompts: list
+    texts: list[str]
+    advantages: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(-1)
+
+
+@dataclass
+class Roller:
+    """What makes a rollout: the model's head, the prompts' rows, the rewards, the tokenizer and the stop tokens."""
+
+    head: object
+    prompts: list[PromptRow]
+    rewards: Rewards
+    tokenizer: object
+    stops: set[int]
+    pad_id: int
+
+    def roll(self, batch: Batch, group: int, sampling: Sampling, generator: torch.Generator | None) -> Rollout:
+        """G completions of each prompt of the batch (padding rows, `rows` -1, completed too: every rank runs the
+        same steps), decoded and scored. A collective (generation)."""
+        rows = np.repeat(batch.rows, group)
+        ids, mask = batch.input_ids.repeat_interleave(group, 0), batch.flags.repeat_interleave(group, 0)
+        completion, cmask = generate(self.head, ids, mask, sampling, self.stops, self.pad_id, generator)
+        lengths = cmask.sum(-1).tolist()  # a host sync per micro-batch: the texts are decoded on the CPU
+        token_lists = [c[:n] for c, n in zip(completion.tolist(), lengths, strict=True)]
+        texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in token_lists]
+        valid = rows >= 0
+        chosen = [self.prompts[r] if r >= 0 else self.prompts[0] for r in rows]
+        prompts = [p.prompt for p in chosen]
+        completions = [t if isinstance(p, str) else [{"role": "assistant", "content": t}]
+                       for t, p in zip(texts, prompts, strict=True)]
+        keep = np.flatnonzero(valid)
+        rewards = torch.zeros(len(rows))
+        per = torch.full((len(rows), len(self.rewards.functions)), torch.nan)
+        if len(keep):
+            r, p = self.rewards.score([prompts[i] for i in keep], [completions[i] for i in keep],
+                                      [token_lists[i] for i in keep], [chosen[i].columns for i in keep])
+            rewards[keep], per[keep] = r, p
+        ended = torch.isin(completion, torch.tensor(sorted(self.stops), device=completion.device)) if self.stops \
+            else torch.zeros_like(completion, dtype=torch.bool)
+        clipped = ~ended.any(-1) & (cmask.sum(-1) >= sampling.max_tokens)
+        return Rollout(ids, mask, completion, cmask, rewards, per, torch.from_numpy(valid), clipped.cpu(), prompts,
+                       texts)

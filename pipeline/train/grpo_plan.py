@@ -1,0 +1,54 @@
+"""Preflight's part for online RL: a prompts dataset trains with --objective grpo and nothing else, GRPO's flags are
+given only with it, its rewards load (the user's code runs here, once per process, before any heavy work), and what
+defines a GRPO run goes into its fingerprint."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pipeline.config import Config
+from pipeline.config_base import flag
+from pipeline.errors import UserError
+from pipeline.rl.rewards import Rewards
+
+GENERATION = ("num_generations", "max_prompt_length", "long_prompts", "max_completion_length", "temperature", "top_p",
+              "top_k", "scale_rewards", "loss_type", "epsilon", "epsilon_high", "grpo_beta", "num_iterations")
+"""The settings that decide a GRPO run's completions and loss: changed on resume, the run would be another."""
+
+
+def check_prompts(cfg: Config, prompts: int) -> None:
+    """Prompt rows train with grpo, grpo trains on prompt rows, and GRPO's flags come with grpo: one line each."""
+    objective, data = cfg.objective.objective, cfg.data.dataset_name
+    if prompts and objective != "grpo":
+        raise UserError(f"{data} holds {prompts:,} prompts alone (prompt-only records, for online RL): train them "
+                        "with --objective grpo --reward FILE.py:FUNCTION")
+    if objective == "grpo" and not prompts:
+        raise UserError(f"--objective grpo generates completions of prompts and {data} holds none (DATA-HF reads "
+                        "records with a \"prompt\" and no completion, e.g. {\"prompt\": \"...\", \"answer\": \"...\"}, "
+                        "as prompts)")
+    if objective != "grpo" and (given := cfg.grpo.given()):
+        raise UserError(f"{flag(given[0])} is for --objective grpo, not {objective}")
+
+
+def plan_rewards(cfg: Config) -> Rewards | None:
+    """The rewards of a GRPO run, loaded; and the settings GRPO cannot take yet, refused in one line. None for
+    another objective."""
+    if cfg.objective.objective != "grpo":
+        return None
+    if cfg.grpo.grpo_beta and cfg.model.adapter == "none":
+        raise UserError("--grpo-beta > 0 under full fine-tuning needs a frozen copy of the base as the reference, "
+                        "which is not built yet; use an adapter (--adapter lora: the base with the adapters off is "
+                        "the reference) or --grpo-beta 0")
+    if cfg.model.vocab_parallel == "on":
+        raise UserError("--vocab-parallel on: GRPO scores its completions through the model's own head; use "
+                        "--vocab-parallel auto or off")
+    if cfg.train.sample_prompts:
+        raise UserError("--sample-prompts: a GRPO run logs its own completions (--log-completions); drop it")
+    return Rewards(cfg.grpo.reward)
+
+
+def grpo_settings(cfg: Config, rewards: Rewards) -> dict:
+    """A GRPO run's fingerprint field: its generation and loss settings, and each reward's identity (file content
+    hash, function, weight)."""
+    values = dataclasses.asdict(cfg.grpo)
+    return {"rewards": rewards.identity, **{k: values[k] for k in GENERATION}}

@@ -1,0 +1,254 @@
+"""GRPO: its rewards, its generation, and runs on two real processes (learning, exact resume, a constant reward
+that changes nothing), with the preflight's one-line refusals."""
+
+import json
+import math
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+REWARDS = '''
+def even_ids(prompts, completions, completion_ids, **columns):
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def constant(prompts, completions, completion_ids, **columns):
+    return [1.0] * len(completions)
+
+
+def echo_answer(prompts, completions, completion_ids, answer, **columns):
+    return [float(a == "4") if a is not None else None for a in answer]
+
+
+def fails_on_seven(prompts, completions, completion_ids, **columns):
+    if any("7" in p for p in prompts):
+        raise ValueError("no sevens")
+    return [0.0] * len(completions)
+
+
+def short(prompts, completions, completion_ids, **columns):
+    return [0.0]
+
+
+def not_finite(prompts, completions, completion_ids, **columns):
+    return [math.nan] * len(completions)
+
+
+def text(prompts, completions, completion_ids, **columns):
+    return ["1"] * len(completions)
+'''
+
+
+def reward_file(tmp_path: Path) -> Path:
+    path = tmp_path / "rewards.py"
+    path.write_text("import math\n" + REWARDS)
+    return path
+
+
+def test_rewards_are_weighted_abstentions_left_out_and_a_bad_one_stops_in_one_line(tmp_path):
+    """The weighted sum of the values given (None abstains: nansum); TRL's signature with each column a keyword
+    argument; a function that raises names itself and the prompt it failed on; a wrong count, NaN or text is one line;
+    the built-ins read the last number or \\boxed{} and a think/answer format."""
+    from pipeline.errors import UserError
+    from pipeline.rl.rewards import Rewards
+
+    path = reward_file(tmp_path)
+    rewards = Rewards(f"{path}:echo_answer:2,{path}:constant:0.5")
+    total, per = rewards.score(["a", "b", "c"], ["x", "y", "z"], [[1], [2], [3]],
+                               [{"answer": "4"}, {"answer": "5"}, {}])
+    assert total.tolist() == [2.5, 0.5, 0.5]
+    assert per[:, 1].tolist() == [1.0, 1.0, 1.0] and per[:2, 0].tolist() == [1.0, 0.0] and math.isnan(per[2, 0])
+    assert rewards.names == ["echo_answer", "constant"]
+    assert rewards.identity[0].startswith(f"{path}:echo_answer:2.0:") and rewards.identity[0] != rewards.identity[1]
+
+    def refusal(name: str, prompts: list[str]) -> str:
+        with pytest.raises(UserError) as caught:
+            Rewards(f"{path}:{name}").score(prompts, ["c"] * len(prompts), [[1]] * len(prompts),
+                                            [{}] * len(prompts))
+        return str(caught.value)
+
+    assert refusal("fails_on_seven", ["what is 3?", "what is 7?"]) == (
+        f"reward {path}:fails_on_seven raised ValueError: no sevens (prompt 'what is 7?')")
+    assert refusal("short", ["p", "q"]) == (f"reward {path}:short returned 1 values for 2 completions (prompt 'p'); it "
+                                            "must return one float or None per completion")
+    assert refusal("not_finite", ["p"]) == (f"reward {path}:not_finite returned nan for the completion 'c' of prompt "
+                                            "'p'; a reward must be a finite number, or None to abstain")
+    assert refusal("text", ["p"]).startswith(f"reward {path}:text returned '1' for the completion")
+
+    built_in = Rewards("accuracy,think_format:0.5")
+    total, _ = built_in.score(["q"] * 4, ["so 3 + 4 = 7", "\\boxed{1,200} not 5", "<think>hm</think> 7", "none"],
+                              [[1]] * 4, [{"answer": "7"}, {"answer": "1200.0"}, {"answer": 8}, {"answer": "7"}])
+    assert total.tolist() == [1.0, 1.0, 0.5, 0.0]
+
+    for spec, said in ((f"{path}:missing", f"--reward {path}:missing: the file defines no function missing"),
+                       ("nothing", "--reward nothing is neither FILE.py:FUNCTION[:WEIGHT] nor a built-in reward "
+                                   "(accuracy, think_format)[:WEIGHT]"),
+                       ("accuracy:inf", "--reward accuracy:inf: the weight must be a finite number within +-1e6, "
+                                        "got inf"),
+                       ("accuracy,accuracy:2", "--reward names accuracy twice; each reward's metrics are named by its "
+                                               "function, so give each once (with a weight: NAME:2)"),
+                       (f"{tmp_path}/none.py:f", f"--reward {tmp_path}/none.py:f: the file cannot be read (No such "
+                                                 "file or directory)")):
+        with pytest.raises(UserError) as caught:
+            Rewards(spec)
+        assert str(caught.value) == said
+
+
+def test_generation_with_a_cache_is_the_greedy_decoding_without_one_and_sampling_is_seeded(tiny_models):
+    """Left-padded prompts completed with a KV cache give the tokens a cache-free greedy decoding gives each prompt
+    alone, cut after the first stop token; top-k 1 is greedy; the same seed draws the same completions, another seed
+    others."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.eval.samples import next_token
+    from pipeline.model.head import Head
+    from pipeline.rl.generation import Sampling, generate, seeded
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["tied"], dtype=torch.float32).eval()
+    head = Head(model, False, 1)
+    prompts = [[5, 9, 30, 41], [77, 12]]
+    ids = torch.tensor([prompts[0], [0, 0, *prompts[1]]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    alone = []
+    for prompt in prompts:
+        row = torch.tensor([prompt])
+        for _ in range(6):
+            row = torch.cat([row, next_token(head, row).view(1, 1)], 1)
+        alone.append(row[0, len(prompt):].tolist())
+    stop = alone[0][2]
+    got, got_mask = generate(head, ids, mask, Sampling(6, greedy=True), {stop}, 0, None)
+    first = alone[0][:alone[0].index(stop) + 1]
+    assert got[0, :len(first)].tolist() == first and got_mask[0].tolist()[:len(first)] == [1] * len(first)
+    assert got_mask[0, len(first):].sum() == 0
+    second = alone[1][:alone[1].index(stop) + 1] if stop in alone[1] else alone[1]
+    assert got[1, :len(second)].tolist() == second
+    top1, _ = generate(head, ids, mask, Sampling(6, top_k=1), {stop}, 0, seeded(0, 1, 0, 0))
+    assert top1.tolist() == got.tolist()
+    wide = Sampling(6, temperature=2.0, top_p=0.95)
+    a, b, c = (generate(head, ids.repeat(4, 1), mask.repeat(4, 1), wide, set(), 0, seeded(0, s, 0, 0))[0]
+               for s in (1, 1, 2))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_reward_changes_nothing(tmp_path, train_env,
+                                                                                                  tiny_models):
+    """Two ranks, full fine-tuning under ddp: each step generates G completions per prompt and logs TRL's figures;
+    a reward that varies within groups from the first step (the share of even token ids) rises by 0.2 or more;
+    killed after a checkpoint, the rerun repeats the uninterrupted run's steps after it bit for bit, completions
+    included. LoRA under fsdp2 with a KL penalty against the base (the adapters off) starts at kl 0. Full fine-tuning
+    under fsdp2 with a constant reward: every advantage is 0, so the loss and gradient are 0 and the export is the
+    base."""
+    from conftest import ROOT, events, kill_tree, start_torchrun, torchrun, wait_for
+
+    from pipeline.prep.corpus import CorpusConfig, build_dataset
+
+    (tmp_path / "prompts").mkdir()
+    rows = [{"prompt": f"Count to {i}:", "answer": str(i)} for i in range(48)]
+    (tmp_path / "prompts" / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    build_dataset(CorpusConfig(tmp_path / "prompts", tmp_path / "ds", num_proc=1))
+    rewards = reward_file(tmp_path)
+
+    def common() -> list:
+        return ["-d", tmp_path / "ds", "-m", "local/tiny", "--save-dir", tmp_path / "runs", "--config",
+                ROOT / "configs" / "demo.yaml", "--objective", "grpo", "--num-generations", 4,
+                "--max-completion-length", 8, "-b", 2, "--log-freq", 1, "--val-fraction", 0.25, "--eval-freq", 0,
+                "--warmup-steps", 0, "--lr-schedule", "constant"]
+
+    def run(name: str, *extra: object) -> str:
+        proc = torchrun(2, ROOT / "fsdp1.py", "-e", name, *common(), *extra, env=train_env["env"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout + proc.stderr
+
+    said = run("lora", "--reward", f"{rewards}:even_ids", "--strategy", "ddp", "--lr", 2e-2,
+               "--max-steps", 12, "--ckpt-freq", 6)
+    lora = tmp_path / "runs" / "lora"
+    train, evals = events(lora, "train"), events(lora, "eval")
+    assert "prompts: 48 kept (36 train, 12 validation)" in said
+    names = {"reward", "reward_std", "rewards/even_ids/mean", "rewards/even_ids/std", "frac_reward_zero_std",
+             "completions/mean_length", "completions/min_length", "completions/max_length",
+             "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+             "entropy", "completions_per_s"}
+    assert names <= set(train[0]) and "kl" not in train[0] and train[0]["tokens_per_s"] is None
+    assert train[0]["completions/max_length"] <= 8 and train[0]["clip_ratio/region_mean"] == 0  # on-policy: ratio 1
+    assert train[0]["time_ms"]["generate"] > 0
+    rises = [e["reward"] for e in train]
+    assert sum(rises[-3:]) / 3 - sum(rises[:3]) / 3 >= 0.2, rises
+    assert f"validation mean reward {evals[0]['reward']:.4f} -> {evals[-1]['reward']:.4f} over 12 prompts" in said
+    samples = events(lora, "sample")
+    assert len(samples) == 2 * 12 and set(samples[0]["rewards"]) == {"even_ids"}
+    # killed (SIGKILL, every process) once step 6's checkpoint is complete, in a run that would go on to step 40 (the
+    # schedule is constant: the steps do not change it); the rerun resumes there and repeats steps 7-12 bit for bit
+    again = tmp_path / "runs" / "again"
+    killed = [*common(), "-e", "again", "--reward", f"{rewards}:even_ids", "--strategy", "ddp", "--lr", 2e-2,
+              "--ckpt-freq", 6]
+    proc = start_torchrun(2, ROOT / "fsdp1.py", *killed, "--max-steps", 40, env=train_env["env"])
+    wait_for(lambda: any(e["step"] == 6 for e in events(again, "checkpoint")), proc)
+    kill_tree(proc)
+    assert proc.wait() == -signal.SIGKILL
+    proc = torchrun(2, ROOT / "fsdp1.py", *killed, "--max-steps", 12, env=train_env["env"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = events(again, "resume")
+    assert resumed[0]["from_step"] == 6
+    after = [e for e in events(again, "train") if e["time"] > resumed[0]["time"]]
+    keys = ("loss", "grad_norm", "reward", "reward_std", "entropy", "completions/mean_length")
+    assert [[e[k] for k in keys] for e in after] == [[e[k] for k in keys] for e in train[6:]]
+    retold = [s["completion"] for s in events(again, "sample") if s["time"] >= resumed[0]["time"]]
+    assert retold == [s["completion"] for s in samples[12:]]
+
+    run("kl", "--reward", f"{rewards}:even_ids", "--adapter", "lora", "--strategy", "fsdp2", "--grpo-beta", 0.04,
+        "--lr", 1e-2, "--max-steps", 2, "--ckpt-freq", 0, "--scale-rewards", "batch", "--loss-type", "grpo")
+    kl = events(tmp_path / "runs" / "kl", "train")
+    assert kl[0]["kl"] == 0 and kl[1]["kl"] > 0  # the adapters start at zero: the policy is its reference
+    run("constant", "--reward", f"{rewards}:constant", "--strategy", "fsdp2", "--lr", 1e-2, "--max-steps", 2,
+        "--ckpt-freq", 0, "--precision", "fp32")
+    constant = events(tmp_path / "runs" / "constant", "train")
+    assert [(e["loss"], e["grad_norm"], e["frac_reward_zero_std"]) for e in constant] == [(0.0, 0.0, 1.0)] * 2
+    from safetensors.torch import load_file
+
+    exported = load_file(tmp_path / "runs" / "constant" / "hf" / "model-00001-of-00001.safetensors")
+    original = load_file(tiny_models["tied"] / "model.safetensors")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k].to(exported[k].dtype)) for k in exported)
+
+
+def test_prompts_and_grpo_go_together_and_its_settings_are_checked_in_one_line(tmp_path, train_env):
+    """A prompts dataset trains with grpo alone; grpo needs prompts and a reward; GRPO's flags belong to it and are
+    range-checked; a reward file that does not load is one line. Each before any weight is read."""
+    from conftest import ROOT, preflight_errors
+
+    from pipeline.prep.corpus import CorpusConfig, build_dataset
+
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "p.jsonl").write_text('{"prompt": "2 + 2 =", "answer": "4"}\n' * 3)
+    build_dataset(CorpusConfig(tmp_path / "p", tmp_path / "prompts", num_proc=1))
+    rewards = reward_file(tmp_path)
+    common = ["-e", "r", "-m", "local/tiny", "--save-dir", tmp_path / "runs", "--config",
+              ROOT / "configs" / "demo.yaml"]
+    grpo = [*common, "--objective", "grpo", "-d", tmp_path / "prompts"]
+    refusals = preflight_errors([[*common, "-d", tmp_path / "prompts"],
+                                 [*common, "-d", train_env["dataset"], "--objective", "grpo", "--reward", "accuracy"],
+                                 [*common, "-d", train_env["dataset"], "--num-generations", 4],
+                                 grpo,
+                                 [*grpo, "--reward", "accuracy", "--num-generations", 1],
+                                 [*grpo, "--reward", "accuracy", "--top-p", 0],
+                                 [*grpo, "--reward", f"{rewards}:nope"],
+                                 [*grpo, "--reward", "accuracy", "--grpo-beta", 0.1],
+                                 [*grpo, "--reward", "accuracy", "--reward", f"{rewards}:even_ids:2"]],
+                                train_env["env"])
+    assert refusals == [
+        f"{tmp_path / 'prompts'} holds 3 prompts alone (prompt-only records, for online RL): train them with "
+        "--objective grpo --reward FILE.py:FUNCTION",
+        f"--objective grpo generates completions of prompts and {train_env['dataset']} holds none (DATA-HF reads "
+        "records with a \"prompt\" and no completion, e.g. {\"prompt\": \"...\", \"answer\": \"...\"}, as prompts)",
+        "--num-generations is for --objective grpo, not sft",
+        "--objective grpo needs at least one --reward (FILE.py:FUNCTION[:WEIGHT] or a built-in: accuracy, "
+        "think_format)",
+        "--num-generations must be in [2, 4096], got 1",
+        "--top-p must be in (0, 1], got 0",
+        f"--reward {rewards}:nope: the file defines no function nope",
+        "--grpo-beta > 0 under full fine-tuning needs a frozen copy of the base as the reference, which is not built "
+        "yet; use an adapter (--adapter lora: the base with the adapters off is the reference) or --grpo-beta 0",
+        "ok"]
+    assert not (tmp_path / "runs").exists()
