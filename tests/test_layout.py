@@ -87,8 +87,8 @@ def test_no_module_imports_a_private_module_of_a_dependency():
 
 def test_every_room_is_a_package_and_no_module_is_over_500_lines():
     rooms = {p.parent for p in PACKAGE.rglob("*.py")} - {PACKAGE}
-    assert {r.name for r in rooms} == {"prep", "data", "model", "distributed", "strategies", "objectives", "train", "rl",
-                                         "eval", "tools"}
+    assert {r.name for r in rooms} == {"prep", "data", "model", "distributed", "strategies", "objectives", "train",
+                                         "rl", "eval", "tools"}
     assert all((r / "__init__.py").exists() for r in rooms)
     long = {p.relative_to(PACKAGE).as_posix(): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 500}
