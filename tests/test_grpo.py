@@ -137,10 +137,10 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
     """Two ranks, full fine-tuning under ddp: each step generates G completions per prompt and logs TRL's figures;
     a reward that varies within groups from the first step (the share of even token ids) rises by 0.2 or more;
     killed after a checkpoint, the rerun repeats the uninterrupted run's steps after it bit for bit, completions
-    included. LoRA under fsdp2 with a KL penalty against the base (the adapters off) starts at kl 0. Full fine-tuning
-    under fsdp2 with a constant reward: every advantage is 0, so the loss and gradient are 0 and the export is the
-    base."""
-    from conftest import ROOT, events, kill_tree, start_torchrun, torchrun, wait_for
+    included, and a changed reward file is refused on resume; fsdp1 and manual take ddp's first step. LoRA under
+    fsdp2 with a KL penalty against the base (the adapters off) starts at kl 0. Full fine-tuning under fsdp2 with a
+    constant reward: every advantage is 0, so the loss and gradient are 0 and the export is the base."""
+    from conftest import ROOT, events, kill_tree, preflight_errors, start_torchrun, torchrun, wait_for
 
     from pipeline.prep.corpus import CorpusConfig, build_dataset
 
@@ -197,6 +197,20 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
     retold = [s["completion"] for s in events(again, "sample") if s["time"] >= resumed[0]["time"]]
     assert retold == [s["completion"] for s in samples[12:]]
 
+    # every strategy takes the same first step: the same completions (seeded alike), loss and gradient
+    for strategy in ("fsdp1", "manual"):
+        run(strategy, "--reward", f"{rewards}:even_ids", "--strategy", strategy, "--lr", 2e-2, "--max-steps", 1,
+            "--ckpt-freq", 0)
+        first = events(tmp_path / "runs" / strategy, "train")[0]
+        assert (first["loss"], first["reward"]) == (train[0]["loss"], train[0]["reward"])
+        assert first["grad_norm"] == pytest.approx(train[0]["grad_norm"], rel=1e-5)
+    # the reward file's content is the run's: changed, the rerun is refused in one line (before any weight is read)
+    rewards.write_text(rewards.read_text() + "\n# changed\n")
+    refused = preflight_errors([["-e", "again", *common(), "--reward", f"{rewards}:even_ids", "--strategy", "ddp",
+                                 "--lr", 2e-2, "--ckpt-freq", 6, "--max-steps", 12]], train_env["env"])[0]
+    assert refused.startswith(f"refusing to resume {again}: its rewards were {rewards}:even_ids:1.0:")
+    assert refused.endswith("(FILE:FUNCTION:WEIGHT:content hash): a changed reward file, function or weight trains "
+                            "toward another goal; restore them, or pass --no-resume to start a new run beside it")
     run("kl", "--reward", f"{rewards}:even_ids", "--adapter", "lora", "--strategy", "fsdp2", "--grpo-beta", 0.04,
         "--lr", 1e-2, "--max-steps", 2, "--ckpt-freq", 0, "--scale-rewards", "batch", "--loss-type", "grpo")
     kl = events(tmp_path / "runs" / "kl", "train")

@@ -5,6 +5,7 @@ defines a GRPO run goes into its fingerprint."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from pipeline.config import Config
 from pipeline.config_base import flag
@@ -52,3 +53,15 @@ def grpo_settings(cfg: Config, rewards: Rewards) -> dict:
     hash, function, weight)."""
     values = dataclasses.asdict(cfg.grpo)
     return {"rewards": rewards.identity, **{k: values[k] for k in GENERATION}}
+
+
+def grpo_changed(run_dir: Path, saved: dict, current: dict) -> str:
+    """The resume guard's line for a GRPO run whose rewards or generation settings changed: the first that did."""
+    if saved.get("rewards") != current.get("rewards"):
+        return (f"refusing to resume {run_dir}: its rewards were {', '.join(saved.get('rewards', []))} and are now "
+                f"{', '.join(current.get('rewards', []))} (FILE:FUNCTION:WEIGHT:content hash): a changed reward file, "
+                "function or weight trains toward another goal; restore them, or pass --no-resume to start a new run "
+                "beside it")
+    key = next(k for k in [*current, *saved] if saved.get(k) != current.get(k))
+    return (f"refusing to resume {run_dir}: {flag(key)} was {saved.get(key)!r} and is now {current.get(key)!r}; "
+            "rerun with the original value, or pass --no-resume to start a new run beside it")

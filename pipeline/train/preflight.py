@@ -43,7 +43,7 @@ from pipeline.rl.rewards import Rewards
 from pipeline.strategies.auto import MemoryPlan, plan_memory
 from pipeline.train.checkpoint import read_state
 from pipeline.train.export import check_replaceable, run_exports
-from pipeline.train.grpo_plan import check_prompts, grpo_settings, plan_rewards
+from pipeline.train.grpo_plan import check_prompts, grpo_changed, grpo_settings, plan_rewards
 from pipeline.train.trackers import check_installed
 
 
@@ -151,6 +151,8 @@ def check_fingerprint(run_dir: Path, saved: dict, current: dict, older: dict | N
                                 f"{current['model_name']} with weights {saved[key][:16]}..., and the weights there "
                                 f"now are {current[key][:16]}... (another model, or changed ones); restore the base "
                                 "it was trained on, or pass --no-resume to train new adapters on this one")
+            if key == "grpo" and saved.get(key) and current.get(key):
+                raise UserError(grpo_changed(run_dir, saved[key], current[key]))
             raise UserError(f"refusing to resume {run_dir}: {key} was {saved.get(key)!r} and is now "
                             f"{current.get(key)!r}; rerun with the original value, or pass --no-resume to start a "
                             "new run beside it")
