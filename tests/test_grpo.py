@@ -138,9 +138,10 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
     a reward that varies within groups from the first step (the share of even token ids) rises by 0.2 or more;
     killed after a checkpoint, the rerun repeats the uninterrupted run's steps after it bit for bit, completions
     included, and a changed reward file is refused on resume; fsdp1 and manual take ddp's first step. LoRA under
-    fsdp2 with a KL penalty against the base (the adapters off) starts at kl 0. Full fine-tuning under fsdp2 with a
+    fsdp2 with a KL penalty against the base (the adapters off) starts at kl 0, and pipeline.evaluate of its adapter
+    gives its final validation reward. Full fine-tuning under fsdp2 with a
     constant reward: every advantage is 0, so the loss and gradient are 0 and the export is the base."""
-    from conftest import ROOT, events, kill_tree, preflight_errors, start_torchrun, torchrun, wait_for
+    from conftest import ROOT, events, kill_tree, preflight_errors, run_module, start_torchrun, torchrun, wait_for
 
     from pipeline.prep.corpus import CorpusConfig, build_dataset
 
@@ -215,6 +216,14 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
         "--lr", 1e-2, "--max-steps", 2, "--ckpt-freq", 0, "--scale-rewards", "batch", "--loss-type", "grpo")
     kl = events(tmp_path / "runs" / "kl", "train")
     assert kl[0]["kl"] == 0 and kl[1]["kl"] > 0  # the adapters start at zero: the policy is its reference
+    # pipeline.evaluate of the adapter on the run's config: the held-out prompts' greedy mean reward, as the run's end
+    scored = run_module("pipeline.evaluate", tmp_path / "runs" / "kl" / "adapter", "--config",
+                        tmp_path / "runs" / "kl" / "config.yaml", "--out", tmp_path / "e.json", env=train_env["env"])
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    report, final = json.loads((tmp_path / "e.json").read_text()), events(tmp_path / "runs" / "kl", "eval")[-1]
+    assert (report["objective"], report["prompts"]) == ("grpo", 12)
+    assert report["mean_reward"] == pytest.approx(final["reward"], abs=1e-6)
+    assert f"mean reward  {report['mean_reward']:.4f}\n" in scored.stdout
     run("constant", "--reward", f"{rewards}:constant", "--strategy", "fsdp2", "--lr", 1e-2, "--max-steps", 2,
         "--ckpt-freq", 0, "--precision", "fp32")
     constant = events(tmp_path / "runs" / "constant", "train")

@@ -63,6 +63,8 @@ class PromptBlocks:
     prompts: list[PromptRow]
     counts: dict = field(default_factory=dict)
     """kept, cut (the first tokens dropped to fit), dropped (too long, under --long-prompts drop), prompt_tokens_cut."""
+    path = None
+    """No token cache holds them (they are tokenized in memory)."""
 
     @property
     def train(self) -> np.ndarray:

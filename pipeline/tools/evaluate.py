@@ -37,7 +37,7 @@ import torch.distributed as dist
 from pipeline import config_merge as config_mod
 from pipeline.config import Config
 from pipeline.config_merge import add_config_arguments
-from pipeline.data.dataset import load_text_dataset, preference_rows
+from pipeline.data.dataset import load_text_dataset, preference_rows, prompt_rows
 from pipeline.data.sources import parse_sources
 from pipeline.distributed.launch import detect as detect_launch
 from pipeline.distributed.runtime import Dist, compute_dtype, init_distributed
@@ -52,10 +52,11 @@ from pipeline.eval.adapter_folder import (
 )
 from pipeline.eval.harness import Tasks, check_tasks, run_tasks
 from pipeline.eval.heldout import held_out_loss
+from pipeline.eval.samples import stop_ids
 from pipeline.fsutil import sha256_file, write_text_atomic
 from pipeline.model.registry import transforms_for
-from pipeline.model.reward_head import is_reward_model
-from pipeline.objectives.build import REFERENCE_OBJECTIVES, make_objective
+from pipeline.model.reward_head import is_reward_model, pad_id
+from pipeline.objectives.build import REFERENCE_OBJECTIVES, make_grpo, make_objective
 from pipeline.objectives.objective import HeldOut
 from pipeline.objectives.reference import none as no_reference
 from pipeline.objectives.reference import precomputed
@@ -140,7 +141,15 @@ def scored_as(cfg: Config, reference: str | None) -> Config:
     """Pairs are scored by a preference objective (dpo unless another is given: the next-token loss of both answers
     would say nothing of the preference), unpaired records by kto, with --reference as its reference model; anything
     else by the causal-LM loss."""
-    pairs, unpaired = preference_rows(load_text_dataset(cfg.data.dataset_name)) if cfg.data.dataset_name else (0, 0)
+    ds = load_text_dataset(cfg.data.dataset_name) if cfg.data.dataset_name else None
+    pairs, unpaired = preference_rows(ds) if ds is not None else (0, 0)
+    if ds is not None and prompt_rows(ds):  # prompts: the mean reward of greedy completions, as GRPO validates
+        if reference:
+            raise UserError("--reference is for a dataset of preference pairs; prompts are scored by --reward")
+        if not cfg.grpo.reward:
+            raise UserError(f"{cfg.data.dataset_name} holds prompts: their completions are scored by --reward "
+                            "FILE.py:FUNCTION[:WEIGHT] (or a built-in; --config RUN/config.yaml gives the run's)")
+        return dataclasses.replace(cfg, objective=dataclasses.replace(cfg.objective, objective="grpo"))
     if reference and not pairs and not unpaired:
         raise UserError("--reference is for a dataset of preference pairs: the rewards of their answers are measured "
                         "against it")
@@ -218,7 +227,7 @@ def held_out(cfg: Config, adapter: AdapterFolder | None, args: argparse.Namespac
         model = identity(cfg, adapter, args, weights.digests)
         data = {key: plan.fingerprint[key] for key in ("dataset", "tokenizer", "model_config")}
         report = {**model, **held_out_figures(cfg, args, result), "fingerprint": {**data, **model["fingerprint"]},
-                  "token_cache": str(cache)}
+                  "token_cache": cache and str(cache)}
     # the wrapped model is in a reference cycle (DDP's reducer holds the group): freed while the group lives. Freed
     # by a later gc.collect() (lm-eval's load) after destroy_process_group, ~ProcessGroupGloo once waited forever on
     # a mutex (make demo, 2026-11-26: hung until killed, once; not reproduced in 6 reruns of the command)
@@ -237,9 +246,10 @@ def mapped_oom(rank: int, device: torch.device, doing: str, fix: str) -> Iterato
         raise UserError(f"rank {rank} ran out of {device.type.upper()} memory {doing}; use {fix}") from None
 
 
-def evaluate(cfg: Config, plan: Plan, adapter: AdapterFolder | None, split: str, d: Dist) -> tuple[HeldOut, Path]:
+def evaluate(cfg: Config, plan: Plan, adapter: AdapterFolder | None, split: str, d: Dist
+             ) -> tuple[HeldOut, Path | None]:
     """The token cache (found or built), the model distributed and filled, and its loss over the split; and the
-    cache's folder. A collective."""
+    cache's folder (None for prompts, tokenized in memory). A collective."""
     blocks = prepare_blocks(cfg, plan, d)
     if not len(blocks.val) and split == "val":  # --split all always has blocks: training needs one batch of them
         raise UserError(f"{cfg.data.dataset_name} has no validation blocks at --val-fraction {cfg.data.val_fraction:g}"
@@ -258,7 +268,9 @@ def evaluate(cfg: Config, plan: Plan, adapter: AdapterFolder | None, split: str,
     if adapter is not None:
         load_adapter(strategy, adapter)
     parts = [blocks.part("val"), *([blocks.part("train")] if split == "all" else [])]
-    objective = make_objective(cfg.objective, head, reference, plan.reward_head)
+    objective = make_grpo(cfg, head, blocks, plan.rewards, plan.tokenizer, stop_ids(plan.tokenizer, plan.model_dir),
+                          pad_id(plan.tokenizer), d, strategy.release) if plan.rewards else \
+        make_objective(cfg.objective, head, reference, plan.reward_head)
     result = held_out_loss(strategy, parts, cfg.train.batch_size, d, objective)
     if result is None:
         raise UserError(f"the {split} blocks of {cfg.data.dataset_name} hold no token the loss counts (--train-on "
@@ -282,6 +294,9 @@ def held_out_figures(cfg: Config, args: argparse.Namespace, result: HeldOut) -> 
     perplexity."""
     data = {"dataset": cfg.data.dataset_name, "split": args.split, "seq_length": cfg.data.seq_length,
             "loss": finite_or_text(result.loss), "blocks": result.blocks}
+    if cfg.objective.objective == "grpo":  # greedy completions' rewards, as the run's validation
+        return {**data, "objective": "grpo", "reward_functions": cfg.grpo.reward, "prompts": result.tokens,
+                "mean_reward": result.metrics["reward"], **result.metrics}
     if not cfg.objective.preference:
         return {**data, "ppl": finite_or_text(result.ppl), "tokens": result.tokens}
     reference = cfg.objective.reference_model or ("the base, adapter off" if cfg.model.adapter != "none" else None)
@@ -300,7 +315,12 @@ def held_out_figures(cfg: Config, args: argparse.Namespace, result: HeldOut) -> 
 def table(report: dict) -> str:
     model = report["base_model"] + (f" + adapter {report['adapter']}" if report["adapter"] else "")
     cut = f"{report['dataset']} ({report['split']}: {report['blocks']:,} blocks of {report['seq_length']} tokens, "
-    if "objective" not in report:
+    if report.get("objective") == "grpo":
+        rows = {"model": model, "dataset": f"{report['dataset']} ({report['split']}: {report['prompts']:,} prompts, "
+                f"greedy completions)", "rewards": report["reward_functions"],
+                "mean reward": format(report["mean_reward"], ".4f"),
+                "mean length": format(report["completions/mean_length"], ".2f")}
+    elif "objective" not in report:
         rows = {"model": model, "dataset": cut + f"{report['tokens']:,} target tokens)",
                 "loss": _figure(report["loss"], ".5f"), "ppl": _figure(report["ppl"], ".3f")}
     else:
