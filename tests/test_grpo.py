@@ -83,8 +83,8 @@ def test_rewards_are_weighted_abstentions_left_out_and_a_bad_one_stops_in_one_li
     assert total.tolist() == [1.0, 1.0, 0.5, 0.0]
 
     for spec, said in ((f"{path}:missing", f"--reward {path}:missing: the file defines no function missing"),
-                       ("nothing", "--reward nothing is neither FILE.py:FUNCTION[:WEIGHT] nor a built-in reward "
-                                   "(accuracy, think_format)[:WEIGHT]"),
+                       ("nothing", "--reward nothing is neither FILE.py:FUNCTION[:WEIGHT], a built-in reward "
+                                   "(accuracy, think_format) nor a reward model folder, each with an optional :WEIGHT"),
                        ("accuracy:inf", "--reward accuracy:inf: the weight must be a finite number within +-1e6, "
                                         "got inf"),
                        ("accuracy,accuracy:2", "--reward names accuracy twice; each reward's metrics are named by its "
@@ -275,3 +275,44 @@ def test_prompts_and_grpo_go_together_and_its_settings_are_checked_in_one_line(t
         "yet; use an adapter (--adapter lora: the base with the adapters off is the reference) or --grpo-beta 0",
         "ok"]
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_reward_model_folder_is_a_grpo_reward_scored_in_the_training_processes(tmp_path, train_env, tiny_models):
+    """A reward model trained here (--objective reward, on pairs preferring numbers to words) is a GRPO reward as a
+    folder (--reward RUN/hf, as TRL takes a model id): scored on each rank's completions, named by its run in the
+    metrics, and the policy's mean reward under it rises. A model folder that is no reward model is one line."""
+    from conftest import ROOT, events, preflight_errors, torchrun
+
+    from pipeline.prep.corpus import CorpusConfig, build_dataset
+
+    words = ["apple", "river", "stone", "cloud", "green", "house", "music", "paper", "light", "water", "table", "dream"]
+    (tmp_path / "pairs").mkdir()
+    (tmp_path / "pairs" / "p.jsonl").write_text("".join(json.dumps(
+        {"prompt": f"Count to {i}:", "chosen": " " + " ".join(str(7 * i + k) for k in range(1 + i % 3)),
+         "rejected": " " + " ".join(words[(i + k) % len(words)] for k in range(1 + i % 3))}) + "\n" for i in range(96)))
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "p.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}:"}) + "\n"
+                                                          for i in range(48)))
+    for name in ("pairs", "prompts"):
+        build_dataset(CorpusConfig(tmp_path / name, tmp_path / f"{name}-ds", num_proc=1))
+    common = ["-m", "local/tiny", "--save-dir", tmp_path / "runs", "--config", ROOT / "configs" / "demo.yaml",
+              "--strategy", "ddp", "--precision", "fp32", "--log-freq", 1, "--eval-freq", 0, "--ckpt-freq", 0]
+    proc = torchrun(2, ROOT / "fsdp1.py", "-e", "rm", "-d", tmp_path / "pairs-ds", *common, "--objective", "reward",
+                    "--seq-length", 64, "--max-steps", 20, "--lr", 1e-3, "--val-fraction", 0.1, env=train_env["env"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert events(tmp_path / "runs" / "rm", "eval")[-1]["accuracy"] > 0.9
+    grpo = ["-d", tmp_path / "prompts-ds", *common, "--objective", "grpo", "--num-generations", 4,
+            "--max-completion-length", 8, "-b", 2, "--val-fraction", 0.25, "--warmup-steps", 0, "--lr-schedule",
+            "constant", "--lr", 2e-2, "--max-steps", 20]
+    proc = torchrun(2, ROOT / "fsdp1.py", "-e", "grpo", *grpo, "--reward", tmp_path / "runs" / "rm" / "hf",
+                    env=train_env["env"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train = events(tmp_path / "runs" / "grpo", "train")
+    rises = [e["reward"] for e in train]
+    assert train[0]["rewards/rm_hf/mean"] == train[0]["reward"]
+    assert sum(rises[-5:]) / 5 > sum(rises[:5]) / 5 + 0.2, rises
+    refused = preflight_errors([["-e", "other", *grpo, "--reward", tmp_path / "runs" / "rm" / "hf",
+                                 "--reward", tiny_models["tied"]]], train_env["env"])
+    assert refused == [f"--reward {tiny_models['tied']} is not a reward model (a sequence classifier with one output, "
+                       "as --objective reward exports to RUN/hf); give FILE.py:FUNCTION, a built-in, or a reward model "
+                       "folder"]

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import UserError
+from pipeline.rl.reward_model import RewardModelFn, is_model_folder, model_name
 
 RewardFn = Callable[..., Sequence]
 
@@ -82,14 +83,19 @@ class RewardSpec:
     weight: float
     path: str = ""
     """The Python file, "" for a built-in."""
+    model: str = ""
+    """A reward model's folder or Hub id (pipeline/rl/reward_model.py), "" for a function."""
 
     def identity(self, digest: str) -> str:
+        if self.model:
+            return f"model {self.model}:{self.weight!r}:{digest}"
         return f"{self.path or 'built-in'}:{self.name}:{self.weight!r}:{digest}"
 
 
 def parse_rewards(text: str) -> list[RewardSpec]:
-    """The --reward list: FILE.py:FUNCTION[:WEIGHT] or NAME[:WEIGHT] (a built-in), comma-separated; one line for an
-    entry that is neither, a weight that is not a finite number, or a name given twice."""
+    """The --reward list: FILE.py:FUNCTION[:WEIGHT], NAME[:WEIGHT] (a built-in) or MODEL_FOLDER[:WEIGHT] (a reward
+    model), comma-separated; one line for an entry that is none of them, a weight that is not a finite number, or a
+    name given twice."""
     specs = [_spec(entry.strip()) for entry in text.split(",") if entry.strip()]
     names = [s.name for s in specs]
     if twice := sorted({n for n in names if names.count(n) > 1}):
@@ -109,8 +115,10 @@ def _spec(entry: str) -> RewardSpec:
         return RewardSpec(parts[0], weight)
     if len(parts) == 2 and parts[0].endswith(".py") and parts[1].isidentifier():
         return RewardSpec(parts[1], weight, parts[0])
-    raise UserError(f"--reward {entry} is neither FILE.py:FUNCTION[:WEIGHT] nor a built-in reward "
-                    f"({', '.join(BUILT_IN)})[:WEIGHT]")
+    if len(parts) == 1 and is_model_folder(parts[0]):
+        return RewardSpec(model_name(parts[0]), weight, model=parts[0])
+    raise UserError(f"--reward {entry} is neither FILE.py:FUNCTION[:WEIGHT], a built-in reward "
+                    f"({', '.join(BUILT_IN)}) nor a reward model folder, each with an optional :WEIGHT")
 
 
 def _is_number(text: str) -> bool:
@@ -121,8 +129,12 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _load(spec: RewardSpec) -> tuple[RewardFn, str]:
-    """The function and the SHA-256 of its file (the built-ins: their name), loaded as a module of its own."""
+def _load(spec: RewardSpec, chat_date: str) -> tuple[RewardFn, str]:
+    """The function and the SHA-256 of its file (the built-ins: their name; a reward model: its weights' digest),
+    loaded as a module of its own."""
+    if spec.model:
+        fn = RewardModelFn(spec.model, chat_date)
+        return fn, fn.digest
     if not spec.path:
         return BUILT_IN[spec.name], "built-in"
     path = Path(spec.path)
@@ -150,16 +162,22 @@ def _load(spec: RewardSpec) -> tuple[RewardFn, str]:
 class Rewards:
     """The run's reward functions, loaded, and their weighted sum over a batch of completions."""
 
-    def __init__(self, text: str):
+    def __init__(self, text: str, chat_date: str = ""):
         self.specs = parse_rewards(text)
         if not self.specs:
             raise UserError("--objective grpo needs at least one --reward (FILE.py:FUNCTION[:WEIGHT] or a built-in: "
                             f"{', '.join(BUILT_IN)})")
-        loaded = [_load(spec) for spec in self.specs]
+        loaded = [_load(spec, chat_date) for spec in self.specs]
         self.functions = [fn for fn, _ in loaded]
         self.identity = [spec.identity(digest) for spec, (_, digest) in zip(self.specs, loaded, strict=True)]
         """What the run's fingerprint holds: a reward changed on resume is refused in one line."""
         self.weights = torch.tensor([s.weight for s in self.specs], dtype=torch.float32)
+
+    def place(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Load the reward models among the rewards onto this rank's device (the functions need nothing)."""
+        for fn in self.functions:
+            if isinstance(fn, RewardModelFn):
+                fn.place(device, dtype)
 
     @property
     def names(self) -> list[str]:

@@ -45,7 +45,7 @@ def plan_rewards(cfg: Config) -> Rewards | None:
                         "--vocab-parallel auto or off")
     if cfg.train.sample_prompts:
         raise UserError("--sample-prompts: a GRPO run logs its own completions (--log-completions); drop it")
-    return Rewards(cfg.grpo.reward)
+    return Rewards(cfg.grpo.reward, cfg.data.chat_date)
 
 
 def grpo_settings(cfg: Config, rewards: Rewards) -> dict:

@@ -113,8 +113,9 @@ class Trainer:
         if plan.reference is not None:  # before the checkpoint or base fills the model: the pass loads the reference
             self.blocks = with_reference(self.blocks, plan.reference, self.strategy, self.dtype, cfg.train.batch_size)
         head = self.strategy.head()
-        self.objective = make_grpo(cfg, head, self.blocks, plan.rewards, plan.tokenizer, stop_ids(
-            plan.tokenizer, plan.model_dir), pad_id(plan.tokenizer), d, self.strategy.release) if plan.rewards else \
+        self.stops = stop_ids(plan.tokenizer, plan.model_dir) if plan.prompts or plan.rewards else set()
+        self.objective = make_grpo(cfg, head, self.blocks, plan.rewards, plan.tokenizer, self.stops,
+                                   pad_id(plan.tokenizer), d, self.strategy.release, self.dtype) if plan.rewards else \
             make_objective(cfg.objective, head, plan.reference and precomputed(head), plan.reward_head)
         self.optimizer = build_optimizer(self.strategy.param_groups(cfg.optim.weight_decay), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
@@ -138,7 +139,6 @@ class Trainer:
         self.overflows = 0
         """fp16: overflowing steps in a row."""
         self.update = Update(self.optimizer, self.scheduler, cfg.optim.max_grad_norm, self.ckpt.staged, self.scaler)
-        self.stops = stop_ids(plan.tokenizer, plan.model_dir) if plan.prompts else set()
         self.resumed_from = self.resume()
         first = cfg.train.profile_from if d.is_main else 0  # rank 0 alone: the profiler has no collective
         self.profiler = StepProfiler(first, cfg.train.profile_steps, self.run_dir / "profile", d.device,
