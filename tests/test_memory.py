@@ -200,3 +200,24 @@ def test_a_model_whose_shape_cannot_be_read_trains_under_fsdp2_without_an_estima
     plan = plan_memory(config_for("m", "strategy", "auto"), broken, "cpu")
     assert (plan.config.model.strategy, plan.estimate) == ("fsdp2", None)
     assert plan.reason.startswith("fsdp2: the model's memory cannot be estimated (UserError: cannot find the 0")
+
+
+def test_grpo_counts_its_completions_and_the_generations_kv_cache():
+    """A GRPO micro-batch of B prompts is B x G completions of prompt + completion tokens, the logits only the
+    completions' positions; the generation is a moment of its own: the weights, the model gathered whole under a
+    sharding strategy, every layer's keys and values of every completion and the last logits; the total is the
+    largest of the three moments."""
+    from pipeline.strategies.memory import Generation
+
+    shape = Shape.of(LlamaConfig(**LLAMA_1B))
+    cfg = settle(config_for("m", "strategy", "fsdp2", "vocab_parallel", "off", "objective", "grpo", "batch_size", 2,
+                            "num_generations", 8, "max_prompt_length", 256, "max_completion_length", 1024))
+    work = workload(cfg, "cuda", 8, 8)
+    assert (work.batch_size, work.seq_length, work.generation) == (16, 1280, Generation(16, 256, 1024))
+    est, c = estimate(shape, work), work.compute_bytes
+    kv = 2 * 16 * (8 * 64) * 16 * 1280 * c  # keys and values: 16 layers, 8 KV heads of 64
+    assert est.generation == est.weights + c * shape.num_params + kv + 16 * 128256 * (c + 8)
+    assert est.logits == 16 * 1025 * 128256 * (c + (4 if c < 4 else 0) + 8)
+    assert est.total == max(est.forward, est.update, est.generation)
+    sft = estimate(shape, workload(settle(config_for("m", "strategy", "fsdp2", "batch_size", 2)), "cuda", 8, 8))
+    assert sft.generation == 0 and "generation" not in sft.gib() and "generation" in est.gib()

@@ -51,10 +51,11 @@ def make_objective(o: ObjectiveConfig, head: Head, reference: Reference | None =
 
 
 def make_grpo(cfg: Config, head: Head, blocks: PromptBlocks, rewards: Rewards, tokenizer, stops: set[int], pad_id: int,
-              d: Dist, release: Callable[[], None], dtype: torch.dtype) -> GRPOObjective:
+              d: Dist, release: Callable[[], None], gathered: Callable[[], contextlib.AbstractContextManager],
+              dtype: torch.dtype) -> GRPOObjective:
     """GRPO over the run's prompts: the rollouts' maker (its reward models placed on this rank's device in dtype),
     and the reference (the base with the adapters off) where a KL penalty asks for one."""
     rewards.place(d.device, dtype)
     off = functools.partial(adapters_disabled, head.model) if cfg.grpo.grpo_beta else None
     roller = Roller(head, blocks.prompts, rewards, tokenizer, stops, pad_id)
-    return GRPOObjective(head, cfg.grpo, roller, d, cfg.run.seed, release, off)
+    return GRPOObjective(head, cfg.grpo, roller, d, cfg.run.seed, release, gathered, off)

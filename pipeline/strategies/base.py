@@ -259,6 +259,13 @@ class Strategy(ABC):
     def release(self) -> None:  # noqa: B027 (a no-op for wrappers that never leave parameters gathered)
         """Free parameters left gathered (by a forward without backward): before saving, exporting or a step."""
 
+    def gathered(self) -> contextlib.AbstractContextManager:
+        """A pass of many forwards without backward (GRPO's generation, a forward per token): a sharding strategy
+        gathers each unit once and keeps it until the pass ends, instead of all-gathering it again at every forward
+        (memory: the whole model in the compute dtype, as one forward without backward leaves it). Nothing to do
+        for one that does not shard."""
+        return contextlib.nullcontext()
+
     def comm_seconds(self) -> float | None:
         """Seconds the training loop waited on this strategy's collectives since the last call, where the strategy
         can tell (manual: exact); None where the wrapper runs them out of sight."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -206,3 +207,18 @@ class FSDP2(Strategy):
 
     def release(self) -> None:
         self.root.reshard()
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        # every unit kept gathered after its forward until the pass ends (torch's documented use of
+        # set_reshard_after_forward, for evaluation), then each resharded and set back as _shard made it
+        units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        self.root.set_reshard_after_forward(False)
+        try:
+            yield
+        finally:
+            reshard = self.cfg.sharding in ("FULL_SHARD", "HYBRID_SHARD")
+            for layer in decoder_layers(self.model):
+                layer.set_reshard_after_forward(reshard, recurse=False)
+            for unit in units:
+                unit.reshard()

@@ -146,6 +146,18 @@ def _widths(block, text, hidden: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
+class Generation:
+    """GRPO's rollouts, as they decide memory: the completions of a micro-batch and their lengths."""
+
+    completions: int
+    """Per micro-batch: prompts x completions per prompt."""
+    prompt: int
+    """The longest prompt, in tokens (--max-prompt-length)."""
+    completion: int
+    """The longest completion (--max-completion-length)."""
+
+
+@dataclass(frozen=True)
 class Workload:
     """What decides the memory of one rank, besides the model."""
 
@@ -169,6 +181,9 @@ class Workload:
     adapted layers' base weights in NF4)."""
     lora_rank: int = 16
     lora_targets: str = ""
+    generation: Generation | None = None
+    """GRPO: the micro-batch is its completions, each a prompt and a completion (batch_size and seq_length are
+    theirs), and a generation comes before each step."""
 
 
 @dataclass(frozen=True)
@@ -191,6 +206,9 @@ class Estimate:
     update: int
     """AdamW's step: weights, moments and fp32 gradients (the trainer's fused AdamW needs no per-parameter
     temporaries)."""
+    generation: int = 0
+    """GRPO's generation, a third moment: the resident weights, the model gathered whole (a sharding strategy keeps
+    it gathered through the generation), the KV cache of a micro-batch's completions and their last logits."""
 
     PARTS = ("weights", "gradients", "copies", "activations", "logits", "update")
 
@@ -201,11 +219,12 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        return max(self.forward, self.update)
+        return max(self.forward, self.update, self.generation)
 
     def gib(self) -> dict[str, float]:
-        """GiB by part, and the total."""
-        return {name: round(getattr(self, name) / GIB, 3) for name in (*self.PARTS, "total")}
+        """GiB by part, and the total (the generation's moment only where there is one)."""
+        names = (*self.PARTS, *(("generation",) if self.generation else ()), "total")
+        return {name: round(getattr(self, name) / GIB, 3) for name in names}
 
     def describe(self) -> str:
         parts = self.gib()
@@ -260,12 +279,15 @@ def estimate(shape: Shape, work: Workload, terms: StrategyTerms) -> Estimate:
     shards = terms.shards(work)
     held = 0 if work.cpu_offload else n // shards  # parameters this rank keeps fp32 state for
     tokens = work.batch_size * work.seq_length
+    gen = work.generation
+    # GRPO scores the completions' positions alone: their logits, not the prompts'
+    logit_tokens = tokens if gen is None else gen.completions * (gen.completion + 1)
     per_layer = layer_activation_bytes(shape, tokens, c) + adapter_activation_bytes(shape, work, tokens)
     if work.activation_checkpointing:  # each layer's input, and one layer recomputed at a time
         activations = shape.layers * tokens * shape.hidden * c + per_layer
     else:
         activations = shape.layers * per_layer
-    logits = logits_bytes(shape, work, tokens, shards)
+    logits = logits_bytes(shape, work, logit_tokens, shards)
     if work.adapter != "none":
         # a frozen base in the compute dtype (no gradient, no state); the adapter's fp32 weights, gradients and
         # moments, which the strategy shards like the base; the gathered units as under full fine-tuning, but no
@@ -281,9 +303,21 @@ def estimate(shape: Shape, work: Workload, terms: StrategyTerms) -> Estimate:
                 copies -= int(terms.gathered_layers(shape, work) * quantized // shape.layers * saved)
             copies += max(i * o for _, i, o in shape.adapted_linears(work)) * c
         return Estimate(base + 12 * adapter, FP32_BYTES * shape.adapter_params(work), copies, activations, logits,
-                        base + STATE_BYTES_PER_PARAM * adapter)
+                        base + STATE_BYTES_PER_PARAM * adapter,
+                        base + 12 * adapter + generation_bytes(shape, work, shards) if gen else 0)
+    generating = 12 * held + generation_bytes(shape, work, shards) if gen else 0
     return Estimate(12 * held, terms.gradient_bytes(shape, work), terms.copy_bytes(shape, work), activations,
-                    logits, STATE_BYTES_PER_PARAM * held)
+                    logits, STATE_BYTES_PER_PARAM * held, generating)
+
+
+def generation_bytes(shape: Shape, work: Workload, shards: int) -> int:
+    """What a GRPO generation adds to the resident weights: the model gathered whole in the compute dtype (sharded
+    strategies, Strategy.gathered), each layer's keys and values for every completion's prompt and completion, and
+    the last position's logits with their fp32 softmax and cumulative sum."""
+    gen = work.generation
+    gathered = shape.num_params * work.compute_bytes if shards > 1 else 0
+    cache = 2 * shape.layers * shape.kv * gen.completions * (gen.prompt + gen.completion) * work.compute_bytes
+    return gathered + cache + gen.completions * shape.vocab * (work.compute_bytes + 8)
 
 
 def logits_bytes(shape: Shape, work: Workload, tokens: int, shards: int) -> int:

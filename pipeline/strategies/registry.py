@@ -18,7 +18,7 @@ from pipeline.strategies.ddp import DDP
 from pipeline.strategies.fsdp1 import FSDP1
 from pipeline.strategies.fsdp2 import FSDP2
 from pipeline.strategies.manual import ManualZeRO3
-from pipeline.strategies.memory import Estimate, Shape, Workload
+from pipeline.strategies.memory import Estimate, Generation, Shape, Workload
 from pipeline.strategies.memory import estimate as estimate_with
 
 STRATEGIES: dict[str, type[Strategy]] = {"fsdp2": FSDP2, "fsdp1": FSDP1, "ddp": DDP, "manual": ManualZeRO3}
@@ -100,11 +100,15 @@ def uses_vocab_parallel(m: ModelConfig) -> bool:
 
 def workload(cfg: Config, device: str, world_size: int, local_world_size: int) -> Workload:
     """The workload of a settled config (its strategy and sharding chosen) on this launch."""
-    m = cfg.model
+    m, g = cfg.model, cfg.grpo
     dtype = compute_dtype(m.precision, torch.device(device))
-    return Workload(m.strategy, m.sharding, world_size, local_world_size, dtype.itemsize, cfg.train.batch_size,
-                    cfg.data.seq_length, cfg.train.grad_accum, m.activation_checkpointing, uses_vocab_parallel(m),
-                    m.cpu_offload, device, m.adapter, m.lora_rank, m.lora_targets)
+    batch, seq, generation = cfg.train.batch_size, cfg.data.seq_length, None
+    if cfg.objective.objective == "grpo":  # a micro-batch of B prompts is B x G completions
+        generation = Generation(batch * g.num_generations, g.max_prompt_length, g.max_completion_length)
+        batch, seq = generation.completions, g.max_prompt_length + g.max_completion_length
+    return Workload(m.strategy, m.sharding, world_size, local_world_size, dtype.itemsize, batch, seq,
+                    cfg.train.grad_accum, m.activation_checkpointing, uses_vocab_parallel(m), m.cpu_offload, device,
+                    m.adapter, m.lora_rank, m.lora_targets, generation)
 
 
 def estimate(shape: Shape, work: Workload) -> Estimate:

@@ -115,7 +115,8 @@ class Trainer:
         head = self.strategy.head()
         self.stops = stop_ids(plan.tokenizer, plan.model_dir) if plan.prompts or plan.rewards else set()
         self.objective = make_grpo(cfg, head, self.blocks, plan.rewards, plan.tokenizer, self.stops,
-                                   pad_id(plan.tokenizer), d, self.strategy.release, self.dtype) if plan.rewards else \
+                                   pad_id(plan.tokenizer), d, self.strategy.release, self.strategy.gathered,
+                                   self.dtype) if plan.rewards else \
             make_objective(cfg.objective, head, plan.reference and precomputed(head), plan.reward_head)
         self.optimizer = build_optimizer(self.strategy.param_groups(cfg.optim.weight_decay), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
