@@ -139,8 +139,9 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
     killed after a checkpoint, the rerun repeats the uninterrupted run's steps after it bit for bit, completions
     included, and a changed reward file is refused on resume; fsdp1 and manual take ddp's first step. LoRA under
     fsdp2 with a KL penalty against the base (the adapters off) starts at kl 0, and pipeline.evaluate of its adapter
-    gives its final validation reward. Full fine-tuning under fsdp2 with a
-    constant reward: every advantage is 0, so the loss and gradient are 0 and the export is the base."""
+    gives its final validation reward. Full fine-tuning under fsdp2 with a constant reward and a KL penalty against
+    a frozen copy of the base: every advantage is 0, so the loss, the gradient and the kl are 0 and the export is the
+    base."""
     from conftest import ROOT, events, kill_tree, preflight_errors, run_module, start_torchrun, torchrun, wait_for
 
     from pipeline.prep.corpus import CorpusConfig, build_dataset
@@ -224,10 +225,12 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
     assert (report["objective"], report["prompts"]) == ("grpo", 12)
     assert report["mean_reward"] == pytest.approx(final["reward"], abs=1e-6)
     assert f"mean reward  {report['mean_reward']:.4f}\n" in scored.stdout
+    # with a KL penalty too: under full fine-tuning its reference is a frozen copy of the base (sharded under fsdp2),
+    # which the unchanged policy equals at every step
     run("constant", "--reward", f"{rewards}:constant", "--strategy", "fsdp2", "--lr", 1e-2, "--max-steps", 2,
-        "--ckpt-freq", 0, "--precision", "fp32")
+        "--ckpt-freq", 0, "--precision", "fp32", "--grpo-beta", 0.04)
     constant = events(tmp_path / "runs" / "constant", "train")
-    assert [(e["loss"], e["grad_norm"], e["frac_reward_zero_std"]) for e in constant] == [(0.0, 0.0, 1.0)] * 2
+    assert [(e["loss"], e["grad_norm"], e["frac_reward_zero_std"], e["kl"]) for e in constant] == [(0, 0, 1, 0)] * 2
     from safetensors.torch import load_file
 
     exported = load_file(tmp_path / "runs" / "constant" / "hf" / "model-00001-of-00001.safetensors")
@@ -257,7 +260,7 @@ def test_prompts_and_grpo_go_together_and_its_settings_are_checked_in_one_line(t
                                  [*grpo, "--reward", "accuracy", "--num-generations", 1],
                                  [*grpo, "--reward", "accuracy", "--top-p", 0],
                                  [*grpo, "--reward", f"{rewards}:nope"],
-                                 [*grpo, "--reward", "accuracy", "--grpo-beta", 0.1],
+                                 [*grpo, "--reward", "accuracy", "--vocab-parallel", "on"],
                                  [*grpo, "--reward", "accuracy", "--reward", f"{rewards}:even_ids:2"]],
                                 train_env["env"])
     assert refusals == [
@@ -271,8 +274,8 @@ def test_prompts_and_grpo_go_together_and_its_settings_are_checked_in_one_line(t
         "--num-generations must be in [2, 4096], got 1",
         "--top-p must be in (0, 1], got 0",
         f"--reward {rewards}:nope: the file defines no function nope",
-        "--grpo-beta > 0 under full fine-tuning needs a frozen copy of the base as the reference, which is not built "
-        "yet; use an adapter (--adapter lora: the base with the adapters off is the reference) or --grpo-beta 0",
+        "--vocab-parallel on: GRPO scores its completions through the model's own head; use --vocab-parallel auto "
+        "or off",
         "ok"]
     assert not (tmp_path / "runs").exists()
 

@@ -15,7 +15,7 @@ from pipeline.model.adapters import adapters_disabled
 from pipeline.model.head import Head
 from pipeline.model.reward_head import RewardHead
 from pipeline.objectives.causal_lm import CausalLMLoss
-from pipeline.objectives.grpo import GRPOObjective
+from pipeline.objectives.grpo import GRPOObjective, KLReference
 from pipeline.objectives.kto import KTOObjective, KTOSettings
 from pipeline.objectives.objective import Objective
 from pipeline.objectives.preference import PreferenceObjective, Reference
@@ -52,10 +52,13 @@ def make_objective(o: ObjectiveConfig, head: Head, reference: Reference | None =
 
 def make_grpo(cfg: Config, head: Head, blocks: PromptBlocks, rewards: Rewards, tokenizer, stops: set[int], pad_id: int,
               d: Dist, release: Callable[[], None], gathered: Callable[[], contextlib.AbstractContextManager],
-              dtype: torch.dtype) -> GRPOObjective:
+              dtype: torch.dtype, frozen: KLReference | None = None) -> GRPOObjective:
     """GRPO over the run's prompts: the rollouts' maker (its reward models placed on this rank's device in dtype),
-    and the reference (the base with the adapters off) where a KL penalty asks for one."""
+    and, where a KL penalty asks for one, the reference: the base with the adapters off, or under full fine-tuning
+    the frozen copy given."""
     rewards.place(d.device, dtype)
-    off = functools.partial(adapters_disabled, head.model) if cfg.grpo.grpo_beta else None
+    reference = frozen
+    if cfg.grpo.grpo_beta and cfg.model.adapter != "none":
+        reference = KLReference(head, functools.partial(adapters_disabled, head.model))
     roller = Roller(head, blocks.prompts, rewards, tokenizer, stops, pad_id)
-    return GRPOObjective(head, cfg.grpo, roller, d, cfg.run.seed, release, gathered, off)
+    return GRPOObjective(head, cfg.grpo, roller, d, cfg.run.seed, release, gathered, reference)

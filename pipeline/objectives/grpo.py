@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -40,6 +41,15 @@ from pipeline.rl.generation import Sampling, seeded
 from pipeline.rl.rollout import Roller, Rollout
 
 
+@dataclass(frozen=True)
+class KLReference:
+    """The model the KL penalty is measured against: its head, and the context it runs in (the policy's with its
+    adapters switched off; a frozen copy's gathered for the pass, then released)."""
+
+    head: Head
+    running: Callable[[], contextlib.AbstractContextManager]
+
+
 class GRPOObjective:
     counted = "completions"
     shown = (("reward", "reward"), ("completions/mean_length", "len"))
@@ -47,12 +57,12 @@ class GRPOObjective:
 
     def __init__(self, head: Head, g: GRPOConfig, roller: Roller, d: Dist, seed: int, release: Callable[[], None],
                  gathered: Callable[[], contextlib.AbstractContextManager],
-                 reference: Callable[[], contextlib.AbstractContextManager] | None = None):
+                 reference: KLReference | None = None):
         self.head, self.g, self.roller, self.dist, self.seed, self.release = head, g, roller, d, seed, release
         self.gathered = gathered
         """The strategy's: the parameters gathered once for the many forwards of a generation (Strategy.gathered)."""
         self.reference = reference
-        """The base with the adapters off (--grpo-beta > 0): the KL penalty's reference."""
+        """The KL penalty's reference (--grpo-beta > 0): the base with the adapters off, or a frozen copy."""
         self.settings = GRPOLossSettings(g.loss_type, g.epsilon, g.clip_high, g.grpo_beta, g.max_completion_length)
         self.sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k)
         self.greedy = Sampling(g.max_completion_length, greedy=True)
@@ -87,8 +97,8 @@ class GRPOObjective:
                 r.advantages = advantages(r.rewards, self.g.num_generations, self.g.scale_rewards,
                                           batch_std).to(self.dist.device)
                 if self.reference is not None:
-                    with self.reference():
-                        r.ref_logps = self.policy_logps(r, entropy=False)[0]
+                    with self.reference.running():
+                        r.ref_logps = self.logps(self.reference.head, r, entropy=False)[0]
         finally:
             self.release()  # the root stays gathered after a forward without backward
             model.train(training)
@@ -140,15 +150,15 @@ class GRPOObjective:
 
     # --------------------------------------------------------------------------------------------------- the loss
 
-    def policy_logps(self, r: Rollout, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Each completion token's log-probability under the model (logits over the temperature, as TRL scores
-        them), [rows, C], and each token's entropy (no gradient) when asked."""
+    def logps(self, head: Head, r: Rollout, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each completion token's log-probability under the model the head runs (logits over the temperature, as
+        TRL scores them), [rows, C], and each token's entropy (no gradient) when asked."""
         ids = torch.cat([r.prompt_ids, r.completion_ids], dim=1)
         mask = torch.cat([r.prompt_mask, r.completion_mask], dim=1)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         width = r.completion_ids.shape[1]
-        with self.head.autocasting(ids.device):
-            logits = self.head.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+        with head.autocasting(ids.device):
+            logits = head.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
                                      logits_to_keep=width + 1).logits[:, :-1].float()
         if self.g.temperature != 1:
             logits = logits / self.g.temperature
@@ -167,7 +177,7 @@ class GRPOObjective:
         if not self.head.model.training:
             return self._validate(batch)
         r = self.rollouts.pop(0)
-        logps, entropy = self.policy_logps(r)
+        logps, entropy = self.logps(self.head, r)
         terms = token_terms(logps, logps.detach(), r.advantages, self.settings, r.ref_logps)
         mask = r.completion_mask.to(logps.dtype)
         f = self.figures

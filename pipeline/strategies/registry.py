@@ -104,7 +104,8 @@ def workload(cfg: Config, device: str, world_size: int, local_world_size: int) -
     dtype = compute_dtype(m.precision, torch.device(device))
     batch, seq, generation = cfg.train.batch_size, cfg.data.seq_length, None
     if cfg.objective.objective == "grpo":  # a micro-batch of B prompts is B x G completions
-        generation = Generation(batch * g.num_generations, g.max_prompt_length, g.max_completion_length)
+        generation = Generation(batch * g.num_generations, g.max_prompt_length, g.max_completion_length,
+                                reference=g.grpo_beta > 0 and m.adapter == "none")
         batch, seq = generation.completions, g.max_prompt_length + g.max_completion_length
     return Workload(m.strategy, m.sharding, world_size, local_world_size, dtype.itemsize, batch, seq,
                     cfg.train.grad_accum, m.activation_checkpointing, uses_vocab_parallel(m), m.cpu_offload, device,

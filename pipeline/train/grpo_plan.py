@@ -32,14 +32,10 @@ def check_prompts(cfg: Config, prompts: int) -> None:
 
 
 def plan_rewards(cfg: Config) -> Rewards | None:
-    """The rewards of a GRPO run, loaded; and the settings GRPO cannot take yet, refused in one line. None for
-    another objective."""
+    """The rewards of a GRPO run, loaded; and the settings GRPO cannot take, refused in one line. None for another
+    objective."""
     if cfg.objective.objective != "grpo":
         return None
-    if cfg.grpo.grpo_beta and cfg.model.adapter == "none":
-        raise UserError("--grpo-beta > 0 under full fine-tuning needs a frozen copy of the base as the reference, "
-                        "which is not built yet; use an adapter (--adapter lora: the base with the adapters off is "
-                        "the reference) or --grpo-beta 0")
     if cfg.model.vocab_parallel == "on":
         raise UserError("--vocab-parallel on: GRPO scores its completions through the model's own head; use "
                         "--vocab-parallel auto or off")

@@ -1,6 +1,6 @@
 """The reference log-probabilities of a DPO or IPO run that has no adapters to switch off (or names
 --reference-model), as the ranks meet them: found beside the token cache or computed, before the model is filled for
-training."""
+training; and GRPO's reference under full fine-tuning, a frozen copy of the base beside the policy."""
 
 from __future__ import annotations
 
@@ -11,12 +11,18 @@ import signal
 
 import torch
 
+from pipeline.config import Config
 from pipeline.data.pair_tokens import count_pairs
 from pipeline.data.token_cache import Blocks
+from pipeline.distributed.runtime import Dist
 from pipeline.model.adapters import adapters_disabled
+from pipeline.model.head import Head
+from pipeline.model.registry import transforms_for
+from pipeline.objectives.grpo import KLReference
 from pipeline.objectives.reference_pass import ensure_reference, reference_folder
 from pipeline.strategies.base import Strategy
-from pipeline.train.preflight import ReferencePlan
+from pipeline.strategies.registry import make_strategy
+from pipeline.train.preflight import Plan, ReferencePlan
 from pipeline.train.signals import Interrupted, StopRequest, agreed_stop
 from pipeline.train.telemetry import log
 
@@ -45,3 +51,23 @@ def with_reference(blocks: Blocks, ref: ReferencePlan, strategy: Strategy, dtype
         pairs = sum(count_pairs(part.flags) for part in splits.values())
         log.info("reference log-probabilities of %d pairs under %s: %s (%s)", pairs, ref.name, how, folder)
     return dataclasses.replace(blocks, train_ref=found["train"], val_ref=found["val"])
+
+
+def frozen_copy(cfg: Config, plan: Plan, d: Dist, dtype: torch.dtype) -> KLReference:
+    """GRPO's KL reference under full fine-tuning (the policy moves, so the base must be kept): the base's weights,
+    frozen, beside the policy. Under fsdp2 a second build sharded as the policy is (each rank holds its share, the
+    whole gathered for each step's reference pass and released after it); under the other strategies the whole model
+    in the compute dtype on each rank (ddp holds a whole replica of the policy anyway). A collective under fsdp2."""
+    if cfg.model.strategy == "fsdp2":
+        strategy = make_strategy(cfg.model, d, dtype, transforms_for(cfg.model, dtype))
+        strategy.build(plan.hf_config)
+        strategy.load_weights(plan.model_dir)
+        strategy.model.requires_grad_(False)
+        strategy.model.eval()
+        return KLReference(strategy.head(), strategy.gathered)
+    from transformers import AutoModelForCausalLM
+
+    kernel = {} if cfg.model.attn_implementation == "auto" else {"attn_implementation": cfg.model.attn_implementation}
+    model = AutoModelForCausalLM.from_pretrained(plan.model_dir, dtype=dtype, **kernel).to(d.device).eval()
+    model.requires_grad_(False)
+    return KLReference(Head(model, False, d.world_size), contextlib.nullcontext)

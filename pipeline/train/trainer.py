@@ -39,7 +39,7 @@ from pipeline.train.export import described, export_run, run_exports
 from pipeline.train.optim import build_optimizer, build_scheduler, rescale_lr
 from pipeline.train.preflight import Plan
 from pipeline.train.profiling import StepProfiler, memory_breakdown
-from pipeline.train.reference import with_reference
+from pipeline.train.reference import frozen_copy, with_reference
 from pipeline.train.reports import log_mixture, log_profile, log_samples
 from pipeline.train.signals import Interrupted, StopRequest, agreed_stop
 from pipeline.train.step import StepResult, Update, train_step
@@ -114,9 +114,11 @@ class Trainer:
             self.blocks = with_reference(self.blocks, plan.reference, self.strategy, self.dtype, cfg.train.batch_size)
         head = self.strategy.head()
         self.stops = stop_ids(plan.tokenizer, plan.model_dir) if plan.prompts or plan.rewards else set()
+        frozen = frozen_copy(cfg, plan, d, self.dtype) if plan.rewards and cfg.grpo.grpo_beta and \
+            cfg.model.adapter == "none" else None  # GRPO's KL reference under full fine-tuning
         self.objective = make_grpo(cfg, head, self.blocks, plan.rewards, plan.tokenizer, self.stops,
                                    pad_id(plan.tokenizer), d, self.strategy.release, self.strategy.gathered,
-                                   self.dtype) if plan.rewards else \
+                                   self.dtype, frozen) if plan.rewards else \
             make_objective(cfg.objective, head, plan.reference and precomputed(head), plan.reward_head)
         self.optimizer = build_optimizer(self.strategy.param_groups(cfg.optim.weight_decay), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
