@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeline.config_base import Section, in_range, require
+from pipeline.config_base import Section, in_range
 
 LossType = Literal["dapo", "dr_grpo", "grpo", "bnpo"]
 ScaleRewards = Literal["group", "batch", "none"]
@@ -54,7 +54,8 @@ class GRPOConfig(Section):
     """grpo: the weight of the KL penalty against the reference (the base with the adapters off); 0: none, and no
     reference pass."""
     num_iterations: int = 1
-    """grpo: optimizer steps per batch of completions (TRL's mu); only 1 is built."""
+    """grpo: optimizer steps per generation (TRL's mu): the completions of one are trained on this many times, the
+    later steps' ratio against the generating policy (clipped by --epsilon)."""
     log_completions: int = 2
     """grpo: completions (with their prompt and rewards) logged at each log line, to the samples log and
     TensorBoard's text tab; 0: none."""
@@ -70,8 +71,7 @@ class GRPOConfig(Section):
         in_range(self.epsilon_high, 0, 10, "epsilon_high")
         in_range(self.grpo_beta, 0, 1e3, "grpo_beta")
         in_range(self.log_completions, 0, 1000, "log_completions")
-        require(self.num_iterations == 1, f"--num-iterations {self.num_iterations}: only 1 is built (a step's "
-                "completions are not reused for further steps yet)")
+        in_range(self.num_iterations, 1, 1024, "num_iterations")
 
     @property
     def clip_high(self) -> float:

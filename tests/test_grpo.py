@@ -3,6 +3,7 @@ that changes nothing), with the preflight's one-line refusals."""
 
 import json
 import math
+import shutil
 import signal
 from pathlib import Path
 
@@ -137,7 +138,8 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
     """Two ranks, full fine-tuning under ddp: each step generates G completions per prompt and logs TRL's figures;
     a reward that varies within groups from the first step (the share of even token ids) rises by 0.2 or more;
     killed after a checkpoint, the rerun repeats the uninterrupted run's steps after it bit for bit, completions
-    included, and a changed reward file is refused on resume; fsdp1 and manual take ddp's first step. LoRA under
+    included, and a changed reward file is refused on resume; with --num-iterations 2 each generation trains twice
+    and a checkpoint between the two resumes exactly; fsdp1 and manual take ddp's first step. LoRA under
     fsdp2 with a KL penalty against the base (the adapters off) starts at kl 0, and pipeline.evaluate of its adapter
     gives its final validation reward. Full fine-tuning under fsdp2 with a constant reward and a KL penalty against
     a frozen copy of the base: every advantage is 0, so the loss, the gradient and the kl are 0 and the export is the
@@ -199,6 +201,20 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
     retold = [s["completion"] for s in events(again, "sample") if s["time"] >= resumed[0]["time"]]
     assert retold == [s["completion"] for s in samples[12:]]
 
+    # --num-iterations 2: each generation trained on twice, the second time against the generating policy (the ratio
+    # leaves 1, the clip acts); a checkpoint between the two keeps the rollouts, so the rerun repeats the steps after
+    run("mu", "--reward", f"{rewards}:even_ids", "--strategy", "ddp", "--lr", 2e-2, "--max-steps", 6, "--ckpt-freq", 3,
+        "--num-iterations", 2)
+    mu = events(tmp_path / "runs" / "mu", "train")
+    assert (mu[0]["loss"], mu[0]["clip_ratio/region_mean"]) == (train[0]["loss"], 0)
+    assert mu[1]["reward"] == mu[0]["reward"] and mu[1]["clip_ratio/region_mean"] > 0
+    assert sorted(p.name for p in (tmp_path / "runs" / "mu" / "checkpoints" / "step-00000003").glob("objective-*")) \
+        == ["objective-0.pt", "objective-1.pt"]
+    shutil.copytree(tmp_path / "runs" / "mu", tmp_path / "runs" / "mu-again")
+    run("mu-again", "--reward", f"{rewards}:even_ids", "--strategy", "ddp", "--lr", 2e-2, "--max-steps", 6,
+        "--ckpt-freq", 3, "--num-iterations", 2, "--resume-from", "step-00000003")
+    assert [[e[k] for k in keys] for e in events(tmp_path / "runs" / "mu-again", "train")[6:]] == \
+        [[e[k] for k in keys] for e in mu[3:]]
     # every strategy takes the same first step: the same completions (seeded alike), loss and gradient
     for strategy in ("fsdp1", "manual"):
         run(strategy, "--reward", f"{rewards}:even_ids", "--strategy", strategy, "--lr", 2e-2, "--max-steps", 1,

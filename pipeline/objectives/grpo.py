@@ -15,8 +15,8 @@ the pass's "loss" is minus that mean, so --save-best keeps the best reward.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ from pipeline.rl.generation import Sampling, seeded
 from pipeline.rl.rollout import Roller, Rollout
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class KLReference:
     """The model the KL penalty is measured against: its head, and the context it runs in (the policy's with its
     adapters switched off; a frozen copy's gathered for the pass, then released)."""
@@ -66,7 +66,10 @@ class GRPOObjective:
         self.settings = GRPOLossSettings(g.loss_type, g.epsilon, g.clip_high, g.grpo_beta, g.max_completion_length)
         self.sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k)
         self.greedy = Sampling(g.max_completion_length, greedy=True)
+        self.cycle: list[Rollout] = []
+        """The rollouts of the last generation, trained on for --num-iterations steps."""
         self.rollouts: list[Rollout] = []
+        """This step's, in micro-step order (__call__ takes them one by one)."""
         self.counts: StepCounts | None = None
         names = roller.rewards.names
         self.figures = self._figures(names)
@@ -81,19 +84,33 @@ class GRPOObjective:
 
     # ------------------------------------------------------------------------------------------ a step's rollouts
 
-    def prepare(self, batches: list[Batch], step: int) -> int:
-        """The step's completions, G per prompt of each micro-batch, scored, with their advantages (and, with a KL
-        penalty, the reference's log-probabilities); returns the completions over every rank. A collective."""
+    def prepare(self, draw: Callable[[], list[Batch]], step: int) -> tuple[int, int]:
+        """The step's rollouts: every --num-iterations steps new ones, G completions per prompt of each micro-batch
+        draw() gives, scored, with their advantages (with a KL penalty, the reference's log-probabilities; with more
+        than one iteration, the generating policy's); between, the same ones again. Returns (micro-batches, their
+        completions over every rank). A collective."""
+        if step % self.g.num_iterations == 0 or not self.cycle:
+            self._generate(draw(), step)
+        self.rollouts = list(self.cycle)
+        for r in self.rollouts:
+            self._rollout_figures(r)
+        self.last_samples = self._samples(self.rollouts[0])
+        return len(self.cycle), self.counts.sequences
+
+    def _generate(self, batches: list[Batch], step: int) -> None:
         model = self.head.model
         training = model.training
         model.eval()  # no dropout while generating: the completions are the policy's own
         try:
             with self.gathered():
-                self.rollouts = [self.roller.roll(b, self.g.num_generations, self.sampling,
-                                                  seeded(self.seed, step, self.dist.rank, m))
-                                 for m, b in enumerate(batches)]
+                self.cycle = [self.roller.roll(b, self.g.num_generations, self.sampling,
+                                               seeded(self.seed, step, self.dist.rank, m))
+                              for m, b in enumerate(batches)]
+                if self.g.num_iterations > 1:  # the ratio of later iterations is against the generating policy
+                    for r in self.cycle:
+                        r.old_logps = self.logps(self.head, r, entropy=False)[0].detach()
             batch_std = self._batch_std() if self.g.scale_rewards == "batch" else None
-            for r in self.rollouts:
+            for r in self.cycle:
                 r.advantages = advantages(r.rewards, self.g.num_generations, self.g.scale_rewards,
                                           batch_std).to(self.dist.device)
                 if self.reference is not None:
@@ -102,20 +119,28 @@ class GRPOObjective:
         finally:
             self.release()  # the root stays gathered after a forward without backward
             model.train(training)
-        tokens = torch.tensor([float(sum(int(r.completion_mask.sum()) for r in self.rollouts))])
+        tokens = torch.tensor([float(sum(int(r.completion_mask.sum()) for r in self.cycle))])
         if self.dist.world_size > 1:
             dist.all_reduce(tokens)  # CPU tensor: gloo, no device sync
-        rows = sum(len(r.rewards) for r in self.rollouts) * self.dist.world_size
+        rows = sum(len(r.rewards) for r in self.cycle) * self.dist.world_size
         self.counts = StepCounts(int(tokens.item()), rows, len(batches), self.dist.world_size)
-        for r in self.rollouts:
-            self._rollout_figures(r)
-        self.last_samples = self._samples(self.rollouts[0], step)
-        return rows
+
+    def state_dict(self) -> dict | None:
+        """This rank's rollouts while --num-iterations reuses them (a checkpoint between two generations resumes with
+        them, as the policy that generated them is gone); None otherwise."""
+        if self.g.num_iterations == 1 or not self.cycle:
+            return None
+        return {"cycle": [dataclasses.asdict(r) for r in self.cycle], "counts": dataclasses.asdict(self.counts)}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state:
+            self.cycle = [Rollout(**r) for r in state["cycle"]]
+            self.counts = StepCounts(**state["counts"])
 
     def _batch_std(self) -> torch.Tensor:
         """The std of every rank's rewards of the step (--scale-rewards batch): an all-gather, every rank the same
         count."""
-        mine = torch.cat([r.rewards for r in self.rollouts])
+        mine = torch.cat([r.rewards for r in self.cycle])
         if self.dist.world_size > 1:
             every = [torch.zeros_like(mine) for _ in range(self.dist.world_size)]
             dist.all_gather(every, mine)
@@ -135,7 +160,7 @@ class GRPOObjective:
             f.add(name, lengths)
         f.add("completions/clipped_ratio", r.clipped.float())
 
-    def _samples(self, r: Rollout, step: int) -> list[dict]:
+    def _samples(self, r: Rollout) -> list[dict]:
         n = min(self.g.log_completions, len(r.texts))
         names = self.roller.rewards.names
         return [{"prompt": _shown(r.prompts[i]), "completion": r.texts[i], "reward": float(r.rewards[i]),
@@ -171,14 +196,15 @@ class GRPOObjective:
             return picked, torch.stack([_entropy(row) for row in logits])
 
     def __call__(self, batch: Batch, num_items: float) -> torch.Tensor:
-        """Training: the next prepared micro-batch's share of the step's loss (num_items unused: the step's counts
-        are the rollouts'). Validation (the model in eval mode): minus the summed reward of the batch's prompts'
-        greedy completions."""
+        """Training: the next prepared rollout's share of the step's loss (batch and num_items unused: the rollouts
+        are prepare's, in micro-step order, and so are the step's counts). Validation (the model in eval mode): minus
+        the summed reward of the batch's prompts' greedy completions."""
         if not self.head.model.training:
             return self._validate(batch)
         r = self.rollouts.pop(0)
         logps, entropy = self.logps(self.head, r)
-        terms = token_terms(logps, logps.detach(), r.advantages, self.settings, r.ref_logps)
+        old = logps.detach() if r.old_logps is None else r.old_logps  # on-policy: the ratio is 1, its gradient not
+        terms = token_terms(logps, old, r.advantages, self.settings, r.ref_logps)
         mask = r.completion_mask.to(logps.dtype)
         f = self.figures
         for name, flags in (("low", terms.low_clipped), ("high", terms.high_clipped), ("region", terms.region_clipped)):

@@ -65,6 +65,12 @@ class Objective(Protocol):
     def samples(self) -> list[dict]:
         """Examples of what it trained on since last asked, for the samples log (GRPO's completions); [] for none."""
 
+    def state_dict(self) -> dict | None:
+        """This rank's state a checkpoint must keep (GRPO's rollouts between two generations); None for none."""
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """The state state_dict gave, from a checkpoint (None: none was saved)."""
+
 
 class Offline:
     """What an objective over the token cache's blocks answers where an online one (GRPO) does more."""
@@ -73,3 +79,9 @@ class Offline:
 
     def samples(self) -> list[dict]:
         return []
+
+    def state_dict(self) -> dict | None:
+        return None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Nothing to restore: its state is the blocks'."""

@@ -35,6 +35,8 @@ class Rollout:
     texts: list[str]
     advantages: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None
+    """The generating policy's log-probabilities (--num-iterations > 1; None: on-policy)."""
 
     @property
     def lengths(self) -> torch.Tensor:

@@ -45,6 +45,8 @@ from pipeline.train.telemetry import log
 CHECKPOINTS = "checkpoints"
 STATE = "state.json"
 MANIFEST = "manifest.json"
+RANK_STATE = "objective-"
+"""objective-RANK.pt: a rank's own state beside the model's (an objective's, Checkpointer.save's rank_state)."""
 TRAINER = "trainer.json"
 NEARLY_FULL = 64 * 2**20
 """Free bytes below which a failed save is put down to a full disk."""
@@ -179,8 +181,9 @@ class Checkpointer:
     # ---- save
 
     def save(self, step: int, strategy: Strategy, optimizer, trainer_state: dict, info: dict, *,
-             sync: bool = False) -> None:
-        """Write a checkpoint of the current state; asynchronous unless sync or async is off."""
+             sync: bool = False, rank_state: dict | None = None) -> None:
+        """Write a checkpoint of the current state; asynchronous unless sync or async is off. rank_state: this
+        rank's own state beside it (GRPO's rollouts between generations), None for none."""
         self.wait()
         started = time.perf_counter()
         self.last_step = step  # saved or being saved: the trainer does not ask for the same step twice
@@ -194,6 +197,8 @@ class Checkpointer:
         dist.barrier()
         state = strategy.state_dict(optimizer)
         (path / f"rng-{self.dist.rank}.json").write_text(json.dumps(rng_state()))
+        if rank_state is not None:
+            torch.save(rank_state, path / f"{RANK_STATE}{self.dist.rank}.pt")
         if self.dist.is_main:
             (path / TRAINER).write_text(json.dumps({**trainer_state, "fingerprint": self.fingerprint}, indent=2))
         try:
@@ -275,7 +280,7 @@ class Checkpointer:
     def _finalize(self, step: int, info: dict, started: float, stall: float) -> None:
         """Manifest of what every rank wrote, then state.json (rank 0, last), then pruning. A collective."""
         path = self.root / step_name(step)
-        prefixes = (f"__{self.dist.rank}_", f"rng-{self.dist.rank}.")
+        prefixes = (f"__{self.dist.rank}_", f"rng-{self.dist.rank}.", f"{RANK_STATE}{self.dist.rank}.")
         mine = sorted(p for p in path.iterdir() if p.name.startswith(prefixes))
         if self.dist.is_main:
             mine += [path / ".metadata", path / TRAINER]
@@ -406,6 +411,12 @@ class Checkpointer:
             set_rng_state(json.loads(rng.read_text()))
         self.last_step = int(path.name.removeprefix("step-"))
         return json.loads((path / TRAINER).read_text())
+
+    def rank_state(self, path: Path) -> dict | None:
+        """This rank's own state saved beside the checkpoint (Checkpointer.save's rank_state), None where there is
+        none (or this rank did not exist when it was saved). Verified with the checkpoint's other files."""
+        file = path / f"{RANK_STATE}{self.dist.rank}.pt"
+        return torch.load(file, map_location=self.dist.device, weights_only=True) if file.exists() else None
 
 
 def load_checkpoint_model(checkpoint: Path, d: Dist) -> tuple[Strategy, Path, dict]:

@@ -216,6 +216,7 @@ class Trainer:
             return None
         self.ckpt.verify(path)
         self.load_state_dict(self.ckpt.load(path, self.strategy, self.optimizer))
+        self.objective.load_state_dict(self.ckpt.rank_state(path))
         seconds = time.perf_counter() - started
         log.info("resumed from %s at step %d (epoch %d) in %.2f s", path, self.step, self.sampler.epoch, seconds)
         return {"from_step": self.step, "path": str(path), "seconds": round(seconds, 3)}
@@ -231,7 +232,8 @@ class Trainer:
         if self.ckpt.last_step != self.step:
             self.ckpt.save(self.step, self.strategy, self.optimizer, self.state_dict(),
                            {"epoch": self.sampler.epoch, "samples_seen": self.samples_seen,
-                            "skipped_steps": self.skipped_since_save}, sync=sync)
+                            "skipped_steps": self.skipped_since_save}, sync=sync,
+                           rank_state=self.objective.state_dict())
             self.skipped_since_save = 0
         return True
 
@@ -400,15 +402,16 @@ class Trainer:
         """One optimizer step (pipeline/train/step.py) over this rank's share of the sampler's next global batch."""
         # the step's targets over every rank and micro-step, from the global permutation: no communication
         idx, train = self.sampler.upcoming(), self.blocks.part("train")
-        micro, make = self.sampler.next_step(), lambda rows: train.batch(rows, self.dist.device)
-        if self.objective.generates:  # its items are the completions it generates now (a collective)
-            with self.timer.phase("generate"):
-                batches = [make(rows) for rows in micro]
-                items = self.objective.prepare(batches, self.step)
-            micro, make = range(len(batches)), batches.__getitem__
-        else:
-            items = self.objective.items(train.blocks[idx], train.flags_at(idx))
-        return train_step(self.strategy, self.objective, micro, make, items, self.update, self.timer)
+        make = lambda rows: train.batch(rows, self.dist.device)  # noqa: E731 (the one-line maker train_step takes)
+        if self.objective.generates:  # its items are the completions it generates now (a collective); it draws the
+            with self.timer.phase("generate"):  # step's prompts only when it generates (not when it reuses them)
+                n, items = self.objective.prepare(lambda: [make(rows) for rows in self.sampler.next_step()],
+                                                  self.step)
+            # it trains on its prepared rollouts in order: the micro-steps' batches are its, not the sampler's
+            return train_step(self.strategy, self.objective, range(n), lambda i: None, items, self.update, self.timer)
+        items = self.objective.items(train.blocks[idx], train.flags_at(idx))
+        return train_step(self.strategy, self.objective, self.sampler.next_step(), make, items, self.update,
+                          self.timer)
 
     def log_window(self, telemetry: Telemetry, window: Window) -> None:
         if not window.applied:  # every step of the window was skipped: logged one by one already
