@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeline.config_base import Section, in_range
+from pipeline.config_base import Section, in_range, require
 
 LossType = Literal["dapo", "dr_grpo", "grpo", "bnpo"]
 ScaleRewards = Literal["group", "batch", "none"]
@@ -67,7 +67,8 @@ class GRPOConfig(Section):
         in_range(self.temperature, 1e-3, 100, "temperature")  # dividing logits by less overflows bf16
         in_range(self.top_p, 0, 1, "top_p", low_open=True)
         in_range(self.top_k, 0, 1 << 24, "top_k")
-        in_range(self.epsilon, 0, 10, "epsilon", low_open=True)
+        # the ratio's lower clip, 1 - epsilon, must stay above 0 (objectives/grpo_losses.GRPOLossSettings' check)
+        require(0 < self.epsilon < 1, f"--epsilon must be in (0, 1), got {self.epsilon:g}")
         in_range(self.epsilon_high, 0, 10, "epsilon_high")
         in_range(self.grpo_beta, 0, 1e3, "grpo_beta")
         in_range(self.log_completions, 0, 1000, "log_completions")

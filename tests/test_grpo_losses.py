@@ -210,11 +210,22 @@ def test_what_cannot_be_a_group_or_a_setting_is_refused():
         advantages(torch.tensor([1.0, 0.0, 1.0]), 2, "group")
     with pytest.raises(ValueError, match="whole groups"):
         advantages(torch.tensor([1.0, 0.0]), 1, "none")
-    with pytest.raises(ValueError, match="finite"):
-        advantages(torch.tensor([1.0, float("nan")]), 2, "group")
+    with pytest.raises(ValueError, match="inf"):
+        advantages(torch.tensor([1.0, float("inf")]), 2, "group")
     with pytest.raises(ValueError, match="reward scale"):
         advantages(torch.tensor([1.0, 0.0]), 2, "rank")
     with pytest.raises(ValueError, match="loss type"):
         GRPOLossSettings(loss_type="cispo")
     with pytest.raises(ValueError, match="ref_logps"):
         token_terms(torch.zeros(1, 2), None, torch.ones(1), GRPOLossSettings(beta=0.1))
+
+
+def test_a_completion_no_reward_scored_is_left_out_of_its_group_and_gets_advantage_0():
+    """TRL 1.16: NaN (every reward function abstained) is left out of the group's mean and std, and its advantage is
+    0; a group that is all NaN teaches nothing."""
+    nan = float("nan")
+    got = advantages(torch.tensor([1.0, 0.0, nan, 1.0, nan, nan]), 3, "group")
+    std = math.sqrt(0.5)  # of [1, 0]: the NaN left out (mean 0.5); a group with one scored value has no std
+    assert got.tolist() == pytest.approx([0.5 / (std + EPS), -0.5 / (std + EPS), 0.0, 0.0, 0.0, 0.0])
+    assert zero_std_groups(torch.tensor([1.0, 1.0, nan, 2.0, 3.0, 4.0]), 3).tolist() == [True, False]
+    assert zero_std_groups(torch.tensor([1.0, 2.0, 3.0, 4.0]), 2, torch.tensor(0.0)).tolist() == [True, True]

@@ -219,13 +219,13 @@ def test_grpo_counts_its_completions_and_the_generations_kv_cache():
     assert est.generation == est.weights + c * shape.num_params + kv + 16 * 128256 * (c + 8)
     assert est.logits == 16 * 1025 * 128256 * (c + (4 if c < 4 else 0) + 8)
     assert est.total == max(est.forward, est.update, est.generation)
-    # a KL penalty under full fine-tuning keeps a frozen copy of the base: sharded under fsdp2, whole under ddp
+    # a KL penalty under full fine-tuning keeps a frozen copy of the base: sharded under fsdp2, whole (fp32) under ddp
     with_ref = settle(config_for("m", "strategy", "fsdp2", "vocab_parallel", "off", "objective", "grpo", "batch_size",
                                  2, "grpo_beta", 0.04))
     plain = settle(config_for("m", "strategy", "fsdp2", "vocab_parallel", "off", "objective", "grpo", "batch_size", 2))
     assert estimate(shape, workload(with_ref, "cuda", 8, 8)).weights - estimate(
         shape, workload(plain, "cuda", 8, 8)).weights == c * shape.num_params // 8
     ddp = settle(config_for("m", "strategy", "ddp", "objective", "grpo", "batch_size", 2, "grpo_beta", 0.04))
-    assert estimate(shape, workload(ddp, "cuda", 8, 8)).weights == 12 * shape.num_params + c * shape.num_params
+    assert estimate(shape, workload(ddp, "cuda", 8, 8)).weights == 12 * shape.num_params + 4 * shape.num_params
     sft = estimate(shape, workload(settle(config_for("m", "strategy", "fsdp2", "batch_size", 2)), "cuda", 8, 8))
     assert sft.generation == 0 and "generation" not in sft.gib() and "generation" in est.gib()

@@ -30,6 +30,7 @@ from pipeline.objectives.grpo_losses import (
     GRPOLossSettings,
     StepCounts,
     advantages,
+    bessel_std,
     masked_mean,
     micro_loss,
     token_terms,
@@ -71,15 +72,17 @@ class GRPOObjective:
         self.rollouts: list[Rollout] = []
         """This step's, in micro-step order (__call__ takes them one by one)."""
         self.counts: StepCounts | None = None
+        self.batch_std: torch.Tensor | None = None
+        """--scale-rewards batch: the std of every rank's rewards of the last generation."""
         names = roller.rewards.names
         self.figures = self._figures(names)
         self.last_samples: list[dict] = []
 
     def _figures(self, names: list[str]) -> Figures:
-        means = ["reward", "reward_std", *(f"rewards/{n}/mean" for n in names), "frac_reward_zero_std",
+        means = ["reward", *(f"rewards/{n}/mean" for n in names), "frac_reward_zero_std",
                  "completions/mean_length", "completions/clipped_ratio", "clip_ratio/low_mean",
                  "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy", *(["kl"] if self.g.grpo_beta else [])]
-        return Figures(means, [f"rewards/{n}/std" for n in names], peaks=["completions/max_length"],
+        return Figures(means, ["reward_std", *(f"rewards/{n}/std" for n in names)], peaks=["completions/max_length"],
                        troughs=["completions/min_length"])
 
     # ------------------------------------------------------------------------------------------ a step's rollouts
@@ -107,14 +110,15 @@ class GRPOObjective:
                                                seeded(self.seed, step, self.dist.rank, m))
                               for m, b in enumerate(batches)]
                 if self.g.num_iterations > 1:  # the ratio of later iterations is against the generating policy
-                    for r in self.cycle:
-                        r.old_logps = self.logps(self.head, r, entropy=False)[0].detach()
-            batch_std = self._batch_std() if self.g.scale_rewards == "batch" else None
+                    with torch.no_grad():
+                        for r in self.cycle:
+                            r.old_logps = self.logps(self.head, r, entropy=False)[0]
+            self.batch_std = self._batch_std() if self.g.scale_rewards == "batch" else None
             for r in self.cycle:
                 r.advantages = advantages(r.rewards, self.g.num_generations, self.g.scale_rewards,
-                                          batch_std).to(self.dist.device)
+                                          self.batch_std).to(self.dist.device)
                 if self.reference is not None:
-                    with self.reference.running():
+                    with self.reference.running(), torch.no_grad():
                         r.ref_logps = self.logps(self.reference.head, r, entropy=False)[0]
         finally:
             self.release()  # the root stays gathered after a forward without backward
@@ -145,16 +149,16 @@ class GRPOObjective:
             every = [torch.zeros_like(mine) for _ in range(self.dist.world_size)]
             dist.all_gather(every, mine)
             mine = torch.cat(every)
-        return mine.std()
+        return bessel_std(mine)
 
     def _rollout_figures(self, r: Rollout) -> None:
         f, group = self.figures, self.g.num_generations
-        f.add("reward", r.rewards)
-        f.add("reward_std", r.rewards.view(-1, group).std(dim=1))
+        f.add("reward", r.rewards)  # TRL's reward and reward_std: over the step's scored completions, every rank's
+        f.add("reward_std", r.rewards)
         for j, name in enumerate(self.roller.rewards.names):
             f.add(f"rewards/{name}/mean", r.per_reward[:, j])
             f.add(f"rewards/{name}/std", r.per_reward[:, j])
-        f.add("frac_reward_zero_std", zero_std_groups(r.rewards, group).float())
+        f.add("frac_reward_zero_std", zero_std_groups(r.rewards, group, self.batch_std).float())
         lengths = r.lengths.float()
         for name in ("completions/mean_length", "completions/max_length", "completions/min_length"):
             f.add(name, lengths)
@@ -218,6 +222,7 @@ class GRPOObjective:
         with self.gathered():
             r = self.roller.roll(batch, 1, self.greedy, None)
         valid = r.valid
+        r.rewards = torch.nan_to_num(r.rewards, nan=0.0)  # validation's mean counts an unscored completion as 0
         self.figures.add("reward", r.rewards[valid])
         for j, name in enumerate(self.roller.rewards.names):
             self.figures.add(f"rewards/{name}/mean", r.per_reward[valid, j])

@@ -23,12 +23,13 @@ EPS = 1e-4
 
 
 def bessel_std(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """The standard deviation with Bessel's correction, computed as TRL's nanstd does (the mean of squared deviations
-    times n / (n - 1)) so that advantages agree with TRL's to the last bit rather than to torch.std's rounding.
-    NaN for fewer than 2 values. The caller's "batch" std is this over every rank's rewards (gathered)."""
-    mean = x.mean(dim=dim, keepdim=True)
-    n = x.numel() if dim is None else x.shape[dim]
-    var = ((x - mean) ** 2).mean(dim=dim) * (n / (n - 1) if n > 1 else float("nan"))
+    """The standard deviation with Bessel's correction over the values that are not NaN, computed as TRL's nanstd
+    does (the mean of squared deviations times n / (n - 1)) so that advantages agree with TRL's to the last bit rather
+    than to torch.std's rounding. NaN for fewer than 2 values. The caller's "batch" std is this over every rank's
+    rewards (gathered)."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    n = (~torch.isnan(x)).sum(dim=dim) if dim is not None else (~torch.isnan(x)).sum()
+    var = torch.nanmean((x - mean) ** 2, dim=dim) * (n / (n - 1))
     return var.sqrt()
 
 
@@ -37,9 +38,8 @@ def _groups(rewards: torch.Tensor, group: int) -> torch.Tensor:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} are not whole groups of {group} completions "
                          "(a 1-D tensor, each prompt's completions consecutive, at least 2 per prompt: a group of one "
                          "has nothing to be relative to, its advantage is always 0)")
-    if not torch.isfinite(rewards).all():
-        # TRL drops a completion no reward function scored (NaN) from its group's mean; here it would poison the group
-        raise ValueError("rewards hold NaN or inf: every completion needs a finite reward")
+    if torch.isinf(rewards).any():
+        raise ValueError("rewards hold inf: a completion's reward is finite, or NaN where no reward scored it")
     return rewards.view(-1, group)
 
 
@@ -48,26 +48,28 @@ def advantages(rewards: torch.Tensor, group: int, scale: str, batch_std: torch.T
     (scale "group", TRL's default), batch_std (scale "batch": bessel_std over every rank's rewards, gathered by the
     caller, as TRL's std of the whole generation batch), or not divided (scale "none", Dr. GRPO's choice: the std
     favours prompts whose rewards barely differ). rewards: [prompts * group] float, each prompt's group consecutive,
-    all of a group on this rank (the mean needs no gather). Hazard: a group whose rewards all agree gets advantage 0
-    under every scale, hence no gradient from the surrogate (only the KL term moves it)."""
+    all of a group on this rank (the mean needs no gather); NaN for a completion no reward function scored, which
+    TRL 1.16 leaves out of its group's mean and std and gives advantage 0. Hazard: a group whose rewards all agree
+    gets advantage 0 under every scale, hence no gradient from the surrogate (only the KL term moves it)."""
     if scale not in SCALES:
         raise ValueError(f"unknown reward scale {scale!r}: one of {', '.join(SCALES)}")
     grouped = _groups(rewards, group)
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    centred = grouped - torch.nanmean(grouped, dim=1, keepdim=True)
     if scale == "group":
         centred = centred / (bessel_std(grouped, dim=1)[:, None] + EPS)
     elif scale == "batch":
         if batch_std is None:
             raise ValueError('scale "batch" needs batch_std: the std of every rank\'s rewards (bessel_std, gathered)')
         centred = centred / (batch_std + EPS)
-    return centred.reshape(-1)
+    return torch.nan_to_num(centred.reshape(-1), nan=0.0)
 
 
-def zero_std_groups(rewards: torch.Tensor, group: int) -> torch.Tensor:
+def zero_std_groups(rewards: torch.Tensor, group: int, batch_std: torch.Tensor | None = None) -> torch.Tensor:
     """Per group: whether its rewards all agree (std close to 0 as torch.isclose has it, as TRL tests), so it teaches
-    nothing. Its mean is TRL's frac_reward_zero_std under scales "group" and "none" (under "batch" TRL tests the
-    batch's one std instead, and logs 0 unless every reward agrees)."""
-    std = bessel_std(_groups(rewards, group), dim=1)
+    nothing: its mean is TRL's frac_reward_zero_std. Under scale "batch" (batch_std given) TRL tests the batch's one
+    std instead: every group alike."""
+    std = bessel_std(_groups(rewards, group), dim=1) if batch_std is None else \
+        batch_std.expand(rewards.numel() // group)
     return torch.isclose(std, torch.zeros_like(std))
 
 

@@ -49,8 +49,10 @@ class PromptPart:
         rows = self.rows[idx].astype(np.int64)
         if valid_rows is not None:
             rows[valid_rows:] = -1
-        ids = torch.from_numpy(np.ascontiguousarray(self.blocks[idx], dtype=np.int64)).to(device)
-        mask = torch.from_numpy(np.ascontiguousarray(self.mask[idx], dtype=np.int64)).to(device)
+        # the batch's own width: the columns its longest prompt needs (blocks are as wide as the longest of all)
+        first = int(np.argmax(self.mask[idx].any(axis=0)))
+        ids = torch.from_numpy(np.ascontiguousarray(self.blocks[idx][:, first:], dtype=np.int64)).to(device)
+        mask = torch.from_numpy(np.ascontiguousarray(self.mask[idx][:, first:], dtype=np.int64)).to(device)
         return Batch(ids, torch.full_like(ids, -100), None, mask, rows=rows)
 
 

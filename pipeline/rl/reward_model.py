@@ -2,11 +2,11 @@
 --objective reward exported (or any model transformers loads with AutoModelForSequenceClassification and one
 output), scored in the training processes on each rank's own completions.
 
-Each completion is scored as the reward model was trained to score an answer: a standard prompt's text followed by
-the completion, without special tokens added; a conversational prompt's messages with the completion as the
-assistant's turn, through the reward model's own chat template. The score is the model's one output at the last
-token (AutoModelForSequenceClassification's pooling). The model stays resident on each rank beside the policy, not
-sharded: its memory is its weights in the compute dtype.
+Each completion is scored as --objective reward trained the model to score an answer (pair_tokens.tokenize_pair):
+a standard prompt as BOS, its text, the completion and EOS; a conversational prompt's messages with the completion as
+the assistant's turn, through the reward model's own chat template. The score is the model's one output at the last
+token (AutoModelForSequenceClassification's pooling); a conversation the template cannot render gets none. The
+model stays resident on each rank beside the policy, not sharded: its memory is its weights in the compute dtype.
 """
 
 from __future__ import annotations
@@ -68,35 +68,45 @@ class RewardModelFn:
         self.model = AutoModelForSequenceClassification.from_pretrained(self.model_dir, dtype=dtype).to(device).eval()
         self.model.requires_grad_(False)
 
-    def text(self, prompt: str | list, completion: str | list) -> str:
-        if isinstance(prompt, str):
-            return prompt + (completion if isinstance(completion, str) else completion[-1]["content"])
-        from pipeline.data.chat_render import render
+    def ids(self, prompt: str | list, completion: str | list) -> list[int] | None:
+        """The tokens the reward model scores, built as --objective reward built each answer it trained on
+        (pipeline/data/pair_tokens.tokenize_pair: a standard prompt's BOS, text and the completion then EOS; a
+        conversation through the chat template); None where the template cannot render it (no score: abstains)."""
+        from pipeline.data import chat_tokens
+        from pipeline.data.pair_tokens import tokenize_pair
+        from pipeline.prep.conversations import BadConversation
 
-        if not self.tokenizer.chat_template:
-            raise UserError(f"--reward {self.name} has no chat template to render the conversational prompts with")
-        answer = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
-        return render(self.tokenizer, [*prompt, *answer], self.chat_date)
+        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        answer = [{"role": "assistant", "content": text}]
+        keep = chat_tokens.special_texts(self.tokenizer)
+        try:
+            pair = tokenize_pair(self.tokenizer, prompt if isinstance(prompt, str) else "",
+                                 [] if isinstance(prompt, str) else prompt, answer, answer, self.chat_date, keep)
+        except (BadConversation, chat_tokens.TemplateMismatch):
+            return None
+        return pair.chosen.astype("int64").tolist()[-(self.limit or 1 << 30):]
 
     @torch.no_grad()
-    def __call__(self, prompts: list, completions: list, completion_ids: list, **columns) -> list[float]:
+    def __call__(self, prompts: list, completions: list, completion_ids: list, **columns) -> list[float | None]:
         if self.model is None:
             raise RuntimeError("RewardModelFn.place() was not called")
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         device = next(self.model.parameters()).device
-        scores: list[float] = []
-        for a in range(0, len(completions), SCORE_ROWS):
-            rows = [self.tokenizer(self.text(p, c), add_special_tokens=False)["input_ids"][-(self.limit or 1 << 30):]
-                    for p, c in zip(prompts[a:a + SCORE_ROWS], completions[a:a + SCORE_ROWS], strict=True)]
-            width = max(len(r) for r in rows)
-            ids = torch.full((len(rows), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(rows), width), dtype=torch.long)
-            for i, r in enumerate(rows):
-                ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r, dtype=torch.long), 1
+        tokens = [self.ids(p, c) for p, c in zip(prompts, completions, strict=True)]
+        scored = [i for i, t in enumerate(tokens) if t]
+        scores: list[float | None] = [None] * len(tokens)
+        for a in range(0, len(scored), SCORE_ROWS):
+            chunk = scored[a:a + SCORE_ROWS]
+            width = max(len(tokens[i]) for i in chunk)
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, i in enumerate(chunk):
+                ids[row, :len(tokens[i])], mask[row, :len(tokens[i])] = torch.tensor(tokens[i]), 1
             # the score at each row's last real token, read by position (the model's own pooling looks for the pad
-            # token's id, which a row's text may hold)
+            # token's id, which is EOS for many tokenizers and ends every row here)
             hidden = self.model.base_model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
             last = (mask.sum(-1) - 1).to(device)
-            values = self.model.score(hidden[torch.arange(len(rows), device=device), last])
-            scores += values[:, 0].float().tolist()
+            values = self.model.score(hidden[torch.arange(len(chunk), device=device), last])
+            for i, v in zip(chunk, values[:, 0].float().tolist(), strict=True):
+                scores[i] = v
         return scores

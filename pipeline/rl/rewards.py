@@ -185,7 +185,8 @@ class Rewards:
 
     def score(self, prompts: list, completions: list, completion_ids: list[list[int]],
               columns: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rewards [n], per function [n, F] with NaN where one abstained): the weighted sum of the values given. Any
+        """(rewards [n], per function [n, F] with NaN where one abstained): the weighted sum of the values given, NaN
+        where every function abstained (TRL leaves such a completion out of its group's mean and std). Any
         function that raises or returns a wrong count, NaN, inf or a non-number stops the run in one line naming it
         and the prompt."""
         # a column named as one of the functions' own arguments cannot reach them (TRL's signature takes them first)
@@ -197,7 +198,9 @@ class Rewards:
             for i, value in enumerate(values):
                 if value is not None:
                     per[i, j] = float(value)
-        return (per * self.weights).nansum(dim=1), per
+        total = (per * self.weights).nansum(dim=1)
+        total[torch.isnan(per).all(dim=1)] = torch.nan  # no function scored it: unscored, not 0 (as TRL 1.16)
+        return total, per
 
     def _call(self, spec: RewardSpec, fn: RewardFn, prompts: list, completions: list, ids: list,
               kwargs: dict) -> Sequence:

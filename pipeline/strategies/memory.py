@@ -157,7 +157,7 @@ class Generation:
     """The longest completion (--max-completion-length)."""
     reference: bool = False
     """A frozen copy of the base resident beside the policy (--grpo-beta under full fine-tuning): sharded as the
-    policy under fsdp2, whole on each rank under the other strategies."""
+    policy under fsdp2, whole (fp32) on each rank under the other strategies."""
 
 
 @dataclass(frozen=True)
@@ -308,8 +308,9 @@ def estimate(shape: Shape, work: Workload, terms: StrategyTerms) -> Estimate:
         return Estimate(base + 12 * adapter, FP32_BYTES * shape.adapter_params(work), copies, activations, logits,
                         base + STATE_BYTES_PER_PARAM * adapter,
                         base + 12 * adapter + generation_bytes(shape, work, shards) if gen else 0)
-    # GRPO's frozen reference: resident through every moment, in the compute dtype
-    ref = n * c // (shards if work.strategy == "fsdp2" else 1) if gen and gen.reference else 0
+    # GRPO's frozen reference, resident through every moment: sharded in the compute dtype under fsdp2, else whole
+    # in fp32 (run under autocast, as ddp runs the policy)
+    ref = (n * c // shards if work.strategy == "fsdp2" else n * FP32_BYTES) if gen and gen.reference else 0
     generating = 12 * held + ref + generation_bytes(shape, work, shards) if gen else 0
     return Estimate(12 * held + ref, terms.gradient_bytes(shape, work), terms.copy_bytes(shape, work), activations,
                     logits, STATE_BYTES_PER_PARAM * held + ref, generating)

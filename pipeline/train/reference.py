@@ -57,7 +57,8 @@ def frozen_copy(cfg: Config, plan: Plan, d: Dist, dtype: torch.dtype) -> KLRefer
     """GRPO's KL reference under full fine-tuning (the policy moves, so the base must be kept): the base's weights,
     frozen, beside the policy. Under fsdp2 a second build sharded as the policy is (each rank holds its share, the
     whole gathered for each step's reference pass and released after it); under the other strategies the whole model
-    in the compute dtype on each rank (ddp holds a whole replica of the policy anyway). A collective under fsdp2."""
+    on each rank, fp32 under autocast as ddp runs the policy (ddp holds a whole replica of the policy anyway). A
+    collective under fsdp2."""
     if cfg.model.strategy == "fsdp2":
         strategy = make_strategy(cfg.model, d, dtype, transforms_for(cfg.model, dtype))
         strategy.build(plan.hf_config)
@@ -67,7 +68,10 @@ def frozen_copy(cfg: Config, plan: Plan, d: Dist, dtype: torch.dtype) -> KLRefer
         return KLReference(strategy.head(), strategy.gathered)
     from transformers import AutoModelForCausalLM
 
+    # as the policy computes: fp32 weights under autocast to the compute dtype (a bf16 copy would differ from the
+    # policy by bf16's rounding, and its KL pull the policy toward it from the first step)
     kernel = {} if cfg.model.attn_implementation == "auto" else {"attn_implementation": cfg.model.attn_implementation}
-    model = AutoModelForCausalLM.from_pretrained(plan.model_dir, dtype=dtype, **kernel).to(d.device).eval()
+    model = AutoModelForCausalLM.from_pretrained(plan.model_dir, dtype=torch.float32, **kernel).to(d.device).eval()
     model.requires_grad_(False)
-    return KLReference(Head(model, False, d.world_size), contextlib.nullcontext)
+    autocast = None if dtype == torch.float32 else dtype
+    return KLReference(Head(model, False, d.world_size, autocast=autocast), contextlib.nullcontext)
