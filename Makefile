@@ -90,8 +90,8 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 	$(PY) -m pipeline.evaluate $(DEMO)/outputs/reward/hf --config $(DEMO)/outputs/reward/config.yaml
 	@echo
 	@echo "== GRPO: online RL on arithmetic prompts; the two processes generate 4 completions of each prompt per step,"
-	@echo "   score them (the share of digits, and the answer's accuracy) and train LoRA adapters on the base model"
-	@echo "   from the advantages within each group; the held-out prompts' greedy mean reward rises"
+	@echo "   score them (brevity, and the answer's accuracy) and train LoRA adapters on the base model from the"
+	@echo "   advantages within each group; the held-out prompts' greedy mean reward rises as the model learns to stop"
 	$(PY) DATA-HF.py --data_folder examples/grpo/prompts --save_dir $(DEMO)/hf_datasets/prompts --overwrite
 	rm -rf $(DEMO)/outputs/grpo
 	$(PY) fsdp1.py --nproc-per-node 2 -e grpo --save-dir $(DEMO)/outputs \
@@ -115,6 +115,7 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 	@echo "  DPO run:             $(DEMO)/outputs/dpo (metrics.jsonl: rewards/* and logps/* per window and eval)"
 	@echo "  KTO run:             $(DEMO)/outputs/kto (metrics.jsonl: kl, rewards/* and logps/* per window and eval)"
 	@echo "  reward model:        $(DEMO)/outputs/reward (hf/: AutoModelForSequenceClassification; accuracy, margin)"
+	@echo "  GRPO run:            $(DEMO)/outputs/grpo (metrics.jsonl: reward, rewards/*, completions/*; sample events)"
 	@echo "  agents run:          $(DEMO)/outputs/agents (metrics.jsonl: eval/loss/agents and eval/loss/chats)"
 
 # Two pytest workers, one test file each at a time (module fixtures stay shared), the longest files first
