@@ -39,6 +39,10 @@ def not_finite(prompts, completions, completion_ids, **columns):
 
 def text(prompts, completions, completion_ids, **columns):
     return ["1"] * len(completions)
+
+
+def by_step(prompts, completions, completion_ids, trainer_state, **columns):
+    return [trainer_state.global_step / trainer_state.max_steps] * len(completions)
 '''
 
 
@@ -78,6 +82,10 @@ def test_rewards_are_weighted_abstentions_left_out_and_a_bad_one_stops_in_one_li
                                             "'p'; a reward must be a finite number, or None to abstain")
     assert refusal("text", ["p"]).startswith(f"reward {path}:text returned '1' for the completion")
 
+    from pipeline.rl.rewards import RewardState
+
+    shaped = Rewards(f"{path}:by_step").score(["p"], ["c"], [[1]], [{"trainer_state": "a column"}], RewardState(3, 4))
+    assert shaped[0].tolist() == [0.75]  # TRL's trainer_state: the steps done when the completions were generated
     built_in = Rewards("accuracy,think_format:0.5")
     total, _ = built_in.score(["q"] * 4, ["so 3 + 4 = 7", "\\boxed{1,200} not 5", "<think>hm</think> 7", "none"],
                               [[1]] * 4, [{"answer": "7"}, {"answer": "1200.0"}, {"answer": 8}, {"answer": "7"}])

@@ -52,13 +52,13 @@ def make_objective(o: ObjectiveConfig, head: Head, reference: Reference | None =
 
 def make_grpo(cfg: Config, head: Head, blocks: PromptBlocks, rewards: Rewards, tokenizer, stops: set[int], pad_id: int,
               d: Dist, release: Callable[[], None], gathered: Callable[[], contextlib.AbstractContextManager],
-              dtype: torch.dtype, frozen: KLReference | None = None) -> GRPOObjective:
+              dtype: torch.dtype, frozen: KLReference | None = None, max_steps: int = 0) -> GRPOObjective:
     """GRPO over the run's prompts: the rollouts' maker (its reward models placed on this rank's device in dtype),
     and, where a KL penalty asks for one, the reference: the base with the adapters off, or under full fine-tuning
-    the frozen copy given."""
+    the frozen copy given. max_steps: the run's, as reward functions see it in trainer_state."""
     rewards.place(d.device, dtype)
     reference = frozen
     if cfg.grpo.grpo_beta and cfg.model.adapter != "none":
         reference = KLReference(head, functools.partial(adapters_disabled, head.model))
     roller = Roller(head, blocks.prompts, rewards, tokenizer, stops, pad_id)
-    return GRPOObjective(head, cfg.grpo, roller, d, cfg.run.seed, release, gathered, reference)
+    return GRPOObjective(head, cfg.grpo, roller, d, cfg.run.seed, release, gathered, reference, max_steps)

@@ -39,6 +39,7 @@ from pipeline.objectives.grpo_losses import (
 from pipeline.objectives.objective import HeldOut
 from pipeline.rl.figures import Figures
 from pipeline.rl.generation import Sampling, seeded
+from pipeline.rl.rewards import RewardState
 from pipeline.rl.rollout import Roller, Rollout
 
 
@@ -58,9 +59,9 @@ class GRPOObjective:
 
     def __init__(self, head: Head, g: GRPOConfig, roller: Roller, d: Dist, seed: int, release: Callable[[], None],
                  gathered: Callable[[], contextlib.AbstractContextManager],
-                 reference: KLReference | None = None):
+                 reference: KLReference | None = None, max_steps: int = 0):
         self.head, self.g, self.roller, self.dist, self.seed, self.release = head, g, roller, d, seed, release
-        self.gathered = gathered
+        self.gathered, self.max_steps = gathered, max_steps
         """The strategy's: the parameters gathered once for the many forwards of a generation (Strategy.gathered)."""
         self.reference = reference
         """The KL penalty's reference (--grpo-beta > 0): the base with the adapters off, or a frozen copy."""
@@ -106,8 +107,9 @@ class GRPOObjective:
         model.eval()  # no dropout while generating: the completions are the policy's own
         try:
             with self.gathered():
+                state = RewardState(step, self.max_steps)
                 self.cycle = [self.roller.roll(b, self.g.num_generations, self.sampling,
-                                               seeded(self.seed, step, self.dist.rank, m))
+                                               seeded(self.seed, step, self.dist.rank, m), state)
                               for m, b in enumerate(batches)]
                 if self.g.num_iterations > 1:  # the ratio of later iterations is against the generating policy
                     with torch.no_grad():

@@ -75,6 +75,15 @@ BUILT_IN: dict[str, RewardFn] = {"accuracy": accuracy, "think_format": think_for
 
 
 @dataclass(frozen=True)
+class RewardState:
+    """What a reward function gets as `trainer_state` (TRL passes its TrainerState): the optimizer steps completed
+    when the completions were generated, so a reward shaped by progress is the same on a resumed run."""
+
+    global_step: int
+    max_steps: int
+
+
+@dataclass(frozen=True)
 class RewardSpec:
     """One --reward entry."""
 
@@ -183,15 +192,18 @@ class Rewards:
     def names(self) -> list[str]:
         return [s.name for s in self.specs]
 
-    def score(self, prompts: list, completions: list, completion_ids: list[list[int]],
-              columns: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: list[dict],
+              state: RewardState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(rewards [n], per function [n, F] with NaN where one abstained): the weighted sum of the values given, NaN
         where every function abstained (TRL leaves such a completion out of its group's mean and std). Any
         function that raises or returns a wrong count, NaN, inf or a non-number stops the run in one line naming it
-        and the prompt."""
+        and the prompt. state: TRL's trainer_state argument (None: not passed)."""
         # a column named as one of the functions' own arguments cannot reach them (TRL's signature takes them first)
-        keys = dict.fromkeys(k for row in columns for k in row if k not in ("prompts", "completions", "completion_ids"))
+        own = ("prompts", "completions", "completion_ids", "trainer_state")
+        keys = dict.fromkeys(k for row in columns for k in row if k not in own)
         kwargs = {key: [row.get(key) for row in columns] for key in keys}
+        if state is not None:  # for rewards shaped by training progress, as TRL passes it
+            kwargs["trainer_state"] = state
         per = torch.full((len(completions), len(self.functions)), math.nan, dtype=torch.float32)
         for j, (spec, fn) in enumerate(zip(self.specs, self.functions, strict=True)):
             values = self._call(spec, fn, prompts, completions, completion_ids, kwargs)
@@ -227,7 +239,7 @@ def _failing(fn: RewardFn, prompts: list, completions: list, ids: list, kwargs: 
     for i in range(len(completions)):
         try:
             fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1], completion_ids=ids[i:i + 1],
-               **{k: v[i:i + 1] for k, v in kwargs.items()})
+               **{k: v[i:i + 1] if isinstance(v, list) else v for k, v in kwargs.items()})
         except Exception:  # the one that fails alone is the one to name
             return prompts[i]
     return prompts[0]

@@ -11,7 +11,7 @@ import torch
 from pipeline.data.batches import Batch
 from pipeline.rl.generation import Sampling, generate
 from pipeline.rl.prompts import PromptRow
-from pipeline.rl.rewards import Rewards
+from pipeline.rl.rewards import Rewards, RewardState
 
 
 @dataclass
@@ -54,7 +54,8 @@ class Roller:
     stops: set[int]
     pad_id: int
 
-    def roll(self, batch: Batch, group: int, sampling: Sampling, generator: torch.Generator | None) -> Rollout:
+    def roll(self, batch: Batch, group: int, sampling: Sampling, generator: torch.Generator | None,
+             state: RewardState | None = None) -> Rollout:
         """G completions of each prompt of the batch (padding rows, `rows` -1, completed too: every rank runs the
         same steps), decoded and scored. A collective (generation)."""
         rows = np.repeat(batch.rows, group)
@@ -73,7 +74,7 @@ class Roller:
         per = torch.full((len(rows), len(self.rewards.functions)), torch.nan)
         if len(keep):
             r, p = self.rewards.score([prompts[i] for i in keep], [completions[i] for i in keep],
-                                      [token_lists[i] for i in keep], [chosen[i].columns for i in keep])
+                                      [token_lists[i] for i in keep], [chosen[i].columns for i in keep], state)
             rewards[keep], per[keep] = r, p
         ended = torch.isin(completion, torch.tensor(sorted(self.stops), device=completion.device)) if self.stops \
             else torch.zeros_like(completion, dtype=torch.bool)

@@ -53,12 +53,14 @@ def with_reference(blocks: Blocks, ref: ReferencePlan, strategy: Strategy, dtype
     return dataclasses.replace(blocks, train_ref=found["train"], val_ref=found["val"])
 
 
-def frozen_copy(cfg: Config, plan: Plan, d: Dist, dtype: torch.dtype) -> KLReference:
+def frozen_copy(cfg: Config, plan: Plan, d: Dist, dtype: torch.dtype) -> KLReference | None:
     """GRPO's KL reference under full fine-tuning (the policy moves, so the base must be kept): the base's weights,
     frozen, beside the policy. Under fsdp2 a second build sharded as the policy is (each rank holds its share, the
     whole gathered for each step's reference pass and released after it); under the other strategies the whole model
     on each rank, fp32 under autocast as ddp runs the policy (ddp holds a whole replica of the policy anyway). A
-    collective under fsdp2."""
+    collective under fsdp2. None where the run needs none (not GRPO, no KL penalty, or adapters to switch off)."""
+    if not plan.rewards or not cfg.grpo.grpo_beta or cfg.model.adapter != "none":
+        return None
     if cfg.model.strategy == "fsdp2":
         strategy = make_strategy(cfg.model, d, dtype, transforms_for(cfg.model, dtype))
         strategy.build(plan.hf_config)

@@ -101,7 +101,9 @@ class Trainer:
         self.blocks = prepare_blocks(cfg, plan, d)
         check_one_batch(self.blocks, cfg, d)
         self.sampler = make_sampler(self.blocks, cfg, d)
-        self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.sampler.steps_per_epoch
+        # GRPO trains each generation --num-iterations times (1 for any other objective): an epoch takes that many
+        self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.sampler.steps_per_epoch * \
+            cfg.grpo.num_iterations
         reward = [plan.reward_head] if plan.reward_head else []
         self.strategy = make_strategy(cfg.model, d, self.dtype, [*transforms_for(cfg.model, self.dtype), *reward])
         if d.is_main:
@@ -114,11 +116,10 @@ class Trainer:
             self.blocks = with_reference(self.blocks, plan.reference, self.strategy, self.dtype, cfg.train.batch_size)
         head = self.strategy.head()
         self.stops = stop_ids(plan.tokenizer, plan.model_dir) if plan.prompts or plan.rewards else set()
-        frozen = frozen_copy(cfg, plan, d, self.dtype) if plan.rewards and cfg.grpo.grpo_beta and \
-            cfg.model.adapter == "none" else None  # GRPO's KL reference under full fine-tuning
+        frozen = frozen_copy(cfg, plan, d, self.dtype)  # GRPO's KL reference under full fine-tuning, if one
         self.objective = make_grpo(cfg, head, self.blocks, plan.rewards, plan.tokenizer, self.stops,
                                    pad_id(plan.tokenizer), d, self.strategy.release, self.strategy.gathered,
-                                   self.dtype, frozen) if plan.rewards else \
+                                   self.dtype, frozen, self.total_steps) if plan.rewards else \
             make_objective(cfg.objective, head, plan.reference and precomputed(head), plan.reward_head)
         self.optimizer = build_optimizer(self.strategy.param_groups(cfg.optim.weight_decay), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
