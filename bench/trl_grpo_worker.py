@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
+from trl_worker import StepTimes
 
 
 def digits(prompts, completions, completion_ids, **columns) -> list[float]:
@@ -27,14 +28,6 @@ def digits(prompts, completions, completion_ids, **columns) -> list[float]:
         chars = [c for c in text if not c.isspace()]
         out.append(sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0)
     return out
-
-
-class StepTimes(TrainerCallback):
-    def __init__(self):
-        self.times: list[float] = []
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.times.append(time.time())
 
 
 class TimedGRPO(GRPOTrainer):
