@@ -76,8 +76,6 @@ class Roller:
             r, p = self.rewards.score([prompts[i] for i in keep], [completions[i] for i in keep],
                                       [token_lists[i] for i in keep], [chosen[i].columns for i in keep], state)
             rewards[keep], per[keep] = r, p
-        ended = torch.isin(completion, torch.tensor(sorted(self.stops), device=completion.device)) if self.stops \
-            else torch.zeros_like(completion, dtype=torch.bool)
-        clipped = ~ended.any(-1) & (cmask.sum(-1) >= sampling.max_tokens)
-        return Rollout(ids, mask, completion, cmask, rewards, per, torch.from_numpy(valid), clipped.cpu(), prompts,
-                       texts)
+        # what generate kept of each row ends at its first stop token: one that reached the limit without one
+        clipped = torch.tensor([len(t) >= sampling.max_tokens and t[-1] not in self.stops for t in token_lists])
+        return Rollout(ids, mask, completion, cmask, rewards, per, torch.from_numpy(valid), clipped, prompts, texts)
