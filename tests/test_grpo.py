@@ -43,6 +43,27 @@ def text(prompts, completions, completion_ids, **columns):
 
 def by_step(prompts, completions, completion_ids, trainer_state, **columns):
     return [trainer_state.global_step / trainer_state.max_steps] * len(completions)
+
+
+def logs(prompts, completions, completion_ids, log_metric, log_extra, **columns):
+    log_metric("mine/length", sum(map(len, completion_ids)) / len(completion_ids))
+    log_extra("echo", list(completions))
+    return [0.0] * len(completions)
+
+
+def bad_metric(prompts, completions, completion_ids, log_metric, **columns):
+    log_metric("mine/value", math.inf)
+    return [0.0] * len(completions)
+
+
+def bad_column(prompts, completions, completion_ids, log_extra, **columns):
+    log_extra("short", [1])
+    return [0.0] * len(completions)
+
+
+def own_name(prompts, completions, completion_ids, log_metric, **columns):
+    log_metric("reward", 1.0)
+    return [0.0] * len(completions)
 '''
 
 
@@ -86,6 +107,30 @@ def test_rewards_are_weighted_abstentions_left_out_and_a_bad_one_stops_in_one_li
 
     shaped = Rewards(f"{path}:by_step").score(["p"], ["c"], [[1]], [{"trainer_state": "a column"}], RewardState(3, 4))
     assert shaped[0].tolist() == [0.75]  # TRL's trainer_state: the steps done when the completions were generated
+    # TRL's log_metric and log_extra: a metric averaged over the window's calls, a column per completion
+    logging = Rewards(f"{path}:logs")
+    logging.score(["p", "q"], ["a", "b"], [[1, 2], [3]], [{}, {}])
+    assert logging.extra == {"echo": ["a", "b"]}
+    logging.score(["p"], ["a"], [[1, 2, 3, 4]], [{}])
+    assert logging.take_metrics() == {"mine/length": [1.5, 4.0]} and logging.take_metrics() == {}
+    assert refusal("bad_metric", ["p"]) == (f"reward {path}:bad_metric logged inf as the metric mine/value; "
+                                            "log_metric takes a finite number")
+    assert refusal("bad_column", ["p", "q"]) == (f"reward {path}:bad_column logged 1 values in the column short for 2 "
+                                                 "completions; log_extra takes one value per completion")
+    from pipeline.rl.figures import Figures
+
+    figures = Figures(["reward"])
+    figures.add("reward", torch.tensor([1.0, 3.0]))
+    figures.log({"mine/length": [1.5, 4.0]})
+    figures.log({"mine/length": [2.5]})
+    assert figures.read(reduce=False) == {"reward": 2.0, "mine/length": 8.0 / 3}
+    assert figures.read(reduce=False) == {}
+    own = Rewards(f"{path}:own_name")
+    own.score(["p"], ["a"], [[1]], [{}])
+    with pytest.raises(UserError) as caught:
+        figures.log(own.take_metrics())
+    assert str(caught.value) == ("a reward function logged the metric reward, a name GRPO's own figures use; give "
+                                 "log_metric another name")
     built_in = Rewards("accuracy,think_format:0.5")
     total, _ = built_in.score(["q"] * 4, ["so 3 + 4 = 7", "\\boxed{1,200} not 5", "<think>hm</think> 7", "none"],
                               [[1]] * 4, [{"answer": "7"}, {"answer": "1200.0"}, {"answer": 8}, {"answer": "7"}])
@@ -178,6 +223,9 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
     lora = tmp_path / "runs" / "lora"
     train, evals = events(lora, "train"), events(lora, "eval")
     assert "prompts: 48 kept (36 train, 12 validation)" in said
+    assert "; 36 train / 12 val prompts; global batch 4 prompts (16 completions); step 0 of 12" in said
+    assert "GRPO scores each prompt once with its 4 completions after it (packed rows: the same log-probabilities as " \
+        "plain rows, largest difference " in said
     names = {"reward", "reward_std", "rewards/even_ids/mean", "rewards/even_ids/std", "frac_reward_zero_std",
              "completions/mean_length", "completions/min_length", "completions/max_length",
              "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
@@ -216,6 +264,8 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
     mu = events(tmp_path / "runs" / "mu", "train")
     assert (mu[0]["loss"], mu[0]["clip_ratio/region_mean"]) == (train[0]["loss"], 0)
     assert mu[1]["reward"] == mu[0]["reward"] and mu[1]["clip_ratio/region_mean"] > 0
+    # 3 generations of 4 prompts over 6 steps: the prompts seen are the ones drawn
+    assert json.loads((tmp_path / "runs" / "mu" / "state.json").read_text())["samples_seen"] == 12
     assert sorted(p.name for p in (tmp_path / "runs" / "mu" / "checkpoints" / "step-00000003").glob("objective-*")) \
         == ["objective-0.pt", "objective-1.pt"]
     shutil.copytree(tmp_path / "runs" / "mu", tmp_path / "runs" / "mu-again")
@@ -237,10 +287,16 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
     assert refused.startswith(f"refusing to resume {again}: its rewards were {rewards}:even_ids:1.0:")
     assert refused.endswith("(FILE:FUNCTION:WEIGHT:content hash): a changed reward file, function or weight trains "
                             "toward another goal; restore them, or pass --no-resume to start a new run beside it")
-    run("kl", "--reward", f"{rewards}:even_ids", "--adapter", "lora", "--strategy", "fsdp2", "--grpo-beta", 0.04,
-        "--lr", 1e-2, "--max-steps", 2, "--ckpt-freq", 0, "--scale-rewards", "batch", "--loss-type", "grpo")
+    # a reward of weight 0 that only logs (TRL's log_metric and log_extra): its metric in each train event, averaged
+    # over both ranks' calls, and its column with the sampled completions
+    run("kl", "--reward", f"{rewards}:even_ids", "--reward", f"{rewards}:logs:0", "--adapter", "lora", "--strategy",
+        "fsdp2", "--grpo-beta", 0.04, "--lr", 1e-2, "--max-steps", 2, "--ckpt-freq", 0, "--scale-rewards", "batch",
+        "--loss-type", "grpo")
     kl = events(tmp_path / "runs" / "kl", "train")
     assert kl[0]["kl"] == 0 and kl[1]["kl"] > 0  # the adapters start at zero: the policy is its reference
+    assert kl[0]["mine/length"] == pytest.approx(kl[0]["completions/mean_length"], rel=1e-6)
+    shown = events(tmp_path / "runs" / "kl", "sample")
+    assert shown and all(s["extra"] == {"echo": s["completion"]} for s in shown)
     # pipeline.evaluate of the adapter on the run's config: the held-out prompts' greedy mean reward, as the run's end
     scored = run_module("pipeline.evaluate", tmp_path / "runs" / "kl" / "adapter", "--config",
                         tmp_path / "runs" / "kl" / "config.yaml", "--out", tmp_path / "e.json", env=train_env["env"])

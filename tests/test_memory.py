@@ -1,12 +1,14 @@
 """The memory estimator (pipeline/strategies/memory.py) and --strategy auto, which chooses on it."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pipeline.config_merge import from_flat
 from pipeline.strategies.auto import plan_memory
-from pipeline.strategies.memory import GIB, Shape, Workload
+from pipeline.strategies.memory import GIB, Shape, Workload, layer_activation_bytes
 from pipeline.strategies.registry import estimate, settle, traffic_bytes, uses_vocab_parallel, workload
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -213,8 +215,15 @@ def test_grpo_counts_its_completions_and_the_generations_kv_cache():
     cfg = settle(config_for("m", "strategy", "fsdp2", "vocab_parallel", "off", "objective", "grpo", "batch_size", 2,
                             "num_generations", 8, "max_prompt_length", 256, "max_completion_length", 1024))
     work = workload(cfg, "cuda", 8, 8)
-    assert (work.batch_size, work.seq_length, work.generation) == (16, 1280, Generation(16, 256, 1024))
+    assert (work.batch_size, work.seq_length, work.generation) == (16, 1280, Generation(16, 256, 1024, group=8,
+                                                                                          packable=True))
     est, c = estimate(shape, work), work.compute_bytes
+    # scored in packed rows (each prompt once, its 8 completions after it: pipeline/rl/packing.py), the activations
+    # are those of 2 x (256 + 8 x 1024) positions; a kernel that takes no 4D mask scores 16 rows of 1280
+    assert est.activations == shape.layers * layer_activation_bytes(shape, 2 * (256 + 8 * 1024), c)
+    flash = settle(replace(cfg, model=replace(cfg.model, attn_implementation="flash_attention_2")))
+    assert estimate(shape, workload(flash, "cuda", 8, 8)).activations == \
+        shape.layers * layer_activation_bytes(shape, 16 * 1280, c)
     kv = 2 * 16 * (8 * 64) * 16 * 1280 * c  # keys and values: 16 layers, 8 KV heads of 64
     assert est.generation == est.weights + c * shape.num_params + kv + 16 * 128256 * (c + 8)
     assert est.logits == 16 * 1025 * 128256 * (c + (4 if c < 4 else 0) + 8)

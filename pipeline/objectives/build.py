@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -22,9 +23,12 @@ from pipeline.objectives.preference import PreferenceObjective, Reference
 from pipeline.objectives.preference_losses import PreferenceSettings
 from pipeline.objectives.reference import adapters_off
 from pipeline.objectives.reward import RewardObjective
+from pipeline.rl.packing import model_config, packing_refusal
 from pipeline.rl.prompts import PromptBlocks
 from pipeline.rl.rewards import Rewards
 from pipeline.rl.rollout import Roller
+
+log = logging.getLogger("pipeline")
 
 REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
 """Objectives measured against a reference: the base with the adapters off, or log-probabilities computed before
@@ -61,4 +65,10 @@ def make_grpo(cfg: Config, head: Head, blocks: PromptBlocks, rewards: Rewards, t
     if cfg.grpo.grpo_beta and cfg.model.adapter != "none":
         reference = KLReference(head, functools.partial(adapters_disabled, head.model))
     roller = Roller(head, blocks.prompts, rewards, tokenizer, stops, pad_id)
-    return GRPOObjective(head, cfg.grpo, roller, d, cfg.run.seed, release, gathered, reference, max_steps)
+    config = model_config(head.model)
+    refusal = packing_refusal(config, cfg.grpo.max_prompt_length + cfg.grpo.max_completion_length)
+    if refusal and d.is_main:
+        log.info("GRPO scores each completion in a row of its own (not its group's completions after one copy of "
+                 "the prompt): %s", refusal)
+    return GRPOObjective(head, cfg.grpo, roller, d, cfg.run.seed, release, gathered, reference, max_steps,
+                         None if refusal else config._attn_implementation, dtype)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -39,8 +40,15 @@ from pipeline.objectives.grpo_losses import (
 from pipeline.objectives.objective import HeldOut
 from pipeline.rl.figures import Figures
 from pipeline.rl.generation import Sampling, seeded
+from pipeline.rl.packing import pack, row_entropy, token_logps
 from pipeline.rl.rewards import RewardState
 from pipeline.rl.rollout import Roller, Rollout
+
+log = logging.getLogger("pipeline")
+
+PACKING_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 0.1, torch.float16: 0.05}
+"""The largest difference of a token's log-probability between packed and plain rows that is rounding, by the
+logits' dtype: the same keys, values and positions reach each token in both, summed in another order."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +67,8 @@ class GRPOObjective:
 
     def __init__(self, head: Head, g: GRPOConfig, roller: Roller, d: Dist, seed: int, release: Callable[[], None],
                  gathered: Callable[[], contextlib.AbstractContextManager],
-                 reference: KLReference | None = None, max_steps: int = 0):
+                 reference: KLReference | None = None, max_steps: int = 0, packing: str | None = None,
+                 compute_dtype: torch.dtype = torch.float32):
         self.head, self.g, self.roller, self.dist, self.seed, self.release = head, g, roller, d, seed, release
         self.gathered, self.max_steps = gathered, max_steps
         """The strategy's: the parameters gathered once for the many forwards of a generation (Strategy.gathered)."""
@@ -78,6 +87,13 @@ class GRPOObjective:
         names = roller.rewards.names
         self.figures = self._figures(names)
         self.last_samples: list[dict] = []
+        self.kernel = packing or ""
+        """The attention kernel packed rows are built for (packing: None when the model takes none)."""
+        self.packing = "unchecked" if packing else "off"
+        """Scoring packed rows: "unchecked" until the first rollout compares them with plain rows, then "on"/"off"."""
+        self.logits_dtype = torch.float32
+        self.compute_dtype = compute_dtype
+        """The forward's dtype: an eager kernel's additive mask is in it."""
 
     def _figures(self, names: list[str]) -> Figures:
         means = ["reward", *(f"rewards/{n}/mean" for n in names), "frac_reward_zero_std",
@@ -111,6 +127,7 @@ class GRPOObjective:
                 self.cycle = [self.roller.roll(b, self.g.num_generations, self.sampling,
                                                seeded(self.seed, step, self.dist.rank, m), state)
                               for m, b in enumerate(batches)]
+                self.figures.log(self.roller.rewards.take_metrics())
                 if self.g.num_iterations > 1:  # the ratio of later iterations is against the generating policy
                     with torch.no_grad():
                         for r in self.cycle:
@@ -171,7 +188,8 @@ class GRPOObjective:
         names = self.roller.rewards.names
         return [{"prompt": _shown(r.prompts[i]), "completion": r.texts[i], "reward": float(r.rewards[i]),
                  "rewards": {name: None if torch.isnan(v) else float(v) for name, v in zip(names, r.per_reward[i],
-                                                                                            strict=True)}}
+                                                                                            strict=True)},
+                 **({"extra": {c: values[i] for c, values in r.extra.items()}} if r.extra else {})}
                 for i in range(n)]
 
     def samples(self) -> list[dict]:
@@ -183,23 +201,63 @@ class GRPOObjective:
 
     def logps(self, head: Head, r: Rollout, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each completion token's log-probability under the model the head runs (logits over the temperature, as
-        TRL scores them), [rows, C], and each token's entropy (no gradient) when asked."""
+        TRL scores them), [rows, C], and each token's entropy (no gradient) when asked. Packed rows (each prompt
+        once, its completions after it: pipeline/rl/packing.py) where the model takes them, else plain ones; the
+        first call compares the two (a collective)."""
+        if self.packing == "unchecked":
+            self._check_packing(head, r)
+        if self.packing == "on":
+            return self._packed_logps(head, r, entropy)
+        return self._plain_logps(head, r, entropy)
+
+    def _forward(self, head: Head, ids: torch.Tensor, **inputs) -> torch.Tensor:
+        with head.autocasting(ids.device):
+            logits = head.model(input_ids=ids, use_cache=False, **inputs).logits
+        self.logits_dtype = logits.dtype
+        logits = logits.float()
+        return logits / self.g.temperature if self.g.temperature != 1 else logits
+
+    def _plain_logps(self, head: Head, r: Rollout, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids = torch.cat([r.prompt_ids, r.completion_ids], dim=1)
         mask = torch.cat([r.prompt_mask, r.completion_mask], dim=1)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         width = r.completion_ids.shape[1]
-        with head.autocasting(ids.device):
-            logits = head.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
-                                     logits_to_keep=width + 1).logits[:, :-1].float()
-        if self.g.temperature != 1:
-            logits = logits / self.g.temperature
+        logits = self._forward(head, ids, attention_mask=mask, position_ids=positions,
+                               logits_to_keep=width + 1)[:, :-1]
         # the target's logit minus the log-sum-exp: no [rows, tokens, vocab] log-softmax kept for the backward (the
         # logits are kept anyway); the entropy row by row, without autograd (one row's probabilities at a time)
         picked = torch.gather(logits, -1, r.completion_ids[..., None]).squeeze(-1) - logits.logsumexp(-1)
-        if not entropy:
-            return picked, None
+        return picked, row_entropy(logits) if entropy else None
+
+    def _packed_logps(self, head: Head, r: Rollout, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        rows = pack(r.prompt_ids, r.prompt_mask, r.completion_ids, self.g.num_generations, self.kernel,
+                    self.compute_dtype)
+        logits = self._forward(head, rows.input_ids, attention_mask=rows.mask, position_ids=rows.positions,
+                               logits_to_keep=rows.keep)
+        return token_logps(logits, r.completion_ids, rows, entropy)
+
+    def _check_packing(self, head: Head, r: Rollout) -> None:
+        """Packed rows on, if on this first rollout they give every completion token the plain rows' log-probability
+        (within the compute dtype's rounding); else off for the run, said once. Every rank decides alike: the largest
+        difference is all-reduced (a collective every rank reaches: every rank scores its first rollout here)."""
         with torch.no_grad():
-            return picked, torch.stack([_entropy(row) for row in logits])
+            plain = self._plain_logps(head, r, entropy=False)[0]
+            packed = self._packed_logps(head, r, entropy=False)[0]
+        real = r.completion_mask.bool()
+        worst = (plain - packed).abs()[real].max() if real.any() else plain.new_zeros(())
+        worst = worst.reshape(1).float()
+        if self.dist.world_size > 1:
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        limit = PACKING_TOLERANCE.get(self.logits_dtype, PACKING_TOLERANCE[torch.bfloat16])
+        self.packing = "on" if float(worst) <= limit else "off"
+        if not self.dist.is_main:
+            return
+        if self.packing == "on":
+            log.info("GRPO scores each prompt once with its %d completions after it (packed rows: the same "
+                     "log-probabilities as plain rows, largest difference %.3g)", self.g.num_generations, float(worst))
+        else:
+            log.warning("GRPO: rows that hold each prompt once gave other log-probabilities than plain rows (largest "
+                        "difference %.3g, above %.3g): scoring plain rows", float(worst), limit)
 
     def __call__(self, batch: Batch, num_items: float) -> torch.Tensor:
         """Training: the next prepared rollout's share of the step's loss (batch and num_items unused: the rollouts
@@ -223,6 +281,7 @@ class GRPOObjective:
     def _validate(self, batch: Batch) -> torch.Tensor:
         with self.gathered():
             r = self.roller.roll(batch, 1, self.greedy, None)
+        self.figures.log(self.roller.rewards.take_metrics())
         valid = r.valid
         r.rewards = torch.nan_to_num(r.rewards, nan=0.0)  # validation's mean counts an unscored completion as 0
         self.figures.add("reward", r.rewards[valid])
@@ -250,12 +309,6 @@ class GRPOObjective:
 
     def closing(self, base: HeldOut, final: HeldOut) -> str:
         return f"mean reward {0.0 - base.loss:.4f} -> {0.0 - final.loss:.4f} over {final.tokens} prompts"
-
-
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Each position's entropy of softmax(logits) ([tokens, vocab] -> [tokens])."""
-    logprobs = logits.log_softmax(-1)
-    return -(logprobs.exp() * logprobs).sum(-1)
 
 
 def _shown(prompt: str | list) -> str:

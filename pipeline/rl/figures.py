@@ -8,6 +8,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from pipeline.errors import UserError
+
 
 class Figures:
     """Values kept by name since the last read. The names are fixed when built, in one order on every rank: the
@@ -21,6 +23,17 @@ class Figures:
         """Names of a largest value (peaks) or a smallest (troughs, kept negated: one MAX all-reduce for both)."""
         self.troughs = set(troughs)
         self.highs = torch.full((len(self.extremes),), -torch.inf, dtype=torch.float64)
+        self.logged: dict[str, list[float]] = {}
+        """Means of names not known when built (the reward functions' log_metric): [sum, count] by name."""
+
+    def log(self, metrics: dict[str, list[float]]) -> None:
+        """Values of names known only when they come (each a mean over the window and every rank)."""
+        for name, values in metrics.items():
+            if name in self.names or name in self.extremes:
+                raise UserError(f"a reward function logged the metric {name}, a name GRPO's own figures use; give "
+                                "log_metric another name")
+            kept = self.logged.setdefault(name, [0.0, 0])
+            kept[0], kept[1] = kept[0] + sum(values), kept[1] + len(values)
 
     def add(self, name: str, values: torch.Tensor) -> None:
         """Add values (any shape; NaN ones left out: an abstaining reward)."""
@@ -38,11 +51,19 @@ class Figures:
         when reduce (a collective: every rank calls it); then empty. A name with no value is left out."""
         sums, self.sums = self.sums, torch.zeros_like(self.sums)
         highs, self.highs = self.highs, torch.full_like(self.highs, -torch.inf)
+        logged_here, self.logged = self.logged, {}
+        logged = [logged_here]
         if reduce and dist.is_initialized() and dist.get_world_size() > 1:  # CPU tensors: gloo, no device sync
             dist.all_reduce(sums)
             dist.all_reduce(highs, op=dist.ReduceOp.MAX)
+            # the logged names may differ by rank: each rank's [sum, count] by name, gathered as objects
+            logged = [None] * dist.get_world_size()
+            dist.all_gather_object(logged, logged_here)
         out = {name: -h if name in self.troughs else h
                for name, h in zip(self.extremes, highs.tolist(), strict=True) if h != -float("inf")}
+        for name in sorted({name for rank in logged for name in rank}):
+            total, n = (sum(rank[name][i] for rank in logged if name in rank) for i in (0, 1))
+            out[name] = total / n
         for name, (total, squares, n) in zip(self.names, sums.tolist(), strict=True):
             if not n:
                 continue

@@ -66,33 +66,43 @@ def pick(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -
 
 @torch.no_grad()
 def generate(head: Head, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s: Sampling, stops: set[int],
-             pad_id: int, generator: torch.Generator | None, group: dist.ProcessGroup | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             pad_id: int, generator: torch.Generator | None, group: dist.ProcessGroup | None = None,
+             repeats: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(completion ids [rows, C], mask [rows, C]) for left-padded prompts [rows, P]: each row's tokens up to and
     including its first stop token (TRL's completion mask), C the longest row's length (at most s.max_tokens). A
-    collective: every rank of group calls it, and steps until every rank's rows are done."""
+    collective: every rank of group calls it, and steps until every rank's rows are done. repeats: each prompt comes
+    that many times in a row (a GRPO group): its forward runs once, its cache and logits copied to its rows."""
     from transformers import DynamicCache
 
-    model = head.model
     rows, device = prompt_ids.shape[0], prompt_ids.device
     mask = prompt_mask.long()
     cache = DynamicCache()
-    ids, out = prompt_ids, []
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = _next_logits(head, prompt_ids[::repeats], mask[::repeats], positions[::repeats], cache)
+    if repeats > 1:
+        # index_select on every layer's cache, recurrent states included (what beam search reorders with)
+        cache.reorder_cache(torch.arange(rows // repeats, device=device).repeat_interleave(repeats))
+        logits = logits.repeat_interleave(repeats, dim=0)
+    out = []
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     stop = torch.tensor(sorted(stops), dtype=torch.long, device=device) if stops else None
-    for _ in range(s.max_tokens):
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-        with head.autocasting(device):
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                           use_cache=True, logits_to_keep=1).logits[:, -1]
+    for i in range(s.max_tokens):
         token = torch.where(done, pad_id, pick(logits, s, generator))
         out.append(token)
         done |= torch.isin(token, stop) if stop is not None else torch.zeros_like(done)
-        ids, mask = token[:, None], torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        if _all_done(done, group):
+        if i == s.max_tokens - 1 or _all_done(done, group):
             break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        logits = _next_logits(head, token[:, None], mask, mask.sum(-1, keepdim=True) - 1, cache)
     completion = torch.stack(out, dim=1)
     return completion, _through_first_stop(completion, stop)
+
+
+def _next_logits(head: Head, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    """The last position's logits [rows, vocab] after ids, the cache extended by them."""
+    with head.autocasting(ids.device):
+        return head.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                          use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
 def _all_done(done: torch.Tensor, group: dist.ProcessGroup | None) -> bool:

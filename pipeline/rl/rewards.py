@@ -4,11 +4,14 @@ training process on each rank's own completions, and every value they return che
 A reward function is `fn(prompts, completions, completion_ids, **columns) -> list[float | None]`: prompts and
 completions are strings (standard prompts) or lists of messages (conversational ones), completion_ids the token ids,
 and each of the prompt rows' other columns a keyword argument holding one value per completion. None abstains: the
-reward is the weighted sum of the values given (TRL's nansum).
+reward is the weighted sum of the values given (TRL's nansum). As TRL does, a function also gets `trainer_state`,
+`log_metric(name, value)` (a scalar averaged over the log window and every rank, logged under that name) and
+`log_extra(column, values)` (one value per completion, shown with the completions in the samples log).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import math
@@ -181,6 +184,10 @@ class Rewards:
         self.identity = [spec.identity(digest) for spec, (_, digest) in zip(self.specs, loaded, strict=True)]
         """What the run's fingerprint holds: a reward changed on resume is refused in one line."""
         self.weights = torch.tensor([s.weight for s in self.specs], dtype=torch.float32)
+        self.metrics: dict[str, list[float]] = {}
+        """What the functions passed to log_metric since the last take_metrics()."""
+        self.extra: dict[str, list] = {}
+        """The last score()'s log_extra columns: one JSON value per completion scored."""
 
     def place(self, device: torch.device, dtype: torch.dtype) -> None:
         """Load the reward models among the rewards onto this rank's device (the functions need nothing)."""
@@ -199,14 +206,17 @@ class Rewards:
         function that raises or returns a wrong count, NaN, inf or a non-number stops the run in one line naming it
         and the prompt. state: TRL's trainer_state argument (None: not passed)."""
         # a column named as one of the functions' own arguments cannot reach them (TRL's signature takes them first)
-        own = ("prompts", "completions", "completion_ids", "trainer_state")
+        own = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
         keys = dict.fromkeys(k for row in columns for k in row if k not in own)
         kwargs = {key: [row.get(key) for row in columns] for key in keys}
         if state is not None:  # for rewards shaped by training progress, as TRL passes it
             kwargs["trainer_state"] = state
+        self.extra = {}
         per = torch.full((len(completions), len(self.functions)), math.nan, dtype=torch.float32)
         for j, (spec, fn) in enumerate(zip(self.specs, self.functions, strict=True)):
-            values = self._call(spec, fn, prompts, completions, completion_ids, kwargs)
+            loggers = {"log_metric": functools.partial(self._log_metric, spec),
+                       "log_extra": functools.partial(self._log_extra, spec, len(completions))}
+            values = self._call(spec, fn, prompts, completions, completion_ids, {**kwargs, **loggers})
             for i, value in enumerate(values):
                 if value is not None:
                     per[i, j] = float(value)
@@ -214,10 +224,36 @@ class Rewards:
         total[torch.isnan(per).all(dim=1)] = torch.nan  # no function scored it: unscored, not 0 (as TRL 1.16)
         return total, per
 
+    def take_metrics(self) -> dict[str, list[float]]:
+        """The values log_metric got since the last call, by name; then none."""
+        out, self.metrics = self.metrics, {}
+        return out
+
+    def _log_metric(self, spec: RewardSpec, name: object, value: object) -> None:
+        if not isinstance(name, str) or not name:
+            raise UserError(f"reward {_named(spec)} called log_metric with the name {name!r:.40}; a metric's name is a "
+                            "non-empty string")
+        if isinstance(value, bool) or not (isinstance(value, numbers.Real) and math.isfinite(float(value))):
+            raise UserError(f"reward {_named(spec)} logged {value!r:.40} as the metric {name}; log_metric takes a "
+                            "finite number")
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def _log_extra(self, spec: RewardSpec, count: int, column: object, values: object) -> None:
+        if not isinstance(column, str) or not column:
+            raise UserError(f"reward {_named(spec)} called log_extra with the column {column!r:.40}; a column's name "
+                            "is a non-empty string")
+        if not isinstance(values, (list, tuple)) or len(values) != count:
+            got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+            raise UserError(f"reward {_named(spec)} logged {got} values in the column {column} for {count} "
+                            "completions; log_extra takes one value per completion")
+        self.extra[column] = [_json_value(v) for v in values]
+
     def _call(self, spec: RewardSpec, fn: RewardFn, prompts: list, completions: list, ids: list,
               kwargs: dict) -> Sequence:
         try:
             values = fn(prompts=prompts, completions=completions, completion_ids=ids, **kwargs)
+        except UserError:  # a logger's own one line (a bad metric or column)
+            raise
         except Exception as exc:  # the user's code: named, with the prompt it failed on
             where = _failing(fn, prompts, completions, ids, kwargs)
             raise UserError(f"reward {_named(spec)} raised {type(exc).__name__}: {exc} (prompt {_shown(where)})"
@@ -235,14 +271,29 @@ class Rewards:
 
 
 def _failing(fn: RewardFn, prompts: list, completions: list, ids: list, kwargs: dict) -> object:
-    """The first prompt whose completion alone makes fn raise (the batch's first if none alone does)."""
+    """The first prompt whose completion alone makes fn raise (the batch's first if none alone does); what it logs
+    meanwhile is dropped (a column of one value would not be the batch's)."""
+    quiet = {"log_metric": _dropped, "log_extra": _dropped}
     for i in range(len(completions)):
         try:
             fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1], completion_ids=ids[i:i + 1],
-               **{k: v[i:i + 1] if isinstance(v, list) else v for k, v in kwargs.items()})
+               **{k: v[i:i + 1] if isinstance(v, list) else v for k, v in kwargs.items()} | quiet)
         except Exception:  # the one that fails alone is the one to name
             return prompts[i]
     return prompts[0]
+
+
+def _dropped(*args: object) -> None:
+    return None
+
+
+def _json_value(value: object) -> object:
+    """A log_extra value as the samples log can hold it: a number, a string, a bool or None as it is, else its text."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, numbers.Real):
+        return float(value) if math.isfinite(float(value)) else str(value)
+    return str(value)
 
 
 def _named(spec: RewardSpec) -> str:

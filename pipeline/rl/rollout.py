@@ -3,7 +3,7 @@ and scored by the rewards. What the loss needs of it is kept on the device; the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,6 +37,8 @@ class Rollout:
     ref_logps: torch.Tensor | None = None
     old_logps: torch.Tensor | None = None
     """The generating policy's log-probabilities (--num-iterations > 1; None: on-policy)."""
+    extra: dict[str, list] = field(default_factory=dict)
+    """The reward functions' log_extra columns, one value per row (None for a padding row)."""
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -60,7 +62,8 @@ class Roller:
         same steps), decoded and scored. A collective (generation)."""
         rows = np.repeat(batch.rows, group)
         ids, mask = batch.input_ids.repeat_interleave(group, 0), batch.flags.repeat_interleave(group, 0)
-        completion, cmask = generate(self.head, ids, mask, sampling, self.stops, self.pad_id, generator)
+        completion, cmask = generate(self.head, ids, mask, sampling, self.stops, self.pad_id, generator,
+                                     repeats=group)
         lengths = cmask.sum(-1).tolist()  # a host sync per micro-batch: the texts are decoded on the CPU
         token_lists = [c[:n] for c, n in zip(completion.tolist(), lengths, strict=True)]
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in token_lists]
@@ -72,10 +75,16 @@ class Roller:
         keep = np.flatnonzero(valid)
         rewards = torch.zeros(len(rows))
         per = torch.full((len(rows), len(self.rewards.functions)), torch.nan)
+        extra: dict[str, list] = {}
         if len(keep):
             r, p = self.rewards.score([prompts[i] for i in keep], [completions[i] for i in keep],
                                       [token_lists[i] for i in keep], [chosen[i].columns for i in keep], state)
             rewards[keep], per[keep] = r, p
+            for column, values in self.rewards.extra.items():
+                extra[column] = [None] * len(rows)
+                for i, value in zip(keep, values, strict=True):
+                    extra[column][i] = value
         # what generate kept of each row ends at its first stop token: one that reached the limit without one
         clipped = torch.tensor([len(t) >= sampling.max_tokens and t[-1] not in self.stops for t in token_lists])
-        return Rollout(ids, mask, completion, cmask, rewards, per, torch.from_numpy(valid), clipped, prompts, texts)
+        return Rollout(ids, mask, completion, cmask, rewards, per, torch.from_numpy(valid), clipped, prompts, texts,
+                       extra=extra)

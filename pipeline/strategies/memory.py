@@ -64,6 +64,8 @@ class Shape:
     linears: tuple[tuple[str, int, int], ...] = ()
     """(name, in, out) of every linear layer of every decoder block an adapter can target (the blocks' own names; a
     mixture of experts' fused experts are not linear layers, nor is its router)."""
+    packs_to: int = 0
+    """The longest prompt plus completion GRPO may score in packed rows (pipeline/rl/packing.py; 0: never)."""
 
     @classmethod
     def of(cls, config) -> Shape:
@@ -73,6 +75,7 @@ class Shape:
         from pipeline.errors import UserError
         from pipeline.model.adapters import default_targets
         from pipeline.model.modeling import decoder_layers, meta_model
+        from pipeline.rl.packing import packed_span
 
         try:
             model = meta_model(config)
@@ -90,7 +93,7 @@ class Shape:
         n = len(blocks)
         return cls(hidden, sum(i for _, i in widths) // n, sum(k for k, _ in widths) // n, n, text.vocab_size,
                    bool(getattr(text, "tie_word_embeddings", False)), max(sizes), sum(sizes),
-                   sum(p.numel() for p in model.parameters()), linears)
+                   sum(p.numel() for p in model.parameters()), linears, packed_span(text))
 
     def adapter_params(self, work: Workload) -> int:
         """Trainable parameters of the workload's adapter: r x (in + out) per adapted linear layer (DoRA: + out, its
@@ -158,6 +161,17 @@ class Generation:
     reference: bool = False
     """A frozen copy of the base resident beside the policy (--grpo-beta under full fine-tuning): sharded as the
     policy under fsdp2, whole (fp32) on each rank under the other strategies."""
+    group: int = 1
+    """Completions per prompt (--num-generations)."""
+    packable: bool = False
+    """The attention kernel takes packed rows (each prompt once, its group after it): whether the model's layers do
+    is Shape.packs_to's."""
+
+    def scored_tokens(self, shape: Shape) -> int:
+        """The positions of a micro-batch's scoring forward: packed rows where the model takes them, else plain."""
+        if self.packable and shape.packs_to >= self.prompt + self.completion:
+            return self.completions // self.group * (self.prompt + self.group * self.completion)
+        return self.completions * (self.prompt + self.completion)
 
 
 @dataclass(frozen=True)
@@ -281,8 +295,8 @@ def estimate(shape: Shape, work: Workload, terms: StrategyTerms) -> Estimate:
     c, n = work.compute_bytes, shape.num_params
     shards = terms.shards(work)
     held = 0 if work.cpu_offload else n // shards  # parameters this rank keeps fp32 state for
-    tokens = work.batch_size * work.seq_length
     gen = work.generation
+    tokens = work.batch_size * work.seq_length if gen is None else gen.scored_tokens(shape)
     # GRPO scores the completions' positions alone: their logits, not the prompts'
     logit_tokens = tokens if gen is None else gen.completions * (gen.completion + 1)
     per_layer = layer_activation_bytes(shape, tokens, c) + adapter_activation_bytes(shape, work, tokens)

@@ -13,6 +13,7 @@ from pipeline.config_base import flag
 from pipeline.distributed.runtime import Dist, compute_dtype
 from pipeline.errors import UserError
 from pipeline.model.transforms import ModelTransform
+from pipeline.rl.packing import PACKABLE_KERNELS
 from pipeline.strategies.base import Strategy
 from pipeline.strategies.ddp import DDP
 from pipeline.strategies.fsdp1 import FSDP1
@@ -105,7 +106,8 @@ def workload(cfg: Config, device: str, world_size: int, local_world_size: int) -
     batch, seq, generation = cfg.train.batch_size, cfg.data.seq_length, None
     if cfg.objective.objective == "grpo":  # a micro-batch of B prompts is B x G completions
         generation = Generation(batch * g.num_generations, g.max_prompt_length, g.max_completion_length,
-                                reference=g.grpo_beta > 0 and m.adapter == "none")
+                                reference=g.grpo_beta > 0 and m.adapter == "none", group=g.num_generations,
+                                packable=m.attn_implementation in ("auto", *PACKABLE_KERNELS))
         batch, seq = generation.completions, g.max_prompt_length + g.max_completion_length
     return Workload(m.strategy, m.sharding, world_size, local_world_size, dtype.itemsize, batch, seq,
                     cfg.train.grad_accum, m.activation_checkpointing, uses_vocab_parallel(m), m.cpu_offload, device,

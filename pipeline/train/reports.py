@@ -1,12 +1,46 @@
-"""What a run reports besides its log windows: the profiled steps, a mixture's sources, and the completions an
-online objective trained on."""
+"""What a run reports besides its log windows: its plan and data at the start, the profiled steps, a mixture's
+sources, and the completions an online objective trained on."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from pipeline.config import Config
 from pipeline.data.sampler import MixtureSampler
+from pipeline.model.modeling import untested_family
+from pipeline.strategies.memory import GIB
+from pipeline.strategies.registry import ignored_knobs, out_of_memory_hints
 from pipeline.train.telemetry import Telemetry, log
+
+if TYPE_CHECKING:
+    from pipeline.train.preflight import Plan
+
+
+def log_plan(plan: Plan, cfg: Config) -> None:
+    """Rank 0's start: the strategy (and why, when auto chose it), knobs it ignores, and the memory estimate."""
+    mem, m = plan.memory, cfg.model
+    if why := untested_family(plan.hf_config):
+        log.warning("%s; attempting it", why)
+    if mem.reason:
+        log.info("--strategy auto chose %s", mem.reason)
+    if ignored := ignored_knobs(m):
+        log.warning("%s: no effect under --strategy %s", ", ".join(ignored), m.strategy)
+    if mem.estimate is None:
+        log.info("estimated peak memory per rank: not available for this model; budget %.2f GiB", mem.budget / GIB)
+        return
+    log.info("estimated peak memory per rank: %s; budget %.2f GiB", mem.estimate.describe(), mem.budget / GIB)
+    if mem.estimate.total > mem.budget:
+        log.warning("the estimate is above the budget: if a step runs out of memory, %s", out_of_memory_hints(cfg))
+
+
+def data_line(train: int, val: int, seq_length: int, global_batch: int, generations: int) -> str:
+    """The start line's data part: blocks of --seq-length tokens, or (an objective that generates: generations > 0
+    completions per prompt) prompts."""
+    if generations:
+        return (f"{train} train / {val} val prompts; global batch {global_batch} prompts "
+                f"({global_batch * generations} completions)")
+    return f"{train} train / {val} val blocks of {seq_length} tokens; global batch {global_batch} blocks"
 
 
 def log_profile(telemetry: Telemetry, summary: dict, step: int, run_dir: Path) -> None:

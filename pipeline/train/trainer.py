@@ -25,14 +25,13 @@ from pipeline.distributed.runtime import Dist, compute_dtype
 from pipeline.errors import UserError
 from pipeline.eval.heldout import Stopped, held_out_loss
 from pipeline.eval.samples import complete, stop_ids
-from pipeline.model.modeling import untested_family
 from pipeline.model.registry import transforms_for
 from pipeline.model.reward_head import pad_id
 from pipeline.objectives.build import make_grpo, make_objective
 from pipeline.objectives.objective import HeldOut
 from pipeline.objectives.reference import precomputed
 from pipeline.strategies.memory import GIB
-from pipeline.strategies.registry import ignored_knobs, make_strategy, out_of_memory_hints
+from pipeline.strategies.registry import make_strategy
 from pipeline.train.blocks import check_one_batch, make_sampler, prepare_blocks
 from pipeline.train.checkpoint import Checkpointer, state_problem, step_name
 from pipeline.train.export import described, export_run, run_exports
@@ -40,7 +39,7 @@ from pipeline.train.optim import build_optimizer, build_scheduler, rescale_lr
 from pipeline.train.preflight import Plan
 from pipeline.train.profiling import StepProfiler, memory_breakdown
 from pipeline.train.reference import frozen_copy, with_reference
-from pipeline.train.reports import log_mixture, log_profile, log_samples
+from pipeline.train.reports import data_line, log_mixture, log_plan, log_profile, log_samples
 from pipeline.train.signals import Interrupted, StopRequest, agreed_stop
 from pipeline.train.step import StepResult, Update, train_step
 from pipeline.train.telemetry import (
@@ -107,7 +106,7 @@ class Trainer:
         reward = [plan.reward_head] if plan.reward_head else []
         self.strategy = make_strategy(cfg.model, d, self.dtype, [*transforms_for(cfg.model, self.dtype), *reward])
         if d.is_main:
-            self.log_plan()
+            log_plan(plan, cfg)
         # what the process holds before the model exists: the estimate covers what comes above it
         self.memory_base = memory_in_use(d.device)
         reset_peak_memory(d.device)
@@ -147,29 +146,12 @@ class Trainer:
         first = cfg.train.profile_from if d.is_main else 0  # rank 0 alone: the profiler has no collective
         self.profiler = StepProfiler(first, cfg.train.profile_steps, self.run_dir / "profile", d.device,
                                      lambda: memory_breakdown(self.strategy.module, self.optimizer, d.device))
-        log.info("model %s: %s parameters (%s trainable), %s compute, %s %s; %d train / %d val blocks of %d tokens; "
-                 "global batch %d blocks; step %d of %d", type(self.strategy.module).__name__,
-                 f"{self.strategy.num_params:,}", f"{self.strategy.num_trainable:,}",
-                 self.dtype, cfg.model.strategy, cfg.model.sharding, len(self.blocks.train), len(self.blocks.val),
-                 cfg.data.seq_length, self.sampler.global_batch, self.step, self.total_steps)
-
-    def log_plan(self) -> None:
-        """Rank 0: the strategy (and why, when auto chose it), knobs it ignores, and the memory estimate."""
-        mem, cfg = self.plan.memory, self.cfg.model
-        if why := untested_family(self.plan.hf_config):
-            log.warning("%s; attempting it", why)
-        if mem.reason:
-            log.info("--strategy auto chose %s", mem.reason)
-        if ignored := ignored_knobs(cfg):
-            log.warning("%s: no effect under --strategy %s", ", ".join(ignored), cfg.strategy)
-        if mem.estimate is None:
-            log.info("estimated peak memory per rank: not available for this model; budget %.2f GiB",
-                     mem.budget / GIB)
-            return
-        log.info("estimated peak memory per rank: %s; budget %.2f GiB", mem.estimate.describe(), mem.budget / GIB)
-        if mem.estimate.total > mem.budget:
-            log.warning("the estimate is above the budget: if a step runs out of memory, %s",
-                        out_of_memory_hints(self.cfg))
+        data = data_line(len(self.blocks.train), len(self.blocks.val), cfg.data.seq_length, self.sampler.global_batch,
+                         cfg.grpo.num_generations if self.objective.generates else 0)
+        log.info("model %s: %s parameters (%s trainable), %s compute, %s %s; %s; step %d of %d",
+                 type(self.strategy.module).__name__, f"{self.strategy.num_params:,}",
+                 f"{self.strategy.num_trainable:,}", self.dtype, cfg.model.strategy, cfg.model.sharding, data,
+                 self.step, self.total_steps)
 
     # ------------------------------------------------------------------------------------------------ state
 
@@ -276,11 +258,13 @@ class Trainer:
                 continue
             lr = self.optimizer.param_groups[0]["lr"]  # what this step applies: the update advances the schedule
             self.profiler.before(self.step + 1)
+            consumed = self.sampler.consumed
             result = self.train_step()
             self.step += 1
             if profiled := self.profiler.after(self.step, final=self.step >= self.total_steps):
                 log_profile(telemetry, profiled, self.step, self.run_dir)
-            self.samples_seen += self.sampler.global_batch
+            # a step drew its global batch, unless GRPO trained on a generation's rollouts again (--num-iterations)
+            self.samples_seen += self.sampler.consumed - consumed
             telemetry.advance()
             window.add(result, lr)
             if result.applied:

@@ -1,0 +1,144 @@
+"""Shared-prompt rows for GRPO's scoring forwards: the G completions of a group all follow one prompt, so one row can
+hold that prompt once and the G completions after it, each attending to the prompt and to itself alone (a 4D mask)
+and numbered from the prompt's end as if it followed the prompt alone. The prompt's tokens then run once per group
+instead of G times, in the forward and the backward; the log-probabilities are the plain rows' (the same keys, values
+and positions reach every completion token).
+
+Hazards:
+- Only attention reads a mask: a layer that reads the sequence in order (a recurrent or convolutional layer of a
+  hybrid model) would read one completion into the next. packing_refusal refuses what the config says is such a
+  model; GRPOObjective also compares the two layouts on its first rows and keeps the plain one if they differ.
+- A sliding window (or Llama 4's attention chunks) counts positions, which a 4D mask given as it is leaves out: a
+  window shorter than prompt plus completion is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PACKABLE_KERNELS = ("sdpa", "eager")
+"""Attention kernels that take a 4D mask as given (flash attention takes none; flex attention wants a block mask)."""
+ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}
+"""Layer kinds that read the sequence through the mask alone (a window or chunk no shorter than the rows: checked)."""
+
+
+def packing_refusal(config, positions: int) -> str | None:
+    """Why a model of this config cannot score packed rows of up to `positions` positions (prompt plus completion);
+    None when it can."""
+    config = _text(config)
+    kernel = getattr(config, "_attn_implementation", None)
+    if kernel not in PACKABLE_KERNELS:
+        return f"its attention kernel {kernel} takes no 4D mask"
+    if other := sorted(set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYERS):
+        return f"its layers include {', '.join(other)}, which read the sequence in order"
+    for what, size in _spans(config):
+        if size < positions:
+            return f"its {what} ({size}) is shorter than a prompt and its completion ({positions})"
+    return None
+
+
+def packed_span(config) -> int:
+    """The most positions (prompt plus completion) whose packed rows this model's layers read as plain ones, whatever
+    the kernel: 0 where a layer reads the sequence in order, else its shortest window or chunk (a large number for
+    none)."""
+    config = _text(config)
+    if set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYERS:
+        return 0
+    return min((size for _, size in _spans(config)), default=1 << 62)
+
+
+def _text(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _spans(config) -> list[tuple[str, int]]:
+    """The config's position limits on attention: a sliding window, Llama 4's attention chunks."""
+    return [(what, size) for name, what in (("sliding_window", "sliding window"),
+                                            ("attention_chunk_size", "attention chunk"))
+            if isinstance(size := getattr(config, name, None), int) and size > 0]
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A forward's inputs for B prompts of width P, each followed by its G completions of width C."""
+
+    input_ids: torch.Tensor
+    """[B, P + G*C]"""
+    mask: torch.Tensor
+    """[B, 1, L, L]: bool (True: attend) for sdpa, additive float for eager."""
+    positions: torch.Tensor
+    """[B, L]"""
+    keep: torch.Tensor
+    """The positions whose logits predict completion tokens: the prompt's last, then each completion's but its last."""
+    group: int
+    width: int
+
+
+def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, group: int,
+         kernel: str, dtype: torch.dtype) -> Packed:
+    """Packed rows from the rollout's: prompt_ids/prompt_mask [B*G, P] (left-padded, each prompt repeated G times in
+    a row), completion_ids [B*G, C]. dtype: the attention's (an eager kernel adds the mask to its scores)."""
+    device = prompt_ids.device
+    prompts, pmask = prompt_ids[::group], prompt_mask[::group].bool()
+    b, p = prompts.shape
+    c = completion_ids.shape[1]
+    length = p + group * c
+    block = torch.cat([torch.full((p,), -1, device=device), torch.arange(group, device=device).repeat_interleave(c)])
+    offset = torch.cat([torch.arange(p, device=device), torch.arange(c, device=device).repeat(group)])
+    prompt_positions = (pmask.long().cumsum(-1) - 1).clamp(min=0)
+    after = pmask.sum(-1, keepdim=True) + offset[p:]  # a completion's token j sits at the prompt's length + j
+    positions = torch.cat([prompt_positions, after], dim=1)
+    index = torch.arange(length, device=device)
+    causal = index[:, None] >= index[None, :]
+    same = (block[None, :] < 0) | (block[:, None] == block[None, :])  # the prompt's keys, and the row's own block
+    real = torch.cat([pmask, torch.ones(b, group * c, dtype=torch.bool, device=device)], dim=1)
+    allowed = (causal & same)[None] & real[:, None, :]
+    allowed |= torch.eye(length, dtype=torch.bool, device=device)  # a padding query keeps one key (no NaN row)
+    mask = allowed[:, None]
+    if kernel == "eager":
+        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+    starts = p + torch.arange(group, device=device)[:, None] * c
+    keep = torch.cat([torch.tensor([p - 1], device=device), (starts + torch.arange(c - 1, device=device)).flatten()])
+    ids = torch.cat([prompts, completion_ids.reshape(b, group * c)], dim=1)
+    return Packed(ids, mask, positions, keep, group, c)
+
+
+def token_logps(logits: torch.Tensor, completion_ids: torch.Tensor, packed: Packed,
+                entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each completion token's log-probability [B*G, C] (and, when asked, its position's entropy, without autograd)
+    from the kept positions' logits [B, 1 + G*(C-1), V] (float, over the temperature). The prompt's last position is
+    shared by the G completions: its log-sum-exp is computed once."""
+    b, g, c = logits.shape[0], packed.group, packed.width
+    targets = completion_ids.reshape(b, g, c)
+    lse = logits.logsumexp(-1)  # [B, K]
+    first = torch.gather(logits[:, 0], -1, targets[:, :, 0]) - lse[:, :1]  # [B, G]
+    rest = logits[:, 1:].reshape(b, g, c - 1, logits.shape[-1])
+    later = torch.gather(rest, -1, targets[:, :, 1:, None]).squeeze(-1) - lse[:, 1:].reshape(b, g, c - 1)
+    picked = torch.cat([first[..., None], later], dim=-1).reshape(b * g, c)
+    if not entropy:
+        return picked, None
+    with torch.no_grad():
+        each = row_entropy(logits)  # [B, K]
+        shared = each[:, :1, None].expand(b, g, 1)
+        return picked, torch.cat([shared, each[:, 1:].reshape(b, g, c - 1)], dim=-1).reshape(b * g, c)
+
+
+def row_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Each position's entropy of softmax(logits) ([rows, tokens, vocab] -> [rows, tokens]), without autograd, one
+    row's probabilities at a time."""
+    with torch.no_grad():
+        return torch.stack([_entropy(row) for row in logits])
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    logprobs = logits.log_softmax(-1)
+    return -(logprobs.exp() * logprobs).sum(-1)
+
+
+def model_config(model: torch.nn.Module):
+    """The transformers config of the model inside whatever wraps it (DDP, FSDP, peft)."""
+    from transformers import PretrainedConfig
+
+    return next(m.config for m in model.modules() if isinstance(getattr(m, "config", None), PretrainedConfig))

@@ -1,0 +1,66 @@
+"""GRPO's packed rows (pipeline/rl/packing.py): each prompt once with its group's completions after it gives every
+completion token the log-probability, entropy and gradient of plain rows, on every family the pipeline builds that
+packing_refusal lets pack, and the refusals name why."""
+
+import pytest
+import torch
+
+
+def plain_logps(model, prompt_ids, prompt_mask, completion_ids):
+    ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, torch.ones_like(completion_ids)], 1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    width = completion_ids.shape[1]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                   logits_to_keep=width + 1).logits[:, :-1].float()
+    return torch.gather(logits, -1, completion_ids[..., None]).squeeze(-1) - logits.logsumexp(-1), logits
+
+
+def rows(vocab: int, group: int, width: int):
+    torch.manual_seed(1)
+    prompts = torch.randint(3, vocab, (2, 3))
+    mask = torch.ones_like(prompts)
+    prompts[0, 0], mask[0, 0] = 0, 0  # a left-padded prompt
+    return (prompts.repeat_interleave(group, 0), mask.repeat_interleave(group, 0),
+            torch.randint(3, vocab, (2 * group, width)))
+
+
+@pytest.mark.parametrize("kernel", ["auto", "eager"])
+def test_packed_rows_score_every_family_as_plain_rows_do(kernel):
+    """Each family with the kernel transformers picks for it (what --attn-implementation auto gives: sdpa, or eager
+    where the family has no sdpa) and with eager."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.prep.tiny import FAMILIES, family_config
+    from pipeline.rl.packing import model_config, pack, packing_refusal, row_entropy, token_logps
+
+    group, width = 3, 4
+    refused = {}
+    for family in FAMILIES:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(family_config(family, 512, 0, 1), dtype=torch.float32,
+                                                 **({} if kernel == "auto" else {"attn_implementation": kernel}))
+        config = model_config(model)
+        prompt_ids, prompt_mask, completion_ids = rows(512, group, width)
+        if why := packing_refusal(config, prompt_ids.shape[1] + width):
+            refused[family] = why
+            continue
+        want, logits = plain_logps(model, prompt_ids, prompt_mask, completion_ids)
+        packed = pack(prompt_ids, prompt_mask, completion_ids, group, config._attn_implementation, torch.float32)
+        kept = model(input_ids=packed.input_ids, attention_mask=packed.mask, position_ids=packed.positions,
+                     use_cache=False, logits_to_keep=packed.keep).logits.float()
+        got, entropy = token_logps(kept, completion_ids, packed, entropy=True)
+        assert torch.allclose(got, want, atol=2e-5), (family, (got - want).abs().max())
+        assert torch.allclose(entropy, row_entropy(logits), atol=2e-5), family
+        # the gradient too: the prompt's activations feed G completions in one row instead of G rows
+        grads = [torch.autograd.grad(x.sum(), [p for p in model.parameters() if p.requires_grad], allow_unused=True)
+                 for x in (want, got)]
+        for a, b in zip(*grads, strict=True):
+            assert (a is None) == (b is None), family
+            assert a is None or (a - b).abs().max() <= 1e-4 * a.abs().max(), (family, (a - b).abs().max())
+    assert refused == {"qwen3_5": "its layers include linear_attention, which read the sequence in order",
+                       "qwen3_5_moe": "its layers include linear_attention, which read the sequence in order"}
+    config = family_config("mistral", 512, 0, 1)
+    config._attn_implementation = "sdpa"
+    assert packing_refusal(config, 9) == "its sliding window (8) is shorter than a prompt and its completion (9)"
+    config._attn_implementation = "flash_attention_2"
+    assert packing_refusal(config, 4) == "its attention kernel flash_attention_2 takes no 4D mask"
