@@ -180,10 +180,43 @@ def test_generation_with_a_cache_is_the_greedy_decoding_without_one_and_sampling
     assert got[1, :len(second)].tolist() == second
     top1, _ = generate(head, ids, mask, Sampling(6, top_k=1), {stop}, 0, seeded(0, 1, 0, 0))
     assert top1.tolist() == got.tolist()
+    # each prompt's forward once for its group (repeats): the cache and logits copied to its rows
+    group = generate(head, ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0), Sampling(6, greedy=True),
+                     {stop}, 0, None, repeats=3)
+    assert [t.tolist() for t in group] == [t.repeat_interleave(3, 0).tolist() for t in (got, got_mask)]
     wide = Sampling(6, temperature=2.0, top_p=0.95)
     a, b, c = (generate(head, ids.repeat(4, 1), mask.repeat(4, 1), wide, set(), 0, seeded(0, s, 0, 0))[0]
                for s in (1, 1, 2))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_the_manual_strategy_gathers_each_unit_once_for_a_generation(group_of_one, tiny_models):
+    """Strategy.gathered under manual ZeRO-3: a pass of forwards without autograd all-gathers each unit at its first
+    forward only, gives the logits of forwards outside it, and leaves nothing gathered after."""
+    from transformers import AutoConfig
+
+    from pipeline.config import ModelConfig
+    from pipeline.strategies.registry import make_strategy
+
+    cfg = ModelConfig(model_name=str(tiny_models["tied"]), precision="fp32", strategy="manual", sharding="auto",
+                      vocab_parallel="off")
+    s = make_strategy(cfg, group_of_one, torch.float32, [])
+    s.build(AutoConfig.from_pretrained(tiny_models["tied"]))
+    s.load_weights(tiny_models["tied"])
+    gathers = []
+    original = s.comm.all_gather
+    s.comm.all_gather = lambda out, shard: (gathers.append(1), original(out, shard))[1]
+    ids = torch.randint(0, 400, (2, 8))
+    with torch.no_grad():
+        outside = [s.model(input_ids=ids[:, :n]).logits for n in (6, 7, 8)]
+        per_pass = len(gathers)
+        s.release()
+        gathers.clear()
+        with s.gathered():
+            inside = [s.model(input_ids=ids[:, :n]).logits for n in (6, 7, 8)]
+    assert len(gathers) == per_pass // 3 == len(s.flats)
+    assert all(torch.equal(a, b) for a, b in zip(outside, inside, strict=True))
+    assert all(flat.gathered is None for flat in s.flats)
 
 
 def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_reward_changes_nothing(tmp_path, train_env,
@@ -394,6 +427,13 @@ def test_a_reward_model_folder_is_a_grpo_reward_scored_in_the_training_processes
     rises = [e["reward"] for e in train]
     assert train[0]["rewards/rm_hf/mean"] == train[0]["reward"]
     assert sum(rises[-5:]) / 5 > sum(rises[:5]) / 5 + 0.2, rises
+    # resident on every rank: its parameters are in the memory estimate (counted on the meta device)
+    from transformers import AutoModelForSequenceClassification
+
+    from pipeline.rl.rewards import Rewards
+
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "runs" / "rm" / "hf")
+    assert Rewards(str(tmp_path / "runs" / "rm" / "hf")).model_params == sum(p.numel() for p in loaded.parameters())
     refused = preflight_errors([["-e", "other", *grpo, "--reward", tmp_path / "runs" / "rm" / "hf",
                                  "--reward", tiny_models["tied"]]], train_env["env"])
     assert refused == [f"--reward {tiny_models['tied']} is not a reward model (a sequence classifier with one output, "

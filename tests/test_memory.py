@@ -236,5 +236,9 @@ def test_grpo_counts_its_completions_and_the_generations_kv_cache():
         shape, workload(plain, "cuda", 8, 8)).weights == c * shape.num_params // 8
     ddp = settle(config_for("m", "strategy", "ddp", "objective", "grpo", "batch_size", 2, "grpo_beta", 0.04))
     assert estimate(shape, workload(ddp, "cuda", 8, 8)).weights == 12 * shape.num_params + 4 * shape.num_params
+    # reward models, resident on every rank whole in the compute dtype, through every moment
+    judged = estimate(shape, workload(cfg, "cuda", 8, 8, resident_params=10**8))
+    assert (judged.weights - est.weights, judged.update - est.update, judged.generation - est.generation) == \
+        (10**8 * c,) * 3
     sft = estimate(shape, workload(settle(config_for("m", "strategy", "fsdp2", "batch_size", 2)), "cuda", 8, 8))
     assert sft.generation == 0 and "generation" not in sft.gib() and "generation" in est.gib()

@@ -38,6 +38,14 @@ def model_name(name: str) -> str:
     return f"{path.parent.name}_{path.name}" if path.name == "hf" else path.name
 
 
+def _num_params(config) -> int:
+    from transformers import AutoModelForSequenceClassification
+
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
 class RewardModelFn:
     """A reward model folder as a reward function of TRL's signature. Loaded by place(), on the rank's device."""
 
@@ -57,6 +65,8 @@ class RewardModelFn:
                             "model folder")
         self.digest = weights_digest(unchanged_weights(self.model_dir, name))
         self.__name__ = model_name(name)
+        self.num_params = _num_params(config)
+        """Its parameters, counted on the meta device: the memory estimate holds them in the compute dtype."""
         self.model = self.tokenizer = None
         self.limit = getattr(config, "max_position_embeddings", None)
 

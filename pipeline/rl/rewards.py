@@ -196,6 +196,11 @@ class Rewards:
                 fn.place(device, dtype)
 
     @property
+    def model_params(self) -> int:
+        """Parameters of the reward models among the rewards (resident on every rank beside the policy)."""
+        return sum(fn.num_params for fn in self.functions if isinstance(fn, RewardModelFn))
+
+    @property
     def names(self) -> list[str]:
         return [s.name for s in self.specs]
 

@@ -32,10 +32,12 @@ class MemoryPlan:
     """Why --strategy auto chose as it did ("" when the strategy was given)."""
 
 
-def plan_memory(cfg: Config, hf_config, device: str, launch: Launch | None = None) -> MemoryPlan:
+def plan_memory(cfg: Config, hf_config, device: str, launch: Launch | None = None,
+                resident_params: int = 0) -> MemoryPlan:
     """Resolve --strategy auto and estimate the peak memory per rank; cfg itself is left as it is. No collective:
     every rank computes the same from the same config, launch environment and hardware. launch: the one planned
-    for (fsdp1.py --nproc-per-node checks its workers' plan before starting them), else this process's."""
+    for (fsdp1.py --nproc-per-node checks its workers' plan before starting them), else this process's.
+    resident_params: other models' parameters every rank holds in the compute dtype (GRPO's reward models)."""
     launch = launch or detect_launch()
     # before joining; a launcher that does not say how many ranks share this host: plan as if all of them do
     world, local_world, local_rank = launch.world_size, launch.local_world_size or launch.world_size, launch.local_rank
@@ -49,10 +51,11 @@ def plan_memory(cfg: Config, hf_config, device: str, launch: Launch | None = Non
         return MemoryPlan(settle(replace(cfg, model=replace(m, strategy=chosen))), None, budget, reason)
     reason = ""
     if m.strategy == "auto":
-        chosen, reason = choose(cfg, shape, budget, device, world, local_world)
+        chosen, reason = choose(cfg, shape, budget, device, world, local_world, resident_params)
         cfg = replace(cfg, model=replace(m, strategy=chosen))
     cfg = settle(cfg)
-    return MemoryPlan(cfg, estimate(shape, workload(cfg, device, world, local_world)), budget, reason)
+    return MemoryPlan(cfg, estimate(shape, workload(cfg, device, world, local_world, resident_params)), budget,
+                      reason)
 
 
 def check_agreed(cfg: Config, d: Dist) -> None:
@@ -69,7 +72,8 @@ def check_agreed(cfg: Config, d: Dist) -> None:
                         "pass --strategy, or --memory-gb with the smallest rank's memory")
 
 
-def choose(cfg: Config, shape: Shape, budget: int, device: str, world: int, local_world: int) -> tuple[str, str]:
+def choose(cfg: Config, shape: Shape, budget: int, device: str, world: int, local_world: int,
+           resident_params: int = 0) -> tuple[str, str]:
     """--strategy auto: of ddp and fsdp2, the one that moves fewer bytes per step (ddp on a tie: it has no gather
     copies), among those whose estimated peak fits the budget; fsdp2 when the settings given need it, or on one rank.
     Checked against the four strategies by bench/strategy_auto.py (BENCHMARKS.md section 11)."""
@@ -82,8 +86,8 @@ def choose(cfg: Config, shape: Shape, budget: int, device: str, world: int, loca
         # Nothing to communicate either way; fsdp2's chunked loss keeps the full-width logits out of memory, which
         # let one H100 train Llama-3.2-1B at batch 8 x 2048 where the model's own loss ran out (BENCHMARKS.md 6).
         return "fsdp2", "fsdp2: one rank moves nothing, and fsdp2's chunked loss never builds full-width logits"
-    ddp, fsdp2 = (workload(replace(cfg, model=replace(m, strategy=s, sharding=sh)), device, world, local_world)
-                  for s, sh in (("ddp", "NO_SHARD"), ("fsdp2", "FULL_SHARD")))
+    ddp, fsdp2 = (workload(replace(cfg, model=replace(m, strategy=s, sharding=sh)), device, world, local_world,
+                           resident_params) for s, sh in (("ddp", "NO_SHARD"), ("fsdp2", "FULL_SHARD")))
     need = estimate(shape, ddp).total
     if need * (1 + AUTO_MARGIN) > budget:
         return "fsdp2", (f"fsdp2: a whole replica would need {need / GIB:.2f} GiB per rank, {AUTO_MARGIN:.0%} more "

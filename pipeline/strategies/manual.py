@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -188,8 +189,12 @@ class Unit:
     def __init__(self, flats: list[FlatParam], reshard: bool):
         self.flats, self.reshard = flats, reshard
         self.saved: contextlib.AbstractContextManager | None = None
+        self.kept = False
+        """Inside ManualZeRO3.gathered: the parameters stay gathered from the first forward to the pass's end."""
 
     def pre_forward(self, _module: nn.Module, _args) -> None:
+        if self.kept and all(flat.gathered is not None for flat in self.flats):
+            return  # gathered by this pass's first forward (no autograd in the pass: nothing saved refers to it)
         for flat in self.flats:
             flat.gathered = Gather.apply(flat.shard, flat)
             flat.attach(flat.gathered)
@@ -201,7 +206,7 @@ class Unit:
         if self.saved is not None:
             self.saved.__exit__(None, None, None)
             self.saved = None
-        if self.reshard:
+        if self.reshard and not self.kept:
             self.release()
 
     def release(self) -> None:
@@ -291,6 +296,19 @@ class ManualZeRO3(Strategy):
     def release(self) -> None:
         for unit in self.units:
             unit.release()
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        # each unit all-gathered at the pass's first forward and kept until it ends: one collective per unit per
+        # generation instead of one per unit per token (the forwards run without autograd)
+        for unit in self.units:
+            unit.kept = True
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.kept = False
+            self.release()
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         return [{"params": [f.shard for f in self.flats if f.decay], "weight_decay": weight_decay},

@@ -201,6 +201,8 @@ class Workload:
     generation: Generation | None = None
     """GRPO: the micro-batch is its completions, each a prompt and a completion (batch_size and seq_length are
     theirs), and a generation comes before each step."""
+    resident_bytes: int = 0
+    """Other models every rank holds through every moment (GRPO's reward models, whole, in the compute dtype)."""
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,8 @@ class Estimate:
     activations and the loss's logits on top of the resident state) and AdamW's step (the whole fp32 state)."""
 
     weights: int
-    """fp32 master weights and AdamW's two moments this rank keeps on the device (none with --cpu-offload)."""
+    """fp32 master weights and AdamW's two moments this rank keeps on the device (none with --cpu-offload), and the
+    models resident beside them (GRPO's frozen reference and reward models)."""
     gradients: int
     """Gradients alive at the end of the forward: DDP's buckets (kept between steps), the unsharded ones kept
     through gradient accumulation (sharded strategies), and a layer's on its way to the reduce-scatter. Sharded
@@ -319,12 +322,14 @@ def estimate(shape: Shape, work: Workload, terms: StrategyTerms) -> Estimate:
             if shards > 1:
                 copies -= int(terms.gathered_layers(shape, work) * quantized // shape.layers * saved)
             copies += max(i * o for _, i, o in shape.adapted_linears(work)) * c
+        base += work.resident_bytes
         return Estimate(base + 12 * adapter, FP32_BYTES * shape.adapter_params(work), copies, activations, logits,
                         base + STATE_BYTES_PER_PARAM * adapter,
                         base + 12 * adapter + generation_bytes(shape, work, shards) if gen else 0)
     # GRPO's frozen reference, resident through every moment: sharded in the compute dtype under fsdp2, else whole
-    # in fp32 (run under autocast, as ddp runs the policy)
+    # in fp32 (run under autocast, as ddp runs the policy); its reward models, whole in the compute dtype
     ref = (n * c // shards if work.strategy == "fsdp2" else n * FP32_BYTES) if gen and gen.reference else 0
+    ref += work.resident_bytes
     generating = 12 * held + ref + generation_bytes(shape, work, shards) if gen else 0
     return Estimate(12 * held + ref, terms.gradient_bytes(shape, work), terms.copy_bytes(shape, work), activations,
                     logits, STATE_BYTES_PER_PARAM * held + ref, generating)

@@ -99,8 +99,9 @@ def uses_vocab_parallel(m: ModelConfig) -> bool:
     return m.strategy in STRATEGIES and STRATEGIES[m.strategy].uses_vocab_parallel(m)
 
 
-def workload(cfg: Config, device: str, world_size: int, local_world_size: int) -> Workload:
-    """The workload of a settled config (its strategy and sharding chosen) on this launch."""
+def workload(cfg: Config, device: str, world_size: int, local_world_size: int, resident_params: int = 0) -> Workload:
+    """The workload of a settled config (its strategy and sharding chosen) on this launch; resident_params: other
+    models' parameters held whole in the compute dtype on every rank (GRPO's reward models)."""
     m, g = cfg.model, cfg.grpo
     dtype = compute_dtype(m.precision, torch.device(device))
     batch, seq, generation = cfg.train.batch_size, cfg.data.seq_length, None
@@ -111,7 +112,7 @@ def workload(cfg: Config, device: str, world_size: int, local_world_size: int) -
         batch, seq = generation.completions, g.max_prompt_length + g.max_completion_length
     return Workload(m.strategy, m.sharding, world_size, local_world_size, dtype.itemsize, batch, seq,
                     cfg.train.grad_accum, m.activation_checkpointing, uses_vocab_parallel(m), m.cpu_offload, device,
-                    m.adapter, m.lora_rank, m.lora_targets, generation)
+                    m.adapter, m.lora_rank, m.lora_targets, generation, resident_params * dtype.itemsize)
 
 
 def estimate(shape: Shape, work: Workload) -> Estimate:

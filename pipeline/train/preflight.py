@@ -291,7 +291,7 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
     check_cache_root(cfg, inputs(cfg, model_dir))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return Plan(model_dir, hf_config, data, tokenizer, spec, fingerprint,
-                plan_memory(cfg, hf_config, device, launch),
+                plan_memory(cfg, hf_config, device, launch, rewards.model_params if rewards else 0),
                 reward_head=RewardHead(layout, pad_id(tokenizer), is_reward_model(hf_config)) if layout else None,
                 rewards=rewards)
 
