@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
     p.add_argument("--length", type=int, default=32, help="tokens per completion")
     p.add_argument("--prompts", type=int, default=2, help="prompts per process per step")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--discard", type=int, default=2, help="warm-up steps left out")
     args = p.parse_args()
     from pipeline.prep.tiny import build_preset
