@@ -562,7 +562,8 @@ def test_prompt_records_in_both_forms_keep_their_other_keys_and_bad_ones_are_ski
              {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
     good = [{"prompt": "What is 17 + 25?", **COLUMNS},
             {"prompt": "Say hi."},
-            {"prompt": agent, "tools": [WEATHER], "id": 7}]
+            {"prompt": agent, "tools": [WEATHER], "id": 7},
+            {"prompt": chat("2+2?", "<think>")}]  # the assistant's text begun: the model continues it (TRL's way)
     deep = "[" * 5000 + "]" * 5000
 
     def calling(arguments: str, name: str = "weather") -> list[dict]:
@@ -572,7 +573,8 @@ def test_prompt_records_in_both_forms_keep_their_other_keys_and_bad_ones_are_ski
            "unknown_role": {"prompt": [{"role": "robot", "content": "beep"}]},
            "malformed_tool_call": {"prompt": calling("{}", name="") + [{"role": "tool", "content": "r"}]},
            "bad_tool_arguments": {"prompt": calling("[1]") + [{"role": "tool", "content": "r"}]},
-           "empty_prompt": {"prompt": "  ", "answer": "1"}, "ends_with_answer": {"prompt": chat("2+2?", "4")},
+           "empty_prompt": {"prompt": "  ", "answer": "1"},
+           "ends_with_tool_call": {"prompt": calling('{"city": "Oslo"}')},
            "orphan_tool_result": {"prompt": chat("Q") + [{"role": "tool", "content": "r"}]},
            "not_alternating": {"prompt": chat("Q") + chat("Q again")},
            "bad_tool_schema": {"prompt": "Q", "tools": [{"function": {"description": "no name"}}]},
@@ -590,10 +592,11 @@ def test_prompt_records_in_both_forms_keep_their_other_keys_and_bad_ones_are_ski
         ("prompts.jsonl", "Say hi.", [], "", {}),
         ("prompts.jsonl", "", agent[:2] + [{"role": "assistant", "content": "", "tool_calls": json.dumps(
             [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}, "id": "c1"}])},
-            agent[3]], json.dumps([WEATHER]), {"id": 7})]
-    assert ds["columns"][2] == "{}" and prompt_rows(ds) == 4 == report["rows"]
+            agent[3]], json.dumps([WEATHER]), {"id": 7}),
+        ("prompts.jsonl", "", chat("2+2?", "<think>"), "", {})]
+    assert ds["columns"][2] == "{}" and prompt_rows(ds) == 5 == report["rows"]
     assert prompt_rows(datasets.Dataset.from_dict({"text": ["from before columns"], "messages": [[]]})) == 0
-    assert report["prompts"]["by_form"] == {"conversational": 1, "standard": 3}
+    assert report["prompts"]["by_form"] == {"conversational": 2, "standard": 3}
     assert {r: v["where"] for r, v in report["prompts"]["skipped"].items()} == {
         **{reason: [f"prompts.jsonl:line {i}"] for i, reason in enumerate(bad, len(good) + 1)},
         "bad_columns": ["more.yaml:document 2", f"prompts.jsonl:line {len(good) + 11}"],
@@ -601,8 +604,8 @@ def test_prompt_records_in_both_forms_keep_their_other_keys_and_bad_ones_are_ski
     assert report["skipped"] == {"no_valid_prompt": {"count": 1, "paths": ["allbad.jsonl"]}}
     assert not report["conversations"]["rows"] and not report["conversations"]["skipped"]
     summary = format_summary(report)
-    assert "\n  prompts: 4 (conversational 1, standard 3)\n" in summary
-    assert "\n  skipped 2 prompt records (bad_columns): more.yaml:document 2, prompts.jsonl:line 14\n" in summary
+    assert "\n  prompts: 5 (conversational 2, standard 3)\n" in summary
+    assert "\n  skipped 2 prompt records (bad_columns): more.yaml:document 2, prompts.jsonl:line 15\n" in summary
 
 
 def test_the_bundled_grpo_prompts_build_to_240_arithmetic_prompts_with_2_skipped(tmp_path):
@@ -617,7 +620,7 @@ def test_the_bundled_grpo_prompts_build_to_240_arithmetic_prompts_with_2_skipped
         assert json.loads(columns) == {"answer": str({"+": int.__add__, "-": int.__sub__,
                                                       "*": int.__mul__}[op](int(a), int(b)))}
     assert {r: v["count"] for r, v in report["prompts"]["skipped"].items()} == {"empty_prompt": 1,
-                                                                               "ends_with_answer": 1}
+                                                                               "ends_with_tool_call": 1}
 
 
 def test_a_folder_mixing_prompt_records_with_other_kinds_is_refused_in_one_line(tmp_path):

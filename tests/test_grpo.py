@@ -190,6 +190,34 @@ def test_generation_with_a_cache_is_the_greedy_decoding_without_one_and_sampling
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
+def test_a_prompt_ending_with_the_assistants_text_is_continued_as_trl_does(tmp_path, tiny_models):
+    """TRL's continue_final_message: a conversational prompt whose last turn is the assistant's text is rendered up to
+    that text, with no end of turn after it, where a prompt ending with the user's (no assistant turn at all: such
+    prompts failed the conversation check at start) gets the assistant's header."""
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+
+    from pipeline.config_grpo import GRPOConfig
+    from pipeline.data.chat_render import render
+    from pipeline.prep.corpus import CorpusConfig, build_dataset
+    from pipeline.rl.prompts import build_prompt_blocks
+
+    (tmp_path / "p").mkdir()
+    rows = [{"prompt": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>"}]},
+            {"prompt": [{"role": "user", "content": "2+2?"}]}]
+    (tmp_path / "p" / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    build_dataset(CorpusConfig(tmp_path / "p", tmp_path / "ds", num_proc=1))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["tied"])
+    blocks = build_prompt_blocks(load_from_disk(str(tmp_path / "ds")), tokenizer, GRPOConfig(), "", 0.0, 0, 0)
+    assert blocks.counts["prefilled"] == 1
+    texts = {}
+    for ids, mask, row in zip(blocks.train, blocks.train_part.mask, blocks.train_part.rows, strict=True):
+        texts[int(row)] = tokenizer.decode(ids[mask.astype(bool)])
+    ends = [render(tokenizer, r["prompt"], "", continue_final_message=i == 0, add_generation_prompt=i == 1)
+            for i, r in enumerate(rows)]
+    assert texts == {0: ends[0], 1: ends[1]} and texts[0].endswith("<think>") and not texts[1].endswith("<think>")
+
+
 def test_the_manual_strategy_gathers_each_unit_once_for_a_generation(group_of_one, tiny_models):
     """Strategy.gathered under manual ZeRO-3: a pass of forwards without autograd all-gathers each unit at its first
     forward only, gives the logits of forwards outside it, and leaves nothing gathered after."""

@@ -45,7 +45,7 @@ def _without_nulls(value: object) -> object:
     return value
 
 
-def template_messages(messages: list[dict]) -> list[dict]:
+def template_messages(messages: list[dict], conversation: bool = True) -> list[dict]:
     """Stored messages as templates take them: the optional fields a message lacks left out (a dataset holds them
     as None, and Llama 3.1's template tests `'tool_calls' in message`), tool calls as objects with their arguments
     as objects (DATA-HF's JSON string, or a hub dataset's objects with arguments as JSON strings), and a turn that
@@ -63,7 +63,8 @@ def template_messages(messages: list[dict]) -> list[dict]:
                 value = m[key] if isinstance(m[key], str) else _without_nulls(m[key])
                 message[key] = json.loads(tool_calls(value)) if key == "tool_calls" else value
         out.append(message)
-    check(out)
+    if conversation:  # a GRPO prompt's messages are a conversation's start (DATA-HF checked them as a prompt)
+        check(out)
     return out
 
 

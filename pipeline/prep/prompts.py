@@ -4,8 +4,9 @@
     conversational   {"prompt": [{"role": "user", "content": "..."}, ...], "tools": [...], "tests": [...], ...}
 
 A prompt record is a JSON object with a "prompt" key that is neither a preference record nor a conversation (those
-are looked for first: a prompt with a completion is one of them). The model generates what follows the prompt, so a
-conversational prompt must not end with the assistant's turn. Every other key of the record (an answer, tests,
+are looked for first: a prompt with a completion is one of them). The model generates what follows the prompt: after
+a user's or a tool's turn, the assistant's answer; after an assistant's turn with text (a prefill such as "<think>"),
+the rest of that turn, as TRL continues it (continue_final_message). Every other key of the record (an answer, tests,
 numbers, nested objects; not tools, which are the template's schemas as in a conversation) is kept as it is, as one
 JSON object in the `columns` column, so rows with different keys share a column; the reward functions get them back
 as keyword arguments. A non-empty `columns` ("{}" when there are none) is what marks a prompt row.
@@ -25,12 +26,13 @@ from pathlib import Path
 from pipeline.prep import conversations, preferences
 
 REASONS = ("malformed_prompt", "malformed_message", "unknown_role", "malformed_tool_call", "bad_tool_arguments",
-           "empty_prompt", "ends_with_answer", "orphan_tool_result", "not_alternating", "bad_tool_schema",
+           "empty_prompt", "ends_with_tool_call", "orphan_tool_result", "not_alternating", "bad_tool_schema",
            "bad_columns")
 """Why a prompt record is skipped: malformed_prompt (neither text nor a list of messages), the message reasons of
-conversations.REASONS, empty_prompt (no text, or a turn without any), ends_with_answer (a conversational prompt whose
-last turn is the assistant's: nothing is left to generate), bad_columns (another key holding what JSON cannot: bytes
-or a date from a Parquet or YAML file; or a row of ours whose columns is no JSON object)."""
+conversations.REASONS, empty_prompt (no text, or a turn without any), ends_with_tool_call (a conversational prompt whose
+last turn is the assistant's calling tools: what follows is the tools' results, not the model's), bad_columns (another
+key holding what JSON cannot: bytes or a date from a Parquet or YAML file; or a row of ours whose columns is no JSON
+object)."""
 OWN_KEYS = ("prompt", "tools")
 """The keys a prompt record's row holds in its own columns; every other key goes into `columns`."""
 _ANSWER = {"role": "assistant", "content": "answer"}
@@ -114,16 +116,20 @@ def _object(text: str) -> object:
 
 def _messages(items: object) -> list[dict]:
     """A conversational prompt: messages as a conversation's (tool calls, their results and reasoning traces
-    allowed: an agent's turn so far), no empty turn, not ending with the assistant's, and with an answer appended a
-    trainable conversation (system first if at all, then user; tool results answer calls)."""
+    allowed: an agent's turn so far), no empty turn, and with an answer appended (or ending with the assistant's
+    text, which the model continues) a trainable conversation (system first if at all, then user; tool results
+    answer calls)."""
     if not isinstance(items, list):
         raise BadPrompt("malformed_prompt")
     messages = conversations.messages_of(items, plain=False)
     if not messages or any(not m["content"].strip() and not m.get("tool_calls") for m in messages):
         raise BadPrompt("empty_prompt")
-    if messages[-1]["role"] == "assistant":
-        raise BadPrompt("ends_with_answer")
-    conversations.check([*messages, _ANSWER])  # orphan_tool_result, not_alternating
+    if messages[-1]["role"] != "assistant":
+        conversations.check([*messages, _ANSWER])  # orphan_tool_result, not_alternating
+    elif messages[-1].get("tool_calls"):
+        raise BadPrompt("ends_with_tool_call")
+    else:  # a prefilled answer the model continues: with it, the conversation must already be trainable
+        conversations.check(messages)
     return messages
 
 

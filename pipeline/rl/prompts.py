@@ -1,5 +1,6 @@
 """GRPO's data: the prompt rows of a DATA-HF prompts dataset, tokenized as the model will continue them (a standard
-prompt's text as it is, a conversational one through the chat template with the assistant's header), each at most
+prompt's text as it is, a conversational one through the chat template with the assistant's header, or ending in the
+assistant's own text when it ends with that turn), each at most
 --max-prompt-length tokens, split into train and validation as blocks are, and served to the trainer as blocks.
 
 A prompts dataset is small beside a corpus (a prompt per row, thousands of rows), so every rank tokenizes it at
@@ -64,7 +65,8 @@ class PromptBlocks:
     val_part: PromptPart
     prompts: list[PromptRow]
     counts: dict = field(default_factory=dict)
-    """kept, cut (the first tokens dropped to fit), dropped (too long, under --long-prompts drop), prompt_tokens_cut."""
+    """kept, cut (the first tokens dropped to fit), dropped (too long, under --long-prompts drop), prompt_tokens_cut,
+    prefilled (ending with the assistant's text, continued)."""
     path = None
     """No token cache holds them (they are tokenized in memory)."""
 
@@ -90,16 +92,24 @@ def prompt_rows_of(ds) -> list[PromptRow]:
                                               ds["tools"] if "tools" in ds.column_names else [""] * len(ds),
                                               strict=True):
         if columns:
-            prompt = template_messages(messages) if messages else text
+            prompt = template_messages(messages, conversation=False) if messages else text
             row = json.loads(columns)
             out.append(PromptRow(prompt, {**row, **({"tools": json.loads(tools)} if tools else {})}))
     return out
 
 
+def prefilled(row: PromptRow) -> bool:
+    """A conversational prompt ending with the assistant's text: the model continues that turn (TRL's
+    continue_final_message), where any other prompt gets the assistant's header to answer after."""
+    return not isinstance(row.prompt, str) and row.prompt[-1]["role"] == "assistant"
+
+
 def tokenized(tokenizer, row: PromptRow, chat_date: str) -> list[int]:
     if isinstance(row.prompt, str):
         return tokenizer(row.prompt, add_special_tokens=False)["input_ids"]
-    text = render(tokenizer, row.prompt, chat_date, tools=row.columns.get("tools"), add_generation_prompt=True)
+    go_on = prefilled(row)
+    text = render(tokenizer, row.prompt, chat_date, tools=row.columns.get("tools"), add_generation_prompt=not go_on,
+                  continue_final_message=go_on)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -111,7 +121,8 @@ def build_prompt_blocks(ds, tokenizer, g: GRPOConfig, chat_date: str, val_fracti
     if any(not isinstance(p.prompt, str) for p in prompts) and not tokenizer.chat_template:
         raise UserError("the dataset holds conversational prompts but the model has no chat template to render them; "
                         "use its Instruct version, or pass --chat-template FILE.jinja")
-    kept, index, counts = [], [], {"kept": 0, "cut": 0, "dropped": 0, "prompt_tokens_cut": 0}
+    kept, index = [], []
+    counts = {"kept": 0, "cut": 0, "dropped": 0, "prompt_tokens_cut": 0, "prefilled": sum(map(prefilled, prompts))}
     for i, row in enumerate(prompts):
         ids = tokenized(tokenizer, row, chat_date)
         if len(ids) > g.max_prompt_length:
