@@ -257,7 +257,7 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
     fsdp2 with a KL penalty against the base (the adapters off) starts at kl 0, and pipeline.evaluate of its adapter
     gives its final validation reward. Full fine-tuning under fsdp2 with a constant reward and a KL penalty against
     a frozen copy of the base: every advantage is 0, so the loss, the gradient and the kl are 0 and the export is the
-    base."""
+    base, on conversational prompts (some continuing the assistant's begun turn)."""
     from conftest import ROOT, events, kill_tree, preflight_errors, run_module, start_torchrun, torchrun, wait_for
 
     from pipeline.prep.corpus import CorpusConfig, build_dataset
@@ -368,8 +368,19 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
     assert f"mean reward  {report['mean_reward']:.4f}\n" in scored.stdout
     # with a KL penalty too: under full fine-tuning its reference is a frozen copy of the base (sharded under fsdp2),
     # which the unchanged policy equals at every step
-    run("constant", "--reward", f"{rewards}:constant", "--strategy", "fsdp2", "--lr", 1e-2, "--max-steps", 2,
-        "--ckpt-freq", 0, "--precision", "fp32", "--grpo-beta", 0.04)
+    # on conversational prompts (rendered by the chat template; half of them with the assistant's turn begun, which
+    # the model continues), whose completions reach the rewards as messages
+    (tmp_path / "chats").mkdir()
+    chats = [{"prompt": [{"role": "user", "content": f"Count to {i}:"},
+                         *([{"role": "assistant", "content": "1,"}] if i % 2 else [])]} for i in range(48)]
+    (tmp_path / "chats" / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats))
+    build_dataset(CorpusConfig(tmp_path / "chats", tmp_path / "chat-ds", num_proc=1))
+    proc = torchrun(2, ROOT / "fsdp1.py", "-e", "constant",
+                    *[tmp_path / "chat-ds" if a == tmp_path / "ds" else a for a in common()], "--reward",
+                    f"{rewards}:constant", "--strategy", "fsdp2", "--lr", 1e-2, "--max-steps", 2, "--ckpt-freq", 0,
+                    "--precision", "fp32", "--grpo-beta", 0.04, env=train_env["env"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "; 24 end with the assistant's text, which the model continues" in proc.stdout + proc.stderr
     constant = events(tmp_path / "runs" / "constant", "train")
     assert [(e["loss"], e["grad_norm"], e["frac_reward_zero_std"], e["kl"]) for e in constant] == [(0, 0, 1, 0)] * 2
     from safetensors.torch import load_file
