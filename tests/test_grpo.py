@@ -129,8 +129,10 @@ def test_rewards_are_weighted_abstentions_left_out_and_a_bad_one_stops_in_one_li
     own.score(["p"], ["a"], [[1]], [{}])
     with pytest.raises(UserError) as caught:
         figures.log(own.take_metrics())
-    assert str(caught.value) == ("a reward function logged the metric reward, a name GRPO's own figures use; give "
-                                 "log_metric another name")
+    assert str(caught.value) == ("a reward function logged the metric reward, a name GRPO's train and eval events "
+                                 "already use; give log_metric another name")
+    with pytest.raises(UserError, match="the metric loss, a name GRPO's train and eval events already use"):
+        figures.log({"loss": [1.0]})
     built_in = Rewards("accuracy,think_format:0.5")
     total, _ = built_in.score(["q"] * 4, ["so 3 + 4 = 7", "\\boxed{1,200} not 5", "<think>hm</think> 7", "none"],
                               [[1]] * 4, [{"answer": "7"}, {"answer": "1200.0"}, {"answer": 8}, {"answer": "7"}])
@@ -220,7 +222,8 @@ def test_a_prompt_ending_with_the_assistants_text_is_continued_as_trl_does(tmp_p
 
 def test_the_manual_strategy_gathers_each_unit_once_for_a_generation(group_of_one, tiny_models):
     """Strategy.gathered under manual ZeRO-3: a pass of forwards without autograd all-gathers each unit at its first
-    forward only, gives the logits of forwards outside it, and leaves nothing gathered after."""
+    forward only, gives the logits of forwards outside it, leaves nothing gathered after, and uses the weights as
+    updated, not a gathered copy a forward before the update left."""
     from transformers import AutoConfig
 
     from pipeline.config import ModelConfig
@@ -245,6 +248,15 @@ def test_the_manual_strategy_gathers_each_unit_once_for_a_generation(group_of_on
     assert len(gathers) == per_pass // 3 == len(s.flats)
     assert all(torch.equal(a, b) for a, b in zip(outside, inside, strict=True))
     assert all(flat.gathered is None for flat in s.flats)
+    # a forward leaves the root gathered (training's does), then an update changes the shards: the pass sees it
+    with torch.no_grad():
+        s.model(input_ids=ids)
+        for flat in s.flats:
+            flat.shard.add_(0.01)
+        with s.gathered():
+            updated = s.model(input_ids=ids).logits
+        s.release()
+        assert torch.equal(updated, s.model(input_ids=ids).logits)
 
 
 def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_reward_changes_nothing(tmp_path, train_env,
@@ -472,7 +484,14 @@ def test_a_reward_model_folder_is_a_grpo_reward_scored_in_the_training_processes
     from pipeline.rl.rewards import Rewards
 
     loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "runs" / "rm" / "hf")
-    assert Rewards(str(tmp_path / "runs" / "rm" / "hf")).model_params == sum(p.numel() for p in loaded.parameters())
+    judge = Rewards(str(tmp_path / "runs" / "rm" / "hf"))
+    assert judge.model_params == sum(p.numel() for p in loaded.parameters())
+    # a prompt whose answer was begun: the reward model reads the begun text and the completion as one answer
+    (fn,) = judge.functions
+    fn.place(torch.device("cpu"), torch.float32)
+    user = [{"role": "user", "content": "Count to 3:"}]
+    assert fn.ids([*user, {"role": "assistant", "content": " 1,"}], [{"role": "assistant", "content": " 2, 3"}]) == \
+        fn.ids(user, [{"role": "assistant", "content": " 1, 2, 3"}]) is not None
     refused = preflight_errors([["-e", "other", *grpo, "--reward", tmp_path / "runs" / "rm" / "hf",
                                  "--reward", tiny_models["tied"]]], train_env["env"])
     assert refused == [f"--reward {tiny_models['tied']} is not a reward model (a sequence classifier with one output, "

@@ -218,12 +218,16 @@ def test_grpo_counts_its_completions_and_the_generations_kv_cache():
     assert (work.batch_size, work.seq_length, work.generation) == (16, 1280, Generation(16, 256, 1024, group=8,
                                                                                           packable=True))
     est, c = estimate(shape, work), work.compute_bytes
-    # scored in packed rows (each prompt once, its 8 completions after it: pipeline/rl/packing.py), the activations
-    # are those of 2 x (256 + 8 x 1024) positions; a kernel that takes no 4D mask scores 16 rows of 1280
-    assert est.activations == shape.layers * layer_activation_bytes(shape, 2 * (256 + 8 * 1024), c)
-    flash = settle(replace(cfg, model=replace(cfg.model, attn_implementation="flash_attention_2")))
+    # 8 completions of 1024 after 256: one dense row of 8448 positions would cost more than 8 rows of 1280, so they
+    # are scored plain (pipeline/rl/packing.py); of 64, packed: 2 rows of 256 + 8 x 64 positions and their 4D mask,
+    # unless the kernel takes no 4D mask
+    assert est.activations == shape.layers * layer_activation_bytes(shape, 16 * 1280, c)
+    short = replace(cfg, grpo=replace(cfg.grpo, max_completion_length=64))
+    assert estimate(shape, workload(short, "cuda", 8, 8)).activations == \
+        shape.layers * layer_activation_bytes(shape, 2 * (256 + 8 * 64), c) + 2 * (256 + 8 * 64) ** 2 * c
+    flash = replace(short, model=replace(cfg.model, attn_implementation="flash_attention_2"))
     assert estimate(shape, workload(flash, "cuda", 8, 8)).activations == \
-        shape.layers * layer_activation_bytes(shape, 16 * 1280, c)
+        shape.layers * layer_activation_bytes(shape, 16 * (256 + 64), c)
     kv = 2 * 16 * (8 * 64) * 16 * 1280 * c  # keys and values: 16 layers, 8 KV heads of 64
     assert est.generation == est.weights + c * shape.num_params + kv + 16 * 128256 * (c + 8)
     assert est.logits == 16 * 1025 * 128256 * (c + (4 if c < 4 else 0) + 8)

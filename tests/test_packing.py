@@ -45,7 +45,7 @@ def test_packed_rows_score_every_family_as_plain_rows_do(kernel):
             refused[family] = why
             continue
         want, logits = plain_logps(model, prompt_ids, prompt_mask, completion_ids)
-        packed = pack(prompt_ids, prompt_mask, completion_ids, group, config._attn_implementation, torch.float32)
+        packed = pack(prompt_ids, prompt_mask, completion_ids, group, torch.float32)
         kept = model(input_ids=packed.input_ids, attention_mask=packed.mask, position_ids=packed.positions,
                      use_cache=False, logits_to_keep=packed.keep).logits.float()
         got, entropy = token_logps(kept, completion_ids, packed, entropy=True)
@@ -64,3 +64,19 @@ def test_packed_rows_score_every_family_as_plain_rows_do(kernel):
     assert packing_refusal(config, 9) == "its sliding window (8) is shorter than a prompt and its completion (9)"
     config._attn_implementation = "flash_attention_2"
     assert packing_refusal(config, 4) == "its attention kernel flash_attention_2 takes no 4D mask"
+
+
+def test_packed_rows_are_chosen_where_they_cost_less():
+    """One dense row of a prompt and its group against the group's causal rows: short completions after a prompt
+    pack (SmolLM2-135M's shape, the GRPO bench's lengths), many long ones do not (Llama-3.1-8B's, 16 x 2048 after 1024:
+    the row's attention over 33,792 positions costs more than the prompt saved)."""
+    from transformers import LlamaConfig
+
+    from pipeline.rl.packing import Costs
+
+    small = Costs.of(LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                 num_attention_heads=9, num_key_value_heads=3))
+    assert small.packing_pays(17, 32, 8) and small.packing_pays(512, 256, 8)
+    large = Costs.of(LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=8))
+    assert large.packing_pays(1024, 256, 8) and not large.packing_pays(1024, 2048, 16)

@@ -23,7 +23,7 @@ from pipeline.objectives.preference import PreferenceObjective, Reference
 from pipeline.objectives.preference_losses import PreferenceSettings
 from pipeline.objectives.reference import adapters_off
 from pipeline.objectives.reward import RewardObjective
-from pipeline.rl.packing import model_config, packing_refusal
+from pipeline.rl.packing import Costs, model_config, packing_refusal
 from pipeline.rl.prompts import PromptBlocks
 from pipeline.rl.rewards import Rewards
 from pipeline.rl.rollout import Roller
@@ -71,4 +71,4 @@ def make_grpo(cfg: Config, head: Head, blocks: PromptBlocks, rewards: Rewards, t
         log.info("GRPO scores each completion in a row of its own (not its group's completions after one copy of "
                  "the prompt): %s", refusal)
     return GRPOObjective(head, cfg.grpo, roller, d, cfg.run.seed, release, gathered, reference, max_steps,
-                         None if refusal else config._attn_implementation, dtype)
+                         None if refusal else Costs.of(config), dtype)

@@ -40,7 +40,7 @@ from pipeline.objectives.grpo_losses import (
 from pipeline.objectives.objective import HeldOut
 from pipeline.rl.figures import Figures
 from pipeline.rl.generation import Sampling, seeded
-from pipeline.rl.packing import pack, row_entropy, token_logps
+from pipeline.rl.packing import Costs, pack, row_entropy, token_logps
 from pipeline.rl.rewards import RewardState
 from pipeline.rl.rollout import Roller, Rollout
 
@@ -48,7 +48,7 @@ log = logging.getLogger("pipeline")
 
 PACKING_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 0.1, torch.float16: 0.05}
 """The largest difference of a token's log-probability between packed and plain rows that is rounding, by the
-logits' dtype: the same keys, values and positions reach each token in both, summed in another order."""
+compute dtype: the same keys, values and positions reach each token in both, summed in another order."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ class GRPOObjective:
 
     def __init__(self, head: Head, g: GRPOConfig, roller: Roller, d: Dist, seed: int, release: Callable[[], None],
                  gathered: Callable[[], contextlib.AbstractContextManager],
-                 reference: KLReference | None = None, max_steps: int = 0, packing: str | None = None,
+                 reference: KLReference | None = None, max_steps: int = 0, costs: Costs | None = None,
                  compute_dtype: torch.dtype = torch.float32):
         self.head, self.g, self.roller, self.dist, self.seed, self.release = head, g, roller, d, seed, release
         self.gathered, self.max_steps = gathered, max_steps
@@ -87,11 +87,10 @@ class GRPOObjective:
         names = roller.rewards.names
         self.figures = self._figures(names)
         self.last_samples: list[dict] = []
-        self.kernel = packing or ""
-        """The attention kernel packed rows are built for (packing: None when the model takes none)."""
-        self.packing = "unchecked" if packing else "off"
+        self.costs = costs
+        """The model's forward costs, to choose packed rows where they cost less (None: the model takes none)."""
+        self.packing = "unchecked" if costs else "off"
         """Scoring packed rows: "unchecked" until the first rollout compares them with plain rows, then "on"/"off"."""
-        self.logits_dtype = torch.float32
         self.compute_dtype = compute_dtype
         """The forward's dtype: an eager kernel's additive mask is in it."""
 
@@ -204,6 +203,9 @@ class GRPOObjective:
         TRL scores them), [rows, C], and each token's entropy (no gradient) when asked. Packed rows (each prompt
         once, its completions after it: pipeline/rl/packing.py) where the model takes them, else plain ones; the
         first call compares the two (a collective)."""
+        if self.costs is None or not self.costs.packing_pays(r.prompt_ids.shape[1], r.completion_ids.shape[1],
+                                                             self.g.num_generations):
+            return self._plain_logps(head, r, entropy)  # long completions: one dense row would cost more
         if self.packing == "unchecked":
             self._check_packing(head, r)
         if self.packing == "on":
@@ -213,7 +215,6 @@ class GRPOObjective:
     def _forward(self, head: Head, ids: torch.Tensor, **inputs) -> torch.Tensor:
         with head.autocasting(ids.device):
             logits = head.model(input_ids=ids, use_cache=False, **inputs).logits
-        self.logits_dtype = logits.dtype
         logits = logits.float()
         return logits / self.g.temperature if self.g.temperature != 1 else logits
 
@@ -230,8 +231,7 @@ class GRPOObjective:
         return picked, row_entropy(logits) if entropy else None
 
     def _packed_logps(self, head: Head, r: Rollout, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        rows = pack(r.prompt_ids, r.prompt_mask, r.completion_ids, self.g.num_generations, self.kernel,
-                    self.compute_dtype)
+        rows = pack(r.prompt_ids, r.prompt_mask, r.completion_ids, self.g.num_generations, self.compute_dtype)
         logits = self._forward(head, rows.input_ids, attention_mask=rows.mask, position_ids=rows.positions,
                                logits_to_keep=rows.keep)
         return token_logps(logits, r.completion_ids, rows, entropy)
@@ -239,16 +239,23 @@ class GRPOObjective:
     def _check_packing(self, head: Head, r: Rollout) -> None:
         """Packed rows on, if on this first rollout they give every completion token the plain rows' log-probability
         (within the compute dtype's rounding); else off for the run, said once. Every rank decides alike: the largest
-        difference is all-reduced (a collective every rank reaches: every rank scores its first rollout here)."""
-        with torch.no_grad():
-            plain = self._plain_logps(head, r, entropy=False)[0]
-            packed = self._packed_logps(head, r, entropy=False)[0]
+        difference is all-reduced (a collective every rank reaches: every rank scores its first rollout here). In eval
+        mode: dropout (--lora-dropout) would draw other masks for the two, and draw from the RNG a resumed run does not
+        draw from at that point."""
+        training = head.model.training
+        head.model.eval()
+        try:
+            with torch.no_grad():
+                plain = self._plain_logps(head, r, entropy=False)[0]
+                packed = self._packed_logps(head, r, entropy=False)[0]
+        finally:
+            head.model.train(training)
         real = r.completion_mask.bool()
         worst = (plain - packed).abs()[real].max() if real.any() else plain.new_zeros(())
         worst = worst.reshape(1).float()
         if self.dist.world_size > 1:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        limit = PACKING_TOLERANCE.get(self.logits_dtype, PACKING_TOLERANCE[torch.bfloat16])
+        limit = PACKING_TOLERANCE.get(self.compute_dtype, PACKING_TOLERANCE[torch.bfloat16])
         self.packing = "on" if float(worst) <= limit else "off"
         if not self.dist.is_main:
             return

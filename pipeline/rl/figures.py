@@ -10,6 +10,10 @@ import torch.distributed as dist
 
 from pipeline.errors import UserError
 
+TRAIN_FIELDS = ("event", "step", "time", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "completions_per_s",
+                "mfu", "time_ms", "mem_gb", "loss_scale", "eval_loss", "ppl")
+"""The train and eval events' own fields, which a logged metric must not overwrite."""
+
 
 class Figures:
     """Values kept by name since the last read. The names are fixed when built, in one order on every rank: the
@@ -29,9 +33,9 @@ class Figures:
     def log(self, metrics: dict[str, list[float]]) -> None:
         """Values of names known only when they come (each a mean over the window and every rank)."""
         for name, values in metrics.items():
-            if name in self.names or name in self.extremes:
-                raise UserError(f"a reward function logged the metric {name}, a name GRPO's own figures use; give "
-                                "log_metric another name")
+            if name in self.names or name in self.extremes or name in TRAIN_FIELDS:
+                raise UserError(f"a reward function logged the metric {name}, a name GRPO's train and eval events "
+                                "already use; give log_metric another name")
             kept = self.logged.setdefault(name, [0.0, 0])
             kept[0], kept[1] = kept[0] + sum(values), kept[1] + len(values)
 

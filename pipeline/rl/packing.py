@@ -39,6 +39,31 @@ def packing_refusal(config, positions: int) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Costs:
+    """A forward's cost, as the model's config gives it (FLOPs up to a common factor): per position through the
+    layers' matrix products, and per pair of positions the attention scores."""
+
+    per_position: float
+    per_pair: float
+
+    @classmethod
+    def of(cls, config) -> Costs:
+        text = _text(config)
+        hidden, layers = text.hidden_size, text.num_hidden_layers
+        heads = text.num_attention_heads
+        head_dim = _global(text, "head_dim") or hidden // heads
+        inner = _global(text, "intermediate_size") or 4 * hidden
+        return cls(2 * layers * (4 * hidden * hidden + 3 * hidden * inner), 4 * layers * heads * head_dim)
+
+    def packing_pays(self, prompt: int, completion: int, group: int) -> bool:
+        """Whether one row of the prompt and its group (every pair of its positions scored: the mask is dense) costs
+        less than the group's rows (each causal)."""
+        packed, plain = prompt + group * completion, prompt + completion
+        return packed * self.per_position + packed * packed * self.per_pair < \
+            group * (plain * self.per_position + plain * plain * self.per_pair / 2)
+
+
 def packed_span(config) -> int:
     """The most positions (prompt plus completion) whose packed rows this model's layers read as plain ones, whatever
     the kernel: 0 where a layer reads the sequence in order, else its shortest window or chunk (a large number for
@@ -47,6 +72,16 @@ def packed_span(config) -> int:
     if set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYERS:
         return 0
     return min((size for _, size in _spans(config)), default=1 << 62)
+
+
+def _global(config, name: str) -> int | None:
+    """A config's model-wide value of name; None where it has none, or where it is per layer (Gemma 4's head_dim:
+    transformers refuses a global read of it with an error of its own)."""
+    try:
+        value = getattr(config, name, None)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError, whose module is internal
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _text(config):
@@ -67,7 +102,8 @@ class Packed:
     input_ids: torch.Tensor
     """[B, P + G*C]"""
     mask: torch.Tensor
-    """[B, 1, L, L]: bool (True: attend) for sdpa, additive float for eager."""
+    """[B, 1, L, L], additive in the attention's dtype (0 or its lowest value): SDPA uses it as it is in every layer,
+    where a bool mask is converted, and the copy saved for the backward, layer by layer."""
     positions: torch.Tensor
     """[B, L]"""
     keep: torch.Tensor
@@ -77,9 +113,9 @@ class Packed:
 
 
 def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, group: int,
-         kernel: str, dtype: torch.dtype) -> Packed:
+         dtype: torch.dtype) -> Packed:
     """Packed rows from the rollout's: prompt_ids/prompt_mask [B*G, P] (left-padded, each prompt repeated G times in
-    a row), completion_ids [B*G, C]. dtype: the attention's (an eager kernel adds the mask to its scores)."""
+    a row), completion_ids [B*G, C]. dtype: the attention's (the mask is added to its scores)."""
     device = prompt_ids.device
     prompts, pmask = prompt_ids[::group], prompt_mask[::group].bool()
     b, p = prompts.shape
@@ -96,9 +132,8 @@ def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: to
     real = torch.cat([pmask, torch.ones(b, group * c, dtype=torch.bool, device=device)], dim=1)
     allowed = (causal & same)[None] & real[:, None, :]
     allowed |= torch.eye(length, dtype=torch.bool, device=device)  # a padding query keeps one key (no NaN row)
-    mask = allowed[:, None]
-    if kernel == "eager":
-        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+    mask = torch.zeros((b, 1, length, length), dtype=dtype, device=device).masked_fill(~allowed[:, None],
+                                                                                       torch.finfo(dtype).min)
     starts = p + torch.arange(group, device=device)[:, None] * c
     keep = torch.cat([torch.tensor([p - 1], device=device), (starts + torch.arange(c - 1, device=device)).flatten()])
     ids = torch.cat([prompts, completion_ids.reshape(b, group * c)], dim=1)

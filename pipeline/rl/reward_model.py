@@ -87,6 +87,9 @@ class RewardModelFn:
         from pipeline.prep.conversations import BadConversation
 
         text = completion if isinstance(completion, str) else completion[-1]["content"]
+        if not isinstance(prompt, str) and prompt[-1]["role"] == "assistant":
+            # a prompt whose answer was begun (continued by the policy): the reward model reads the whole answer
+            prompt, text = prompt[:-1], prompt[-1]["content"] + text
         answer = [{"role": "assistant", "content": text}]
         keep = chat_tokens.special_texts(self.tokenizer)
         try:

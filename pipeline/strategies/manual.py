@@ -300,7 +300,9 @@ class ManualZeRO3(Strategy):
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
         # each unit all-gathered at the pass's first forward and kept until it ends: one collective per unit per
-        # generation instead of one per unit per token (the forwards run without autograd)
+        # generation instead of one per unit per token (the forwards run without autograd). What a training forward
+        # left gathered (the root) is released first: it holds the weights from before the last update
+        self.release()
         for unit in self.units:
             unit.kept = True
         try:

@@ -16,6 +16,7 @@ policy's and frees its activations as it goes, so its peak stays under the polic
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -66,6 +67,8 @@ class Shape:
     mixture of experts' fused experts are not linear layers, nor is its router)."""
     packs_to: int = 0
     """The longest prompt plus completion GRPO may score in packed rows (pipeline/rl/packing.py; 0: never)."""
+    costs: tuple[float, float] = (0.0, 0.0)
+    """packing.Costs: what a position and a pair of positions cost, to tell where packed rows are chosen."""
 
     @classmethod
     def of(cls, config) -> Shape:
@@ -75,7 +78,7 @@ class Shape:
         from pipeline.errors import UserError
         from pipeline.model.adapters import default_targets
         from pipeline.model.modeling import decoder_layers, meta_model
-        from pipeline.rl.packing import packed_span
+        from pipeline.rl.packing import Costs, packed_span
 
         try:
             model = meta_model(config)
@@ -93,7 +96,8 @@ class Shape:
         n = len(blocks)
         return cls(hidden, sum(i for _, i in widths) // n, sum(k for k, _ in widths) // n, n, text.vocab_size,
                    bool(getattr(text, "tie_word_embeddings", False)), max(sizes), sum(sizes),
-                   sum(p.numel() for p in model.parameters()), linears, packed_span(text))
+                   sum(p.numel() for p in model.parameters()), linears, packed_span(text),
+                   dataclasses.astuple(Costs.of(text)))
 
     def adapter_params(self, work: Workload) -> int:
         """Trainable parameters of the workload's adapter: r x (in + out) per adapted linear layer (DoRA: + out, its
@@ -167,11 +171,24 @@ class Generation:
     """The attention kernel takes packed rows (each prompt once, its group after it): whether the model's layers do
     is Shape.packs_to's."""
 
+    def packed(self, shape: Shape) -> bool:
+        """Whether the longest rows are scored packed: the model takes them and they cost less (GRPOObjective.logps)."""
+        from pipeline.rl.packing import Costs
+
+        return self.packable and shape.packs_to >= self.prompt + self.completion and \
+            Costs(*shape.costs).packing_pays(self.prompt, self.completion, self.group)
+
     def scored_tokens(self, shape: Shape) -> int:
-        """The positions of a micro-batch's scoring forward: packed rows where the model takes them, else plain."""
-        if self.packable and shape.packs_to >= self.prompt + self.completion:
+        """The positions of a micro-batch's scoring forward: packed rows where they are chosen, else plain."""
+        if self.packed(shape):
             return self.completions // self.group * (self.prompt + self.group * self.completion)
         return self.completions * (self.prompt + self.completion)
+
+    def mask_bytes(self, shape: Shape, compute_bytes: int) -> int:
+        """Packed rows' 4D mask, one for every layer: rows x positions squared in the compute dtype."""
+        if not self.packed(shape):
+            return 0
+        return self.completions // self.group * (self.prompt + self.group * self.completion) ** 2 * compute_bytes
 
 
 @dataclass(frozen=True)
@@ -307,6 +324,7 @@ def estimate(shape: Shape, work: Workload, terms: StrategyTerms) -> Estimate:
         activations = shape.layers * tokens * shape.hidden * c + per_layer
     else:
         activations = shape.layers * per_layer
+    activations += gen.mask_bytes(shape, c) if gen else 0
     logits = logits_bytes(shape, work, logit_tokens, shards)
     if work.adapter != "none":
         # a frozen base in the compute dtype (no gradient, no state); the adapter's fp32 weights, gradients and
