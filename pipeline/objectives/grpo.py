@@ -89,10 +89,11 @@ class GRPOObjective:
         self.last_samples: list[dict] = []
         self.costs = costs
         """The model's forward costs, to choose packed rows where they cost less (None: the model takes none)."""
-        self.packing = "unchecked" if costs else "off"
-        """Scoring packed rows: "unchecked" until the first rollout compares them with plain rows, then "on"/"off"."""
+        self.packing = "unchecked"
+        """Scoring packed rows: "unchecked" until the first packed micro-batch compares them with plain rows, then
+        "on" or "off"."""
         self.compute_dtype = compute_dtype
-        """The forward's dtype: an eager kernel's additive mask is in it."""
+        """The forward's dtype: the packed rows' additive mask is in it."""
 
     def _figures(self, names: list[str]) -> Figures:
         means = ["reward", *(f"rewards/{n}/mean" for n in names), "frac_reward_zero_std",

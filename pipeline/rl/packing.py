@@ -31,7 +31,7 @@ def packing_refusal(config, positions: int) -> str | None:
     kernel = getattr(config, "_attn_implementation", None)
     if kernel not in PACKABLE_KERNELS:
         return f"its attention kernel {kernel} takes no 4D mask"
-    if other := sorted(set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYERS):
+    if other := _unmasked_layers(config):
         return f"its layers include {', '.join(other)}, which read the sequence in order"
     for what, size in _spans(config):
         if size < positions:
@@ -69,9 +69,14 @@ def packed_span(config) -> int:
     the kernel: 0 where a layer reads the sequence in order, else its shortest window or chunk (a large number for
     none)."""
     config = _text(config)
-    if set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYERS:
+    if _unmasked_layers(config):
         return 0
     return min((size for _, size in _spans(config)), default=1 << 62)
+
+
+def _unmasked_layers(config) -> list[str]:
+    """The config's layer kinds that read the sequence otherwise than through the mask."""
+    return sorted(set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYERS)
 
 
 def _global(config, name: str) -> int | None:

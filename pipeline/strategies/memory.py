@@ -16,7 +16,6 @@ policy's and frees its activations as it goes, so its peak stays under the polic
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +24,7 @@ import torch
 
 from pipeline.model.nf4 import NF4_BYTES_PER_PARAM
 from pipeline.model.vocab_parallel import CHUNK_ELEMENTS
+from pipeline.rl.packing import Costs, packed_span
 
 GIB = 1024**3
 STATE_BYTES_PER_PARAM = 16
@@ -67,8 +67,8 @@ class Shape:
     mixture of experts' fused experts are not linear layers, nor is its router)."""
     packs_to: int = 0
     """The longest prompt plus completion GRPO may score in packed rows (pipeline/rl/packing.py; 0: never)."""
-    costs: tuple[float, float] = (0.0, 0.0)
-    """packing.Costs: what a position and a pair of positions cost, to tell where packed rows are chosen."""
+    costs: Costs | None = None
+    """What a position and a pair of positions cost, to tell where packed rows are chosen (with packs_to)."""
 
     @classmethod
     def of(cls, config) -> Shape:
@@ -78,7 +78,6 @@ class Shape:
         from pipeline.errors import UserError
         from pipeline.model.adapters import default_targets
         from pipeline.model.modeling import decoder_layers, meta_model
-        from pipeline.rl.packing import Costs, packed_span
 
         try:
             model = meta_model(config)
@@ -96,8 +95,7 @@ class Shape:
         n = len(blocks)
         return cls(hidden, sum(i for _, i in widths) // n, sum(k for k, _ in widths) // n, n, text.vocab_size,
                    bool(getattr(text, "tie_word_embeddings", False)), max(sizes), sum(sizes),
-                   sum(p.numel() for p in model.parameters()), linears, packed_span(text),
-                   dataclasses.astuple(Costs.of(text)))
+                   sum(p.numel() for p in model.parameters()), linears, packed_span(text), Costs.of(text))
 
     def adapter_params(self, work: Workload) -> int:
         """Trainable parameters of the workload's adapter: r x (in + out) per adapted linear layer (DoRA: + out, its
@@ -173,10 +171,8 @@ class Generation:
 
     def packed(self, shape: Shape) -> bool:
         """Whether the longest rows are scored packed: the model takes them and they cost less (GRPOObjective.logps)."""
-        from pipeline.rl.packing import Costs
-
         return self.packable and shape.packs_to >= self.prompt + self.completion and \
-            Costs(*shape.costs).packing_pays(self.prompt, self.completion, self.group)
+            shape.costs.packing_pays(self.prompt, self.completion, self.group)
 
     def scored_tokens(self, shape: Shape) -> int:
         """The positions of a micro-batch's scoring forward: packed rows where they are chosen, else plain."""
