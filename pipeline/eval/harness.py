@@ -12,6 +12,7 @@ only rank 0 is left to join it (a wait of HFLM's 52-week timeout).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import io
 import logging
@@ -146,14 +147,21 @@ def task_manager(tasks: Tasks) -> TaskManager:
     """lm-eval's index of the tasks. Indexing lm-eval's own thousands of YAMLs takes seconds (4.4 s against 0.7 s
     for the bundled example's folder alone, measured on the 2-core CPU machine), and every command builds it at
     least twice (the check, the run): when every name is a plain task of the include folder (no group or tag, which
-    may name lm-eval's own tasks), that folder's index is the whole index needed."""
-    from lm_eval.tasks import TaskManager
-
-    if tasks.include:
-        local = TaskManager(include_path=str(tasks.include), include_defaults=False)
+    may name lm-eval's own tasks), that folder's index is the whole index needed. Each index is built once per
+    process (the check and the run share it; a task's YAML is read again at each load, so an edit still counts)."""
+    include = str(tasks.include) if tasks.include else None
+    if include:
+        local = _index(include, False)
         if set(tasks.names) <= set(local.all_subtasks):
             return local
-    return TaskManager(include_path=str(tasks.include) if tasks.include else None)
+    return _index(include, True)
+
+
+@functools.cache
+def _index(include: str | None, defaults: bool) -> TaskManager:
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include, include_defaults=defaults)
 
 
 def run_tasks(tasks: Tasks, model_dir: Path, *, adapter_dir: Path | None, device: torch.device, dtype: torch.dtype,
