@@ -144,6 +144,11 @@ class ModelConfig(Section):
     dynamic loss scaling (--loss-scale). Master weights, optimizer states and gradient reduction are fp32."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: less memory, about a third more compute."""
+    selective_checkpointing: bool = False
+    """Keep each decoder layer's matrix products' and attention's outputs and recompute the rest in backward (norms,
+    activation functions, rotary embedding, residual adds): about half the activations of no checkpointing, for
+    the time of those cheap operations, the same values (pipeline/model/checkpointing.py). Or
+    --activation-checkpointing, not both."""
     compile: bool = False
     """torch.compile each decoder layer."""
     attn_implementation: AttnImplementation = "auto"
@@ -212,6 +217,8 @@ class ModelConfig(Section):
         require(not (self.adapter == "qlora" and self.cpu_offload), "--adapter qlora does not take --cpu-offload "
                "(its base is already 4-bit, and NF4 weights are not moved between host and device); use --adapter lora "
                "with --cpu-offload")
+        require(not (self.activation_checkpointing and self.selective_checkpointing), "--activation-checkpointing "
+                "recomputes whole layers and --selective-checkpointing the cheap part of each: turn one of them off")
         require(self.min_params >= 1, f"--min-params must be at least 1, got {self.min_params}")
         require(self.memory_gb >= 0, f"--memory-gb must be >= 0, got {self.memory_gb}")
         require(self.memory_gb <= 2**20, f"--memory-gb must be at most {2**20} (a PiB), got {self.memory_gb:g}")

@@ -118,6 +118,10 @@ def test_shipped_profiles_are_the_four_documented():
          "--strategy fsdp2, got --strategy ddp"),  # the strategy first: its sharding is not what to change
         (["--strategy", "manual", "--compile"], "--strategy manual does not support --compile yet; use --strategy "
          "fsdp2"),
+        (["--strategy", "manual", "--selective-checkpointing"], "--strategy manual does not support "
+         "--selective-checkpointing yet; use --strategy fsdp2"),
+        (["--activation-checkpointing", "--selective-checkpointing", "on"], "--activation-checkpointing recomputes "
+         "whole layers and --selective-checkpointing the cheap part of each: turn one of them off"),
         (["--adapter", "lora", "--strategy", "fsdp1"], "--strategy fsdp1 does not train adapters; --adapter lora "
          "needs --strategy fsdp2 or ddp"),
         (["--adapter", "dora", "--strategy", "manual"], "--strategy manual does not train adapters; --adapter dora "

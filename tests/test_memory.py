@@ -66,6 +66,12 @@ def test_llama_1b_state_is_16_bytes_per_parameter_over_the_shards():
     # activation checkpointing keeps one hidden state per layer instead of every layer's saved tensors
     assert est("fsdp2", "FULL_SHARD", 8, activation_checkpointing=True).activations < \
         est("fsdp2", "FULL_SHARD", 8).activations / 5
+    # selective checkpointing keeps 5 hidden, 2 KV and 2 intermediate widths per layer, and one layer's whole
+    tokens = 2048
+    kept = tokens * 2 * (5 * shape.hidden + 2 * shape.kv + 2 * shape.intermediate)
+    whole = tokens * 2 * (8 * shape.hidden + 2 * shape.kv + 4 * shape.intermediate)
+    assert est("fsdp2", "FULL_SHARD", 8, selective_checkpointing=True).activations - \
+        est("fsdp2", "FULL_SHARD", 8).activations == shape.layers * (kept - whole) + whole
 
 
 def test_dora_counts_the_two_outputs_it_rescales_per_adapted_layer():

@@ -80,3 +80,28 @@ def test_packed_rows_are_chosen_where_they_cost_less():
     large = Costs.of(LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                  num_attention_heads=32, num_key_value_heads=8))
     assert large.packing_pays(1024, 256, 8) and not large.packing_pays(1024, 2048, 16)
+
+
+def test_target_logps_equals_autograds_composition_with_rows_read_twice():
+    """The one-buffer backward (pipeline/rl/target_logps.py) gives log_softmax's values and gradients, where a row is
+    read by several pairs (a packed prompt's last position), by none, and across chunks of its log-sum-exp; and
+    torch's gradcheck passes in float64."""
+    from pipeline.rl import target_logps as module
+
+    torch.manual_seed(0)
+    logits = torch.randn(600, 50, dtype=torch.float64) * 4
+    rows = torch.cat([torch.zeros(5, dtype=torch.long), torch.arange(2, 600, 3), torch.tensor([599, 599])])
+    targets = torch.randint(0, 50, rows.shape)
+    upstream = torch.randn(rows.shape, dtype=torch.float64)
+    a = logits.clone().requires_grad_()
+    want = a.log_softmax(-1)[rows, targets]
+    (want * upstream).sum().backward()
+    b = logits.clone().requires_grad_()
+    got = module.target_logps(b, rows, targets)
+    (got * upstream).sum().backward()
+    assert logits.shape[0] > module.ROWS_PER_CHUNK  # the log-sum-exp in more than one chunk
+    assert torch.allclose(got, want, atol=1e-12) and torch.allclose(b.grad, a.grad, atol=1e-12)
+    assert b.grad[1].abs().max() == 0  # a row no pair reads
+    small = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    pairs = (torch.tensor([0, 0, 2, 3]), torch.tensor([1, 5, 0, 0]))
+    assert torch.autograd.gradcheck(module.target_logps, (small, *pairs))

@@ -43,6 +43,7 @@ from pipeline.rl.generation import Sampling, seeded
 from pipeline.rl.packing import Costs, pack, row_entropy, token_logps
 from pipeline.rl.rewards import RewardState
 from pipeline.rl.rollout import Roller, Rollout
+from pipeline.rl.target_logps import target_logps
 
 log = logging.getLogger("pipeline")
 
@@ -223,13 +224,13 @@ class GRPOObjective:
         ids = torch.cat([r.prompt_ids, r.completion_ids], dim=1)
         mask = torch.cat([r.prompt_mask, r.completion_mask], dim=1)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        width = r.completion_ids.shape[1]
-        logits = self._forward(head, ids, attention_mask=mask, position_ids=positions,
-                               logits_to_keep=width + 1)[:, :-1]
-        # the target's logit minus the log-sum-exp: no [rows, tokens, vocab] log-softmax kept for the backward (the
-        # logits are kept anyway); the entropy row by row, without autograd (one row's probabilities at a time)
-        picked = torch.gather(logits, -1, r.completion_ids[..., None]).squeeze(-1) - logits.logsumexp(-1)
-        return picked, row_entropy(logits) if entropy else None
+        n, width = r.completion_ids.shape
+        logits = self._forward(head, ids, attention_mask=mask, position_ids=positions, logits_to_keep=width + 1)
+        # each row's last kept position predicts nothing: left out by index, not by a slice (a slice's copy, and its
+        # gradient, would be another [rows, tokens, vocab]); the entropy without autograd, a row at a time
+        rows = (torch.arange(n, device=ids.device)[:, None] * (width + 1) + torch.arange(width, device=ids.device))
+        picked = target_logps(logits.flatten(0, 1), rows.flatten(), r.completion_ids.flatten()).view(n, width)
+        return picked, row_entropy(logits)[:, :-1] if entropy else None
 
     def _packed_logps(self, head: Head, r: Rollout, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         rows = pack(r.prompt_ids, r.prompt_mask, r.completion_ids, self.g.num_generations, self.compute_dtype)

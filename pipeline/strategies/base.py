@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from pipeline.config import Config, ModelConfig
 from pipeline.distributed.runtime import Dist
+from pipeline.model.checkpointing import checkpoint_kwargs
 from pipeline.model.head import Head
 from pipeline.model.modeling import (
     compute_buffers,
@@ -219,10 +220,11 @@ class Strategy(ABC):
                 buf.copy_(self.buffers[plain_name(name)])
 
     def checkpoint_and_compile(self, model: nn.Module) -> None:
-        """--activation-checkpointing (non-reentrant, per decoder layer) and --compile (each decoder layer), before
-        the model is wrapped."""
-        if self.cfg.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        """--activation-checkpointing or --selective-checkpointing (non-reentrant, per decoder layer) and --compile
+        (each decoder layer), before the model is wrapped."""
+        if self.cfg.activation_checkpointing or self.cfg.selective_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=checkpoint_kwargs(self.cfg.selective_checkpointing))
         if self.cfg.compile:
             for layer in decoder_layers(model):
                 layer.compile()

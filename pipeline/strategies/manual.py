@@ -240,7 +240,7 @@ class ManualZeRO3(Strategy):
     SHARDINGS = ("FULL_SHARD",)
     LAYOUT = "is ZeRO-3 (FULL_SHARD)"
     CPU_OFFLOAD = False
-    UNSUPPORTED = ("compile", "activation_checkpointing")
+    UNSUPPORTED = ("compile", "activation_checkpointing", "selective_checkpointing")
     PREFETCHED_LAYERS = 1  # no prefetch: only the layer in use is gathered
     mesh: DeviceMesh
     units: list[Unit]

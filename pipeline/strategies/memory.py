@@ -216,6 +216,7 @@ class Workload:
     theirs), and a generation comes before each step."""
     resident_bytes: int = 0
     """Other models every rank holds through every moment (GRPO's reward models, whole, in the compute dtype)."""
+    selective_checkpointing: bool = False
 
 
 @dataclass(frozen=True)
@@ -278,6 +279,17 @@ def layer_activation_bytes(shape: Shape, tokens: int, compute_bytes: int) -> int
         * compute_bytes
 
 
+# Under --selective-checkpointing a layer keeps its input, q, the attention's and o's outputs and the MLP's down
+# output (5 hidden widths), k and v (2 KV widths) and the gate and up outputs (2 intermediate widths).
+SELECTIVE_WIDTHS = (5, 2, 2)
+
+
+def selective_layer_bytes(shape: Shape, tokens: int, compute_bytes: int) -> int:
+    """What one decoder layer keeps under --selective-checkpointing (averaged over the layers, as above)."""
+    hidden, kv, intermediate = SELECTIVE_WIDTHS
+    return tokens * (hidden * shape.hidden + kv * shape.kv + intermediate * shape.intermediate) * compute_bytes
+
+
 def adapter_activation_bytes(shape: Shape, work: Workload, tokens: int) -> int:
     """What an adapter saves per decoder layer (averaged over the layers) beyond the base layer's: DoRA scales both
     the base output and the low-rank output by its magnitude, so autograd keeps both (two output widths per adapted
@@ -315,9 +327,12 @@ def estimate(shape: Shape, work: Workload, terms: StrategyTerms) -> Estimate:
     tokens = work.batch_size * work.seq_length if gen is None else gen.scored_tokens(shape)
     # GRPO scores the completions' positions alone: their logits, not the prompts'
     logit_tokens = tokens if gen is None else gen.completions * (gen.completion + 1)
-    per_layer = layer_activation_bytes(shape, tokens, c) + adapter_activation_bytes(shape, work, tokens)
+    layer = layer_activation_bytes(shape, tokens, c)
+    per_layer = layer + adapter_activation_bytes(shape, work, tokens)
     if work.activation_checkpointing:  # each layer's input, and one layer recomputed at a time
         activations = shape.layers * tokens * shape.hidden * c + per_layer
+    elif work.selective_checkpointing:  # the products' and attention's outputs, and one layer recomputed at a time
+        activations = shape.layers * (per_layer - layer + selective_layer_bytes(shape, tokens, c)) + per_layer
     else:
         activations = shape.layers * per_layer
     activations += gen.mask_bytes(shape, c) if gen else 0

@@ -112,7 +112,8 @@ def workload(cfg: Config, device: str, world_size: int, local_world_size: int, r
         batch, seq = generation.completions, g.max_prompt_length + g.max_completion_length
     return Workload(m.strategy, m.sharding, world_size, local_world_size, dtype.itemsize, batch, seq,
                     cfg.train.grad_accum, m.activation_checkpointing, uses_vocab_parallel(m), m.cpu_offload, device,
-                    m.adapter, m.lora_rank, m.lora_targets, generation, resident_params * dtype.itemsize)
+                    m.adapter, m.lora_rank, m.lora_targets, generation, resident_params * dtype.itemsize,
+                    m.selective_checkpointing)
 
 
 def estimate(shape: Shape, work: Workload) -> Estimate:
