@@ -7,9 +7,10 @@
     make gpu-check PARTS=adapters        # one part again
     make gpu-check DRY=1                 # the rehearsal: every part on the CPU, tiny shapes, a few steps
 
-Parts, in order, each in its own process under its own time budget and under what is left of the half's (a part
-that runs out is killed, the rows it finished stay, and the next part runs), each writing its results to the
-results file (JSON lines) as they complete, so what finished comes back even when a later part runs out of time.
+Parts, in order (a rehearsal runs correctness beside the speed parts), each in its own process under its own time
+budget and under what is left of the half's (a part that runs out is killed, the rows it finished stay, and the next
+part runs), each writing its results to the results file (JSON lines) as they complete, so what finished comes back
+even when a later part runs out of time.
 Every process a part starts gets the caller's environment (PYTHONPATH included: the GPU image finds the carried
 wheels through it).
 
@@ -38,6 +39,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -524,13 +526,26 @@ def main() -> None:
     summary = Results(args.results, session, "summary")
     statuses = {}
     deadline = time.time() + (args.half_s if args.half else math.inf)
-    for name in names:
+
+    def run(name: str) -> None:
         if statuses.get("setup", {"status": "passed"})["status"] != "passed":
             # nothing else can run without its imports or its device
             statuses[name] = {"status": "not run", "seconds": 0.0, "budget_s": 0, "last_line": "setup did not pass"}
         else:
             statuses[name] = run_part(args, name, session, deadline - time.time())
         summary.write(item=name, **statuses[name])
+
+    # A rehearsal runs correctness beside the speed parts (their files are apart: tiny-* and resume/ against the
+    # presets' model, data and runs), which start one process at a time. On a GPU the parts run one at a time, so
+    # that nothing shares the device with a measurement.
+    beside = threading.Thread(target=run, args=("correctness",)) if args.dry and "correctness" in names else None
+    for name in names:  # setup first: run() reads its status
+        if name == "correctness" and beside:
+            beside.start()
+        else:
+            run(name)
+    if beside:
+        beside.join()
     for path in write_tables(args, summary.read()):
         print(f"tables: {path}")
     failed = [n for n, s in statuses.items() if s["status"] != "passed"]

@@ -95,7 +95,7 @@ def main() -> None:
     def against_trl(name: str) -> str:
         o = results[name]
         speed = (o["completions"] / o["step_s"]) / (t["completions"] / t["step_s"])
-        return f"{name}: {speed:.2f}x TRL's completions per second at {o['peak_rss_gb'] / t['peak_rss_gb']:.2f}x its " \
+        return f"{name}: {speed:.3f}x TRL's completions per second at {o['peak_rss_gb'] / t['peak_rss_gb']:.3f}x its " \
                "peak memory per process."
 
     body = "\n".join([
