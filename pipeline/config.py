@@ -219,6 +219,10 @@ class ModelConfig(Section):
                "with --cpu-offload")
         require(not (self.activation_checkpointing and self.selective_checkpointing), "--activation-checkpointing "
                 "recomputes whole layers and --selective-checkpointing the cheap part of each: turn one of them off")
+        # the operator policy around a compiled layer is untried (a compile is minutes of C++ builds on the CPU
+        # machines the suite runs on), so the pair is refused rather than left to do what it may
+        require(not (self.compile and self.selective_checkpointing), "--selective-checkpointing does not take "
+                "--compile yet; use --activation-checkpointing with --compile")
         require(self.min_params >= 1, f"--min-params must be at least 1, got {self.min_params}")
         require(self.memory_gb >= 0, f"--memory-gb must be >= 0, got {self.memory_gb}")
         require(self.memory_gb <= 2**20, f"--memory-gb must be at most {2**20} (a PiB), got {self.memory_gb:g}")

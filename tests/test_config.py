@@ -122,6 +122,8 @@ def test_shipped_profiles_are_the_four_documented():
          "--selective-checkpointing yet; use --strategy fsdp2"),
         (["--activation-checkpointing", "--selective-checkpointing", "on"], "--activation-checkpointing recomputes "
          "whole layers and --selective-checkpointing the cheap part of each: turn one of them off"),
+        (["--compile", "--selective-checkpointing"], "--selective-checkpointing does not take --compile yet; use "
+         "--activation-checkpointing with --compile"),
         (["--adapter", "lora", "--strategy", "fsdp1"], "--strategy fsdp1 does not train adapters; --adapter lora "
          "needs --strategy fsdp2 or ddp"),
         (["--adapter", "dora", "--strategy", "manual"], "--strategy manual does not train adapters; --adapter dora "
