@@ -538,9 +538,10 @@ def main() -> None:
     # A rehearsal runs correctness beside the speed parts (their files are apart: tiny-* and resume/ against the
     # presets' model, data and runs), which start one process at a time. On a GPU the parts run one at a time, so
     # that nothing shares the device with a measurement.
-    beside = threading.Thread(target=run, args=("correctness",)) if args.dry and "correctness" in names else None
+    beside = None
     for name in names:  # setup first: run() reads its status
-        if name == "correctness" and beside:
+        if name == "correctness" and args.dry and statuses.get("setup", {"status": "passed"})["status"] == "passed":
+            beside = threading.Thread(target=run, args=(name,))
             beside.start()
         else:
             run(name)
@@ -548,7 +549,7 @@ def main() -> None:
         beside.join()
     for path in write_tables(args, summary.read()):
         print(f"tables: {path}")
-    failed = [n for n, s in statuses.items() if s["status"] != "passed"]
+    failed = [n for n in names if statuses[n]["status"] != "passed"]
     not_passed = ", ".join(f"{n} ({statuses[n]['status']})" for n in failed)
     print(f"gpu-check: {len(statuses) - len(failed)} of {len(names)} parts passed"
           + (f"; not: {not_passed}" if failed else ""))
