@@ -527,8 +527,11 @@ def main() -> None:
     statuses = {}
     deadline = time.time() + (args.half_s if args.half else math.inf)
 
+    def setup_passed() -> bool:  # or not among the parts asked for
+        return statuses.get("setup", {"status": "passed"})["status"] == "passed"
+
     def run(name: str) -> None:
-        if statuses.get("setup", {"status": "passed"})["status"] != "passed":
+        if not setup_passed():
             # nothing else can run without its imports or its device
             statuses[name] = {"status": "not run", "seconds": 0.0, "budget_s": 0, "last_line": "setup did not pass"}
         else:
@@ -540,7 +543,7 @@ def main() -> None:
     # that nothing shares the device with a measurement.
     beside = None
     for name in names:  # setup first: run() reads its status
-        if name == "correctness" and args.dry and statuses.get("setup", {"status": "passed"})["status"] == "passed":
+        if name == "correctness" and args.dry and setup_passed():
             beside = threading.Thread(target=run, args=(name,))
             beside.start()
         else:

@@ -227,7 +227,7 @@ class GRPOObjective:
         n, width = r.completion_ids.shape
         logits = self._forward(head, ids, attention_mask=mask, position_ids=positions, logits_to_keep=width + 1)
         # each row's last kept position predicts nothing: left out by index, not by a slice (a slice's copy, and its
-        # gradient, would be another [rows, tokens, vocab]); the entropy without autograd, a row at a time
+        # gradient, would be another [rows, tokens, vocab]); the entropy without autograd, a few positions at a time
         rows = (torch.arange(n, device=ids.device)[:, None] * (width + 1) + torch.arange(width, device=ids.device))
         picked = target_logps(logits.flatten(0, 1), rows.flatten(), r.completion_ids.flatten()).view(n, width)
         return picked, row_entropy(logits)[:, :-1] if entropy else None

@@ -2,9 +2,10 @@
 
 Autograd's own composition (log-sum-exp, a gather, and for packed rows the slices that pick a prompt's shared last
 position apart from the completions') keeps a gradient buffer of the logits' full size per op in the backward, all
-alive at once at its start, beside every layer's activations: on SmolLM2-135M's shape in GRPO's bench that was
-about 0.4 GB of a 2.6 GB peak. Here the gradient is computed once, in place, from the logits already kept:
-d logp / d logits = onehot(target) - softmax(logits), summed over the pairs that read the row.
+alive at once at its start, beside every layer's activations: on SmolLM2-135M's shape in GRPO's bench the scoring
+step's peak fell from 2.64 to 2.34 GB without them. Here the gradient is computed once, into one new buffer, from
+the logits already kept: d logp / d logits = onehot(target) - softmax(logits), summed over the pairs that read the
+row.
 """
 
 from __future__ import annotations

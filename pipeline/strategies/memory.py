@@ -174,17 +174,23 @@ class Generation:
         return self.packable and shape.packs_to >= self.prompt + self.completion and \
             shape.costs.packing_pays(self.prompt, self.completion, self.group)
 
+    def packed_rows(self) -> tuple[int, int]:
+        """(rows, positions per row) of a micro-batch's packed scoring: a prompt and its group's completions each."""
+        return self.completions // self.group, self.prompt + self.group * self.completion
+
     def scored_tokens(self, shape: Shape) -> int:
         """The positions of a micro-batch's scoring forward: packed rows where they are chosen, else plain."""
         if self.packed(shape):
-            return self.completions // self.group * (self.prompt + self.group * self.completion)
+            rows, length = self.packed_rows()
+            return rows * length
         return self.completions * (self.prompt + self.completion)
 
     def mask_bytes(self, shape: Shape, compute_bytes: int) -> int:
         """Packed rows' 4D mask, one for every layer: rows x positions squared in the compute dtype."""
         if not self.packed(shape):
             return 0
-        return self.completions // self.group * (self.prompt + self.group * self.completion) ** 2 * compute_bytes
+        rows, length = self.packed_rows()
+        return rows * length**2 * compute_bytes
 
 
 @dataclass(frozen=True)
