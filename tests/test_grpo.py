@@ -201,17 +201,25 @@ def test_a_prompt_ending_with_the_assistants_text_is_continued_as_trl_does(tmp_p
 
     from pipeline.config_grpo import GRPOConfig
     from pipeline.data.chat_render import render
+    from pipeline.errors import UserError
     from pipeline.prep.corpus import CorpusConfig, build_dataset
     from pipeline.rl.prompts import build_prompt_blocks
 
     (tmp_path / "p").mkdir()
     rows = [{"prompt": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>"}]},
             {"prompt": [{"role": "user", "content": "2+2?"}]}]
-    (tmp_path / "p" / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    long = {"prompt": [{"role": "user", "content": "2+2? " * 200}, {"role": "assistant", "content": "<think>"}]}
+    (tmp_path / "p" / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows, long]))
     build_dataset(CorpusConfig(tmp_path / "p", tmp_path / "ds", num_proc=1))
     tokenizer = AutoTokenizer.from_pretrained(tiny_models["tied"])
-    blocks = build_prompt_blocks(load_from_disk(str(tmp_path / "ds")), tokenizer, GRPOConfig(), "", 0.0, 0, 0)
-    assert blocks.counts["prefilled"] == 1
+    ds = load_from_disk(str(tmp_path / "ds"))
+    blocks = build_prompt_blocks(ds, tokenizer, GRPOConfig(long_prompts="drop"), "", 0.0, 0, 0)
+    # the prompts the run continues are counted among those kept (the long one, dropped, is not one of them)
+    assert {k: blocks.counts[k] for k in ("kept", "dropped", "prefilled")} == {"kept": 2, "dropped": 1, "prefilled": 1}
+    with pytest.raises(UserError) as refused:
+        build_prompt_blocks(ds, tokenizer, GRPOConfig(max_prompt_length=2, long_prompts="drop"), "", 0.0, 0, 0)
+    assert str(refused.value) == ("no prompt is left of 3: 3 longer than --max-prompt-length 2 (raise it or use "
+                                  "--long-prompts cut), 0 empty")
     texts = {}
     for ids, mask, row in zip(blocks.train, blocks.train_part.mask, blocks.train_part.rows, strict=True):
         texts[int(row)] = tokenizer.decode(ids[mask.astype(bool)])
@@ -273,6 +281,7 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
     from conftest import ROOT, events, kill_tree, preflight_errors, run_module, start_torchrun, torchrun, wait_for
 
     from pipeline.prep.corpus import CorpusConfig, build_dataset
+    from pipeline.rl.figures import TRAIN_FIELDS
 
     (tmp_path / "prompts").mkdir()
     rows = [{"prompt": f"Count to {i}:", "answer": str(i)} for i in range(48)]
@@ -304,6 +313,7 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
              "completions/clipped_ratio", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
              "entropy", "completions_per_s"}
     assert names <= set(train[0]) and "kl" not in train[0] and train[0]["tokens_per_s"] is None
+    assert set(train[0]) - names <= set(TRAIN_FIELDS)  # the names a reward's log_metric is refused: all the others
     assert train[0]["completions/max_length"] <= 8 and train[0]["clip_ratio/region_mean"] == 0  # on-policy: ratio 1
     assert train[0]["time_ms"]["generate"] > 0
     rises = [e["reward"] for e in train]
@@ -320,8 +330,11 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
     wait_for(lambda: any(e["step"] == 6 for e in events(again, "checkpoint")), proc)
     kill_tree(proc)
     assert proc.wait() == -signal.SIGKILL
+    assert torch.load(again / "checkpoints" / "step-00000006" / "objective-1.pt") == {"packing": "on"}
     proc = torchrun(2, ROOT / "fsdp1.py", *killed, "--max-steps", 12, env=train_env["env"])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the packed-rows decision is the checkpoint's: the rerun scores as the killed run did, without comparing again
+    assert "GRPO scores each prompt once" not in proc.stdout + proc.stderr
     resumed = events(again, "resume")
     assert resumed[0]["from_step"] == 6
     after = [e for e in events(again, "train") if e["time"] > resumed[0]["time"]]

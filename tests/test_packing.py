@@ -48,7 +48,7 @@ def test_packed_rows_score_every_family_as_plain_rows_do(kernel):
         packed = pack(prompt_ids, prompt_mask, completion_ids, group, torch.float32)
         kept = model(input_ids=packed.input_ids, attention_mask=packed.mask, position_ids=packed.positions,
                      use_cache=False, logits_to_keep=packed.keep).logits.float()
-        got, entropy = token_logps(kept, completion_ids, packed, entropy=True)
+        got, entropy = token_logps(kept, completion_ids, packed, entropy=True, reuse=True)  # as GRPO scores
         assert torch.allclose(got, want, atol=2e-5), (family, (got - want).abs().max())
         assert torch.allclose(entropy, row_entropy(logits), atol=2e-5), family
         # the gradient too: the prompt's activations feed G completions in one row instead of G rows
@@ -84,8 +84,8 @@ def test_packed_rows_are_chosen_where_they_cost_less():
 
 def test_target_logps_equals_autograds_composition_with_rows_read_twice():
     """The one-buffer backward (pipeline/rl/target_logps.py) gives log_softmax's values and gradients, where a row is
-    read by several pairs (a packed prompt's last position), by none, and across chunks of its log-sum-exp; and
-    torch's gradcheck passes in float64."""
+    read by several pairs (a packed prompt's last position), by none, and across chunks of its log-sum-exp, with the
+    gradient in a buffer of its own or over the logits (reuse); and torch's gradcheck passes in float64."""
     from pipeline.rl import target_logps as module
 
     torch.manual_seed(0)
@@ -102,6 +102,14 @@ def test_target_logps_equals_autograds_composition_with_rows_read_twice():
     assert logits.shape[0] > module.ROWS_PER_CHUNK  # the log-sum-exp in more than one chunk
     assert torch.allclose(got, want, atol=1e-12) and torch.allclose(b.grad, a.grad, atol=1e-12)
     assert b.grad[1].abs().max() == 0  # a row no pair reads
+    # reuse: the gradient is written over logits an op made (the same values, in their own buffer); a leaf's are kept
+    c = logits.clone().requires_grad_()
+    made = c * 1
+    (module.target_logps(made, rows, targets, reuse=True) * upstream).sum().backward()
+    assert torch.equal(c.grad, b.grad) and torch.equal(made.detach(), b.grad)
+    d = logits.clone().requires_grad_()
+    (module.target_logps(d, rows, targets, reuse=True) * upstream).sum().backward()
+    assert torch.equal(d.grad, b.grad) and torch.equal(d.detach(), logits)
     small = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
     pairs = (torch.tensor([0, 0, 2, 3]), torch.tensor([1, 5, 0, 0]))
     assert torch.autograd.gradcheck(module.target_logps, (small, *pairs))

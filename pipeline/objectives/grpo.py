@@ -150,14 +150,19 @@ class GRPOObjective:
         self.counts = StepCounts(int(tokens.item()), rows, len(batches), self.dist.world_size)
 
     def state_dict(self) -> dict | None:
-        """This rank's rollouts while --num-iterations reuses them (a checkpoint between two generations resumes with
-        them, as the policy that generated them is gone); None otherwise."""
-        if self.g.num_iterations == 1 or not self.cycle:
-            return None
-        return {"cycle": [dataclasses.asdict(r) for r in self.cycle], "counts": dataclasses.asdict(self.counts)}
+        """The packed-rows decision (a resumed run scores as the uninterrupted one did: compared again on a trained
+        model, the two could differ by a last bit and decide otherwise); and this rank's rollouts while
+        --num-iterations reuses them (a checkpoint between two generations resumes with them, as the policy that
+        generated them is gone)."""
+        state: dict = {"packing": self.packing}
+        if self.g.num_iterations > 1 and self.cycle:
+            state |= {"cycle": [dataclasses.asdict(r) for r in self.cycle], "counts": dataclasses.asdict(self.counts)}
+        return state
 
     def load_state_dict(self, state: dict | None) -> None:
-        if state:
+        state = state or {}
+        self.packing = state.get("packing", self.packing)  # a checkpoint of a run before the decision was kept
+        if "cycle" in state:
             self.cycle = [Rollout(**r) for r in state["cycle"]]
             self.counts = StepCounts(**state["counts"])
 
@@ -229,14 +234,15 @@ class GRPOObjective:
         # each row's last kept position predicts nothing: left out by index, not by a slice (a slice's copy, and its
         # gradient, would be another [rows, tokens, vocab]); the entropy without autograd, a few positions at a time
         rows = (torch.arange(n, device=ids.device)[:, None] * (width + 1) + torch.arange(width, device=ids.device))
-        picked = target_logps(logits.flatten(0, 1), rows.flatten(), r.completion_ids.flatten()).view(n, width)
-        return picked, row_entropy(logits)[:, :-1] if entropy else None
+        # reuse: these logits are read no more once the loss's backward runs (one buffer, not two, through it)
+        picked = target_logps(logits.flatten(0, 1), rows.flatten(), r.completion_ids.flatten(), reuse=True)
+        return picked.view(n, width), row_entropy(logits)[:, :-1] if entropy else None
 
     def _packed_logps(self, head: Head, r: Rollout, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         rows = pack(r.prompt_ids, r.prompt_mask, r.completion_ids, self.g.num_generations, self.compute_dtype)
         logits = self._forward(head, rows.input_ids, attention_mask=rows.mask, position_ids=rows.positions,
                                logits_to_keep=rows.keep)
-        return token_logps(logits, r.completion_ids, rows, entropy)
+        return token_logps(logits, r.completion_ids, rows, entropy, reuse=True)
 
     def _check_packing(self, head: Head, r: Rollout) -> None:
         """Packed rows on, if on this first rollout they give every completion token the plain rows' log-probability

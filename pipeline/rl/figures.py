@@ -12,7 +12,8 @@ from pipeline.errors import UserError
 
 TRAIN_FIELDS = ("event", "step", "time", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "completions_per_s",
                 "mfu", "time_ms", "mem_gb", "loss_scale", "eval_loss", "ppl")
-"""The train and eval events' own fields, which a logged metric must not overwrite."""
+"""The train and eval events' own fields, which a logged metric must not overwrite (the trainer builds the events;
+tests/test_grpo.py checks that a GRPO run's train event holds no field but these and the figures')."""
 
 
 class Figures:

@@ -147,18 +147,19 @@ def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: to
     return Packed(ids, mask, positions, keep, group, c)
 
 
-def token_logps(logits: torch.Tensor, completion_ids: torch.Tensor, packed: Packed,
-                entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logps(logits: torch.Tensor, completion_ids: torch.Tensor, packed: Packed, entropy: bool,
+                reuse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each completion token's log-probability [B*G, C] (and, when asked, its position's entropy, without autograd)
     from the kept positions' logits [B, 1 + G*(C-1), V] (float, over the temperature). The prompt's last position is
-    shared by the G completions: its log-sum-exp is computed once, and its gradient is one row's."""
+    shared by the G completions: its log-sum-exp is computed once, and its gradient is one row's. reuse: the backward
+    writes the gradient over the logits (target_logps's reuse, with its conditions)."""
     b, g, c = logits.shape[0], packed.group, packed.width
     k = logits.shape[1]
     # the row of the kept logits that predicts each completion token: the shared one first, then the completion's own
     offset = torch.cat([torch.zeros(g, 1, dtype=torch.long, device=logits.device),
                         1 + torch.arange(g * (c - 1), device=logits.device).view(g, c - 1)], dim=1)
     rows = (torch.arange(b, device=logits.device)[:, None, None] * k + offset).flatten()
-    picked = target_logps(logits.reshape(b * k, -1), rows, completion_ids.flatten()).view(b * g, c)
+    picked = target_logps(logits.reshape(b * k, -1), rows, completion_ids.flatten(), reuse).view(b * g, c)
     if not entropy:
         return picked, None
     with torch.no_grad():

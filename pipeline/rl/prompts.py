@@ -122,9 +122,12 @@ def build_prompt_blocks(ds, tokenizer, g: GRPOConfig, chat_date: str, val_fracti
         raise UserError("the dataset holds conversational prompts but the model has no chat template to render them; "
                         "use its Instruct version, or pass --chat-template FILE.jinja")
     kept, index = [], []
-    counts = {"kept": 0, "cut": 0, "dropped": 0, "prompt_tokens_cut": 0, "prefilled": sum(map(prefilled, prompts))}
+    counts = dict.fromkeys(("kept", "cut", "dropped", "prompt_tokens_cut", "prefilled", "empty"), 0)
     for i, row in enumerate(prompts):
         ids = tokenized(tokenizer, row, chat_date)
+        if not ids:  # nothing to condition on (a text prompt of no token): skipped by reason, counted
+            counts["empty"] += 1
+            continue
         if len(ids) > g.max_prompt_length:
             if g.long_prompts == "drop":
                 counts["dropped"] += 1
@@ -132,13 +135,13 @@ def build_prompt_blocks(ds, tokenizer, g: GRPOConfig, chat_date: str, val_fracti
             counts["cut"] += 1
             counts["prompt_tokens_cut"] += len(ids) - g.max_prompt_length
             ids = ids[-g.max_prompt_length:]
-        if ids:
-            kept.append(ids)
-            index.append(i)
+        kept.append(ids)
+        index.append(i)
+        counts["prefilled"] += prefilled(row)  # of the prompts kept: the ones the run continues
     counts["kept"] = len(kept)
     if not kept:
-        raise UserError(f"no prompt is left: all {len(prompts)} are longer than --max-prompt-length "
-                        f"{g.max_prompt_length}; raise it or use --long-prompts cut")
+        raise UserError(f"no prompt is left of {len(prompts)}: {counts['dropped']} longer than --max-prompt-length "
+                        f"{g.max_prompt_length} (raise it or use --long-prompts cut), {counts['empty']} empty")
     width = max(len(ids) for ids in kept)
     blocks = np.full((len(kept), width), pad_id, dtype=np.int64)
     mask = np.zeros((len(kept), width), dtype=np.int8)

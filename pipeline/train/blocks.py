@@ -78,8 +78,9 @@ def prompt_blocks(cfg: Config, plan: Plan, d: Dist) -> PromptBlocks:
     if d.is_main:
         counts = blocks.counts
         log.info("prompts: %d kept (%d train, %d validation), %d cut from the left to --max-prompt-length %d "
-                 "(%d tokens in all), %d dropped as longer%s", counts["kept"], len(blocks.train), len(blocks.val),
+                 "(%d tokens in all), %d dropped as longer%s%s", counts["kept"], len(blocks.train), len(blocks.val),
                  counts["cut"], cfg.grpo.max_prompt_length, counts["prompt_tokens_cut"], counts["dropped"],
+                 f", {counts['empty']} skipped as empty (no token)" if counts["empty"] else "",
                  f"; {counts['prefilled']} end with the assistant's text, which the model continues"
                  if counts["prefilled"] else "")
     return blocks
