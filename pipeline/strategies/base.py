@@ -71,6 +71,9 @@ class Strategy(ABC):
     """Gathered decoder layers at the forward's peak under FULL_SHARD: the one in use and the one prefetched."""
     ADAPTERS = False
     """Whether it trains --adapter lora/dora/qlora (a frozen base beside trainable adapters in one wrapped unit)."""
+    REPLICATES = False
+    """Whether every rank holds every weight whole, as a plain tensor (export_state the same on every rank): the
+    export then writes rank 0's own tensors, without DCP's per-rank files."""
 
     def __init__(self, cfg: ModelConfig, d: Dist, dtype: torch.dtype, transforms: Sequence[ModelTransform] = ()):
         self.cfg, self.dist, self.dtype = cfg, d, dtype

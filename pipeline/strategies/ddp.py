@@ -61,6 +61,7 @@ class DDP(Strategy):
     LAYOUT = "replicates the whole model on every rank"
     CPU_OFFLOAD = False
     ADAPTERS = True
+    REPLICATES = True
     clock: BucketClock | None = None
 
     @classmethod
