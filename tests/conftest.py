@@ -171,10 +171,14 @@ def pytest_sessionfinish(session) -> None:
 
 
 def preflight_errors(argvs: list[list], env: dict) -> list[str]:
-    """fsdp1.py's preflight for each command line, in one process: its one-line error, or "ok"."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "preflight_errors.py")], cwd=ROOT,
-                          input=json.dumps([[str(a) for a in argv] for argv in argvs]), capture_output=True,
-                          text=True, env=with_root(env))
+    """fsdp1.py's preflight for each command line, in one process: its one-line error, or "ok". Started warm where
+    this environment's launcher is up (the training runs' environment, most often): a cold start cost 5-7 s here."""
+    argv = [str(ROOT / "tests" / "helpers" / "preflight_errors.py"),
+            json.dumps([[str(a) for a in argv] for argv in argvs])]
+    if warm_launches() and WARM.running(with_root(env), offline=True):
+        proc = WARM.run(argv, with_root(env), 600, offline=True)
+    else:
+        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=with_root(env))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines()]
 

@@ -88,14 +88,24 @@ class WarmLaunchers:
         while self.servers:
             self.stop(next(iter(self.servers)))
 
+    @staticmethod
+    def imports_see(env: dict[str, str], offline: bool) -> dict[str, str]:
+        """What a run's imports read of env (a launcher's key); offline: the script sets the offline switches before
+        it imports a Hugging Face library, as fsdp1.py does."""
+        seen = {k: v for k, v in env.items() if k not in PER_RUN}
+        if offline:
+            seen.update(dict.fromkeys(OFFLINE_SWITCHES, "1"))
+        return seen
+
+    def running(self, env: dict[str, str], offline: bool) -> bool:
+        """Whether a launcher for this environment is up (a run under it starts warm without starting one)."""
+        return tuple(sorted(self.imports_see(env, offline).items())) in self.servers
+
     def start(self, argv: list[str], env: dict[str, str], offline: bool, stdout=None, stderr=None) -> WarmProcess:
         """`python ARGV` from the repository with env, in a session of its own, as subprocess.Popen(text=True) would
         start it (stdout and stderr: None, DEVNULL, PIPE, STDOUT for stderr, or an open file). offline: the script
-        is fsdp1.py, which sets the offline switches before it imports a Hugging Face library."""
-        imports_see = {k: v for k, v in env.items() if k not in PER_RUN}
-        if offline:
-            imports_see.update(dict.fromkeys(OFFLINE_SWITCHES, "1"))
-        path = self.server(imports_see)
+        sets the offline switches before it imports a Hugging Face library, as fsdp1.py does."""
+        path = self.server(self.imports_see(env, offline))
         pipes, theirs = {}, []
         for name, target in (("stdout", stdout), ("stderr", stderr)):
             if target is subprocess.STDOUT:

@@ -1,5 +1,5 @@
 """Preflight (fsdp1.py's checks before any process group) for several command lines in one process: a JSON list
-of argument lists on stdin; prints, per line, the one-line error each gives (or "ok") as JSON."""
+of argument lists as the one argument; prints, per line, the one-line error each gives (or "ok") as JSON."""
 
 import json
 import os
@@ -13,7 +13,7 @@ from pipeline.errors import UserError  # noqa: E402
 from pipeline.strategies.registry import settle  # noqa: E402
 from pipeline.train.preflight import preflight  # noqa: E402
 
-for argv in json.load(sys.stdin):
+for argv in json.loads(sys.argv[1]):
     try:
         preflight(settle(config_merge.resolve(argv)))
         print(json.dumps("ok"))
