@@ -342,6 +342,12 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
     assert [[e[k] for k in keys] for e in after] == [[e[k] for k in keys] for e in train[6:]]
     retold = [s["completion"] for s in events(again, "sample") if s["time"] >= resumed[0]["time"]]
     assert retold == [s["completion"] for s in samples[12:]]
+    # on 3 ranks the third holds no decision: every rank compares again (a collective all of them reach), not only it
+    shutil.copytree(again, tmp_path / "runs" / "wider")
+    wider = torchrun(3, ROOT / "fsdp1.py", *[a if a != "again" else "wider" for a in killed], "--max-steps", 8,
+                     "--resume-from", "step-00000006", env=train_env["env"])
+    assert wider.returncode == 0, wider.stderr[-3000:]
+    assert (wider.stdout + wider.stderr).count("GRPO scores each prompt once") == 1
 
     # --num-iterations 2: each generation trained on twice, the second time against the generating policy (the ratio
     # leaves 1, the clip acts); a checkpoint between the two keeps the rollouts, so the rerun repeats the steps after

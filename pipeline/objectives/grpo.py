@@ -91,8 +91,10 @@ class GRPOObjective:
         self.costs = costs
         """The model's forward costs, to choose packed rows where they cost less (None: the model takes none)."""
         self.packing = "unchecked"
-        """Scoring packed rows: "unchecked" until the first packed micro-batch compares them with plain rows, then
-        "on" or "off"."""
+        """Scoring packed rows: "unchecked" until the first scoring compares them with plain rows, then "on" or
+        "off"."""
+        self.packing_agreed = False
+        """Whether this process's ranks have settled the packing decision together (_settle_packing)."""
         self.compute_dtype = compute_dtype
         """The forward's dtype: the packed rows' additive mask is in it."""
 
@@ -210,14 +212,26 @@ class GRPOObjective:
         TRL scores them), [rows, C], and each token's entropy (no gradient) when asked. Packed rows (each prompt
         once, its completions after it: pipeline/rl/packing.py) where the model takes them, else plain ones; the
         first call compares the two (a collective)."""
-        if self.costs is None or not self.costs.packing_pays(r.prompt_ids.shape[1], r.completion_ids.shape[1],
-                                                             self.g.num_generations):
-            return self._plain_logps(head, r, entropy)  # long completions: one dense row would cost more
-        if self.packing == "unchecked":
-            self._check_packing(head, r)
-        if self.packing == "on":
+        if self.costs is None:
+            return self._plain_logps(head, r, entropy)
+        if not self.packing_agreed:
+            self._settle_packing(head, r)
+        # long completions: one dense row would cost more. Decided per rollout and rank: no collective follows it
+        if self.packing == "on" and self.costs.packing_pays(r.prompt_ids.shape[1], r.completion_ids.shape[1],
+                                                            self.g.num_generations):
             return self._packed_logps(head, r, entropy)
         return self._plain_logps(head, r, entropy)
+
+    def _settle_packing(self, head: Head, r: Rollout) -> None:
+        """At this process's first scoring, on every rank whatever its rollout's widths (a collective): packed rows
+        compared with plain ones unless every rank holds a decision already (a resumed run's, from its checkpoint; a
+        rank that another world size adds has none, and then every rank compares again)."""
+        undecided = torch.tensor([float(self.packing == "unchecked")])
+        if self.dist.world_size > 1:
+            dist.all_reduce(undecided, op=dist.ReduceOp.MAX)  # CPU tensor: gloo, no device sync
+        if undecided.item():
+            self._check_packing(head, r)
+        self.packing_agreed = True
 
     def _forward(self, head: Head, ids: torch.Tensor, **inputs) -> torch.Tensor:
         with head.autocasting(ids.device):
