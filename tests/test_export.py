@@ -99,10 +99,11 @@ def test_dcp_consolidation_writes_a_0_dim_tensor_as_zero(tmp_path):
     assert tensors["scalar"].shape == () and tensors["scalar"].item() == 0.0 and tensors["vector"].tolist() == [0.5]
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "manual"])
+@pytest.mark.parametrize("strategy", ["fsdp2", "manual", "ddp"])
 def test_a_0_dim_buffer_is_exported_with_its_value(strategy, group_of_one, tmp_path):
     """Apertus' xIELU activation holds two 0-dim persistent buffers (beta, eps): after a step, the export holds them
-    as trained, 0-dim, and computes the trained model's loss (they were written as 0.0)."""
+    as trained, 0-dim, and computes the trained model's loss (they were written as 0.0). Through DCP's writer
+    (fsdp2, manual) and rank 0's own files (ddp)."""
     from transformers import ApertusConfig, AutoConfig
 
     from pipeline.config_merge import from_flat

@@ -123,8 +123,6 @@ def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dt
     export is refused before anything is written (check_replaceable)."""
     check_replaceable(out, "the export folder")
     sd = {k: v.detach().to(dtype) for k, v in strategy.export_state().items()}
-    scalars = {k for k, v in sd.items() if v.ndim == 0}
-    sd = {k: v.reshape(1) if k in scalars else v for k, v in sd.items()}  # see restore_scalars
     work = partial_dir(out)
     if d.is_main:
         fresh_partial(out, record or {})
@@ -135,7 +133,6 @@ def export_model(strategy: Strategy, model_dir: Path, out: Path, dtype: torch.dt
         _write_files(sd, mapping, work)
     if d.is_main:
         model = strategy.module
-        restore_scalars(work, scalars)
         in_file_layout(work, strategy.as_built)
         write_index(work)
         config = model.config.__class__.from_dict(model.config.to_dict())
@@ -223,6 +220,8 @@ def export_run(strategy: Strategy, cfg: Config, model_dir: Path, d: Dist, chat_t
 
 def _write_through_dcp(sd: dict, mapping: dict[str, int], work: Path, d: Dist) -> None:
     """Each rank's shards through DCP's HuggingFaceStorageWriter, consolidated by rank 0 into work. A collective."""
+    scalars = {k for k, v in sd.items() if v.ndim == 0}
+    sd = {k: v.reshape(1) if k in scalars else v for k, v in sd.items()}  # see restore_scalars
     scratch = work / "dcp"  # DCP's writer: per-rank files, then the consolidated ones; only the latter are kept
     if d.is_main:
         scratch.mkdir()
@@ -234,13 +233,14 @@ def _write_through_dcp(sd: dict, mapping: dict[str, int], work: Path, d: Dist) -
         for f in [*scratch.glob("*.safetensors"), *scratch.glob(INDEX)]:
             os.replace(f, work / f.name)
         shutil.rmtree(scratch)
+        restore_scalars(work, scalars)
 
 
 def _write_files(sd: dict, mapping: dict[str, int], work: Path) -> None:
     """The whole model from this rank's own tensors, file by file as mapping groups them, named as DCP's
-    consolidation names its files. safetensors writes each tensor from its memory: DCP's writer held two copies of
-    a rank's bytes at once (+0.53 GB for SmolLM2-135M's 0.27 GB in bf16), at the end of a run whose peak was the
-    training's."""
+    consolidation names its files (0-dim tensors as they are: the DCP bug restore_scalars mends is not on this
+    path). safetensors writes each tensor from its memory: DCP's writer held two copies of a rank's bytes at once
+    (+0.53 GB for SmolLM2-135M's 0.27 GB in bf16), at the end of a run whose peak was the training's."""
     from safetensors.torch import save_file
 
     count = max(mapping.values(), default=1)
