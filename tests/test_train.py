@@ -155,7 +155,14 @@ def test_the_compiled_chunk_math_gives_the_eager_loss_and_gradients(monkeypatch)
         assert fused[0].item() == pytest.approx(eager[0].item(), abs=1e-6)
         assert fused[0].item() == pytest.approx(reference.item(), rel=1e-4)
         torch.testing.assert_close(fused[1].float(), eager[1].float(), rtol=0, atol=2**-8 * eager[1].abs().max())
-        torch.testing.assert_close(fused[2], eager[2], rtol=0, atol=1e-4 * eager[2].abs().max().item())
+        # the weight gradient sums each row's bf16-rounded logit gradient times h: the two paths' softmax math may
+        # round a row's gradient to the neighbouring bf16 value (a step of at most 2^-7 of it), so an element may differ
+        # by one such step of every row's term, plus fp32 sums in another order: a bound per element, which a fraction
+        # of the largest element is not (an AVX2 machine's compiled sums missed 1e-4 of the largest by 14%)
+        z = h.float() @ w.bfloat16().float().t()
+        g = (z.softmax(-1) - torch.nn.functional.one_hot(labels.clamp(min=0), vocab)) * (labels != vp.IGNORE)[:, None]
+        bound = (2**-7 + rows * 2**-24) * ((g / count).abs().t() @ h.float().abs())
+        assert ((fused[2] - eager[2]).abs() <= bound).all()
         assert eager[1].abs().max() > 0 and eager[2].abs().max() > 0
 
 
