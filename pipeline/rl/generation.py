@@ -36,15 +36,15 @@ def seeded(*parts: int) -> torch.Generator:
 
 
 def _filtered(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """The logits with tokens outside top-k and the top-p nucleus set to -inf (the likeliest always kept)."""
-    logits = logits / s.temperature
+    """The logits with tokens outside top-k and the top-p nucleus set to -inf (the likeliest always kept); the nucleus
+    measured in float64."""
     if s.top_k and s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, -torch.inf)
     if s.top_p < 1:
         ordered, order = torch.sort(logits, descending=True, dim=-1)
-        mass = ordered.softmax(-1).cumsum(-1)
-        drop = mass - ordered.softmax(-1) >= s.top_p  # the mass before a token already reaches top_p
+        p = ordered.double().softmax(-1)
+        drop = p.cumsum(-1) - p >= s.top_p  # the mass before a token already reaches top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), -torch.inf)
     return logits
 
@@ -54,9 +54,13 @@ def pick(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -
     distribution (the generator lives there: the same draws on any device)."""
     if s.greedy:
         return logits.argmax(-1)
-    # inverse transform sampling: one uniform draw per row against the cumulative distribution (a tenth of the time
-    # torch.multinomial takes over a 49k vocabulary)
-    cdf = _filtered(logits.double(), s).softmax(-1).cumsum(-1).cpu()  # float64: no tail token lost to rounding
+    # inverse transform sampling: one uniform draw per row against the cumulative weights (a tenth of the time
+    # torch.multinomial takes over a 49k vocabulary); the weights exp(z - max) in float32, where the exponential is
+    # vectorised (float64's took 7 ms per token over 16 x 49k on a core), unnormalised (the draw is scaled by the
+    # total instead), summed in float64 so that no tail token is lost to the sum's rounding
+    z = logits.float() if s.temperature == 1 else logits.float() / s.temperature
+    z = _filtered(z, s)
+    cdf = (z - z.amax(-1, keepdim=True)).exp_().double().cumsum(-1).cpu()
     if not torch.isfinite(cdf[:, -1]).all():
         raise RuntimeError("generation met non-finite logits: the policy's weights have diverged")
     u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
