@@ -3,12 +3,13 @@ skip what finished, and the analysis compares against the baseline from the runs
 
 import csv
 import json
+import shlex
 import subprocess
 import sys
 
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, WARM, warm_launches, with_root
 
 from pipeline.errors import UserError
 from pipeline.tools.experiments import main
@@ -22,6 +23,18 @@ def spec_file(tmp_path, base: dict, experiments: dict):
     return path
 
 
+def warm_launcher(env: dict) -> tuple[str, dict]:
+    """The harness's --launcher and environment: torchrun, started warm where the suite's runs are (each experiment's
+    command goes through tests/helpers/warm_client.py to this pytest worker's warm launcher: torchrun's own agent and
+    fsdp1.py's entry, without a cold interpreter per process), else torchrun itself."""
+    if not warm_launches():
+        return LAUNCHER, env
+    env = with_root(env)
+    client = ROOT / "tests" / "helpers" / "warm_client.py"
+    return (shlex.join([sys.executable, str(client), "-m", "torch.distributed.run", *LAUNCHER.split()[1:]]),
+            {**env, "FSDP1_WARM_SOCKET": WARM.server(WARM.imports_see(env, offline=True))})
+
+
 def harness(env: dict, *args: object) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipeline.experiments", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -33,8 +46,8 @@ def test_experiments_run_fail_alone_resume_and_compare_with_the_baseline(train_e
     spec = spec_file(tmp_path, base, {"ddp": {"strategy": "ddp"}, "missing": {"model_name": "local/missing"},
                                       "fsdp2": {"strategy": "fsdp2"}})
     out = tmp_path / "out"
-    first = harness(train_env["env"], "run", "--spec", spec, "--output-dir", out, "--launcher", LAUNCHER,
-                    "--execute")
+    launcher, env = warm_launcher(train_env["env"])
+    first = harness(env, "run", "--spec", spec, "--output-dir", out, "--launcher", launcher, "--execute")
     assert first.returncode == 1, first.stderr[-3000:]
     assert "1 of 3 failed (missing); fix and rerun the same command: finished experiments are skipped" in first.stderr
     status = {n: json.loads((out / "status" / f"{n}.json").read_text()) for n in ("ddp", "missing", "fsdp2")}
@@ -47,13 +60,12 @@ def test_experiments_run_fail_alone_resume_and_compare_with_the_baseline(train_e
 
     spec_file(tmp_path, base, {"ddp": {"strategy": "ddp"}, "missing": {"model_name": "local/missing"},
                                "fsdp2": {"strategy": "fsdp2", "eval_freq": 0}})
-    again = harness(train_env["env"], "run", "--spec", spec, "--output-dir", out, "--launcher", LAUNCHER,
-                    "--execute")
+    again = harness(env, "run", "--spec", spec, "--output-dir", out, "--launcher", launcher, "--execute")
     assert "ddp: done before, skipped" in again.stdout and "missing: running" in again.stdout
     assert "fsdp2: its config changed since it finished; running it again" in again.stdout
     assert again.returncode == 1 and json.loads((out / "status" / "fsdp2.json").read_text())["status"] == "done"
 
-    shown = harness(train_env["env"], "analyze", "--experiment-dir", out, "--baseline", "ddp")
+    shown = harness(env, "analyze", "--experiment-dir", out, "--baseline", "ddp")
     assert shown.returncode == 0, shown.stderr[-3000:]
     assert (out / "summary.md").read_text() in shown.stdout
     rows = {r["name"]: r for r in csv.DictReader((out / "summary.csv").open())}
@@ -71,7 +83,7 @@ def test_experiments_run_fail_alone_resume_and_compare_with_the_baseline(train_e
     assert float(rows["fsdp2"]["comm_ms"]) > 0 and float(rows["ddp"]["comm_ms"]) > 0
     assert len(rows["fsdp2"]["peak_gb_by_rank"].split()) == 2
     assert (out / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    missing = harness(train_env["env"], "analyze", "--experiment-dir", out, "--baseline", "fsdp")
+    missing = harness(env, "analyze", "--experiment-dir", out, "--baseline", "fsdp")
     assert missing.stderr.strip() == f"error: --baseline fsdp is not an experiment of {out}; its experiments: ddp, " \
                                      "missing, fsdp2"
 
