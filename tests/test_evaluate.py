@@ -2,14 +2,12 @@
 at step 0 and ends with the base -> final line, and pipeline.evaluate reproduces both ends of the run."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, events, torchrun, with_root
+from conftest import ROOT, events, run_evaluate, torchrun
 from transformers import AutoModelForCausalLM
 
 from pipeline.data.batches import make_batch
@@ -18,12 +16,6 @@ from pipeline.eval.adapter_folder import read_adapter_folder
 from pipeline.tools.evaluate import resolve
 
 DEMO = ["--config", str(ROOT / "configs" / "demo.yaml"), "-b", "2"]
-
-
-def run_evaluate(env: dict, *args: object) -> subprocess.CompletedProcess:
-    """pipeline.evaluate in one plain process, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "pipeline.evaluate", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, env=with_root(env), timeout=600)
 
 
 def evaluate(env: dict, *args: object) -> dict:

@@ -8,6 +8,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
+from conftest import run_evaluate
 from test_corpus import stored
 from test_preferences import alone_logp, chat, reference_of, write_jsonl
 
@@ -209,10 +210,8 @@ def test_kto_with_lora_trains_on_two_ranks_resumes_bitwise_and_full_fine_tuning_
     final validation. Full fine-tuning computes the base's log-probabilities once before the first step, so it too
     starts at 0.5."""
     import shutil
-    import subprocess
-    import sys
 
-    from conftest import ROOT, events, torchrun, with_root
+    from conftest import ROOT, events, torchrun
 
     feedback = arithmetic_feedback(tmp_path, 8)
 
@@ -236,9 +235,8 @@ def test_kto_with_lora_trains_on_two_ranks_resumes_bitwise_and_full_fine_tuning_
     assert re.search(rf"validation kto loss 0\.5000 -> {final['loss']:.4f} over \d+ examples; reward margin "
                      rf"\(desirable - undesirable\) 0\.0000 -> {final['rewards/margins']:.4f}, kl 0\.0000 -> "
                      rf"{final['kl']:.4f}, base -> step 6", said), said[-2000:]
-    proc = subprocess.run([sys.executable, "-m", "pipeline.evaluate", str(lora / "adapter"), "--config",
-                           str(lora / "config.yaml"), "--out", tmp_path / "e.json"], cwd=ROOT, capture_output=True,
-                          text=True, env=with_root(train_env["env"]))
+    proc = run_evaluate(train_env["env"], lora / "adapter", "--config", lora / "config.yaml", "--out",
+                        tmp_path / "e.json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "e.json").read_text())
     assert (report["objective"], report["reference"]) == ("kto", "the base, adapter off") and report["examples"] > 0

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, torchrun, with_root
+from conftest import ROOT, run_evaluate, run_script, torchrun, with_root
 from peft import LoraConfig, get_peft_model
-from test_evaluate import run_evaluate
 from transformers import AutoModelForCausalLM
 
 from pipeline.errors import UserError
@@ -177,10 +176,9 @@ def test_a_task_that_cannot_run_here_is_one_line_before_any_training(train_env, 
     # its process group or its run folder
     proc = run_evaluate(env, "local/tiny", "--lm-eval-tasks", "nope", "--lm-eval-include", tasks)
     assert proc.returncode == 2 and proc.stderr.strip() == f"error: {refusals['nope']}", proc.stderr[-2000:]
-    proc = subprocess.run([sys.executable, "fsdp1.py", "-e", "never", "--save-dir", tmp_path / "runs", "-d",
-                           train_env["dataset"], "-m", "local/tiny", "--config", ROOT / "configs" / "demo.yaml",
-                           "--lm-eval-tasks", "missing_data", "--lm-eval-include", tasks], cwd=ROOT,
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = run_script("fsdp1.py", "-e", "never", "--save-dir", tmp_path / "runs", "-d", train_env["dataset"], "-m",
+                      "local/tiny", "--config", ROOT / "configs" / "demo.yaml", "--lm-eval-tasks", "missing_data",
+                      "--lm-eval-include", tasks, env=env)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == f"error: {expected['missing_data']}"
     assert not (tmp_path / "runs").exists()
 

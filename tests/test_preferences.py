@@ -8,6 +8,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
+from conftest import run_evaluate
 from test_corpus import stored
 
 from pipeline.errors import UserError
@@ -322,10 +323,8 @@ def test_dpo_with_lora_and_simpo_train_on_two_ranks_and_dpo_resumes_bitwise(tmp_
     and the first step, its rewards part as it trains and a rerun from a checkpoint repeats the steps after it bit for
     bit; SimPO full fine-tuning trains without a reference."""
     import shutil
-    import subprocess
-    import sys
 
-    from conftest import ROOT, events, torchrun, with_root
+    from conftest import ROOT, events, torchrun
 
     arithmetic_pairs(tmp_path, 10)
 
@@ -347,10 +346,7 @@ def test_dpo_with_lora_and_simpo_train_on_two_ranks_and_dpo_resumes_bitwise(tmp_
     assert f"validation dpo loss 0.6931 -> {evals[-1]['loss']:.4f} over " in done.stdout + done.stderr
     # pipeline.evaluate: the adapter against its base with it off, as validated; the base alone, without a reference
     for model, reference in ((dpo / "adapter", "the base, adapter off"), ("local/tiny", None)):
-        proc = subprocess.run([sys.executable, "-m", "pipeline.evaluate", str(model), "--config",
-                               str(dpo / "config.yaml"), "--out", tmp_path / "e.json"], cwd=ROOT,
-                              capture_output=True, text=True,
-                              env=with_root(train_env["env"]))
+        proc = run_evaluate(train_env["env"], model, "--config", dpo / "config.yaml", "--out", tmp_path / "e.json")
         assert proc.returncode == 0, proc.stderr[-3000:]
         report = json.loads((tmp_path / "e.json").read_text())
         assert report["reference"] == reference and report["pairs"] > 0
@@ -378,10 +374,8 @@ def test_full_fine_tuning_dpo_computes_its_reference_once_and_resumes_bitwise(tm
     strategy too; the run ends with the preference accuracy base -> final, and pipeline.evaluate gives the same
     figures for the export and for the base against itself (ln 2, accuracy 0)."""
     import shutil
-    import subprocess
-    import sys
 
-    from conftest import ROOT, events, torchrun, with_root
+    from conftest import ROOT, events, torchrun
 
     arithmetic_pairs(tmp_path, 10)
 
@@ -407,10 +401,8 @@ def test_full_fine_tuning_dpo_computes_its_reference_once_and_resumes_bitwise(tm
     # pipeline.evaluate on the same pairs: the run's final validation, and the base against itself
     reports = []
     for model, loss, margin in ((full / "hf", final["loss"], final["rewards/margins"]), ("local/tiny", 0.6931472, 0)):
-        proc = subprocess.run([sys.executable, "-m", "pipeline.evaluate", str(model), "--config",
-                               str(full / "config.yaml"), "--reference", "local/tiny", "--out", tmp_path / "e.json"],
-                              cwd=ROOT, capture_output=True, text=True,
-                              env=with_root(train_env["env"]))
+        proc = run_evaluate(train_env["env"], model, "--config", full / "config.yaml", "--reference", "local/tiny",
+                            "--out", tmp_path / "e.json")
         assert proc.returncode == 0, proc.stderr[-3000:]
         report = json.loads((tmp_path / "e.json").read_text())
         assert (report["objective"], report["reference"], report["split"]) == ("dpo", "local/tiny", "val")

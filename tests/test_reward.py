@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import run_evaluate
 from test_preferences import arithmetic_pairs
 
 from pipeline.errors import UserError
@@ -159,10 +160,8 @@ def test_a_reward_model_ranks_held_out_pairs_resumes_bitwise_and_exports_a_seque
     classifier it is; from there it trains further as a reward model only. pipeline.chat refuses either folder in one
     line (a reward model does not generate)."""
     import re
-    import subprocess
-    import sys
 
-    from conftest import ROOT, events, hub_env, preflight_errors, run_module, run_script, torchrun, with_root
+    from conftest import ROOT, events, hub_env, preflight_errors, run_module, run_script, torchrun
     from transformers import AutoModelForSequenceClassification
 
     arithmetic_pairs(tmp_path, 10)
@@ -187,9 +186,7 @@ def test_a_reward_model_ranks_held_out_pairs_resumes_bitwise_and_exports_a_seque
                      rf"reward loss {evals[0]['loss']:.4f} -> {final['loss']:.4f}", said), said[-2000:]
     scorer, info = AutoModelForSequenceClassification.from_pretrained(rm / "hf", output_loading_info=True)
     assert not any(info.values()) and scorer.config.num_labels == 1
-    proc = subprocess.run([sys.executable, "-m", "pipeline.evaluate", str(rm / "hf"), "--config",
-                           str(rm / "config.yaml"), "--out", tmp_path / "e.json"], cwd=ROOT, capture_output=True,
-                          text=True, env=with_root(train_env["env"]))
+    proc = run_evaluate(train_env["env"], rm / "hf", "--config", rm / "config.yaml", "--out", tmp_path / "e.json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "e.json").read_text())
     assert (report["objective"], report["reference"]) == ("reward", None)
