@@ -372,7 +372,7 @@ def test_an_adapter_run_and_its_folder_are_bound_to_the_base_they_were_trained_o
     evaluate refuse in one line, naming both bases; a base folder that moved away is named as such."""
     import json as json_mod
 
-    from conftest import preflight_errors, run_module
+    from conftest import preflight_errors, run_evaluate, run_module
 
     from pipeline.ownership import read_mark
     from pipeline.prep.hub import import_local
@@ -394,7 +394,7 @@ def test_an_adapter_run_and_its_folder_are_bound_to_the_base_they_were_trained_o
     adapter = tmp_path / "r" / "adapter"
     procs = {
         "chat": run_module("pipeline.chat", adapter, "--prompt", "hi", env=env),
-        "evaluate": run_module("pipeline.evaluate", adapter, "-d", train_env["dataset"], env=env),
+        "evaluate": run_evaluate(env, adapter, "-d", train_env["dataset"]),
         "export": run_module("pipeline.export", "--checkpoint", tmp_path / "r" / "checkpoints" / "step-00000018",
                              "--out", tmp_path / "x", env=env),
     }
@@ -408,7 +408,7 @@ def test_an_adapter_run_and_its_folder_are_bound_to_the_base_they_were_trained_o
     assert not (tmp_path / "x").exists()
     # another base given by name: the line names the base the adapter was trained on, and the one given
     import_local(other, "local/other", "main", tmp_path / "hf" / "hub")
-    given = run_module("pipeline.evaluate", "local/other", "--adapter", adapter, "-d", train_env["dataset"], env=env)
+    given = run_evaluate(env, "local/other", "--adapter", adapter, "-d", train_env["dataset"])
     assert given.returncode == 2, given.stderr[-2000:]
     assert given.stderr.splitlines()[-1].startswith(
         f"error: the adapter {adapter} was trained on base model local/tiny with weights "

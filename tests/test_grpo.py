@@ -278,7 +278,7 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
     gives its final validation reward. Full fine-tuning under fsdp2 with a constant reward and a KL penalty against
     a frozen copy of the base: every advantage is 0, so the loss, the gradient and the kl are 0 and the export is the
     base, on conversational prompts (some continuing the assistant's begun turn)."""
-    from conftest import ROOT, events, kill_tree, preflight_errors, run_module, start_torchrun, torchrun, wait_for
+    from conftest import ROOT, events, kill_tree, preflight_errors, run_evaluate, start_torchrun, torchrun, wait_for
 
     from pipeline.prep.corpus import CorpusConfig, build_dataset
     from pipeline.rl.figures import TRAIN_FIELDS
@@ -391,8 +391,8 @@ def test_grpo_runs_a_group_per_prompt_learns_resumes_bitwise_and_a_constant_rewa
     shown = events(tmp_path / "runs" / "kl", "sample")
     assert shown and all(s["extra"] == {"echo": s["completion"]} for s in shown)
     # pipeline.evaluate of the adapter on the run's config: the held-out prompts' greedy mean reward, as the run's end
-    scored = run_module("pipeline.evaluate", tmp_path / "runs" / "kl" / "adapter", "--config",
-                        tmp_path / "runs" / "kl" / "config.yaml", "--out", tmp_path / "e.json", env=train_env["env"])
+    scored = run_evaluate(train_env["env"], tmp_path / "runs" / "kl" / "adapter", "--config",
+                          tmp_path / "runs" / "kl" / "config.yaml", "--out", tmp_path / "e.json")
     assert scored.returncode == 0, scored.stderr[-3000:]
     report, final = json.loads((tmp_path / "e.json").read_text()), events(tmp_path / "runs" / "kl", "eval")[-1]
     assert (report["objective"], report["prompts"]) == ("grpo", 12)

@@ -208,7 +208,7 @@ def test_a_reward_model_ranks_held_out_pairs_resumes_bitwise_and_exports_a_seque
         f"--reference-model {rm / 'hf'} is a reward model (LlamaForSequenceClassification): a reference gives "
         "log-probabilities, which a reward model has no head for"]
     # nor does pipeline.evaluate score a model without a trained score as a reward model
-    proc = run_module("pipeline.evaluate", "local/tiny", "--config", rm / "config.yaml", env=train_env["env"])
+    proc = run_evaluate(train_env["env"], "local/tiny", "--config", rm / "config.yaml")
     assert (proc.returncode, proc.stderr.strip().splitlines()[-1]) == (2, (
         "error: local/tiny is not a reward model (a run of --objective reward exports one to RUN/hf): its rewards "
         "would come from a score drawn at random"))
