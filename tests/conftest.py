@@ -46,18 +46,20 @@ def run_module(module: str, *args: object, env: dict | None = None,
                           env=with_root(env), timeout=timeout)
 
 
-def run_evaluate(env: dict, *args: object, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m pipeline.evaluate ARGS` from the repository, as a user runs it; captures text output. Started warm
-    where this pytest worker's launcher for the environment is already up (the training runs' one, most often:
-    pipeline.evaluate sets the offline switches fsdp1.py sets before its first Hugging Face import), else cold; it
-    starts no launcher of its own."""
-    import os
-
-    env = with_root(dict(os.environ) if env is None else env)
-    argv = ["-m", "pipeline.evaluate", *map(str, args)]
-    if warm_launches() and WARM.running(env, offline=True):
-        return WARM.run(argv, env, timeout, True)
+def run_python(argv: list[str], env: dict, offline: bool, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python ARGV` (a script, `-m MODULE` or `-c CODE`) from the repository with env, as a user runs it; captures
+    text output. Started warm where this pytest worker's launcher for the environment is already up (the training
+    runs' one, most often), else cold; it starts no launcher of its own. offline: the command sets the offline
+    switches fsdp1.py sets before its first Hugging Face import (so the launcher's imports saw what its own would)."""
+    if warm_launches() and WARM.running(env, offline):
+        return WARM.run(argv, env, timeout, offline)
     return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def run_evaluate(env: dict, *args: object, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m pipeline.evaluate ARGS` (run_python: warm where a launcher is up; pipeline.evaluate sets the offline
+    switches first)."""
+    return run_python(["-m", "pipeline.evaluate", *map(str, args)], with_root(env), True, timeout)
 
 
 class SmallDisk:

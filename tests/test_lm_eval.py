@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, run_evaluate, run_script, torchrun, with_root
+from conftest import ROOT, run_evaluate, run_python, run_script, torchrun, with_root
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -21,7 +21,9 @@ TASKS = ["--lm-eval-tasks", "corpus_cloze", "--lm-eval-include", "examples/lm_ev
 """The bundled example task (a relative data file: every command runs in the project root)."""
 
 DIRECT = """
-import json, sys
+import json, os, sys
+for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):  # before any Hugging Face import
+    os.environ[switch] = "1"
 import lm_eval
 from lm_eval.tasks import TaskManager
 # the example folder's index alone: corpus_cloze is its task (lm-eval's own 14,684 take 6 s to index here)
@@ -32,7 +34,9 @@ print(json.dumps(results))
 """
 
 CHECK = """
-import json, sys
+import json, os, sys
+for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):  # before any Hugging Face import
+    os.environ[switch] = "1"
 from pathlib import Path
 from pipeline.errors import UserError
 from pipeline.eval.harness import Tasks, check_tasks
@@ -55,8 +59,7 @@ def simple_evaluate(env: dict, *models: tuple[Path, Path | None]) -> list[dict]:
     their results."""
     args = [{"pretrained": str(model), "dtype": "float32", "device": "cpu", "batch_size": 8,
              **({"peft": str(adapter)} if adapter else {})} for model, adapter in models]
-    proc = subprocess.run([sys.executable, "-c", DIRECT, json.dumps(args)], cwd=ROOT, capture_output=True, text=True,
-                          env=offline(env), timeout=600)
+    proc = run_python(["-c", DIRECT, json.dumps(args)], offline(env), True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -164,8 +167,7 @@ def test_a_task_that_cannot_run_here_is_one_line_before_any_training(train_env, 
                       "the task (its YAML or the functions it names)",
         "mixed_group": "lm-eval task mixed_group: its data could not be read on this offline machine (",
     }
-    proc = subprocess.run([sys.executable, "-c", CHECK, tasks, *expected, "fine", "fine_group"], cwd=ROOT,
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = run_python(["-c", CHECK, str(tasks), *expected, "fine", "fine_group"], env, True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     refusals = json.loads(proc.stdout.splitlines()[-1])
     assert list(refusals) == list(expected)  # fine and fine_group pass

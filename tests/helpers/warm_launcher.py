@@ -21,8 +21,8 @@ that case covered. Descriptors the agent holds (its store's listening socket) st
 close_fds would shut them: closing them under live Python objects could later close a reused number instead.
 
 Protocol on a UNIX socket: the run's stdout and stderr descriptors (SCM_RIGHTS), then a JSON line {"argv" (the
-interpreter's arguments: `-m MODULE ...` or `SCRIPT ...`), "cwd", "env"}; answered by {"pid"} (the run, leader of a
-session of its own) and, once it has ended, {"returncode"} (negative: killed by that signal).
+interpreter's arguments: `-m MODULE ...`, `-c CODE ...` or `SCRIPT ...`), "cwd", "env"}; answered by {"pid"} (the
+run, leader of a session of its own) and, once it has ended, {"returncode"} (negative: killed by that signal).
 """
 
 from __future__ import annotations
@@ -105,15 +105,23 @@ def fresh_process(env: dict[str, str], cwd: str | None, unbuffered: bool) -> Non
         setattr(sys, f"__{name}__", stream)
 
 
-def run_as_main(argv: list[str], module: bool = False) -> NoReturn:
-    """Run a script (or `-m` module) as `__main__` with argv, then end as the interpreter would."""
+def run_as_main(argv: list[str], module: bool = False, source: str | None = None) -> NoReturn:
+    """Run a script, a `-m` module or `-c` code (source, argv[0] "-c") as `__main__` with argv, then end as the
+    interpreter would."""
     import runpy
+    import types
 
     sys.argv = list(argv)
-    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.realpath(argv[0]))
+    if source is not None:
+        sys.path[0] = ""  # what `python -c` puts first: the current folder
+    else:
+        sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.realpath(argv[0]))
     code, signum = 0, 0
     try:
-        if module:
+        if source is not None:
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            exec(compile(source, "<string>", "exec"), main.__dict__)  # noqa: S102 - `python -c`, as the caller asked
+        elif module:
             runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
         else:
             runpy.run_path(argv[0], run_name="__main__")
@@ -212,6 +220,8 @@ def agent(request: dict, out: int, err: int) -> NoReturn:
     argv = request["argv"]
     if argv[0] == "-m":
         run_as_main(argv[1:], module=True)
+    elif argv[0] == "-c":
+        run_as_main(["-c", *argv[2:]], source=argv[1])
     else:
         run_as_main(argv)
 
