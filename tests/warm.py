@@ -51,6 +51,16 @@ def kill_tree(proc) -> None:
     psutil.wait_procs(tree, timeout=30)
 
 
+def request(path: str, fds: list[int], argv: list[str], cwd: str, env: dict[str, str]) -> socket.socket:
+    """Ask the warm launcher at path for `python ARGV` in cwd with env, its stdout and stderr the descriptors fds (the
+    protocol of tests/helpers/warm_launcher.py); the connection its answers come on (WarmProcess reads them)."""
+    conn = socket.socket(socket.AF_UNIX)
+    conn.connect(path)
+    socket.send_fds(conn, [b"F"], fds)
+    conn.sendall(json.dumps({"argv": argv, "cwd": cwd, "env": env}).encode() + b"\n")
+    return conn
+
+
 class WarmLaunchers:
     """This pytest process's warm launchers, one per environment a run's imports would see (a library reads some
     variables while importing, which a fork cannot change afterwards); the least recently used beyond MAX stopped."""
@@ -117,12 +127,9 @@ class WarmLaunchers:
                 theirs.append(os.open(os.devnull, os.O_WRONLY))
             else:
                 theirs.append(os.dup(target.fileno() if target is not None else len(theirs) + 1))
-        conn = socket.socket(socket.AF_UNIX)
-        conn.connect(path)
-        socket.send_fds(conn, [b"F"], theirs)
+        conn = request(path, theirs, argv, str(ROOT), env)
         for fd in set(theirs):
             os.close(fd)
-        conn.sendall(json.dumps({"argv": argv, "cwd": str(ROOT), "env": env}).encode() + b"\n")
         return WarmProcess([sys.executable, *argv], conn, pipes)
 
     def run(self, argv: list[str], env: dict[str, str], timeout: float, offline: bool) -> subprocess.CompletedProcess:

@@ -6,31 +6,22 @@ passed to the run's session."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import sys
+
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for its warm.py
+
+from warm import WarmProcess, request  # noqa: E402
 
 
 def main() -> None:
     env = dict(os.environ)
-    conn = socket.socket(socket.AF_UNIX)
-    conn.connect(env.pop("FSDP1_WARM_SOCKET"))
-    socket.send_fds(conn, [b"F"], [1, 2])
-    conn.sendall(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "env": env}).encode() + b"\n")
-    reader = conn.makefile("rb")
-    pid = json.loads(reader.readline())["pid"]
-
-    def forward(signum: int, _frame: object) -> None:
-        os.killpg(pid, signum)
-
+    conn = request(env.pop("FSDP1_WARM_SOCKET"), [1, 2], sys.argv[1:], os.getcwd(), env)
+    proc = WarmProcess([sys.executable, *sys.argv[1:]], conn, {})
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, forward)
-    line = reader.readline()
-    if not line:
-        raise SystemExit("error: the warm launcher ended before the run did")
-    code = json.loads(line)["returncode"]
+        signal.signal(signum, lambda signum, _frame: os.killpg(proc.pid, signum))
+    code = proc.wait()
     if code < 0:  # killed by a signal: end the same way, as a shell would see it
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
