@@ -46,6 +46,17 @@ CHUNK_ELEMENTS = {"cpu": 16 * 2**20, "cuda": 256 * 2**20}
 and re-writes the head's gradient): 0.68 s/step at 16M against 0.75 at 8M and 1.08 at 2M, in a 2-rank training
 loop of the CPU bench model (one run each). CUDA: 256M (1 GiB in fp32), about 2,000 token rows against a 128k
 vocabulary, so each chunk's three matrix products are large enough to keep the tensor cores busy."""
+FROZEN_HEAD_CHUNK_ELEMENTS = {"cpu": 16 * 2**20, "cuda": 64 * 2**20}
+"""Logits per chunk where the head does not train (adapters): no weight gradient is re-read and re-written per
+chunk, which is what made larger chunks faster, and the runs that freeze it are the ones sized by memory (QLoRA's
+10 GiB goal on Llama-3.1-8B's shape): on CUDA 64M logits, about 520 token rows against a 128k vocabulary, a
+quarter of the transients (the chunk's fp32 logits and its low-precision gradient, 1.5 GiB at 256M)."""
+
+
+def chunk_elements(device_type: str, head_trains: bool = True) -> int:
+    """Logits per chunk of the loss on a device of this type."""
+    table = CHUNK_ELEMENTS if head_trains else FROZEN_HEAD_CHUNK_ELEMENTS
+    return table.get(device_type, table["cpu"])
 
 
 def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -127,7 +138,7 @@ def head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_star
     grad_h = torch.empty_like(h) if with_grads else None
     grad_w = torch.zeros_like(w, dtype=torch.float32) if with_grads and weight_grad else None
     total = torch.zeros((), dtype=torch.float64, device=h.device)
-    step = max(1, CHUNK_ELEMENTS.get(h.device.type, CHUNK_ELEMENTS["cpu"]) // max(v_local, 1))
+    step = max(1, chunk_elements(h.device.type, weight_grad) // max(v_local, 1))
     if with_grads and compiled:
         return _compiled_pass(h, w_c, labels, target, mine, valid, count, group, step, grad_h, grad_w)
     for a in range(0, rows, step):

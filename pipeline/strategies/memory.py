@@ -23,7 +23,7 @@ import psutil
 import torch
 
 from pipeline.model.nf4 import NF4_BYTES_PER_PARAM
-from pipeline.model.vocab_parallel import CHUNK_ELEMENTS
+from pipeline.model.vocab_parallel import chunk_elements
 from pipeline.rl.packing import Costs, packed_span
 
 GIB = 1024**3
@@ -387,7 +387,7 @@ def logits_bytes(shape: Shape, work: Workload, tokens: int, shards: int) -> int:
     if not work.vocab_parallel:
         return tokens * shape.vocab * (work.compute_bytes + (4 if work.compute_bytes < 4 else 0) + 8)
     rows = tokens * work.world_size
-    chunk = min(rows * -(-shape.vocab // shards), CHUNK_ELEMENTS.get(work.device, CHUNK_ELEMENTS["cpu"]))
+    chunk = min(rows * -(-shape.vocab // shards), chunk_elements(work.device, work.adapter == "none"))
     return rows * shape.hidden * 4 + 3 * chunk * 4
 
 
