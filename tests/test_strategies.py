@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, events, losses, root_cause, torchrun
+from conftest import ROOT, events, losses, root_cause, run_python, torchrun, with_root
 from safetensors.numpy import load_file
 
 STEPS = ROOT / "tests" / "helpers" / "strategy_steps.py"
@@ -217,6 +217,20 @@ def test_cpu_offload_trains_as_without_it(train_env, tmp_path, strategy):
     got, expected = exported(tmp_path / "offloaded" / "r"), exported(tmp_path / "kept" / "r")
     for key, value in expected.items():
         np.testing.assert_allclose(got[key], value, rtol=0, atol=1e-5, err_msg=key)  # Adam amplifies rounding
+
+
+def test_fsdp1_offloaded_weights_loaded_before_the_first_step_are_the_ones_trained(tmp_path):
+    """FSDP1's lazy init pins a copy of each offloaded shard while the parameters still point at the original; on one
+    rank (NO_SHARD) a load writes into the original, and on an H200 the test above trained from uninitialised memory
+    (first loss exactly ln(1024)). The strategy points the parameters at the pinned copy before loading."""
+    import os
+
+    proc = run_python(["tests/helpers/fsdp1_offload_probe.py", str(tmp_path / "rendezvous")], with_root(os.environ),
+                      False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["without"] > 0.01  # the hazard still there: the loaded weights are not the ones used
+    assert got["with"] == 0.0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")

@@ -78,7 +78,24 @@ class FSDP1(Strategy):
             limit_all_gathers=cfg.limit_all_gathers,
             use_orig_params=cfg.use_orig_params,
         )
+        if cfg.cpu_offload:
+            self._point_at_pinned_shards(wrapped)
         return wrapped
+
+    @staticmethod
+    def _point_at_pinned_shards(wrapped: FullyShardedDataParallel) -> None:
+        """Every parameter pointed at the pinned host shard FSDP trains, before any weight is loaded. The hazard
+        (torch 2.11 to 2.13): FSDP1's lazy init pins a copy of each unit's offloaded flat parameter, and the
+        parameters keep pointing at the unpinned original until the unit is first resharded; under NO_SHARD (one
+        rank, or --sharding NO_SHARD) with use_orig_params, load_state_dict writes straight into the parameters,
+        with no unshard to write back, so loaded weights went into the original while each step cast the pinned
+        copy to the compute dtype: on an H200, one GPU trained from uninitialised memory (a first loss of exactly
+        ln(vocab)); tests/helpers/fsdp1_offload_probe.py shows it on the CPU. One unshard and
+        reshard per unit, one unit on the device at a time, root first (its lazy init sets up every unit).
+        Collective under sharded strategies: every rank runs it, in the same order."""
+        for unit in FullyShardedDataParallel.fsdp_modules(wrapped):
+            with FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=False):
+                pass
 
     def _materialize(self, module: nn.Module) -> None:
         """FSDP1's param_init_fn, called on each module of a unit before it is flattened: its own parameters as
