@@ -2,7 +2,7 @@
 
     make gpu-wheels                      # here, before the GPU call: the wheels the GPU image lacks, into .whl/
     make gpu-check HALF=1                # on the GPU (carry .whl): setup, adapters; at most 300 s
-    make gpu-check HALF=2                # on the GPU, the next call: setup, correctness, full_speed; at most 300 s
+    make gpu-check HALF=2                # on the GPU, the next call: setup, correctness, full_speed, grpo; <= 300 s
     make gpu-check                       # both halves in one call (at most 600 s)
     make gpu-check PARTS=adapters        # one part again
     make gpu-check DRY=1                 # the rehearsal: every part on the CPU, tiny shapes, a few steps
@@ -23,9 +23,11 @@ wheels through it).
                  profiled over three steady steps (top kernels, the step split by kind of work)
     adapters     LoRA and QLoRA on Llama-3.1-8B's shape at batch 1 x 2048 against HF Trainer + peft LoRA (tokens/s,
                  peak memory; the QLoRA goal: 8B in 10 GiB), QLoRA's peak broken down from its profile
+    grpo         GRPO with LoRA on Llama-3.2-1B's shape: the generation's tokens/s and each step's split between
+                 generating and training (the bundled arithmetic prompts, the digits reward)
 
-Then BENCHMARKS.md's GPU sections (train_speed_gpu, adapters_gpu, gpu_profile) are rewritten from the results (not
-in a dry run, whose tables go to its work folder). Exit status: 0 when every part passed, 1 otherwise.
+Then BENCHMARKS.md's GPU sections (train_speed_gpu, adapters_gpu, gpu_profile, grpo_gpu) are rewritten from the
+results (not in a dry run, whose tables go to its work folder). Exit status: 0 when every part passed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import ROOT, bench_env, machine, update_section
+from common import ROOT, bench_env, machine, table, torchrun_cmd, update_section
 
 REQUIRED = ("torch", "transformers", "tokenizers", "datasets", "pyarrow", "safetensors", "peft", "torchao",
             "accelerate", "huggingface_hub", "yaml", "psutil", "tqdm")
@@ -60,13 +62,13 @@ class Part:
 
 
 PARTS = {"setup": Part(40, 60), "correctness": Part(120, 300), "full_speed": Part(190, 240),
-         "adapters": Part(270, 240)}
+         "adapters": Part(270, 240), "grpo": Part(60, 120)}
 """Budgets, 25% or more above what the parts took on an H200. Setup: 11.7-15.1 s, 20.2 s on a fresh machine's
 first imports (2026-11-28, killed at its then 20 s). Correctness: 71.6 s (2026-11-28; the CUDA tests in five groups,
 the slowest 67 s). Full_speed: 150.8 s for three variants, the 1B model built and the dataset kept from the first
 half. Adapters: 226.5 s for three variants with the 8B model and the dataset built (2026-11-28). A half took 240 s
-(1) and 237 s (2) of its 300."""
-HALVES = {"1": ("setup", "adapters"), "2": ("setup", "correctness", "full_speed")}
+(1) and 237 s (2) of its 300. GRPO: not yet run on a GPU; its 60 s are what half 2 had left."""
+HALVES = {"1": ("setup", "adapters"), "2": ("setup", "correctness", "full_speed", "grpo")}
 """Each half is one device call: at most HALF_S seconds of parts, setup first in each (a fresh machine may come)."""
 HALF_S = 300
 
@@ -83,6 +85,22 @@ class Load:
 
 
 @dataclass(frozen=True)
+class Rollouts:
+    """What the GRPO part trains: LoRA r16, every prompt's group of completions generated in the training process."""
+
+    preset: str
+    prompts: int
+    """Prompts per step (one rank)."""
+    group: int
+    """Completions per prompt (G)."""
+    length: int
+    """--max-completion-length: a random model seldom stops early, so most completions are this long."""
+    steps: int
+    discard: int
+    """Steps left out of the steady state (the first generation's warm-up)."""
+
+
+@dataclass(frozen=True)
 class Shapes:
     """What each part trains: the real shapes on a GPU, tiny ones in a dry run."""
 
@@ -94,10 +112,12 @@ class Shapes:
     adapters: Load
     """8B at batch 1 x 2048 with activation checkpointing: the shape of the 10 GiB QLoRA goal; HF + peft's bf16 base
     beside its activations fits one GPU there too."""
+    grpo: Rollouts
 
 
-GPU = Shapes(2048, 16, Load("llama-3.2-1b", 8, 30, 10), Load("llama-3.1-8b", 1, 15, 5))
-DRY = Shapes(64, 0, Load("tiny", 2, 10, 5), Load("tiny", 2, 10, 5))
+GPU = Shapes(2048, 16, Load("llama-3.2-1b", 8, 30, 10), Load("llama-3.1-8b", 1, 15, 5),
+             Rollouts("llama-3.2-1b", 4, 8, 128, 6, 2))
+DRY = Shapes(64, 0, Load("tiny", 2, 10, 5), Load("tiny", 2, 10, 5), Rollouts("tiny", 2, 4, 16, 4, 1))
 
 
 class Results:
@@ -386,7 +406,72 @@ def adapters(args, out: Results) -> None:
     speed(args, out, (DRY if args.dry else GPU).adapters, variants, ("ours-qlora",))
 
 
-RUN = {"setup": setup, "correctness": correctness, "full_speed": full_speed, "adapters": adapters}
+def grpo(args, out: Results) -> None:
+    """GRPO with LoRA on one GPU: per steady step the seconds generating (and scoring) and training, the generated
+    tokens per second of generating, completions per second, peak memory; one result line."""
+    import statistics
+
+    import train_speed_gpu as tsg
+    from grpo_speed import PROMPTS, prompts_dataset
+
+    from pipeline.train.telemetry import read_metrics
+
+    start, load = time.time(), (DRY if args.dry else GPU).grpo
+    steps = args.steps or load.steps
+    model, name, runs = tsg.preset_model(args.workdir, load.preset), "ours-grpo-lora", args.workdir / "runs"
+    shutil.rmtree(runs / name, ignore_errors=True)
+    cmd = torchrun_cmd(1, ROOT / "fsdp1.py", "-e", name, "--save-dir", runs, "-d", prompts_dataset(args.workdir),
+                       "-m", model, "--objective", "grpo", "--reward", f"{ROOT / 'examples/grpo/rewards.py'}:digits",
+                       "--adapter", "lora", "--lora-rank", 16, "--num-generations", load.group,
+                       "--max-completion-length", load.length, "-b", load.prompts, "--max-steps", steps,
+                       "--log-freq", 1, "--ckpt-freq", 0, "--async-ckpt", "off", "--val-fraction", 0, "--eval-freq", 0,
+                       "--lr", 1e-6, "--warmup-steps", 0, "--precision", "fp32" if args.dry else "bf16")
+    metrics = runs / name / "metrics.jsonl"
+    # the run stops a few seconds before the part's budget (spent partly on the model and prompts), so that the steps
+    # it finished are written rather than killed with the part
+    left = budget_of(args, out.part) - (time.time() - start) - 5
+    code, tail = tsg.launch_until(cmd, bench_env(), metrics, lambda evs: any(
+        e["event"] == "train" and e["step"] >= steps for e in evs), left)
+    train = [e for e in read_metrics(metrics) if e["event"] == "train"] if metrics.exists() else []
+    shutil.rmtree(runs / name, ignore_errors=True)
+    steady = train[load.discard:]
+    if len(steady) < 2:
+        raise SystemExit(f"{name}: {tsg.error_of(tail, code)}")
+    completions = load.prompts * load.group
+    step_s = statistics.median(b["time"] - a["time"] for a, b in zip(steady[:-1], steady[1:], strict=True))
+    generate_s = statistics.median(e["time_ms"]["generate"] / 1000 for e in steady[1:])
+    tokens = statistics.median(e["completions/mean_length"] * completions for e in steady[1:])
+    out.write(item=name, variant=name, preset=load.preset, prompts=load.prompts, group=load.group,
+              length=load.length, steps=train[-1]["step"], discard=load.discard,
+              prompts_file=str(PROMPTS.relative_to(ROOT)),
+              step_s=round(step_s, 3), generate_s=round(generate_s, 3), train_s=round(step_s - generate_s, 3),
+              completions_per_s=round(completions / step_s, 2), generated_tokens_per_s=round(tokens / generate_s, 1),
+              mean_completion_tokens=round(tokens / completions, 1), machine=machine(),
+              peak_alloc_gib=max(e["mem_gb"].get("peak_alloc") or 0 for e in train))
+    print(f"{name}: {tokens / generate_s:,.0f} generated tokens/s, {completions / step_s:.2f} completions/s",
+          flush=True)
+    if train[-1]["step"] < steps:  # the row stays; the part says it was cut
+        raise SystemExit(f"{name}: stopped by the part's budget at step {train[-1]['step']} of {steps}")
+
+
+def grpo_report(rows: list[dict], command: str) -> str:
+    """BENCHMARKS.md's grpo_gpu section from the latest GRPO row."""
+    r = rows[-1]
+    return "\n".join([
+        f"- Machine: {r['machine']}; command: {command}.",
+        f"- {r['preset']}'s config, random weights, LoRA r16 on every linear layer, one process; {r['prompts']} "
+        f"prompts per step x G {r['group']} completions of at most {r['length']} tokens ({r['prompts_file']}, the "
+        f"digits reward), generated in the training process; the median of steps {r['discard'] + 2}-{r['steps']}.",
+        "",
+        table(["system", "completions/s", "generated tokens per second of generating and scoring", "step (s)",
+               "generating and scoring (s)", "training (s)", "mean completion (tokens)", "peak GiB alloc"],
+              [["fsdp1.py --objective grpo --adapter lora", f"{r['completions_per_s']:.2f}",
+                f"{r['generated_tokens_per_s']:,.0f}", f"{r['step_s']:.2f}", f"{r['generate_s']:.2f}",
+                f"{r['train_s']:.2f}", f"{r['mean_completion_tokens']:.1f}", f"{r['peak_alloc_gib']:.1f}"]]),
+    ])
+
+
+RUN = {"setup": setup, "correctness": correctness, "full_speed": full_speed, "adapters": adapters, "grpo": grpo}
 
 
 # ------------------------------------------------------------------------------------------------- the driver
@@ -489,6 +574,8 @@ def write_tables(args, results: list[dict]) -> list[Path]:
         put(section, tsg.report(table_args, list(latest.values()), f"{load.preset}'s config", command, trained))
     if profiles := gpu_profile.report(results, command):
         put("gpu_profile", profiles)
+    if rollouts := [r for r in results if r["part"] == "grpo" and "variant" in r]:
+        put("grpo_gpu", grpo_report(rollouts, command))
     return written
 
 

@@ -87,11 +87,8 @@ def prepare(work: Path, preset: str = "llama-3.2-1b", seq: int = SEQ, corpus_mb:
     from pipeline.data.dataset import BlockSpec, dataset_fingerprint
     from pipeline.data.token_cache import build_blocks, token_cache_dir
     from pipeline.prep.corpus import CorpusConfig, build_dataset
-    from pipeline.prep.tiny import build_preset, build_tiny
 
-    model = work / preset
-    if not (model / "config.json").exists():
-        build_tiny(model) if preset == "tiny" else build_preset(model, preset)
+    model = preset_model(work, preset)
     data = work / "dataset"
     if not data.exists():
         raw = work / "raw"
@@ -106,6 +103,16 @@ def prepare(work: Path, preset: str = "llama-3.2-1b", seq: int = SEQ, corpus_mb:
     if not (cache / "meta.json").exists():
         build_blocks(ds, AutoTokenizer.from_pretrained(model), BlockSpec(seq, 0.01, 0), os.cpu_count() or 1, cache)
     return Inputs(model, data, cache / "train.npy")
+
+
+def preset_model(work: Path, preset: str) -> Path:
+    """WORK/PRESET: a random-weight model of the preset's config ("tiny": pipeline.tiny's 2-layer model), built once."""
+    from pipeline.prep.tiny import build_preset, build_tiny
+
+    model = work / preset
+    if not (model / "config.json").exists():
+        build_tiny(model) if preset == "tiny" else build_preset(model, preset)
+    return model
 
 
 def launch_until(cmd: list[str], env: dict, metrics: Path, done, timeout: float) -> tuple[int | None, str]:

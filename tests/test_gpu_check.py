@@ -17,10 +17,10 @@ def test_the_dry_run_passes_every_part_and_writes_its_tables(tmp_path):
     proc = subprocess.run(["make", "-s", "gpu-check", "DRY=1", f"GPU_CHECK_ARGS=--workdir {tmp_path}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("gpu-check: 4 of 4 parts passed")
+    assert proc.stdout.strip().endswith("gpu-check: 5 of 5 parts passed")
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     summary = {r["item"]: r["status"] for r in results if r["part"] == "summary"}
-    assert summary == dict.fromkeys(["setup", "correctness", "full_speed", "adapters"], "passed")
+    assert summary == dict.fromkeys(["setup", "correctness", "full_speed", "adapters", "grpo"], "passed")
     items = {(r["part"], r["item"]): r for r in results if r["part"] != "summary"}
     assert not items[("setup", "imports")]["missing"]
     for case in ("resume fsdp2", "resume qlora"):
@@ -45,6 +45,10 @@ def test_the_dry_run_passes_every_part_and_writes_its_tables(tmp_path):
     assert "| fsdp1.py, its defaults | 2 |" in speed and "| HF Trainer (FSDP2, bf16, fused AdamW) | 2 |" in speed
     adapters = (tmp_path / "adapters_gpu.md").read_text()
     assert "| fsdp1.py, QLoRA r16 (NF4 base), activation checkpointing | 2 |" in adapters
+    rollouts = items[("grpo", "ours-grpo-lora")]
+    assert rollouts["generated_tokens_per_s"] > 0 and 0 < rollouts["generate_s"] < rollouts["step_s"]
+    assert 0 < rollouts["mean_completion_tokens"] <= 16
+    assert "| fsdp1.py --objective grpo --adapter lora |" in (tmp_path / "grpo_gpu.md").read_text()
     assert (ROOT / "BENCHMARKS.md").read_text() == before
 
 
@@ -63,7 +67,8 @@ def test_tables_from_a_file_of_several_calls_and_a_bad_budget_is_one_line(tmp_pa
     bad = subprocess.run([*script, "--budget", "adapter=60"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].endswith(
-        "argument --budget: adapter=60: want PART=SECONDS with PART one of setup, correctness, full_speed, adapters")
+        "argument --budget: adapter=60: want PART=SECONDS with PART one of setup, correctness, full_speed, adapters, "
+        "grpo")
     both = subprocess.run([*script, "--half", "1", "--parts", "setup"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert (both.returncode, both.stderr.strip()) == (1, "--half and --parts choose the parts both: give one")
@@ -71,11 +76,11 @@ def test_tables_from_a_file_of_several_calls_and_a_bad_budget_is_one_line(tmp_pa
     spent = subprocess.run([*script, "--half", "2", "--half-s", "3"], cwd=ROOT, capture_output=True, text=True,
                            timeout=60)
     assert spent.returncode == 1 and spent.stdout.strip().endswith(
-        "0 of 3 parts passed; not: setup (not run), correctness (not run), full_speed (not run)")
+        "0 of 4 parts passed; not: setup (not run), correctness (not run), full_speed (not run), grpo (not run)")
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [(r["item"], r["status"], r["last_line"]) for r in rows] == [
         ("setup", "not run", "no time left in this half"), ("correctness", "not run", "setup did not pass"),
-        ("full_speed", "not run", "setup did not pass")]
+        ("full_speed", "not run", "setup did not pass"), ("grpo", "not run", "setup did not pass")]
 
 
 PART = """import subprocess, sys

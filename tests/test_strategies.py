@@ -229,7 +229,9 @@ def test_fsdp1_offloaded_weights_loaded_before_the_first_step_are_the_ones_train
                       False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["without"] > 0.01  # the hazard still there: the loaded weights are not the ones used
+    # the hazard still there: the loaded weights are not the ones used. Once a torch release fixes it this fails:
+    # then FSDP1._point_at_pinned_shards can go
+    assert got["without"] > 0.01
     assert got["with"] == 0.0
 
 

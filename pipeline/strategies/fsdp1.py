@@ -90,9 +90,11 @@ class FSDP1(Strategy):
         rank, or --sharding NO_SHARD) with use_orig_params, load_state_dict writes straight into the parameters,
         with no unshard to write back, so loaded weights went into the original while each step cast the pinned
         copy to the compute dtype: on an H200, one GPU trained from uninitialised memory (a first loss of exactly
-        ln(vocab)); tests/helpers/fsdp1_offload_probe.py shows it on the CPU. One unshard and
-        reshard per unit, one unit on the device at a time, root first (its lazy init sets up every unit).
-        Collective under sharded strategies: every rank runs it, in the same order."""
+        ln(vocab)); tests/helpers/fsdp1_offload_probe.py shows it on the CPU. One unshard and reshard per unit, root
+        first (its lazy init sets up every unit). Cost: each unit in turn whole on the device in fp32 (a summon
+        gathers in full precision), the root's embedding and head the largest (4.2 GB for Llama-3.1-8B's): a
+        start-up peak, before optimizer states or activations exist. Collective under sharded strategies: every
+        rank runs it, in the same order."""
         for unit in FullyShardedDataParallel.fsdp_modules(wrapped):
             with FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=False):
                 pass
