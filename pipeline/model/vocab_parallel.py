@@ -48,9 +48,10 @@ loop of the CPU bench model (one run each). CUDA: 256M (1 GiB in fp32), about 2,
 vocabulary, so each chunk's three matrix products are large enough to keep the tensor cores busy."""
 FROZEN_HEAD_CHUNK_ELEMENTS = {"cpu": 16 * 2**20, "cuda": 64 * 2**20}
 """Logits per chunk where the head does not train (adapters): no weight gradient is re-read and re-written per
-chunk, which is what made larger chunks faster, and the runs that freeze it are the ones sized by memory (QLoRA's
-10 GiB goal on Llama-3.1-8B's shape): on CUDA 64M logits, about 520 token rows against a 128k vocabulary, a
-quarter of the transients (the chunk's fp32 logits and its low-precision gradient, 1.5 GiB at 256M)."""
+chunk, which is what made larger chunks faster, and the runs that freeze it (adapters under fsdp2: LoRA on one
+GPU, LoRA and QLoRA over several) are the ones sized by memory: on CUDA 64M logits, about 520 token rows against a
+128k vocabulary, a quarter of the transients (the chunk's fp32 logits and its low-precision gradient, 1.5 GiB at
+256M)."""
 
 
 def chunk_elements(device_type: str, head_trains: bool = True) -> int:
