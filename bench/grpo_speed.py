@@ -11,7 +11,8 @@ stops early, so both generate the same number of tokens), 2 prompts per process 
 the steady steps (the median step's), the median step's seconds spent generating (and scoring) and training, and each
 process's peak RSS (the largest of the two).
 
-    .venv/bin/python bench/grpo_speed.py          # rewrites BENCHMARKS.md's grpo_speed section
+    .venv/bin/python bench/grpo_speed.py              # rewrites BENCHMARKS.md's grpo_speed section
+    .venv/bin/python bench/grpo_speed.py --rounds 2   # each system twice, in reversed order the second time
 """
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ def trl(args, model: Path) -> dict:
             "completions": r["completions_per_step"], "peak_rss_gb": max(out.peak_rss_gb()[:args.world])}
 
 
+def over_rounds(runs: list[dict]) -> dict:
+    """One system's figures over its rounds: the median step and generation, the largest peak."""
+    return {"step_s": statistics.median(r["step_s"] for r in runs),
+            "generate_s": statistics.median(r["generate_s"] for r in runs),
+            "completions": runs[0]["completions"], "peak_rss_gb": max(r["peak_rss_gb"] for r in runs)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "grpo")
@@ -72,7 +80,11 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=2, help="prompts per process per step")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--discard", type=int, default=2, help="warm-up steps left out")
+    p.add_argument("--rounds", type=int, default=1, help="every system run this many times, the order reversed each "
+                   "round (the machine's drift between runs moved the ratio by 10%%); figures are medians over rounds")
     args = p.parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     from pipeline.prep.tiny import build_preset
 
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -81,10 +93,16 @@ def main() -> None:
         build_preset(model, "smollm2-135m")
     data = prompts_dataset(args.workdir)
     selective = ("--selective-checkpointing", "on")
-    results = {"ours, ddp": ours(args, model, data, "ddp"),
-               "ours, ddp, selective checkpointing": ours(args, model, data, "ddp", *selective),
-               "ours, fsdp2 (FULL_SHARD), selective checkpointing": ours(args, model, data, "fsdp2", *selective),
-               "TRL GRPOTrainer (DDP)": trl(args, model)}
+    systems = {"ours, ddp": ("ddp",), "ours, ddp, selective checkpointing": ("ddp", *selective),
+               "ours, fsdp2 (FULL_SHARD), selective checkpointing": ("fsdp2", *selective),
+               "TRL GRPOTrainer (DDP)": None}
+    rounds: dict[str, list[dict]] = {name: [] for name in systems}
+    for r in range(args.rounds):
+        for name in (list(systems) if r % 2 == 0 else list(systems)[::-1]):
+            spec = systems[name]
+            rounds[name].append(trl(args, model) if spec is None else ours(args, model, data, *spec))
+            print(f"round {r + 1}", name, rounds[name][-1], flush=True)
+    results = {name: over_rounds(runs) for name, runs in rounds.items()}
     rows = []
     for name, r in results.items():
         rows.append([name, f"{r['completions'] / r['step_s']:.2f}", f"{r['step_s']:.2f}", f"{r['generate_s']:.2f}",
@@ -95,15 +113,20 @@ def main() -> None:
     def against_trl(name: str) -> str:
         o = results[name]
         speed = (o["completions"] / o["step_s"]) / (t["completions"] / t["step_s"])
-        return f"{name}: {speed:.3f}x TRL's completions per second at {o['peak_rss_gb'] / t['peak_rss_gb']:.3f}x its " \
-               "peak memory per process."
+        each = [trl_run["step_s"] / run["step_s"] for run, trl_run in
+                zip(rounds[name], rounds["TRL GRPOTrainer (DDP)"], strict=True)]
+        per_round = f" (round by round: {', '.join(f'{x:.3f}x' for x in each)})" if args.rounds > 1 else ""
+        return f"{name}: {speed:.3f}x TRL's completions per second{per_round} at " \
+               f"{o['peak_rss_gb'] / t['peak_rss_gb']:.3f}x its peak memory per process."
 
     body = "\n".join([
         "`.venv/bin/python bench/grpo_speed.py` on " + machine() + ".",
         "",
         f"SmolLM2-135M's shape (random weights), fp32, {args.world} processes (DDP, gloo), {args.prompts} prompts per "
         f"process per step x G {args.group} completions of {args.length} tokens, {args.steps} steps (the first "
-        f"{args.discard} left out), the digits reward, beta 0, dapo.",
+        f"{args.discard} left out), the digits reward, beta 0, dapo"
+        + (f"; {args.rounds} rounds, the systems' order reversed each round, medians over rounds." if args.rounds > 1
+           else "."),
         "",
         table(["system", "completions/s", "step (s)", "generating and scoring (s)", "training (s)",
                "peak RSS per process (GB)"], rows),
