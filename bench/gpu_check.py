@@ -412,7 +412,7 @@ def grpo(args, out: Results) -> None:
     import statistics
 
     import train_speed_gpu as tsg
-    from grpo_speed import PROMPTS, prompts_dataset
+    from grpo_speed import PROMPTS, prompts_dataset, rollout_flags, step_seconds
 
     from pipeline.train.telemetry import read_metrics
 
@@ -421,11 +421,9 @@ def grpo(args, out: Results) -> None:
     model, name, runs = tsg.preset_model(args.workdir, load.preset), "ours-grpo-lora", args.workdir / "runs"
     shutil.rmtree(runs / name, ignore_errors=True)
     cmd = torchrun_cmd(1, ROOT / "fsdp1.py", "-e", name, "--save-dir", runs, "-d", prompts_dataset(args.workdir),
-                       "-m", model, "--objective", "grpo", "--reward", f"{ROOT / 'examples/grpo/rewards.py'}:digits",
-                       "--adapter", "lora", "--lora-rank", 16, "--num-generations", load.group,
-                       "--max-completion-length", load.length, "-b", load.prompts, "--max-steps", steps,
-                       "--log-freq", 1, "--ckpt-freq", 0, "--async-ckpt", "off", "--val-fraction", 0, "--eval-freq", 0,
-                       "--lr", 1e-6, "--warmup-steps", 0, "--precision", "fp32" if args.dry else "bf16")
+                       "-m", model, "--adapter", "lora", "--lora-rank", 16, "--eval-freq", 0,
+                       "--precision", "fp32" if args.dry else "bf16",
+                       *rollout_flags(load.group, load.length, load.prompts, steps))
     metrics = runs / name / "metrics.jsonl"
     # the run stops a few seconds before the part's budget (spent partly on the model and prompts), so that the steps
     # it finished are written rather than killed with the part
@@ -438,8 +436,7 @@ def grpo(args, out: Results) -> None:
     if len(steady) < 2:
         raise SystemExit(f"{name}: {tsg.error_of(tail, code)}")
     completions = load.prompts * load.group
-    step_s = statistics.median(b["time"] - a["time"] for a, b in zip(steady[:-1], steady[1:], strict=True))
-    generate_s = statistics.median(e["time_ms"]["generate"] / 1000 for e in steady[1:])
+    step_s, generate_s = step_seconds(steady)
     tokens = statistics.median(e["completions/mean_length"] * completions for e in steady[1:])
     out.write(item=name, variant=name, preset=load.preset, prompts=load.prompts, group=load.group,
               length=load.length, steps=train[-1]["step"], discard=load.discard,

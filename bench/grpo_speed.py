@@ -36,16 +36,26 @@ def prompts_dataset(work: Path) -> Path:
     return out
 
 
+def rollout_flags(group: int, length: int, prompts: int, steps: int) -> list[object]:
+    """fsdp1.py's GRPO flags of this bench and gpu-check's grpo part: the digits reward on the bundled prompts, a
+    constant small learning rate, a log line per step, no checkpoints and no validation."""
+    return ["--objective", "grpo", "--reward", ROOT / "examples" / "grpo" / "rewards.py:digits", "--num-generations",
+            group, "--max-completion-length", length, "-b", prompts, "--max-steps", steps, "--log-freq", 1,
+            "--ckpt-freq", 0, "--async-ckpt", "off", "--val-fraction", 0, "--lr", 1e-6, "--warmup-steps", 0,
+            "--lr-schedule", "constant", "--max-grad-norm", 1.0]
+
+
+def step_seconds(steady: list[dict]) -> tuple[float, float]:
+    """(step, generating and scoring) in seconds: the median gap between consecutive train events, and the median
+    generation of the steps those gaps end with."""
+    gaps = [b["time"] - a["time"] for a, b in zip(steady[:-1], steady[1:], strict=True)]
+    return statistics.median(gaps), statistics.median(e["time_ms"]["generate"] / 1000 for e in steady[1:])
+
+
 def ours(args, model: Path, data: Path, strategy: str, *flags: str) -> dict:
-    out, events = fsdp1(args.workdir / "runs", "grpo-speed", model, data, *flags, "--objective", "grpo", "--reward",
-                        ROOT / "examples" / "grpo" / "rewards.py:digits", "--strategy", strategy, "--num-generations",
-                        args.group, "--max-completion-length", args.length, "-b", args.prompts, "--max-steps",
-                        args.steps, "--log-freq", 1, "--ckpt-freq", 0, "--async-ckpt", "off", "--val-fraction", 0,
-                        "--lr", 1e-6, "--warmup-steps", 0, "--lr-schedule", "constant", "--max-grad-norm", 1.0)
-    train = [e for e in events if e["event"] == "train"][args.discard:]
-    gaps = [b["time"] - a["time"] for a, b in zip(train[:-1], train[1:], strict=True)]
-    generate = statistics.median(e["time_ms"]["generate"] / 1000 for e in train[1:])
-    step = statistics.median(gaps)
+    out, events = fsdp1(args.workdir / "runs", "grpo-speed", model, data, *flags, "--strategy", strategy,
+                        *rollout_flags(args.group, args.length, args.prompts, args.steps))
+    step, generate = step_seconds([e for e in events if e["event"] == "train"][args.discard:])
     return {"step_s": step, "generate_s": generate, "completions": args.group * args.prompts * args.world,
             "peak_rss_gb": max(out.peak_rss_gb()[:args.world])}
 

@@ -60,6 +60,11 @@ def chunk_elements(device_type: str, head_trains: bool = True) -> int:
     return table.get(device_type, table["cpu"])
 
 
+def chunk_rows(device_type: str, vocab_local: int, head_trains: bool) -> int:
+    """Token rows per chunk against a vocabulary share of vocab_local (at least one)."""
+    return max(1, chunk_elements(device_type, head_trains) // max(vocab_local, 1))
+
+
 def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
     """Next-token targets of [batch, seq] labels (the model-input convention: a token's own id or IGNORE): each
     position's target is the next label; the last position of a row has none."""
@@ -139,7 +144,7 @@ def head_pass(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_star
     grad_h = torch.empty_like(h) if with_grads else None
     grad_w = torch.zeros_like(w, dtype=torch.float32) if with_grads and weight_grad else None
     total = torch.zeros((), dtype=torch.float64, device=h.device)
-    step = max(1, chunk_elements(h.device.type, weight_grad) // max(v_local, 1))
+    step = chunk_rows(h.device.type, v_local, weight_grad)
     if with_grads and compiled:
         return _compiled_pass(h, w_c, labels, target, mine, valid, count, group, step, grad_h, grad_w)
     for a in range(0, rows, step):

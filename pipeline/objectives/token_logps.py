@@ -20,7 +20,7 @@ from pipeline.model.head import Head
 from pipeline.model.modeling import trunk
 from pipeline.model.vocab_parallel import (
     IGNORE,
-    chunk_elements,
+    chunk_rows,
     gather_rows,
     shifted_labels,
     sum_rows,
@@ -49,11 +49,6 @@ def token_logps(head: Head, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return logps.view(every.shape), every
 
 
-def _chunk_rows(device: torch.device, vocab_local: int, head_trains: bool) -> int:
-    """Rows per chunk: the loss's chunk sizes (vocab_parallel.chunk_elements; smaller where the head is frozen)."""
-    return max(1, chunk_elements(device.type, head_trains) // max(vocab_local, 1))
-
-
 class VocabParallelLogps(torch.autograd.Function):
     """The log-probability of each row's target, for every rank's rows against the vocabulary split over the group.
     Forward: per chunk the local log-sum-exp and target logit, combined over the ranks. Backward: each chunk's
@@ -72,7 +67,7 @@ class VocabParallelLogps(torch.autograd.Function):
         lse = torch.empty(rows, dtype=torch.float32, device=h.device)
         picked = torch.empty(rows, dtype=torch.float32, device=h.device)
         world = 1 if group is None else dist.get_world_size(group)
-        step = _chunk_rows(h.device, v_local, ctx.needs_input_grad[1])
+        step = chunk_rows(h.device.type, v_local, ctx.needs_input_grad[1])
         for a in range(0, rows, step):
             b = min(rows, a + step)
             z = torch.mm(h[a:b], w.t()).float()
@@ -95,7 +90,7 @@ class VocabParallelLogps(torch.autograd.Function):
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros_like(w_local, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         g = (grad_out.float() * valid)
-        step = _chunk_rows(h.device, w.shape[0], ctx.needs_input_grad[1])
+        step = chunk_rows(h.device.type, w.shape[0], ctx.needs_input_grad[1])
         for a in range(0, h.shape[0], step):
             b = min(h.shape[0], a + step)
             z = torch.mm(h[a:b], w.t()).float()
