@@ -135,7 +135,10 @@ def ensure_reference(head: Head, cache: Path, folder: Path, splits: dict[str, Pa
             save_npy_atomic(folder / f"{name}.npy", values)
         pairs = {name: count_pairs(part.flags) for name, part in splits.items()}
         write_text_atomic(folder / "meta.json", json.dumps({"pairs": pairs, "cache": cache.name}, indent=2) + "\n")
-        shutil.rmtree(partial, ignore_errors=True)
+    # the partial chunks go only once every process is past reading them: the last resumed chunk is read after its
+    # collective, so a fast node-main could delete it under a slower rank's np.load (CI saw FileNotFoundError)
     dist.barrier()
+    if d.is_local_main:
+        shutil.rmtree(partial, ignore_errors=True)
     how = f"computed in {time.perf_counter() - started:.1f} s"
     return found, how + (f", {resumed} of {chunks} chunks read from an interrupted pass" if resumed else "")
