@@ -3,11 +3,10 @@
     torchrun --standalone --nproc_per_node 4 fsdp1.py -e NAME -d hf_datasets/corpus -m org/model -b 2 --lr 2e-5
 """
 
-import os
+from pipeline.offline import switch_offline
 
 # No network at training time: set before any Hugging Face library is imported (they read these at import).
-for _switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-    os.environ[_switch] = "1"
+switch_offline()
 # PyTorch's huge-page switch for host buffers (THP_MEM_ALLOC_ENABLE=1) is the user's to set, off here: on a real
 # model's shape (SmolLM2-135M, CPU) a step with it grew from 3.3 to 3.9 s over a run, and fsdp1.py was 4% (full) to
 # 8-12% (LoRA) slower with it than without (BENCHMARKS.md section 16); it paid only on a 2-layer toy under a 128k

@@ -2,11 +2,10 @@
 packed as training packs it (pipeline/tools/evaluate.py). Also under torchrun, with a strategy, for a model one device
 cannot hold."""
 
-import os
-
 if __name__ == "__main__":
-    for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):  # everything is local
-        os.environ[switch] = "1"
+    from pipeline.offline import switch_offline
+
+    switch_offline()  # everything is local: never wait on the network
     from pipeline.errors import run_cli
     from pipeline.tools.evaluate import main
 

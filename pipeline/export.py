@@ -1,9 +1,9 @@
 """`python -m pipeline.export CHECKPOINT`: a checkpoint to a Hugging Face folder (pipeline/train/export.py)."""
 
-import os
-
 if __name__ == "__main__":
-    os.environ["HF_HUB_OFFLINE"] = "1"  # everything is local: never wait on the network
+    from pipeline.offline import switch_offline
+
+    switch_offline()  # everything is local: never wait on the network
     from pipeline.errors import run_cli
     from pipeline.train.export import main
 

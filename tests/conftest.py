@@ -19,31 +19,48 @@ ROOT = Path(__file__).resolve().parents[1]
 def with_root(env: dict | None = None) -> dict[str, str]:
     """env (default: this process's) with the repository first on PYTHONPATH and the caller's own entries kept after
     it: on the GPU image the carried wheels (datasets, peft, torchao) are found only through the caller's PYTHONPATH,
-    so a worker started with PYTHONPATH=ROOT alone could not import them."""
+    so a worker started with PYTHONPATH=ROOT alone could not import them. Given its own result, the same (one warm
+    launcher serves both)."""
     import os
 
     env = dict(env if env is not None else os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    theirs = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *(theirs[1:] if theirs[:1] == [str(ROOT)] else theirs)])
     return env
+
+
+WARM_SCRIPTS = {"fsdp1.py": True, "MODEL_DOWNLOAD.py": False, "DATA-HF.py": False}
+"""The stage scripts run_script starts warm (their imports are most of a short run's time: a cold MODEL_DOWNLOAD.py
+took 8.6 s of CPU here, a launcher's start 8.9 s and each warm run after it 0.7 s, so even one run in an
+environment costs no more), each with whether it sets the offline switches before its first Hugging Face import.
+ORGANIZE_DATA.py imports neither torch nor a Hugging Face library (0.35 s cold) and starts cold."""
 
 
 def run_script(script: str, *args: object, env: dict | None = None,
                timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run a top-level stage script with this interpreter; captures text output. fsdp1.py starts warm as
-    torchrun() does (its imports are most of a short run's time)."""
+    """Run a top-level stage script with this interpreter; captures text output. WARM_SCRIPTS start warm as
+    torchrun() does."""
     import os
 
     cmd = [str(ROOT / script), *map(str, args)]
-    if script == "fsdp1.py" and warm_launches():
-        return WARM.run(cmd, dict(os.environ if env is None else env), timeout, True)
+    if script in WARM_SCRIPTS and warm_launches():  # PYTHONPATH as torchrun() gives it: the same launcher serves both
+        return WARM.run(cmd, with_root(dict(os.environ if env is None else env)), timeout, WARM_SCRIPTS[script])
     return subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+OFFLINE_MODULES = ("pipeline.chat", "pipeline.export", "pipeline.evaluate")
+"""The `python -m` commands that set the offline switches before their first Hugging Face import, as fsdp1.py does:
+a launcher the training runs started for their environment serves them too."""
 
 
 def run_module(module: str, *args: object, env: dict | None = None,
                timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m MODULE ARGS` with this interpreter, from the repository, as a user runs it; captures text output."""
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          env=with_root(env), timeout=timeout)
+    """`python -m MODULE ARGS` with this interpreter, from the repository, as a user runs it; captures text output
+    (run_python: warm where a launcher for its environment is up)."""
+    import os
+
+    return run_python(["-m", module, *map(str, args)], with_root(dict(os.environ if env is None else env)),
+                      module in OFFLINE_MODULES, timeout)
 
 
 def run_python(argv: list[str], env: dict, offline: bool, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -57,9 +74,8 @@ def run_python(argv: list[str], env: dict, offline: bool, timeout: float = 600) 
 
 
 def run_evaluate(env: dict, *args: object, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m pipeline.evaluate ARGS` (run_python: warm where a launcher is up; pipeline.evaluate sets the offline
-    switches first)."""
-    return run_python(["-m", "pipeline.evaluate", *map(str, args)], with_root(env), True, timeout)
+    """`python -m pipeline.evaluate ARGS` (run_module's)."""
+    return run_module("pipeline.evaluate", *args, env=env, timeout=timeout)
 
 
 class SmallDisk:
@@ -180,6 +196,17 @@ def start_torchrun(nproc: int, script: str | Path, *args: object, env: dict | No
                           stdout, stderr)
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], cwd=ROOT, env=with_root(env),
                             stdout=stdout, stderr=stderr, text=True, start_new_session=True)
+
+
+def start_python(argv: list[str], env: dict, offline: bool, stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE):
+    """`python ARGV` (a script, `-m MODULE` or `-c CODE`) from the repository with env, started and left running in a
+    session of its own (for a test to signal or kill it), warm as torchrun() starts its runs: a subprocess.Popen
+    (text=True), or its warm equivalent. offline: as run_python's."""
+    if warm_launches():
+        return WARM.start(argv, env, offline, stdout, stderr)
+    return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True,
+                            start_new_session=True)
 
 
 def pytest_sessionfinish(session) -> None:

@@ -3,13 +3,11 @@
 import json
 import re
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, kill_tree, losses, run_script, start_torchrun, torchrun, wait_for
+from conftest import ROOT, kill_tree, losses, run_module, run_script, start_torchrun, torchrun, wait_for
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.data import packing
@@ -311,11 +309,11 @@ def test_chat_run_trains_on_answers_and_exports_the_template(train_env, chat_ref
     assert all(0 < e["trained_tokens_per_s"] < 0.5 * e["tokens_per_s"] for e in train)
     exported = AutoTokenizer.from_pretrained(run / "hf")
     assert exported.chat_template == AutoTokenizer.from_pretrained(tiny_models["tied"]).chat_template == CHAT_TEMPLATE
-    reply = subprocess.run([sys.executable, "-m", "pipeline.chat", run / "hf", "--prompt", "What is 2 plus 3?",
-                            "--max-new-tokens", "4"], cwd=ROOT, env=train_env["env"], capture_output=True, text=True)
+    reply = run_module("pipeline.chat", run / "hf", "--prompt", "What is 2 plus 3?", "--max-new-tokens", "4",
+                       env=train_env["env"])
     assert reply.returncode == 0, reply.stderr[-2000:]
-    past = subprocess.run([sys.executable, "-m", "pipeline.chat", run / "hf", "--prompt", "Hi", "--max-new-tokens",
-                           "100000"], cwd=ROOT, env=train_env["env"], capture_output=True, text=True)
+    past = run_module("pipeline.chat", run / "hf", "--prompt", "Hi", "--max-new-tokens", "100000",
+                      env=train_env["env"])
     assert (past.returncode, past.stderr.splitlines()[-1]) == (2, (
         f"error: --max-new-tokens 100000 is beyond what {run / 'hf'} can generate: it has 2048 positions in all, the "
         "prompt included"))
@@ -336,8 +334,7 @@ def test_chat_run_trains_on_answers_and_exports_the_template(train_env, chat_ref
             line = (f"error: weight file {weights} is truncated or corrupt (its tensors end at byte "
                     f"{weights.stat().st_size + 100}, the file has {weights.stat().st_size}); download or import "
                     "the model again")
-        proc = subprocess.run([sys.executable, "-m", "pipeline.chat", broken, "--prompt", "Hi"], cwd=ROOT,
-                              env=train_env["env"], capture_output=True, text=True)
+        proc = run_module("pipeline.chat", broken, "--prompt", "Hi", env=train_env["env"])
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert proc.stderr.splitlines()[-1] == line
 

@@ -3,12 +3,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import hub_env, preflight_errors, run_script
+from conftest import hub_env, preflight_errors, run_python, run_script
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -38,8 +37,7 @@ def test_import_then_resolve_offline_by_hub_id(tmp_path, tiny_models, kind):
     proc = import_model(tiny_models[kind], f"local/tiny-{kind}", tmp_path / "hf")
     assert proc.returncode == 0, proc.stderr
     assert "parameters:  " in proc.stdout and "LlamaForCausalLM" in proc.stdout
-    out = subprocess.run([sys.executable, "-c", RESOLVE, f"local/tiny-{kind}"], capture_output=True, text=True,
-                         env=hub_env(tmp_path / "hf"), cwd=tmp_path)
+    out = run_python(["-c", RESOLVE, f"local/tiny-{kind}"], hub_env(tmp_path / "hf"), offline=False)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["tied"] is got["cfg_tied"] is (kind == "tied")
@@ -142,6 +140,12 @@ def test_snapshot_download_offline_uses_the_cache_and_explains_a_miss(tmp_path, 
         "--source DIR\n"))
 
 
+@pytest.fixture(scope="module")
+def cli_hf_home(tmp_path_factory) -> Path:
+    """One HF_HOME for the refusals, which never reach the cache: their runs share one warm launcher."""
+    return tmp_path_factory.mktemp("cli-hf")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -152,9 +156,9 @@ def test_snapshot_download_offline_uses_the_cache_and_explains_a_miss(tmp_path, 
          "config.json and *.safetensors weights (as saved by save_pretrained or downloaded from the hub)\n"),
     ],
 )
-def test_cli_errors(tmp_path, args, message):
+def test_cli_errors(tmp_path, args, message, cli_hf_home):
     (tmp_path / "notes.txt").write_text("not a model")
-    proc = run_script("MODEL_DOWNLOAD.py", *(a.format(t=tmp_path) for a in args), env=hub_env(tmp_path / "hf"))
+    proc = run_script("MODEL_DOWNLOAD.py", *(a.format(t=tmp_path) for a in args), env=hub_env(cli_hf_home))
     assert (proc.returncode, proc.stderr) == (2, message.format(t=tmp_path))
 
 

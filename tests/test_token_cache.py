@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, kill_tree, wait_for, with_root
+from conftest import ROOT, kill_tree, run_python, run_script, start_python, start_torchrun, wait_for, with_root
 from transformers import AutoTokenizer
 
 from pipeline.data import packing, text_tokens, token_cache
@@ -162,8 +162,6 @@ def test_a_row_without_whitespace_is_tokenized_in_bounded_pieces(tiny_models, mo
 
 def test_a_cache_folder_deleted_during_its_build_is_one_line(tmp_path, train_env):
     """`rm -rf` of the cache folder while --prepare-only builds it: the build's next write says so and how to go on."""
-    from conftest import run_script
-
     from pipeline.prep.corpus import CorpusConfig, build_dataset
 
     (tmp_path / "text").mkdir()
@@ -172,10 +170,9 @@ def test_a_cache_folder_deleted_during_its_build_is_one_line(tmp_path, train_env
         (tmp_path / "text" / f"{k}.txt").write_text(" ".join(words[(i * 7 + k) % 3000] for i in range(150_000)))
     build_dataset(CorpusConfig(tmp_path / "text", tmp_path / "ds", num_proc=1))
     cache = tmp_path / "cache"
-    cmd = [sys.executable, str(ROOT / "fsdp1.py"), "-e", "p", "-d", str(tmp_path / "ds"), "-m", "local/tiny",
+    cmd = [str(ROOT / "fsdp1.py"), "-e", "p", "-d", str(tmp_path / "ds"), "-m", "local/tiny",
            "--save-dir", str(tmp_path / "runs"), "--cache-dir", str(cache), "--prepare-only", "--num-proc", "1"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=train_env["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = start_python(cmd, train_env["env"], offline=True)
     wait_for(lambda: any(cache.glob("*.partial")), proc)
     cache.rename(tmp_path / "gone")  # the folder is gone from where the build writes, at once (rm -rf races it)
     shutil.rmtree(tmp_path / "gone", ignore_errors=True)
@@ -185,7 +182,7 @@ def test_a_cache_folder_deleted_during_its_build_is_one_line(tmp_path, train_env
     assert line.startswith(f"error: {cache}/") and line.endswith(
         f" was being built (was the folder {cache} deleted?); rerun the same command to build it again"), line
     assert "Traceback" not in err
-    assert run_script(*cmd[1:], env=train_env["env"]).returncode == 0
+    assert run_script(*cmd, env=train_env["env"]).returncode == 0
 
 
 def test_a_killed_build_resumes_from_its_finished_chunks(tmp_path, train_env, tiny_models):
@@ -217,8 +214,7 @@ def test_a_stop_signal_ends_the_build_before_its_next_chunk_and_the_rerun_resume
     args = [str(ROOT / "tests" / "helpers" / "build_run_cache.py"), "20000", "-e", "r", "-d",
             str(train_env["dataset"]), "-m", "local/tiny", "--save-dir", str(tmp_path), "--seq-length", "64"]
     env = with_root(train_env["env"])
-    proc = subprocess.Popen([sys.executable, *args], env=env, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = start_python(args, env, offline=True, stderr=subprocess.STDOUT)
     partial = tmp_path / "token_cache"
     wait_for(lambda: any(partial.glob("*.partial/chunk-00001.npy")), proc)
     proc.send_signal(signal.SIGTERM)
@@ -230,7 +226,7 @@ def test_a_stop_signal_ends_the_build_before_its_next_chunk_and_the_rerun_resume
     assert output.rstrip().endswith("rerun the same command to resume") and "Traceback" not in output
     total = int(output.split(f"after {len(kept)} of ")[1].split()[0])
     assert 2 <= len(kept) < total and not any(partial.glob("*/meta.json"))
-    again = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300)
+    again = run_python(args, env, offline=True, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"resuming, {len(kept)} of {total} chunks already tokenized" in again.stdout + again.stderr
     assert len(list(partial.glob("*/meta.json"))) == 1
@@ -262,8 +258,6 @@ def test_a_stop_signal_ends_the_wait_for_another_processs_build(tmp_path, train_
     import os
     import signal
 
-    from conftest import start_torchrun
-
     args, env = lock_args(train_env, tmp_path), with_root(train_env["env"])
     log = tmp_path / "r" / "train.log"
     with lock_held(args, env) as holder, open(tmp_path / "out.log", "w") as out:
@@ -284,10 +278,8 @@ def test_ranks_wait_out_a_build_longer_than_the_collective_timeout(tmp_path, tra
     waits on the lock and rank 1 polls for the cache, neither inside a collective, and the run then trains."""
     args, env = lock_args(train_env, tmp_path), with_root(train_env["env"])
     with lock_held(args, env) as holder:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(ROOT / "fsdp1.py"), *args, "--collective-timeout-s", "4"]
-        run = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+        run = start_torchrun(2, ROOT / "fsdp1.py", *args, "--collective-timeout-s", "4", env=train_env["env"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         log = tmp_path / "r" / "train.log"
         wait_for(lambda: log.exists() and "another process is building the token cache" in log.read_text(), run)
         with pytest.raises(subprocess.TimeoutExpired):
@@ -301,7 +293,7 @@ def test_ranks_wait_out_a_build_longer_than_the_collective_timeout(tmp_path, tra
 
 def test_a_full_disk_during_the_block_write_is_one_line_and_the_rerun_finishes(tmp_path, train_env, small_disk):
     """The blocks are written through memory maps: a full disk there was a SIGBUS (exit 135, nothing printed)."""
-    from conftest import run_script, tree_digest
+    from conftest import tree_digest
 
     def prepare(cache: Path) -> subprocess.CompletedProcess:
         return run_script("fsdp1.py", "-e", "c", "-d", train_env["chats"], "-m", "local/tiny", "--save-dir",

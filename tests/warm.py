@@ -65,7 +65,9 @@ class WarmLaunchers:
     """This pytest process's warm launchers, one per environment a run's imports would see (a library reads some
     variables while importing, which a fork cannot change afterwards); the least recently used beyond MAX stopped."""
 
-    MAX = 3
+    MAX = 5
+    """About 500 MB each. The hub and data tests start one per test (an HF_HOME of their own each): with room for a
+    few of them beside the training runs' launchers, theirs is not the one stopped and started again."""
 
     def __init__(self):
         self.servers: dict[tuple, tuple[subprocess.Popen, str]] = {}
@@ -167,6 +169,10 @@ class WarmProcess:
             self.buffer += more
         line, self.buffer = self.buffer.split(b"\n", 1)
         return json.loads(line)
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signum)
 
     def poll(self) -> int | None:
         with contextlib.suppress(subprocess.TimeoutExpired):

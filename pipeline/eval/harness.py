@@ -27,13 +27,14 @@ import torch
 
 from pipeline.config import TrainConfig
 from pipeline.errors import UserError, first_line
+from pipeline.offline import SWITCHES
 
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
 
 INSTALL = "make lm-eval"
 """The make target that installs lm-eval (requirements-lm-eval.txt)."""
-OFFLINE_SWITCHES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_EVALUATE_OFFLINE")
+OFFLINE_SWITCHES = (*SWITCHES, "HF_EVALUATE_OFFLINE")
 
 
 @dataclass(frozen=True)

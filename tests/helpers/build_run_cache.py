@@ -5,11 +5,11 @@ fsdp1.py's signal handling), with text chunks of CHUNK_BYTES so a small corpus m
 """
 
 import logging
-import os
 import sys
 
-for _switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-    os.environ[_switch] = "1"
+from pipeline.offline import switch_offline
+
+switch_offline()
 
 from pipeline import config_merge as config_mod  # noqa: E402
 from pipeline.data import token_cache  # noqa: E402

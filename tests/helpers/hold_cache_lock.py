@@ -1,11 +1,11 @@
 """Hold the token cache's build lock for fsdp1.py's arguments, as a --prepare-only job on the same node would, until a
 line arrives on stdin. Prints "locked PATH" once it holds it."""
 
-import os
 import sys
 
-for _switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-    os.environ[_switch] = "1"
+from pipeline.offline import switch_offline
+
+switch_offline()
 
 from pipeline import config_merge as config_mod  # noqa: E402
 from pipeline.data.token_cache import build_lock  # noqa: E402

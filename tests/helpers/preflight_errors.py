@@ -2,11 +2,11 @@
 of argument lists as the one argument; prints, per line, the one-line error each gives (or "ok") as JSON."""
 
 import json
-import os
 import sys
 
-for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):  # as fsdp1.py sets them
-    os.environ[switch] = "1"
+from pipeline.offline import switch_offline
+
+switch_offline()  # as fsdp1.py does
 
 from pipeline import config_merge  # noqa: E402
 from pipeline.errors import UserError  # noqa: E402

@@ -67,6 +67,8 @@ def preload() -> None:
     from transformers import AutoModelForCausalLM  # noqa: F401
     from transformers.models.llama import modeling_llama  # noqa: F401
 
+    import pipeline.prep.corpus  # noqa: F401 - DATA-HF.py's
+    import pipeline.prep.hub  # noqa: F401 - MODEL_DOWNLOAD.py's
     import pipeline.train.cli  # noqa: F401
 
 
