@@ -4,10 +4,8 @@ the workers' stop line and 128 + the signal, nothing of the launcher's own; and 
 
 import os
 import signal
-import subprocess
-import sys
 
-from conftest import ROOT, events, losses, run_module, run_script, wait_for, with_root
+from conftest import ROOT, events, losses, run_module, run_script, start_python, wait_for, with_root
 
 
 def command(train_env, root, *extra) -> list[str]:
@@ -38,9 +36,8 @@ def test_mistakes_are_one_line_before_or_after_the_workers_start(train_env, tmp_
 
 
 def test_a_stop_signal_is_the_stop_line_and_its_exit_code_and_the_rerun_finishes(train_env, tmp_path):
-    cmd = [sys.executable, *command(train_env, tmp_path, "--max-steps", 100_000, "--ckpt-freq", 1000)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=with_root(train_env["env"]), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = start_python(command(train_env, tmp_path, "--max-steps", 100_000, "--ckpt-freq", 1000),
+                        with_root(train_env["env"]), offline=True)
     wait_for(lambda: max(losses(tmp_path / "r"), default=0) >= 20, proc)
     proc.send_signal(signal.SIGINT)  # as Ctrl-C does: to the launcher, which passes it on to its workers
     out, err = proc.communicate(timeout=300)
