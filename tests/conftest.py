@@ -174,14 +174,24 @@ def hub_env(hf_home: Path, offline: bool = True) -> dict[str, str]:
     return env
 
 
+def sets_offline(script: str | Path, args: tuple) -> bool:
+    """Whether `python SCRIPT ARGS` sets the offline switches before its first Hugging Face import, so that the
+    launcher of its environment's training runs serves it: fsdp1.py, OFFLINE_MODULES, and the helpers that call
+    switch_offline first (read from their source, so that a helper's key follows what it does)."""
+    if str(script) == "-m":
+        return bool(args) and str(args[0]) in OFFLINE_MODULES
+    path = Path(script) if Path(script).is_absolute() else ROOT / script
+    return path.name == "fsdp1.py" or (path.parent == ROOT / "tests" / "helpers"
+                                       and "\nswitch_offline()" in path.read_text())
+
+
 def torchrun(nproc: int, script: str | Path, *args: object, env: dict | None = None,
              timeout: float = 600) -> subprocess.CompletedProcess:
     """Launch a script under torchrun with real gloo processes: torchrun's own agent and the script's own entry,
     started warm (tests/helpers/warm_launcher.py) unless FSDP1_TESTS_COLD=1 or a GPU is present."""
     argv = ["--standalone", "--nproc_per_node", str(nproc), str(script), *map(str, args)]
     if warm_launches():
-        offline = Path(script).name == "fsdp1.py"
-        return WARM.run(["-m", "torch.distributed.run", *argv], with_root(env), timeout, offline)
+        return WARM.run(["-m", "torch.distributed.run", *argv], with_root(env), timeout, sets_offline(script, args))
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=ROOT, capture_output=True,
                           text=True, env=with_root(env), timeout=timeout)
 
@@ -192,7 +202,7 @@ def start_torchrun(nproc: int, script: str | Path, *args: object, env: dict | No
     subprocess.Popen, or its warm equivalent (stdout and stderr as Popen takes them; a pipe reads as text)."""
     argv = ["--standalone", "--nproc_per_node", str(nproc), str(script), *map(str, args)]
     if warm_launches():
-        return WARM.start(["-m", "torch.distributed.run", *argv], with_root(env), Path(script).name == "fsdp1.py",
+        return WARM.start(["-m", "torch.distributed.run", *argv], with_root(env), sets_offline(script, args),
                           stdout, stderr)
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], cwd=ROOT, env=with_root(env),
                             stdout=stdout, stderr=stderr, text=True, start_new_session=True)

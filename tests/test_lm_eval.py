@@ -4,8 +4,6 @@ training."""
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -187,8 +185,7 @@ def test_a_task_that_cannot_run_here_is_one_line_before_any_training(train_env, 
     # lm-eval not installed: the make target that installs it
     blocked = ("import sys; sys.modules['lm_eval'] = None; sys.argv[1:] = sys.argv[2:]; "
                "from pipeline.errors import run_cli; from pipeline.tools.evaluate import main; run_cli(main)")
-    proc = subprocess.run([sys.executable, "-c", blocked, "-", "local/tiny", *TASKS], cwd=ROOT, capture_output=True,
-                          text=True, env=env, timeout=600)
+    proc = run_python(["-c", blocked, "-", "local/tiny", *TASKS], with_root(env), offline=True)
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "error: --lm-eval-tasks needs lm-evaluation-harness, which is not installed: run `make lm-eval` (pip install "
         "-r requirements-lm-eval.txt)")

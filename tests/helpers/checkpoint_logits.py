@@ -3,13 +3,17 @@
 import sys
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.distributed as dist
+from pipeline.offline import switch_offline
 
-from pipeline.distributed.runtime import init_distributed
-from pipeline.errors import run_cli
-from pipeline.train.checkpoint import load_checkpoint_model
+switch_offline()  # as fsdp1.py: the suite's warm launcher for the training runs' environment serves it too
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from pipeline.distributed.runtime import init_distributed  # noqa: E402
+from pipeline.errors import run_cli  # noqa: E402
+from pipeline.train.checkpoint import load_checkpoint_model  # noqa: E402
 
 
 def main() -> None:
