@@ -100,6 +100,12 @@ class WarmLaunchers:
         while self.servers:
             self.stop(next(iter(self.servers)))
 
+    def stop_naming(self, folder: str) -> None:
+        """Stop the launchers whose environment names folder (a test's own HF_HOME, say): no later test can use
+        them, and left to the least-recently-used rule they would push out a launcher that later tests do use."""
+        for key in [k for k in self.servers if any(folder in value for _, value in k)]:
+            self.stop(key)
+
     @staticmethod
     def imports_see(env: dict[str, str], offline: bool) -> dict[str, str]:
         """What a run's imports read of env (a launcher's key); offline: the script sets the offline switches before
