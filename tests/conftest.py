@@ -40,11 +40,10 @@ def run_script(script: str, *args: object, env: dict | None = None,
                timeout: float = 600) -> subprocess.CompletedProcess:
     """Run a top-level stage script with this interpreter; captures text output. WARM_SCRIPTS start warm as
     torchrun() does."""
-    import os
 
     cmd = [str(ROOT / script), *map(str, args)]
     if script in WARM_SCRIPTS and warm_launches():  # PYTHONPATH as torchrun() gives it: the same launcher serves both
-        return WARM.run(cmd, with_root(dict(os.environ if env is None else env)), timeout, WARM_SCRIPTS[script])
+        return WARM.run(cmd, with_root(env), timeout, WARM_SCRIPTS[script])
     return subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -57,10 +56,7 @@ def run_module(module: str, *args: object, env: dict | None = None,
                timeout: float = 600) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS` with this interpreter, from the repository, as a user runs it; captures text output
     (run_python: warm where a launcher for its environment is up)."""
-    import os
-
-    return run_python(["-m", module, *map(str, args)], with_root(dict(os.environ if env is None else env)),
-                      module in OFFLINE_MODULES, timeout)
+    return run_python(["-m", module, *map(str, args)], with_root(env), module in OFFLINE_MODULES, timeout)
 
 
 def run_python(argv: list[str], env: dict, offline: bool, timeout: float = 600) -> subprocess.CompletedProcess:

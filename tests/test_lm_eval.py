@@ -19,9 +19,9 @@ TASKS = ["--lm-eval-tasks", "corpus_cloze", "--lm-eval-include", "examples/lm_ev
 """The bundled example task (a relative data file: every command runs in the project root)."""
 
 DIRECT = """
-import json, os, sys
-for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):  # before any Hugging Face import
-    os.environ[switch] = "1"
+import json, sys
+from pipeline.offline import switch_offline
+switch_offline()  # before any Hugging Face import
 import lm_eval
 from lm_eval.tasks import TaskManager
 # the example folder's index alone: corpus_cloze is its task (lm-eval's own 14,684 take 6 s to index here)
@@ -32,9 +32,9 @@ print(json.dumps(results))
 """
 
 CHECK = """
-import json, os, sys
-for switch in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):  # before any Hugging Face import
-    os.environ[switch] = "1"
+import json, sys
+from pipeline.offline import switch_offline
+switch_offline()  # before any Hugging Face import
 from pathlib import Path
 from pipeline.errors import UserError
 from pipeline.eval.harness import Tasks, check_tasks

@@ -278,7 +278,7 @@ def test_ranks_wait_out_a_build_longer_than_the_collective_timeout(tmp_path, tra
     waits on the lock and rank 1 polls for the cache, neither inside a collective, and the run then trains."""
     args, env = lock_args(train_env, tmp_path), with_root(train_env["env"])
     with lock_held(args, env) as holder:
-        run = start_torchrun(2, ROOT / "fsdp1.py", *args, "--collective-timeout-s", "4", env=train_env["env"],
+        run = start_torchrun(2, ROOT / "fsdp1.py", *args, "--collective-timeout-s", "4", env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         log = tmp_path / "r" / "train.log"
         wait_for(lambda: log.exists() and "another process is building the token cache" in log.read_text(), run)

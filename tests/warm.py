@@ -16,10 +16,9 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+from pipeline.offline import SWITCHES as OFFLINE_SWITCHES  # what fsdp1.py sets before its first Hugging Face import
 
-OFFLINE_SWITCHES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
-"""What fsdp1.py sets before its first import of a Hugging Face library (which read them while importing)."""
+ROOT = Path(__file__).resolve().parents[1]
 
 PER_RUN = ("OMP_NUM_THREADS", "PYTEST_CURRENT_TEST")
 """Variables no import reads that differ between runs: left out of a launcher's key (a run sets torch's thread
@@ -103,7 +102,8 @@ class WarmLaunchers:
     def stop_naming(self, folder: str) -> None:
         """Stop the launchers whose environment names folder (a test's own HF_HOME, say): no later test can use
         them, and left to the least-recently-used rule they would push out a launcher that later tests do use."""
-        for key in [k for k in self.servers if any(folder in value for _, value in k)]:
+        for key in [k for k in self.servers
+                    if any(value == folder or value.startswith(folder + os.sep) for _, value in k)]:
             self.stop(key)
 
     @staticmethod

@@ -10,7 +10,8 @@ import os
 import signal
 import sys
 
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for its warm.py
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[1:1] = [TESTS, os.path.dirname(TESTS)]  # tests/, for its warm.py, and the repository, for what warm.py imports
 
 from warm import WarmProcess, request  # noqa: E402
 
