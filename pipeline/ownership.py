@@ -10,6 +10,7 @@ config.yaml beside its log or checkpoints), so they resume, and are marked at th
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -49,8 +50,7 @@ def kind_of(folder: Path) -> str | None:
 
 def _earlier_kind(folder: Path) -> str | None:
     """The kind of an unmarked folder from what the stages wrote before folders were marked."""
-    entries = list(folder.iterdir())
-    names = {p.name for p in entries}
+    names = set(os.listdir(folder))  # names only: this reads every ancestor of an output, /tmp's thousands too
     if {"prep_report.json", "state.json", "dataset_info.json"} <= names:
         return "dataset"
     if "config.yaml" in names and names & {"checkpoints", "metrics.jsonl", "train.log", "state.json"}:
@@ -60,7 +60,7 @@ def _earlier_kind(folder: Path) -> str | None:
     if names and all(_CACHE_ENTRY.fullmatch(n) for n in names):
         return "token_cache"
     if names & {"config.json", "adapter_config.json"} and any(n.endswith(".safetensors") for n in names) and \
-            not any(p.is_dir() for p in entries):
+            not any((folder / n).is_dir() for n in names):
         return "export"
     return None
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import gc
 import inspect
 import io
 import json
@@ -55,21 +56,25 @@ DEFAULT_THREADS = 0
 
 
 def preload() -> None:
-    """What a training worker imports, imported once here (the pipeline's own modules through its entry's). Not
-    torch.distributed.run itself: runpy warns when the module it runs as __main__ is already imported."""
+    """What a training worker and torchrun's agent import, imported once here (the pipeline's own modules through its
+    entry's)."""
     import datasets  # noqa: F401
     import matplotlib.pyplot  # noqa: F401
     import peft  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.launcher.api  # noqa: F401
+    import torch.distributed.run  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.models.llama import modeling_llama  # noqa: F401
 
     import pipeline.prep.corpus  # noqa: F401 - DATA-HF.py's
     import pipeline.prep.hub  # noqa: F401 - MODEL_DOWNLOAD.py's
     import pipeline.train.cli  # noqa: F401
+
+    get_checkpoint_conversion_mapping("llama")  # transformers builds its table of every family's once, on first use
 
 
 def remember_fresh_state() -> None:
@@ -120,13 +125,18 @@ def run_as_main(argv: list[str], module: bool = False, source: str | None = None
         sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.realpath(argv[0]))
     code, signum = 0, 0
     try:
-        if source is not None:
-            main = sys.modules["__main__"] = types.ModuleType("__main__")
-            exec(compile(source, "<string>", "exec"), main.__dict__)  # noqa: S102 - `python -c`, as the caller asked
+        if module and argv[0] == "torch.distributed.run":
+            torchrun()
         elif module:
             runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(argv[0], run_name="__main__")
+        else:  # `python -c CODE` or `python SCRIPT`: the code run in a fresh __main__, as the interpreter does
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            if source is None:
+                main.__file__ = os.path.abspath(argv[0])  # absolute, as Python 3.9+ sets it for `python SCRIPT`
+                with open(argv[0], "rb") as script:
+                    source = script.read()
+            code_object = compile(source, getattr(main, "__file__", "<string>"), "exec", dont_inherit=True)
+            exec(code_object, main.__dict__)  # noqa: S102 - the caller's own script or `-c` code
     except SystemExit as stop:
         if stop.code is None:
             code = 0
@@ -142,6 +152,17 @@ def run_as_main(argv: list[str], module: bool = False, source: str | None = None
         sys.excepthook(*sys.exc_info())
         code = 1
     finish(code, signum)
+
+
+def torchrun() -> None:
+    """`python -m torch.distributed.run` as the `torchrun` command runs it (its main, imported here), not through
+    runpy: torchrun's rendezvous names its caller in each event through inspect.stack(), where a frame whose file is
+    no loaded module's (runpy's frozen ones) makes inspect scan all of sys.modules, twice per frame per event, which
+    took a third of a tiny warm run's CPU with this process's 5,000 modules."""
+    import torch.distributed.run
+
+    sys.argv[0] = torch.distributed.run.__file__
+    torch.distributed.run.main()
 
 
 def finish(code: int, signum: int = 0) -> NoReturn:
@@ -284,4 +305,8 @@ if __name__ == "__main__":
     import torch
 
     DEFAULT_THREADS = torch.get_num_threads()
+    inspect.getmodule(sys._getframe())  # inspect's file -> module map of all loaded modules, built once for every fork
+    # What is loaded now is kept out of the collector's passes, in every fork: a fork's first full collection walked
+    # every object inherited (torch's, transformers'), which copied each page it touched: over a second of each run.
+    gc.freeze()
     serve(sys.argv[1])
