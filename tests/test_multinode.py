@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, losses, run_script, torchrun, wait_for, with_root
+from conftest import ROOT, losses, run_script, start_python, torchrun, wait_for, with_root
 
 from pipeline.config_merge import resolve
 from pipeline.distributed.launch import Launch, detect, first_host, tasks_per_node
@@ -115,11 +115,10 @@ def test_plain_variables_and_srun_variables_train_like_torchrun(train_env, tmp_p
     srun = [{"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_NODEID": "0",
              "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "localhost", "SLURM_JOB_ID": str(port - 15000)}
             for r in range(2)]
-    for name, variables in (("plain", plain), ("srun", srun)):
-        procs = [subprocess.Popen([sys.executable, str(ROOT / "fsdp1.py"), *args(train_env, tmp_path / name,
-                                                                                  "--max-steps", 2)],
-                                  cwd=ROOT, env=with_root({**train_env["env"], **v}),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for v in variables]
+    for name, variables in (("plain", plain), ("srun", srun)):  # started warm, as torchrun()'s workers are
+        procs = [start_python([str(ROOT / "fsdp1.py"), *args(train_env, tmp_path / name, "--max-steps", 2)],
+                              with_root({**train_env["env"], **v}), offline=True, stderr=subprocess.STDOUT)
+                 for v in variables]
         outputs = [p.communicate(timeout=600)[0] for p in procs]
         assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
         assert "world size 2" in (tmp_path / name / "r" / "train.log").read_text()

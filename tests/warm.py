@@ -20,9 +20,13 @@ from pipeline.offline import SWITCHES as OFFLINE_SWITCHES  # what fsdp1.py sets 
 
 ROOT = Path(__file__).resolve().parents[1]
 
-PER_RUN = ("OMP_NUM_THREADS", "PYTEST_CURRENT_TEST")
+PER_RUN = ("OMP_NUM_THREADS", "PYTEST_CURRENT_TEST", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+           "LOCAL_WORLD_SIZE")
 """Variables no import reads that differ between runs: left out of a launcher's key (a run sets torch's thread
-count from the first itself; pytest sets the second per test)."""
+count from the first itself; pytest sets the second per test; the launch variables are read when a run sets up its
+process group, and torchrun's own workers, forks of a launcher that imported without them, get them the same way)."""
+PER_RUN_PREFIXES = ("SLURM_",)
+"""Families of per-run variables: srun's, which the launch reads as it reads torchrun's."""
 
 
 def warm_launches() -> bool:
@@ -110,7 +114,7 @@ class WarmLaunchers:
     def imports_see(env: dict[str, str], offline: bool) -> dict[str, str]:
         """What a run's imports read of env (a launcher's key); offline: the script sets the offline switches before
         it imports a Hugging Face library, as fsdp1.py does."""
-        seen = {k: v for k, v in env.items() if k not in PER_RUN}
+        seen = {k: v for k, v in env.items() if k not in PER_RUN and not k.startswith(PER_RUN_PREFIXES)}
         if offline:
             seen.update(dict.fromkeys(OFFLINE_SWITCHES, "1"))
         return seen
