@@ -41,9 +41,11 @@ def run_script(script: str, *args: object, env: dict | None = None,
     """Run a top-level stage script with this interpreter; captures text output. WARM_SCRIPTS start warm as
     torchrun() does."""
 
-    cmd = [str(ROOT / script), *map(str, args)]
-    if script in WARM_SCRIPTS and warm_launches():  # PYTHONPATH as torchrun() gives it: the same launcher serves both
-        return WARM.run(cmd, with_root(env), timeout, WARM_SCRIPTS[script])
+    path = ROOT / script  # a stage named by its name or its whole path
+    cmd = [str(path), *map(str, args)]
+    if path.parent == ROOT and path.name in WARM_SCRIPTS and warm_launches():
+        # PYTHONPATH as torchrun() gives it: the same launcher serves both
+        return WARM.run(cmd, with_root(env), timeout, WARM_SCRIPTS[path.name])
     return subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
 
 

@@ -172,7 +172,7 @@ def test_a_cache_folder_deleted_during_its_build_is_one_line(tmp_path, train_env
     cache = tmp_path / "cache"
     cmd = [str(ROOT / "fsdp1.py"), "-e", "p", "-d", str(tmp_path / "ds"), "-m", "local/tiny",
            "--save-dir", str(tmp_path / "runs"), "--cache-dir", str(cache), "--prepare-only", "--num-proc", "1"]
-    proc = start_python(cmd, train_env["env"], offline=True)
+    proc = start_python(cmd, with_root(train_env["env"]), offline=True)
     wait_for(lambda: any(cache.glob("*.partial")), proc)
     cache.rename(tmp_path / "gone")  # the folder is gone from where the build writes, at once (rm -rf races it)
     shutil.rmtree(tmp_path / "gone", ignore_errors=True)
@@ -187,17 +187,17 @@ def test_a_cache_folder_deleted_during_its_build_is_one_line(tmp_path, train_env
 
 def test_a_killed_build_resumes_from_its_finished_chunks(tmp_path, train_env, tiny_models):
     out = tmp_path / "cache"
-    cmd = [sys.executable, str(ROOT / "tests" / "helpers" / "build_cache.py"), str(train_env["dataset"]),
-           str(tiny_models["tied"]), str(out), "20000"]  # 20 KB chunks: a few rows each
+    cmd = [str(ROOT / "tests" / "helpers" / "build_cache.py"), str(train_env["dataset"]), str(tiny_models["tied"]),
+           str(out), "20000"]  # 20 KB chunks: a few rows each
     env = with_root()
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = start_python(cmd, env, offline=False, stderr=subprocess.STDOUT)
     first = out.with_name("cache.partial") / "chunk-00001.npy"
     wait_for(first.exists, proc)
     kill_tree(proc)
     chunks = sorted(out.with_name("cache.partial").glob("chunk-?????.npy"))
     assert not out.exists() and 2 <= len(chunks) < len(load_text_dataset(str(train_env["dataset"])))
 
-    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    again = run_python(cmd, env, offline=False, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"resuming, {len(chunks)} of " in again.stderr  # those chunks were read back, not tokenized again
     expected = reference(train_env["dataset"], tiny_models["tied"], BlockSpec(64, 0.1, 0))

@@ -192,15 +192,16 @@ def fork() -> int:
 
 
 class WarmPopen(subprocess.Popen):
-    """torchrun's worker start (`python -u SCRIPT ARGS`) as a fork of this warm process; any other command is
-    started as usual. The worker is torchrun's child in a session of its own, as a started one is, so the agent's
-    signals, waits and kills reach it unchanged."""
+    """torchrun's worker start (`python -u SCRIPT ARGS`, or `python -u -m MODULE ARGS` for `torchrun -m`) as a fork
+    of this warm process; any other command is started as usual. The worker is torchrun's child in a session of its
+    own, as a started one is, so the agent's signals, waits and kills reach it unchanged."""
 
     def _execute_child(self, *args, **kwargs):
         bound = inspect.signature(super()._execute_child).bind(*args, **kwargs)
         a = bound.arguments
         argv = [str(x) for x in a["args"]]
-        if not (len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-u" and argv[2].endswith(".py")):
+        if not (len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-u"
+                and (argv[2].endswith(".py") or (argv[2] == "-m" and len(argv) >= 4))):
             return super()._execute_child(*args, **kwargs)
         pid = fork()
         if pid == 0:
@@ -211,6 +212,8 @@ class WarmPopen(subprocess.Popen):
                     if fd != -1 and fd != target:
                         os.dup2(fd, target)
                 fresh_process(dict(a["env"]) if a["env"] is not None else dict(os.environ), a["cwd"], True)
+                if argv[2] == "-m":
+                    run_as_main(argv[3:], module=True)
                 run_as_main(argv[2:])
             finally:
                 os._exit(1)  # run_as_main exits itself; this is reached only if setting up the fork failed
