@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import ROOT, losses, run_script, start_python, torchrun, wait_for, with_root
+from warm import WARM, warm_launches
 
 from pipeline.config_merge import resolve
 from pipeline.distributed.launch import Launch, detect, first_host, tasks_per_node
@@ -49,22 +50,25 @@ def listening(port: int) -> bool:
 
 
 def start_node(env: dict, port: int, nproc: int, script_args: list[str], log: Path, cwd: Path = ROOT,
-               nnodes: int = 2) -> subprocess.Popen:
-    """One node's torchrun agent, in its own session so the whole node can be killed at once."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc_per_node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job",
-           str(ROOT / "fsdp1.py"), *script_args]
-    return subprocess.Popen(cmd, cwd=cwd, env=with_root(env["env"]), stdout=log.open("w"),
+               nnodes: int = 2, warm: bool = False) -> subprocess.Popen:
+    """One node's torchrun agent, in its own session so the whole node can be killed at once. Cold unless warm (the
+    two-node tests here keep multi-rank runs of interpreters started apart, each with its own string-hash seed)."""
+    argv = ["-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc_per_node", str(nproc),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job",
+            str(ROOT / "fsdp1.py"), *script_args]
+    if warm and warm_launches():
+        return WARM.start(argv, with_root(env["env"]), True, log.open("w"), subprocess.STDOUT, cwd)
+    return subprocess.Popen([sys.executable, *argv], cwd=cwd, env=with_root(env["env"]), stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def two_nodes(env: dict, nproc: int, script_args: list[str], tmp: Path, cwds: tuple[Path, Path] = (ROOT, ROOT),
-              timeout: float = 600) -> list[tuple[int, str]]:
+              timeout: float = 600, warm: bool = False) -> list[tuple[int, str]]:
     """Both nodes to the end: (exit code, output) of each. The first agent hosts the rendezvous store."""
     port = free_port()
-    first = start_node(env, port, nproc, script_args, tmp / "node0.log", cwds[0])
+    first = start_node(env, port, nproc, script_args, tmp / "node0.log", cwds[0], warm=warm)
     wait_for(lambda: listening(port), first, timeout=60)
-    second = start_node(env, port, nproc, script_args, tmp / "node1.log", cwds[1])
+    second = start_node(env, port, nproc, script_args, tmp / "node1.log", cwds[1], warm=warm)
     for proc in (first, second):
         proc.wait(timeout=timeout)
     return [(p.returncode, (tmp / f"node{i}.log").read_text()) for i, p in enumerate((first, second))]

@@ -123,10 +123,12 @@ class WarmLaunchers:
         """Whether a launcher for this environment is up (a run under it starts warm without starting one)."""
         return tuple(sorted(self.imports_see(env, offline).items())) in self.servers
 
-    def start(self, argv: list[str], env: dict[str, str], offline: bool, stdout=None, stderr=None) -> WarmProcess:
-        """`python ARGV` from the repository with env, in a session of its own, as subprocess.Popen(text=True) would
-        start it (stdout and stderr: None, DEVNULL, PIPE, STDOUT for stderr, or an open file). offline: the script
-        sets the offline switches before it imports a Hugging Face library, as fsdp1.py does."""
+    def start(self, argv: list[str], env: dict[str, str], offline: bool, stdout=None, stderr=None,
+              cwd: str | Path = ROOT) -> WarmProcess:
+        """`python ARGV` in cwd (the repository unless given) with env, in a session of its own, as
+        subprocess.Popen(text=True) would start it (stdout and stderr: None, DEVNULL, PIPE, STDOUT for stderr, or an
+        open file). offline: the script sets the offline switches before it imports a Hugging Face library, as
+        fsdp1.py does."""
         path = self.server(self.imports_see(env, offline))
         pipes, theirs = {}, []
         for name, target in (("stdout", stdout), ("stderr", stderr)):
@@ -139,7 +141,7 @@ class WarmLaunchers:
                 theirs.append(os.open(os.devnull, os.O_WRONLY))
             else:
                 theirs.append(os.dup(target.fileno() if target is not None else len(theirs) + 1))
-        conn = request(path, theirs, argv, str(ROOT), env)
+        conn = request(path, theirs, argv, str(cwd), env)
         for fd in set(theirs):
             os.close(fd)
         return WarmProcess([sys.executable, *argv], conn, pipes)

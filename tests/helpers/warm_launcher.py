@@ -16,7 +16,7 @@ starts one per distinct environment; OMP_NUM_THREADS alone is left out of that, 
 from it. Nor can it change what /proc/PID/environ shows (the launcher's environment, not the run's): a test that
 reads another process's environment there starts that run cold. Nor the string-hash seed: every rank of a warm run
 hashes alike, so ranks that disagree only through set or dict order of strings would agree here; the suite's cold
-multi-rank runs (the multi-node, node-loss and torchrun-restart tests, the GPU check's rehearsal) keep
+multi-rank runs (the two-node and torchrun-restart tests, the GPU check's rehearsal) keep
 that case covered. Descriptors the agent holds (its store's listening socket) stay open in its workers, where
 close_fds would shut them: closing them under live Python objects could later close a reused number instead.
 
