@@ -40,7 +40,6 @@ def run_script(script: str, *args: object, env: dict | None = None,
                timeout: float = 600) -> subprocess.CompletedProcess:
     """Run a top-level stage script with this interpreter; captures text output. WARM_SCRIPTS start warm as
     torchrun() does."""
-
     path = ROOT / script  # a stage named by its name or its whole path
     cmd = [str(path), *map(str, args)]
     if path.parent == ROOT and path.name in WARM_SCRIPTS and warm_launches():
@@ -207,13 +206,13 @@ def start_torchrun(nproc: int, script: str | Path, *args: object, env: dict | No
 
 
 def start_python(argv: list[str], env: dict, offline: bool, stdout=subprocess.PIPE,
-                 stderr=subprocess.PIPE):
-    """`python ARGV` (a script, `-m MODULE` or `-c CODE`) from the repository with env, started and left running in a
-    session of its own (for a test to signal or kill it), warm as torchrun() starts its runs: a subprocess.Popen
-    (text=True), or its warm equivalent. offline: as run_python's."""
+                 stderr=subprocess.PIPE, cwd: Path = ROOT):
+    """`python ARGV` (a script, `-m MODULE` or `-c CODE`) in cwd (the repository unless given) with env, started and
+    left running in a session of its own (for a test to signal or kill it), warm as torchrun() starts its runs: a
+    subprocess.Popen (text=True), or its warm equivalent. offline: as run_python's."""
     if warm_launches():
-        return WARM.start(argv, env, offline, stdout, stderr)
-    return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True,
+        return WARM.start(argv, env, offline, stdout, stderr, cwd)
+    return subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=True,
                             start_new_session=True)
 
 

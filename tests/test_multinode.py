@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import ROOT, losses, run_script, start_python, torchrun, wait_for, with_root
-from warm import WARM, warm_launches
 
 from pipeline.config_merge import resolve
 from pipeline.distributed.launch import Launch, detect, first_host, tasks_per_node
@@ -50,14 +49,15 @@ def listening(port: int) -> bool:
 
 
 def start_node(env: dict, port: int, nproc: int, script_args: list[str], log: Path, cwd: Path = ROOT,
-               nnodes: int = 2, warm: bool = False) -> subprocess.Popen:
-    """One node's torchrun agent, in its own session so the whole node can be killed at once. Cold unless warm (the
-    two-node tests here keep multi-rank runs of interpreters started apart, each with its own string-hash seed)."""
+               nnodes: int = 2, warm: bool = False):
+    """One node's torchrun agent, in its own session so the whole node can be killed at once: a subprocess.Popen, or
+    start_python's warm equivalent where warm (the two-node tests here keep multi-rank runs of interpreters started
+    apart, each with its own string-hash seed)."""
     argv = ["-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc_per_node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job",
             str(ROOT / "fsdp1.py"), *script_args]
-    if warm and warm_launches():
-        return WARM.start(argv, with_root(env["env"]), True, log.open("w"), subprocess.STDOUT, cwd)
+    if warm:
+        return start_python(argv, with_root(env["env"]), True, log.open("w"), subprocess.STDOUT, cwd)
     return subprocess.Popen([sys.executable, *argv], cwd=cwd, env=with_root(env["env"]), stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -214,7 +214,8 @@ class WarmPopen(subprocess.Popen):
                 fresh_process(dict(a["env"]) if a["env"] is not None else dict(os.environ), a["cwd"], True)
                 if argv[2] == "-m":
                     run_as_main(argv[3:], module=True)
-                run_as_main(argv[2:])
+                else:
+                    run_as_main(argv[2:])
             finally:
                 os._exit(1)  # run_as_main exits itself; this is reached only if setting up the fork failed
         self.pid, self._child_created = pid, True
