@@ -56,15 +56,17 @@ def make_objective(o: ObjectiveConfig, head: Head, reference: Reference | None =
 
 def make_grpo(cfg: Config, head: Head, blocks: PromptBlocks, rewards: Rewards, tokenizer, stops: set[int], pad_id: int,
               d: Dist, release: Callable[[], None], gathered: Callable[[], contextlib.AbstractContextManager],
-              dtype: torch.dtype, frozen: KLReference | None = None, max_steps: int = 0) -> GRPOObjective:
+              dtype: torch.dtype, frozen: KLReference | None = None, max_steps: int = 0,
+              replica: Head | None = None) -> GRPOObjective:
     """GRPO over the run's prompts: the rollouts' maker (its reward models placed on this rank's device in dtype),
     and, where a KL penalty asks for one, the reference: the base with the adapters off, or under full fine-tuning
-    the frozen copy given. max_steps: the run's, as reward functions see it in trainer_state."""
+    the frozen copy given. max_steps: the run's, as reward functions see it in trainer_state. replica: the strategy's
+    head whose forward is no collective (Strategy.replica_head), which generation then runs through."""
     rewards.place(d.device, dtype)
     reference = frozen
     if cfg.grpo.grpo_beta and cfg.model.adapter != "none":
         reference = KLReference(head, functools.partial(adapters_disabled, head.model))
-    roller = Roller(head, blocks.prompts, rewards, tokenizer, stops, pad_id)
+    roller = Roller(replica or head, blocks.prompts, rewards, tokenizer, stops, pad_id, collective=replica is None)
     config = model_config(head.model)
     refusal = packing_refusal(config, cfg.grpo.max_prompt_length + cfg.grpo.max_completion_length)
     if refusal and d.is_main:

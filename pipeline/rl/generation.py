@@ -3,6 +3,8 @@
 Hazards:
 - Under FSDP (and the manual strategy) each forward all-gathers the parameters: a collective. Every rank therefore
   steps its generation until every rank is done (one small all-reduce per token), feeding finished rows padding.
+  Over a whole replica's forward (ddp's module, Strategy.replica_head) no rank waits for another: each stops when
+  its own rows are done.
 - Exact resume: sampling draws from a generator seeded by (seed, step, rank, micro-batch), never the global RNG, so
   a rerun from a checkpoint repeats the uninterrupted run's completions bitwise (same world size and device).
 """
@@ -70,11 +72,12 @@ def pick(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -
 
 @torch.no_grad()
 def generate(head: Head, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s: Sampling, stops: set[int],
-             pad_id: int, generator: torch.Generator | None, group: dist.ProcessGroup | None = None,
+             pad_id: int, generator: torch.Generator | None, collective: bool = True,
              repeats: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(completion ids [rows, C], mask [rows, C]) for left-padded prompts [rows, P]: each row's tokens up to and
-    including its first stop token (TRL's completion mask), C the longest row's length (at most s.max_tokens). A
-    collective: every rank of group calls it, and steps until every rank's rows are done. repeats: each prompt comes
+    including its first stop token (TRL's completion mask), C the longest row's length (at most s.max_tokens).
+    collective: the head's forward is one, so every rank calls this and steps until every rank's rows are done (C is
+    then the longest over the ranks); else this rank steps until its own are. repeats: each prompt comes
     that many times in a row (a GRPO group): its forward runs once, its cache and logits copied to its rows."""
     from transformers import DynamicCache
 
@@ -94,7 +97,7 @@ def generate(head: Head, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s:
         token = torch.where(done, pad_id, pick(logits, s, generator))
         out.append(token)
         done |= torch.isin(token, stop) if stop is not None else torch.zeros_like(done)
-        if i == s.max_tokens - 1 or _all_done(done, group):
+        if i == s.max_tokens - 1 or _all_done(done, collective):
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         logits = _next_logits(head, token[:, None], mask, mask.sum(-1, keepdim=True) - 1, cache)
@@ -109,12 +112,13 @@ def _next_logits(head: Head, ids: torch.Tensor, mask: torch.Tensor, positions: t
                           use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
-def _all_done(done: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
-    """Whether every rank's rows have stopped: one all-reduce and a host sync per token (generation is sequential
-    anyway; a rank that stopped alone would leave the others' all-gathers waiting)."""
+def _all_done(done: torch.Tensor, collective: bool) -> bool:
+    """Whether every rank's rows (collective), or this rank's, have stopped: a host sync per token, and under
+    collective one all-reduce (generation is sequential anyway; a rank that stopped alone would leave the others'
+    all-gathers waiting)."""
     left = (~done).sum().reshape(1).float()
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(left, group=group)
+    if collective and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(left)
     return left.item() == 0
 
 

@@ -55,15 +55,18 @@ class Roller:
     tokenizer: object
     stops: set[int]
     pad_id: int
+    collective: bool = True
+    """The head's forward is a collective (every rank steps its generation until all are done); False over a whole
+    replica (Strategy.replica_head), where each rank stops when its own rows are."""
 
     def roll(self, batch: Batch, group: int, sampling: Sampling, generator: torch.Generator | None,
              state: RewardState | None = None) -> Rollout:
         """G completions of each prompt of the batch (padding rows, `rows` -1, completed too: every rank runs the
-        same steps), decoded and scored. A collective (generation)."""
+        same micro-batches), decoded and scored. A collective where the head's forward is one (generation)."""
         rows = np.repeat(batch.rows, group)
         ids, mask = batch.input_ids.repeat_interleave(group, 0), batch.flags.repeat_interleave(group, 0)
         completion, cmask = generate(self.head, ids, mask, sampling, self.stops, self.pad_id, generator,
-                                     repeats=group)
+                                     self.collective, repeats=group)
         lengths = cmask.sum(-1).tolist()  # a host sync per micro-batch: the texts are decoded on the CPU
         token_lists = [c[:n] for c, n in zip(completion.tolist(), lengths, strict=True)]
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in token_lists]

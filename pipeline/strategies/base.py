@@ -261,6 +261,12 @@ class Strategy(ABC):
         """How this model's output layer runs, for the objectives and the sampler: here the model's own forward."""
         return Head(self.model, False, self.dist.world_size)
 
+    def replica_head(self) -> Head | None:
+        """A head over this rank's own whole copy of the model whose forward is no collective, for a pass of forwards
+        without backward that each rank runs at its own pace (GRPO's generation: no rank waits for another at each
+        token); None where every forward is a collective (the sharding strategies all-gather in it)."""
+        return None
+
     def release(self) -> None:  # noqa: B027 (a no-op for wrappers that never leave parameters gathered)
         """Free parameters left gathered (by a forward without backward): before saving, exporting or a step."""
 

@@ -269,7 +269,8 @@ def evaluate(cfg: Config, plan: Plan, adapter: AdapterFolder | None, split: str,
         load_adapter(strategy, adapter)
     parts = [blocks.part("val"), *([blocks.part("train")] if split == "all" else [])]
     objective = make_grpo(cfg, head, blocks, plan.rewards, plan.tokenizer, stop_ids(plan.tokenizer, plan.model_dir),
-                          pad_id(plan.tokenizer), d, strategy.release, strategy.gathered, dtype) if plan.rewards else \
+                          pad_id(plan.tokenizer), d, strategy.release, strategy.gathered, dtype,
+                          replica=strategy.replica_head()) if plan.rewards else \
         make_objective(cfg.objective, head, reference, plan.reward_head)
     result = held_out_loss(strategy, parts, cfg.train.batch_size, d, objective)
     if result is None:

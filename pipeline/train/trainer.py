@@ -116,10 +116,13 @@ class Trainer:
         head = self.strategy.head()
         self.stops = stop_ids(plan.tokenizer, plan.model_dir) if plan.prompts or plan.rewards else set()
         frozen = frozen_copy(cfg, plan, d, self.dtype)  # GRPO's KL reference under full fine-tuning, if one
-        self.objective = make_grpo(cfg, head, self.blocks, plan.rewards, plan.tokenizer, self.stops,
-                                   pad_id(plan.tokenizer), d, self.strategy.release, self.strategy.gathered,
-                                   self.dtype, frozen, self.total_steps) if plan.rewards else \
-            make_objective(cfg.objective, head, plan.reference and precomputed(head), plan.reward_head)
+        if plan.rewards:
+            self.objective = make_grpo(cfg, head, self.blocks, plan.rewards, plan.tokenizer, self.stops,
+                                       pad_id(plan.tokenizer), d, self.strategy.release, self.strategy.gathered,
+                                       self.dtype, frozen, self.total_steps, self.strategy.replica_head())
+        else:
+            self.objective = make_objective(cfg.objective, head, plan.reference and precomputed(head),
+                                            plan.reward_head)
         self.optimizer = build_optimizer(self.strategy.param_groups(cfg.optim.weight_decay), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.step, self.samples_seen, self.best_val = 0, 0, math.inf
