@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pipeline.config import ModelConfig
 from pipeline.model.head import Head
 from pipeline.model.modeling import retie
+from pipeline.model.tied_head import tie_in_place
 from pipeline.strategies.base import Strategy
 from pipeline.strategies.memory import Shape, Workload
 from pipeline.strategies.traffic import replicated_bytes
@@ -94,6 +95,9 @@ class DDP(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         model.to_empty(device=self.dist.device)
         retie(model)
+        # a tied head's weight gradient summed with the embedding's in place (one [vocab, hidden] tensor less at the
+        # backward's end); here, where the parameters are plain tensors the forward uses as they are
+        tie_in_place(model)
         cuda = self.dist.device.type == "cuda"
         # init_sync=False: rank 0's weights are uninitialised memory until load_weights or a checkpoint fills every
         # rank alike, so broadcasting them would only cost time. gradient_as_bucket_view: the gradients are views
