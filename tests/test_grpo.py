@@ -517,3 +517,25 @@ def test_a_reward_model_folder_is_a_grpo_reward_scored_in_the_training_processes
     assert refused == [f"--reward {tiny_models['tied']} is not a reward model (a sequence classifier with one output, "
                        "as --objective reward exports to RUN/hf); give FILE.py:FUNCTION, a built-in, or a reward model "
                        "folder"]
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "fsdp1", "manual"])
+def test_ddp_generates_through_its_replica_and_the_sharded_strategies_through_their_collective_forward(
+        name, tiny_models, group_of_one):
+    """Under ddp each rank generates with the module inside the wrapper (whose forward is no collective: no buffer
+    broadcast, no per-token all-reduce, each rank at its own pace); every other strategy's forward all-gathers, so its
+    ranks step together (replica_head None)."""
+    from transformers import AutoConfig
+
+    from pipeline.config_merge import from_flat
+    from pipeline.strategies.registry import make_strategy, settle
+
+    cfg = settle(from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": str(tiny_models["tied"]),
+                            "strategy": name, "precision": "fp32"}))
+    strategy = make_strategy(cfg.model, group_of_one, torch.float32)
+    strategy.build(AutoConfig.from_pretrained(tiny_models["tied"]))
+    replica = strategy.replica_head()
+    if name == "ddp":
+        assert replica.model is strategy.module and strategy.head().model is strategy.model is not strategy.module
+    else:
+        assert replica is None

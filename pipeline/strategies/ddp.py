@@ -9,6 +9,7 @@ writes each replicated tensor once.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -112,6 +113,11 @@ class DDP(Strategy):
     def head(self) -> Head:
         return Head(self.model, False, self.dist.world_size,
                     autocast=None if self.dtype == torch.float32 else self.dtype)
+
+    def replica_head(self) -> Head:
+        # the module inside the wrapper: DDP's own forward broadcasts the buffers (the rotary frequencies) from rank 0
+        # at every call, a collective per generated token that holds every rank to the slowest one's pace
+        return dataclasses.replace(self.head(), model=self.model.module)
 
     def comm_seconds(self) -> float | None:
         return None if self.clock is None else self.clock.exposed()
