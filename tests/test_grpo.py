@@ -522,9 +522,9 @@ def test_a_reward_model_folder_is_a_grpo_reward_scored_in_the_training_processes
 @pytest.mark.parametrize("name", ["ddp", "fsdp2", "fsdp1", "manual"])
 def test_ddp_generates_through_its_replica_and_the_sharded_strategies_through_their_collective_forward(
         name, tiny_models, group_of_one):
-    """Under ddp each rank generates with the module inside the wrapper (whose forward is no collective: no buffer
-    broadcast, no per-token all-reduce, each rank at its own pace); every other strategy's forward all-gathers, so its
-    ranks step together (replica_head None)."""
+    """Under ddp each rank generates with the module inside the wrapper (whose forward is no collective, so no
+    per-token all-reduce keeps the ranks in step: each generates at its own pace); every other strategy's forward
+    all-gathers, so its ranks step together (replica_head None)."""
     from transformers import AutoConfig
 
     from pipeline.config_merge import from_flat

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 
 class _TiedProduct(torch.autograd.Function):
@@ -29,6 +30,7 @@ class _TiedProduct(torch.autograd.Function):
         return F.linear(hidden, weight)
 
     @staticmethod
+    @once_differentiable  # under autocast the weight saved is a cast copy, with no path back to the parameter
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         hidden, weight = ctx.saved_tensors
         grad = grad.to(hidden.dtype).reshape(-1, grad.shape[-1])

@@ -115,8 +115,9 @@ class DDP(Strategy):
                     autocast=None if self.dtype == torch.float32 else self.dtype)
 
     def replica_head(self) -> Head:
-        # the module inside the wrapper: DDP's own forward broadcasts the buffers (the rotary frequencies) from rank 0
-        # at every call, a collective per generated token that holds every rank to the slowest one's pace
+        # the module inside the wrapper, whose forward is no collective (the wrapper's first forward without grad
+        # after training broadcasts the buffers, a collective), so generate() needs no per-token all-reduce to keep
+        # the ranks in step: each rank generates at its own pace
         return dataclasses.replace(self.head(), model=self.model.module)
 
     def comm_seconds(self) -> float | None:
