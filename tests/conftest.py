@@ -335,6 +335,22 @@ def group_of_one(monkeypatch):
     torch.distributed.destroy_process_group()
 
 
+def built_strategy(model_dir: Path, strategy: str, d):
+    """The named strategy built (meta model, transforms, wrap) on model_dir's config in this process, fp32, in d (a
+    group_of_one); its weights not loaded."""
+    import torch
+    from transformers import AutoConfig
+
+    from pipeline.config_merge import from_flat
+    from pipeline.strategies.registry import make_strategy, settle
+
+    cfg = settle(from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": str(model_dir),
+                            "strategy": strategy, "precision": "fp32"}))
+    built = make_strategy(cfg.model, d, torch.float32)
+    built.build(AutoConfig.from_pretrained(model_dir))
+    return built
+
+
 PROCESS_STARTS = ("torchrun(", "run_script(", "run_module(", "subprocess.", "Popen(", "script(")
 """What starting a real process looks like in a test's code (its own, its module's helpers, its fixtures')."""
 

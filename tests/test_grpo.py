@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import built_strategy
 
 REWARDS = '''
 def even_ids(prompts, completions, completion_ids, **columns):
@@ -525,15 +526,7 @@ def test_ddp_generates_through_its_replica_and_the_sharded_strategies_through_th
     """Under ddp each rank generates with the module inside the wrapper (whose forward is no collective, so no
     per-token all-reduce keeps the ranks in step: each generates at its own pace); every other strategy's forward
     all-gathers, so its ranks step together (replica_head None)."""
-    from transformers import AutoConfig
-
-    from pipeline.config_merge import from_flat
-    from pipeline.strategies.registry import make_strategy, settle
-
-    cfg = settle(from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": str(tiny_models["tied"]),
-                            "strategy": name, "precision": "fp32"}))
-    strategy = make_strategy(cfg.model, group_of_one, torch.float32)
-    strategy.build(AutoConfig.from_pretrained(tiny_models["tied"]))
+    strategy = built_strategy(tiny_models["tied"], name, group_of_one)
     replica = strategy.replica_head()
     if name == "ddp":
         assert replica.model is strategy.module and strategy.head().model is strategy.model is not strategy.module

@@ -7,17 +7,17 @@ import copy
 import numpy as np
 import pytest
 import torch
+from conftest import built_strategy
 from torch import nn
 from torch.profiler import profile
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
-from pipeline.config_merge import from_flat
 from pipeline.model.tied_head import TiedHead, tie_in_place
 from pipeline.prep.tiny import FAMILIES, family_config
-from pipeline.strategies.registry import make_strategy, settle
 
 
-def _sums_of_weight_shape(model: nn.Module, ids: torch.Tensor, dtype: torch.dtype | None) -> tuple[list, list, int]:
+def _sums_of_weight_shape(model: nn.Module, ids: torch.Tensor,
+                          dtype: torch.dtype | None) -> tuple[torch.Tensor, list, int]:
     """(logits, every parameter's gradient, out-of-place adds of a [vocab, hidden] shape in the backward)."""
     weight = model.get_input_embeddings().weight
     with torch.autocast("cpu", dtype or torch.bfloat16, enabled=dtype is not None):
@@ -61,8 +61,5 @@ def test_every_tied_family_gets_linears_values_and_gradients_without_a_third_wei
 
 def test_ddp_builds_a_tied_model_with_the_tied_head_and_an_untied_one_as_it_is(tiny_models, group_of_one):
     for name, expected in (("tied", TiedHead), ("untied", nn.Linear)):
-        cfg = settle(from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": str(tiny_models[name]),
-                                "strategy": "ddp", "precision": "fp32"}))
-        strategy = make_strategy(cfg.model, group_of_one, torch.float32)
-        strategy.build(AutoConfig.from_pretrained(tiny_models[name]))
+        strategy = built_strategy(tiny_models[name], "ddp", group_of_one)
         assert type(strategy.module.get_output_embeddings()) is expected

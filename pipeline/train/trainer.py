@@ -119,7 +119,7 @@ class Trainer:
         if plan.rewards:
             self.objective = make_grpo(cfg, head, self.blocks, plan.rewards, plan.tokenizer, self.stops,
                                        pad_id(plan.tokenizer), d, self.strategy.release, self.strategy.gathered,
-                                       self.dtype, frozen, self.total_steps, self.strategy.replica_head())
+                                       self.dtype, frozen, self.total_steps, replica=self.strategy.replica_head())
         else:
             self.objective = make_objective(cfg.objective, head, plan.reference and precomputed(head),
                                             plan.reward_head)
