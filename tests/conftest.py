@@ -330,8 +330,11 @@ def group_of_one(monkeypatch):
         monkeypatch.setenv(key, value)
     d = init_distributed()
     yield d
+    import gc
+
     import torch
 
+    gc.collect()  # the test's models and wrappers hold the group: its sockets close when they are collected
     torch.distributed.destroy_process_group()
 
 

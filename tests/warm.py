@@ -173,7 +173,7 @@ class WarmProcess:
         deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self.buffer:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([self.conn], [], [], left)[0]:
+            if not readable([self.conn], left):
                 raise subprocess.TimeoutExpired(self.args, timeout)
             more = self.conn.recv(1 << 16)
             if not more:
@@ -205,7 +205,7 @@ class WarmProcess:
         open_fds = set(streams)
         while open_fds:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = select.select(list(open_fds), [], [], left)[0]
+            ready = readable(list(open_fds), left)
             if not ready:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             for fd in ready:
@@ -220,6 +220,17 @@ class WarmProcess:
             stream.close()
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return out, err
+
+
+def readable(fds: list, timeout: float | None) -> list:
+    """Those of fds (descriptors or objects with fileno()) readable or at their end within timeout seconds (None: no
+    limit). poll, not select: select() takes no descriptor numbered 1024 or more, which a pytest worker reaches when
+    process groups its earlier tests built wait for the garbage collector to close their sockets."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    ready = {fd for fd, _ in poller.poll(None if timeout is None else timeout * 1000)}
+    return [fd for fd in fds if (fd if isinstance(fd, int) else fd.fileno()) in ready]
 
 
 WARM = WarmLaunchers()
