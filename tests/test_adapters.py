@@ -81,15 +81,22 @@ def test_an_adapter_starts_as_the_base_and_merges_and_saves_as_peft_does(group_o
 def test_every_family_trains_the_loss_peft_gives_with_the_same_adapter(family, strategy, family_models,
                                                                        group_of_one):
     """With a nonzero adapter, the trainer's loss on a batch equals peft's own model (from_pretrained's base with the
-    adapter we save loaded into it), for every family; a mixture of experts' router is never adapted."""
+    adapter we save loaded into it), for every family; a mixture of experts' router is never adapted, and every
+    fused expert weight is (peft's target_parameters), its adapter counted as the experts' trainable parameters."""
     from peft import get_peft_model, set_peft_model_state_dict
 
     model_dir = family_models[family]
     s = built(model_dir, group_of_one, "lora", strategy)
     adapter = s.transforms[0]
     experts = getattr(s.module.config, "num_local_experts", None) or getattr(s.module.config, "num_experts", None)
-    adapted = [m for m in s.module.modules() if hasattr(m, "lora_A")]
-    assert adapted and not any(experts and m.base_layer.out_features == experts for m in adapted)
+    adapted = [m.base_layer for m in s.module.modules() if hasattr(m, "lora_A")]
+    assert adapted and not any(experts and m.out_features == experts for m in adapted if isinstance(m, torch.nn.Linear))
+    fused = {n for n, p in s.module.named_parameters() if p.ndim == 3 and ".experts." in n}
+    assert set(adapter.experts) == fused  # every fused expert weight of every block, none on a dense family
+    assert adapter.warnings() == []
+    lora_on_experts = sum(p.numel() for n, p in s.module.named_parameters() if ".experts.lora_" in n
+                          or ".experts.base_layer.lora_" in n)
+    assert s.num_trainable_experts == lora_on_experts and (lora_on_experts > 0) == bool(fused)
     with torch.no_grad():  # seeded by the plain name: the same values under every strategy
         for name, p in s.model.named_parameters():
             if ".lora_B." in name:
@@ -107,6 +114,72 @@ def test_every_family_trains_the_loss_peft_gives_with_the_same_adapter(family, s
             plain = base(input_ids=batch.input_ids, labels=batch.labels).loss.item()
     assert ours == pytest.approx(theirs, abs=1e-5)
     assert abs(ours - plain) > 1e-4  # the adapter took part
+
+
+MOE_FAMILIES = [f for f, (_, extra) in FAMILIES.items() if any("experts" in k for k in extra)]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_lora_on_fused_experts_merges_and_saves_as_peft_does(family, family_models, group_of_one, tmp_path):
+    """Every MoE family: the adapter on the fused expert weights (each expert its own rank-r slices of A and B) merges
+    into what peft's merge_and_unload gives, Llama 4's experts x in x out layout included, and saves under peft's
+    names and shapes."""
+    from peft import get_peft_model, set_peft_model_state_dict
+
+    model_dir = family_models[family]
+    s = built(model_dir, group_of_one, "lora")
+    with torch.no_grad():
+        for name, p in s.model.named_parameters():
+            if ".lora_B." in name:
+                p.to_local().add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))).mul(0.05))
+    adapter = s.transforms[0]
+    saved = adapter.adapter_state(s.model, s.module)
+    assert any(".experts.lora_A." in k for k in saved) and any(".experts.base_layer.lora_B." in k for k in saved)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                copy.deepcopy(adapter.peft_config))
+    assert not set_peft_model_state_dict(peft_model, saved).unexpected_keys
+    merged = peft_model.merge_and_unload().state_dict()
+    exported = {k: local(v) for k, v in s.export_state().items()}  # one rank: its shard is the whole tensor
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    experts = [k for k in exported if exported[k].ndim == 3 and ".experts." in k]
+    assert experts and set(exported) <= set(merged)
+    assert all((exported[k] - base[k]).abs().max() > 1e-4 for k in experts)  # every expert weight merged
+    for key, value in exported.items():
+        torch.testing.assert_close(value, merged[key], rtol=0, atol=2e-6, msg=key)
+
+
+def test_experts_left_frozen_say_why_and_naming_them_where_peft_cannot_is_one_line(family_models, group_of_one):
+    """DoRA and dropout, which peft's LoRA on a fused weight does not take: the default adapts the linear layers
+    alone and warns that every routed expert is frozen, naming the flag; naming the experts is one line; a target
+    list without them warns too; they can be named alone."""
+    model_dir = family_models["qwen3-moe"]
+
+    def make(**flags):
+        cfg = ModelConfig(model_name=str(model_dir), precision="fp32", strategy="fsdp2", vocab_parallel="off",
+                          lora_rank=4, **flags)
+        s = make_strategy(cfg, group_of_one, torch.float32, transforms_for(cfg, torch.float32))
+        s.build(AutoConfig.from_pretrained(model_dir))
+        return s
+
+    dora = make(adapter="dora")
+    assert dora.transforms[0].warnings() == ["every routed expert stays frozen (only attention and dense layers "
+                                             "train): --adapter dora: peft's LoRA on fused expert weights has no "
+                                             "DoRA; use --adapter lora to adapt them"]
+    assert dora.num_trainable > 0 and dora.num_trainable_experts == 0 and dora.num_expert_params > 0
+    dropout = make(adapter="lora", lora_dropout=0.1)
+    assert "--lora-dropout 0.1: peft's LoRA on fused expert weights takes no dropout" in dropout.transforms[0].warnings()[0]
+    with pytest.raises(UserError, match=r"^--lora-targets gate_up_proj: --adapter dora: peft's LoRA on fused expert "):
+        make(adapter="dora", lora_targets="q_proj,gate_up_proj")
+    attention = make(adapter="lora", lora_targets="q_proj,v_proj")
+    assert attention.transforms[0].warnings() == [
+        "every routed expert stays frozen (only attention and dense layers train): --lora-targets q_proj,v_proj names "
+        "none of the fused expert weights (down_proj, gate_up_proj); add them to adapt them"]
+    only = make(adapter="lora", lora_targets="down_proj")
+    assert only.transforms[0].warnings() == [] and set(only.transforms[0].experts) == {
+        f"model.layers.{i}.mlp.experts.base_layer.down_proj" for i in range(2)}
+    assert only.num_trainable == only.num_trainable_experts > 0
+    with pytest.raises(UserError, match=r"its fused expert weights down_proj, gate_up_proj$"):
+        make(adapter="lora", lora_targets="gate_proj_x")
 
 
 # ------------------------------------------------------------------------------------------ real runs, 2 ranks

@@ -18,6 +18,7 @@ import itertools
 import math
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
 from pipeline.model import nf4
-from pipeline.model.modeling import decoder_layers, plain_named_parameters
+from pipeline.model.modeling import decoder_layers, in_routed_experts, plain_named_parameters
 from pipeline.model.transforms import ModelTransform
 
 ADAPTER_NAME = "default"
@@ -57,8 +58,9 @@ def model_key_of(file_key: str) -> str | None:
 
 def plain_key(name: str) -> str:
     """A parameter's name in the model without adapters (q_proj.base_layer.weight -> q_proj.weight): the name a
-    weight folder and an export use."""
-    return name.replace(BASE_LAYER + ".", ".")
+    weight folder and an export use; peft nests a wrapper per adapted weight of a fused experts module, so
+    experts.base_layer.base_layer.down_proj -> experts.down_proj)."""
+    return re.sub(rf"(?:{re.escape(BASE_LAYER)})+\.", ".", name)
 
 
 def is_adapter_key(name: str) -> bool:
@@ -82,17 +84,54 @@ def is_router(module: nn.Linear, config) -> bool:
 def default_targets(model: nn.Module) -> list[str]:
     """The leaf names of every linear layer in the decoder blocks (q_proj, ..., down_proj), a mixture of experts'
     router left out, and those peft would put on the fused experts instead (retargeted_by_peft)."""
-    names = {name.rsplit(".", 1)[-1] for layer in decoder_layers(model) for name, m in layer.named_modules()
-             if isinstance(m, nn.Linear) and not is_router(m, model.config)}
-    return sorted(names - retargeted_by_peft(model, names))
+    return sorted(linear_names(model) - retargeted_by_peft(model, linear_names(model)))
+
+
+def linear_names(model: nn.Module) -> set[str]:
+    """The leaf names of the decoder blocks' linear layers, a mixture of experts' router left out."""
+    return {name.rsplit(".", 1)[-1] for layer in decoder_layers(model) for name, m in layer.named_modules()
+            if isinstance(m, nn.Linear) and not is_router(m, model.config)}
+
+
+def expert_parameters(model: nn.Module) -> list[str]:
+    """The leaf names of a mixture of experts' fused routed-expert weights in the decoder blocks (gate_up_proj,
+    down_proj: [experts, ...], transformers 5's layout), found by shape and place rather than by family: the 3-D
+    parameters of the routed experts' module (a linear attention's 3-D convolution is not one). Empty for a dense
+    model."""
+    return sorted({leaf for layer in decoder_layers(model) for name, m in layer.named_modules()
+                   if in_routed_experts(name) for leaf, p in m.named_parameters(recurse=False) if p.ndim == 3})
+
+
+def experts_blocked(cfg: ModelConfig) -> str:
+    """Why peft cannot adapt fused experts with these settings ("" when it can): its LoRA on a parameter
+    (ParamWrapper) refuses DoRA and dropout."""
+    if cfg.adapter == "dora":
+        return "--adapter dora: peft's LoRA on fused expert weights has no DoRA; use --adapter lora to adapt them"
+    if cfg.lora_dropout:
+        return (f"--lora-dropout {cfg.lora_dropout:g}: peft's LoRA on fused expert weights takes no dropout; use "
+                "--lora-dropout 0 to adapt them")
+    return ""
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What --lora-targets resolves to on one model."""
+
+    modules: list[str]
+    """Leaf names of the linear layers adapted (peft's target_modules)."""
+    parameters: list[str]
+    """Leaf names of the fused expert weights adapted (peft's target_parameters)."""
+    frozen_experts: str = ""
+    """Why a mixture of experts' routed experts are all left frozen ("" when adapted, or for a dense model)."""
 
 
 def retargeted_by_peft(model: nn.Module, names: set[str]) -> set[str]:
     """The target names peft does not apply to the linear layers so named: for a family whose experts transformers 5
     fused (DeepSeek-V3, GLM-4-MoE), peft reads gate_proj, up_proj and down_proj as transformers 4's per-expert layers
     and moves them to the fused experts' parameters (its convert_peft_config_for_transformers), also away from the
-    dense layers and shared experts that really are named so. Adapters on fused parameters are not what this pipeline
-    trains, loads or merges: those names are left out (by default) or refused (named)."""
+    dense layers and shared experts that really are named so. Adapters on fused parameters are named by their own
+    names here (gate_up_proj, down_proj: expert_parameters), so those linear names are left out (by default) or
+    refused (named)."""
     from peft import LoraConfig
     from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
 
@@ -101,23 +140,36 @@ def retargeted_by_peft(model: nn.Module, names: set[str]) -> set[str]:
     return set(names) - set(probe.target_modules or ())
 
 
-def chosen_targets(model: nn.Module, asked: str) -> list[str]:
-    """--lora-targets resolved: the default, or the names given, each of which must name a linear layer of the
-    decoder blocks (one line listing those that do) that peft applies the adapter to."""
-    available = default_targets(model)
-    if not asked:
-        return available
-    wanted = [t.strip() for t in asked.split(",")]
+def chosen_targets(model: nn.Module, cfg: ModelConfig) -> Targets:
+    """--lora-targets resolved: the default (every linear layer of the decoder blocks and, on a mixture of experts,
+    the routed experts' fused weights), or the names given, each of which must name a linear layer of the decoder
+    blocks or a fused expert weight (one line listing those that do). A name that is both (down_proj of a shared
+    expert and of the routed ones) adapts both."""
+    available, experts = default_targets(model), expert_parameters(model)
+    blocked = experts_blocked(cfg) if experts else ""
+    if not cfg.lora_targets:
+        return Targets(available, [] if blocked else experts, blocked)
+    wanted = sorted({t.strip() for t in cfg.lora_targets.split(",")})
     linear = {name for layer in decoder_layers(model) for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
-    missing = [t for t in wanted if not any(n == t or n.endswith("." + t) for n in linear)]
-    if missing:
+    is_linear = {t: any(n == t or n.endswith("." + t) for n in linear) for t in wanted}
+    if missing := [t for t in wanted if not is_linear[t] and t not in experts]:
         raise UserError(f"--lora-targets {', '.join(missing)}: no linear layer of {type(model).__name__}'s decoder "
-                        f"blocks is named so; its linear layers are {', '.join(available)}")
-    if moved := sorted(retargeted_by_peft(model, set(wanted))):
+                        f"blocks is named so; its linear layers are {', '.join(available)}"
+                        + (f", its fused expert weights {', '.join(experts)}" if experts else ""))
+    modules = [t for t in wanted if is_linear[t]]
+    if moved := sorted(retargeted_by_peft(model, set(modules))):
         raise UserError(f"--lora-targets {', '.join(moved)}: for {model.config.model_type} peft puts these on the "
                         "fused experts' parameters instead of the layers so named, which this pipeline does not train; "
-                        f"name others of {', '.join(available)}")
-    return sorted(set(wanted))
+                        f"name others of {', '.join(available)}" + (f" (the experts: {', '.join(experts)})"
+                                                                     if experts else ""))
+    parameters = [t for t in wanted if t in experts]
+    if blocked and (only := [t for t in parameters if not is_linear[t]]):
+        raise UserError(f"--lora-targets {', '.join(only)}: {blocked}")
+    if blocked:
+        return Targets(modules, [], blocked)
+    frozen = "" if parameters or not experts else (f"--lora-targets {cfg.lora_targets} names none of the fused "
+                                                   f"expert weights ({', '.join(experts)}); add them to adapt them")
+    return Targets(modules, parameters, frozen)
 
 
 class LowRankAdapter(ModelTransform):
@@ -133,15 +185,24 @@ class LowRankAdapter(ModelTransform):
         """peft's LoraConfig as injected (target_modules as the leaf names)."""
         self.quantized: set[str] = set()
         """QLoRA: the state-dict names of the base weights held in NF4."""
+        self.experts: dict[str, ExpertAdapter] = {}
+        """The adapted fused expert weights: state-dict name of the base weight -> its adapter."""
+        self.frozen_experts = ""
+        """Why a mixture of experts' routed experts are all left frozen ("" when they are adapted, or none exist)."""
 
     def apply(self, model: nn.Module) -> None:
         from peft import LoraConfig, inject_adapter_in_model
 
+        targets = chosen_targets(model, self.cfg)
+        self.frozen_experts = targets.frozen_experts
+        # peft refuses target_modules=[] beside target_parameters: None there means "no linear layer"
         self.peft_config = LoraConfig(r=self.cfg.lora_rank, lora_alpha=self.cfg.lora_alpha,
                                       lora_dropout=self.cfg.lora_dropout, use_dora=self.cfg.adapter == "dora",
-                                      target_modules=chosen_targets(model, self.cfg.lora_targets), bias="none",
+                                      target_modules=targets.modules or None,
+                                      target_parameters=targets.parameters or None, bias="none",
                                       task_type="CAUSAL_LM")
         inject_adapter_in_model(self.peft_config, model, adapter_name=ADAPTER_NAME)
+        self.experts = expert_adapters(model)
         self._freeze_base(model)
         if self.cfg.adapter == "qlora":
             self._quantize_base(model)
@@ -169,6 +230,11 @@ class LowRankAdapter(ModelTransform):
 
     def held_back(self) -> set[str]:
         return set(self.quantized)
+
+    def warnings(self) -> list[str]:
+        if not self.frozen_experts:
+            return []
+        return [f"every routed expert stays frozen (only attention and dense layers train): {self.frozen_experts}"]
 
     def load_base(self, model: nn.Module, read: Callable[[dict], None]) -> None:
         """QLoRA: each adapted layer's base weight read by rows into a compute-dtype buffer and quantized into its
@@ -232,11 +298,31 @@ class LowRankAdapter(ModelTransform):
             if is_adapter_key(key):
                 continue
             module = key.removesuffix(f"{BASE_LAYER}.weight")
-            if module == key or f"{module}.lora_A.{ADAPTER_NAME}.weight" not in state:
+            if key in self.experts:
+                merged[plain_key(key)] = self._merged_experts(state, key)
+            elif module == key or f"{module}.lora_A.{ADAPTER_NAME}.weight" not in state:
                 merged[plain_key(key)] = state[key]
-                continue
-            merged[plain_key(key)] = self._merged(state, module)
+            else:
+                merged[plain_key(key)] = self._merged(state, module)
         return merged
+
+    def _merged_experts(self, state: dict, key: str) -> torch.Tensor:
+        """A fused expert weight with its adapter merged, this rank's experts only: per expert e, W_e + scaling x
+        the product of its rank-r slices of B and A (as peft's ParamWrapper computes it), with A and B gathered whole
+        (r x experts rows: small; one all-gather each on every rank, in the same order) and W as sharded by experts."""
+        adapter, weight = self.experts[key], state[key]
+        a, b = (state[f"{adapter.module}.{part}.{ADAPTER_NAME}.weight"] for part in ("lora_A", "lora_B"))
+        a, b = ((t.full_tensor() if isinstance(t, DTensor) else t).float() for t in (a, b))  # collectives
+        n = weight.shape[0]
+        mine = self._my_rows(torch.arange(n), weight) if isinstance(weight, DTensor) else torch.arange(n)
+        a = a.reshape(n, -1, a.shape[-1])[mine]  # experts x r x in
+        b = b.reshape(b.shape[0], -1, n).permute(2, 0, 1)[mine]  # experts x out x r
+        delta = self.scaling * torch.bmm(b, a)  # experts x out x in
+        rows = local(weight).float() + (delta if adapter.out_first else delta.transpose(1, 2)).to(local(weight).device)
+        if isinstance(weight, DTensor):
+            return DTensor.from_local(rows, weight.device_mesh, weight.placements, run_check=False,
+                                      shape=weight.shape, stride=weight.stride())
+        return rows
 
     def _merged(self, state: dict, module: str) -> torch.Tensor:
         weight = state[f"{module}{BASE_LAYER}.weight"]
@@ -269,6 +355,31 @@ class LowRankAdapter(ModelTransform):
         peft_sd = get_peft_model_state_dict(module, state_dict=full, adapter_name=ADAPTER_NAME)
         others = {k: v for k, v in trainable.items() if k in saved}
         return {PEFT_PREFIX + k: v.contiguous() for k, v in {**peft_sd, **others}.items()}
+
+
+@dataclass(frozen=True)
+class ExpertAdapter:
+    """peft's LoRA on one fused expert weight (its ParamWrapper): A is (experts x r) x in, B out x (r x experts)."""
+
+    module: str
+    """The wrapper's name in the model (its lora_A and lora_B live under it)."""
+    out_first: bool
+    """peft reads the weight as experts x out x in (False: experts x in x out, where transformers' experts module
+    says is_transposed)."""
+
+
+def expert_adapters(model: nn.Module) -> dict[str, ExpertAdapter]:
+    """Every fused expert weight peft adapted, by its state-dict name (`mlp.experts.base_layer.base_layer.down_proj`:
+    peft nests one wrapper per adapted weight of a module)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    names = {id(m): name for name, m in model.named_modules()}
+    # peft reads a 3-D weight as experts x out x in unless the experts module says `is_transposed` (transformers'
+    # flag); Llama 4's experts x in x out weight lacks the flag, and peft's factors then span its transpose, which
+    # is still a rank-r update of every expert: the merge follows peft's reading, whatever the family's layout
+    return {f"{names[id(m.get_base_layer())]}.{m.parameter_name}":
+            ExpertAdapter(name, not getattr(m.get_base_layer(), "is_transposed", False))
+            for name, m in model.named_modules() if isinstance(m, ParamWrapper)}
 
 
 def layer_order(key: str) -> tuple[int, str]:

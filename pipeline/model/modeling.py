@@ -208,7 +208,20 @@ def idle_expert_params(model: nn.Module) -> int:
     if not top_k:
         return 0
     return sum(p.numel() * (p.shape[0] - top_k) // p.shape[0] for name, p in model.named_parameters()
-               if p.ndim == 3 and ".experts." in f".{name}")
+               if p.ndim == 3 and in_routed_experts(name))
+
+
+def in_routed_experts(name: str) -> bool:
+    """Whether a parameter belongs to a mixture of experts' routed experts, by the name transformers 5 gives their
+    module in every family it ships (`mlp.experts`, `feed_forward.experts`; a shared expert is `shared_expert(s)`),
+    an adapter on them included (`mlp.experts.lora_A.default.weight`)."""
+    return "experts" in name.split(".")
+
+
+def expert_counts(model: nn.Module) -> tuple[int, int]:
+    """(parameters in the routed experts, of which trainable) of an unwrapped model, adapters on them included."""
+    params = [p for name, p in model.named_parameters() if in_routed_experts(name)]
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
 
 
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")

@@ -28,6 +28,11 @@ class ModelTransform:
         tensor of the transform's own, which no weight file holds. The name itself by default."""
         return name
 
+    def warnings(self) -> list[str]:
+        """What the run should say of this transform once at its start (rank 0): a choice that leaves part of the
+        model untrained, say. None by default."""
+        return []
+
     def held_back(self) -> set[str]:
         """Base weights (state-dict names) this transform keeps in a form of its own (NF4) and loads itself in
         load_base: left out of the plain load. None by default."""

@@ -32,6 +32,7 @@ from pipeline.model.head import Head
 from pipeline.model.modeling import (
     compute_buffers,
     decoder_layers,
+    expert_counts,
     meta_model,
     param_counts,
     plain_name,
@@ -88,6 +89,7 @@ class Strategy(ABC):
         """How the model's tensors are named in a weight folder (tied weights under either name, per-expert MoE
         tensors): naming.WeightNames, read from the unwrapped model."""
         self.num_params = self.num_matmul_params = self.num_trainable = 0
+        self.num_expert_params = self.num_trainable_experts = 0
         self.shapes: dict[str, torch.Size] = {}
         """Every parameter's name and shape in the unwrapped model (tied weights once)."""
         self.buffers: dict[str, torch.Tensor] = {}
@@ -189,6 +191,7 @@ class Strategy(ABC):
         self.names = WeightNames(model, self.base_name)
         self.num_params, self.num_matmul_params = param_counts(model)
         self.num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.num_expert_params, self.num_trainable_experts = expert_counts(model)
         self.shapes = {name: p.shape for name, p in model.named_parameters()}
         self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         self.built_config = copy.deepcopy(model.config)

@@ -275,7 +275,7 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
     if cfg.model.attn_implementation != "auto":  # a kernel the family refuses: one line, before any weight is read
         meta_model(hf_config, attn_implementation=cfg.model.attn_implementation)
     if cfg.model.adapter != "none":  # --lora-targets naming no linear layer: one line, before any weight is read
-        chosen_targets(meta_model(hf_config), cfg.model.lora_targets)
+        chosen_targets(meta_model(hf_config), cfg.model)
     data = load_sources(cfg)
     chats = any(bool(conversation_rows(d.dataset).any()) for d in data)
     tokenizer = load_tokenizer(cfg, model_dir, chats)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from pipeline.config import Config
 from pipeline.data.sampler import MixtureSampler
 from pipeline.model.modeling import untested_family
+from pipeline.strategies.base import Strategy
 from pipeline.strategies.memory import GIB
 from pipeline.strategies.registry import ignored_knobs, out_of_memory_hints
 from pipeline.train.telemetry import Telemetry, log
@@ -41,6 +42,14 @@ def data_line(train: int, val: int, seq_length: int, global_batch: int, generati
         return (f"{train} train / {val} val prompts; global batch {global_batch} prompts "
                 f"({global_batch * generations} completions)")
     return f"{train} train / {val} val blocks of {seq_length} tokens; global batch {global_batch} blocks"
+
+
+def experts_part(strategy: Strategy) -> str:
+    """The start line's note on a mixture of experts' routed experts: how many of the trainable parameters are
+    theirs ("" for a dense model), so experts left frozen show as 0."""
+    if not strategy.num_expert_params:
+        return ""
+    return f", of which {strategy.num_trainable_experts:,} in experts"
 
 
 def log_profile(telemetry: Telemetry, summary: dict, step: int, run_dir: Path) -> None:

@@ -39,7 +39,7 @@ from pipeline.train.optim import build_optimizer, build_scheduler, rescale_lr
 from pipeline.train.preflight import Plan
 from pipeline.train.profiling import StepProfiler, memory_breakdown
 from pipeline.train.reference import frozen_copy, with_reference
-from pipeline.train.reports import data_line, log_mixture, log_plan, log_profile, log_samples
+from pipeline.train.reports import data_line, experts_part, log_mixture, log_plan, log_profile, log_samples
 from pipeline.train.signals import Interrupted, StopRequest, agreed_stop
 from pipeline.train.step import StepResult, Update, train_step
 from pipeline.train.telemetry import (
@@ -151,10 +151,14 @@ class Trainer:
                                      lambda: memory_breakdown(self.strategy.module, self.optimizer, d.device))
         data = data_line(len(self.blocks.train), len(self.blocks.val), cfg.data.seq_length, self.sampler.global_batch,
                          cfg.grpo.num_generations if self.objective.generates else 0)
-        log.info("model %s: %s parameters (%s trainable), %s compute, %s %s; %s; step %d of %d",
+        log.info("model %s: %s parameters (%s trainable%s), %s compute, %s %s; %s; step %d of %d",
                  type(self.strategy.module).__name__, f"{self.strategy.num_params:,}",
-                 f"{self.strategy.num_trainable:,}", self.dtype, cfg.model.strategy, cfg.model.sharding, data,
-                 self.step, self.total_steps)
+                 f"{self.strategy.num_trainable:,}", experts_part(self.strategy), self.dtype, cfg.model.strategy,
+                 cfg.model.sharding, data, self.step, self.total_steps)
+        if d.is_main:
+            for transform in self.strategy.transforms:
+                for warning in transform.warnings():
+                    log.warning("%s: %s", transform.name, warning)
 
     # ------------------------------------------------------------------------------------------------ state
 
