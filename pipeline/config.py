@@ -204,8 +204,9 @@ class ModelConfig(Section):
     """--adapter: dropout on the adapter's input, in training only."""
     lora_targets: str = ""
     """--adapter: the linear layers that get an adapter, as a comma-separated list of module names (q_proj,v_proj)
-    matched against the end of each module's path; empty: every linear layer of the decoder blocks except a mixture
-    of experts' router."""
+    matched against the end of each module's path, and a mixture of experts' fused expert weights by their names
+    (gate_up_proj, down_proj; experts.down_proj for the experts' alone where a linear layer is also so named); empty:
+    every linear layer of the decoder blocks except a mixture of experts' router, and every fused expert weight."""
 
     def check(self) -> None:
         require(bool(self.model_name), "--model-name (-m) is required")

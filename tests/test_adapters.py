@@ -148,6 +148,26 @@ def test_lora_on_fused_experts_merges_and_saves_as_peft_does(family, family_mode
         torch.testing.assert_close(value, merged[key], rtol=0, atol=2e-6, msg=key)
 
 
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_an_adapter_folder_on_experts_rebuilds_the_targets_it_was_trained_with(family, family_models, tmp_path):
+    """adapter_config.json's target_modules and target_parameters read back as --lora-targets give the same targets,
+    where a shared expert's linear layer has a fused weight's name (down_proj) and where peft would move a linear
+    name onto the experts (DeepSeek-V3, GLM-4-MoE)."""
+    from peft import LoraConfig
+
+    from pipeline.eval.adapter_folder import read_adapter_folder
+    from pipeline.model.adapters import chosen_targets
+    from pipeline.model.modeling import meta_model
+
+    model = meta_model(AutoConfig.from_pretrained(family_models[family]))
+    trained = chosen_targets(model, ModelConfig(model_name="m", adapter="lora"))
+    assert trained.parameters == ["down_proj", "gate_up_proj"]
+    LoraConfig(r=4, target_modules=trained.modules, target_parameters=trained.parameters).save_pretrained(tmp_path)
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    settings = read_adapter_folder(tmp_path).settings
+    assert chosen_targets(model, ModelConfig(model_name="m", **settings)) == trained
+
+
 def test_experts_left_frozen_say_why_and_naming_them_where_peft_cannot_is_one_line(family_models, group_of_one):
     """DoRA and dropout, which peft's LoRA on a fused weight does not take: the default adapts the linear layers
     alone and warns that every routed expert is frozen, naming the flag; naming the experts is one line; a target
@@ -167,7 +187,8 @@ def test_experts_left_frozen_say_why_and_naming_them_where_peft_cannot_is_one_li
                                              "DoRA; use --adapter lora to adapt them"]
     assert dora.num_trainable > 0 and dora.num_trainable_experts == 0 and dora.num_expert_params > 0
     dropout = make(adapter="lora", lora_dropout=0.1)
-    assert "--lora-dropout 0.1: peft's LoRA on fused expert weights takes no dropout" in dropout.transforms[0].warnings()[0]
+    (warning,) = dropout.transforms[0].warnings()
+    assert "--lora-dropout 0.1: peft's LoRA on fused expert weights takes no dropout; use --lora-dropout 0" in warning
     with pytest.raises(UserError, match=r"^--lora-targets gate_up_proj: --adapter dora: peft's LoRA on fused expert "):
         make(adapter="dora", lora_targets="q_proj,gate_up_proj")
     attention = make(adapter="lora", lora_targets="q_proj,v_proj")

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, events, losses, torchrun
+from conftest import ROOT, events, losses, run_script, torchrun
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.config import ModelConfig
@@ -172,11 +172,12 @@ def test_moe_counts_the_experts_a_token_is_routed_to():
 # ---- on two ranks, through the user's commands
 
 
-def train(env: dict, root: Path, model: str, *extra: object, dataset: str = "dataset"):
+def train(env: dict, root: Path, model: str, *extra: object, dataset: str = "dataset", nproc: int = 2):
     args = ["-d", env[dataset], "-m", model, "--save-dir", root, "--config", ROOT / "configs" / "demo.yaml",
             "--log-freq", "1", "--eval-freq", "0", "--ckpt-freq", "2", "--lr-schedule", "constant",
             "--warmup-steps", "0", *extra]
-    proc = torchrun(2, ROOT / "fsdp1.py", *args, env=env["env"])
+    proc = torchrun(nproc, ROOT / "fsdp1.py", *args, env=env["env"]) if nproc > 1 else \
+        run_script("fsdp1.py", *args, env=env["env"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -190,11 +191,11 @@ def family_env(train_env, families, tmp_path_factory) -> dict:
     return {**train_env, "env": {**train_env["env"], "HF_HOME": str(hf)}}
 
 
-def checkpoint_logits(checkpoint: Path, model_dir: Path, d) -> torch.Tensor:
+def checkpoint_logits(checkpoint: Path, model_dir: Path, d, adapter: dict | None = None) -> torch.Tensor:
     """Logits of a training checkpoint's model (loaded as pipeline.export loads it) for fixed inputs."""
     from pipeline.train.checkpoint import checkpoint_model
 
-    strategy = checkpoint_model(checkpoint, model_dir, d)
+    strategy = checkpoint_model(checkpoint, model_dir, d, adapter)
     with torch.no_grad():
         return strategy.model(input_ids=torch.arange(64).reshape(2, 32)).logits
 
@@ -238,6 +239,41 @@ def test_family_resumes_bitwise_exports_what_it_trained_and_ddp_agrees(family, f
     final = events(tmp_path / "r", "eval")[-1]
     assert final["step"] == 4
     assert validation_loss(tmp_path / "r", tmp_path / "r" / "hf") == pytest.approx(final["loss"], abs=1e-5)
+
+
+def test_lora_on_a_moe_trains_its_experts_on_two_ranks_resumes_on_one_and_exports_what_peft_loads(
+        family_env, families, tmp_path, group_of_one):
+    """qwen3-moe with LoRA under fsdp2 on 2 ranks (each holding half of every fused expert weight and of its
+    adapter): the start line counts the experts' adapters among the trainable parameters; resumed from step 2 in one
+    process under ddp, the uninterrupted run's losses; peft's own model with the exported adapter computes the
+    checkpoint's logits, and so does the merged export."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    lora = ("--adapter", "lora", "--lora-rank", "4", "--merge-export", "on")
+    model = "local/qwen3-moe"
+    first = train(family_env, tmp_path, model, "-e", "r", "--max-steps", "4", "--strategy", "fsdp2", "-b", "2", *lora)
+    adapter = load_file(tmp_path / "r" / "adapter" / "adapter_model.safetensors")
+    in_experts = sum(v.numel() for k, v in adapter.items() if ".experts." in k)
+    total = sum(v.numel() for v in adapter.values())
+    assert in_experts and f"({total:,} trainable, of which {in_experts:,} in experts)" in first.stdout + first.stderr
+    again = tmp_path / "again"
+    shutil.copytree(tmp_path / "r", again / "r")
+    train(family_env, again, model, "-e", "r", "--max-steps", "4", "--strategy", "ddp", "-b", "4", "--resume-from",
+          "step-00000002", *lora, nproc=1)  # the same global batch
+    run, ref = losses(again / "r"), losses(tmp_path / "r")
+    assert sorted(run) == sorted(ref) == [1, 2, 3, 4]
+    assert run == pytest.approx(ref, rel=1e-5)
+    expected = checkpoint_logits(tmp_path / "r" / "checkpoints" / "step-00000004", families["qwen3-moe"],
+                                 group_of_one, {"adapter": "lora", "lora_rank": 4, "lora_alpha": 32.0})
+    base = AutoModelForCausalLM.from_pretrained(families["qwen3-moe"], dtype=torch.float32)
+    with torch.no_grad():
+        plain = base(input_ids=torch.arange(64).reshape(2, 32)).logits
+        peft_model = PeftModel.from_pretrained(base, tmp_path / "r" / "adapter")
+        theirs = peft_model(input_ids=torch.arange(64).reshape(2, 32)).logits
+    assert (expected - plain).abs().max() > 1e-4  # it trained
+    torch.testing.assert_close(theirs, expected, rtol=0, atol=2e-5)
+    torch.testing.assert_close(exported_logits(tmp_path / "r" / "hf"), expected, rtol=0, atol=2e-5)
 
 
 TWO_RANK = ["mistral", "qwen2", "qwen3", "phi3", *SHARDED]

@@ -6,7 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from pipeline.config import ModelConfig
 from pipeline.config_merge import from_flat
+from pipeline.model.adapters import LowRankAdapter
 from pipeline.strategies.auto import plan_memory
 from pipeline.strategies.memory import GIB, Shape, Workload, layer_activation_bytes
 from pipeline.strategies.registry import estimate, settle, traffic_bytes, uses_vocab_parallel, workload
@@ -193,9 +195,31 @@ def test_layers_that_differ_are_counted_as_built(family):
     assert shape.num_params == sum(p.numel() for p in model.parameters())
     assert shape.body_params == sum(p.numel() for p in model.model.layers.parameters())
     work = Workload("fsdp2", "FULL_SHARD", 2, 2, 2, 1, 128, adapter="lora", lora_rank=4)
-    adapted = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
-    assert shape.adapter_params(work) <= sum(4 * (m.in_features + m.out_features) for m in adapted)
+    LowRankAdapter(ModelConfig(model_name="m", adapter="lora", lora_rank=4), torch.float32).apply(model)
+    # what the adapter really trains, fused expert weights' adapters (peft's target_parameters) included
+    assert shape.adapter_params(work) == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert estimate(shape, work).total > 0
+
+
+def test_lora_on_fused_experts_counts_the_merged_copy_of_each_layer_s_experts_autograd_keeps():
+    """peft's ParamWrapper saves W + B A of every expert of each layer for the backward: the activations grow by the
+    experts in the compute dtype, all layers' without checkpointing and one layer's with it; not under DoRA, which
+    leaves the experts frozen."""
+    from pipeline.prep.tiny import family_config
+
+    shape = Shape.of(family_config("qwen3-moe", 512, 0, 1))
+    experts = sum(e * a * b for _, e, a, b in shape.experts)
+    assert experts == 2 * 4 * (64 * 64 + 64 * 32)  # 2 layers of 4 experts, gate_up_proj and down_proj
+
+    def activations(adapter: str, **kw) -> int:
+        return estimate(shape, Workload("fsdp2", "FULL_SHARD", 2, 2, 2, 1, 128, adapter=adapter, **kw)).activations
+
+    assert activations("lora") - activations("lora", lora_targets="q_proj") == experts * 2
+    assert activations("lora", activation_checkpointing=True) - \
+        activations("lora", activation_checkpointing=True, lora_targets="q_proj") == experts // 2 * 2
+    assert activations("lora", lora_targets="experts.down_proj") - activations("lora", lora_targets="q_proj") == \
+        2 * 4 * 64 * 32 * 2
+    assert activations("dora") == activations("dora", lora_targets="q_proj,k_proj,v_proj,o_proj")
 
 
 def test_a_model_whose_shape_cannot_be_read_trains_under_fsdp2_without_an_estimate(monkeypatch):

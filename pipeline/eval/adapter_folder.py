@@ -11,7 +11,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from pipeline.errors import UserError
-from pipeline.model.adapters import ADAPTER_FILES, is_adapter_key, model_key_of
+from pipeline.model.adapters import ADAPTER_FILES, EXPERTS_PREFIX, is_adapter_key, model_key_of
 from pipeline.model.weight_check import check_same_base
 from pipeline.ownership import read_mark
 from pipeline.prep.hub import looks_like_path, resolve_model_dir
@@ -56,12 +56,14 @@ def read_adapter_folder(path: Path) -> AdapterFolder:
     if odd:
         raise UserError(f"{path}: {CONFIG} sets {', '.join(odd)}, which this pipeline does not build; evaluate it "
                         "with peft directly")
-    targets = conf.get("target_modules")
-    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
-        raise UserError(f"{path}: {CONFIG}'s target_modules must be a list of module names, got {targets!r}")
+    targets, parameters = conf.get("target_modules") or [], conf.get("target_parameters") or []
+    if not isinstance(targets, list) or not isinstance(parameters, list) or not targets + parameters or \
+            not all(isinstance(t, str) for t in targets + parameters):
+        raise UserError(f"{path}: {CONFIG}'s target_modules must be a list of module names (and target_parameters "
+                        f"one of fused expert weights), got {conf.get('target_modules')!r}")
     if not (path / WEIGHTS).is_file():
         raise UserError(f"{path} has no {WEIGHTS}")
-    settings["lora_targets"] = ",".join(sorted(targets))
+    settings["lora_targets"] = ",".join(sorted(targets) + sorted(EXPERTS_PREFIX + p for p in parameters))
     return AdapterFolder(path, str(conf.get("base_model_name_or_path") or ""), settings, recorded_base(path))
 
 

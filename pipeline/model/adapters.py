@@ -113,6 +113,11 @@ def experts_blocked(cfg: ModelConfig) -> str:
     return ""
 
 
+EXPERTS_PREFIX = "experts."
+"""In --lora-targets, names a fused expert weight alone (experts.down_proj), where a linear layer has the same leaf
+name (a shared expert's down_proj): how an adapter folder's target_parameters are rebuilt."""
+
+
 @dataclass(frozen=True)
 class Targets:
     """What --lora-targets resolves to on one model."""
@@ -149,9 +154,10 @@ def chosen_targets(model: nn.Module, cfg: ModelConfig) -> Targets:
     blocked = experts_blocked(cfg) if experts else ""
     if not cfg.lora_targets:
         return Targets(available, [] if blocked else experts, blocked)
-    wanted = sorted({t.strip() for t in cfg.lora_targets.split(",")})
+    named = {t.strip() for t in cfg.lora_targets.split(",")}
+    wanted = sorted({t.removeprefix(EXPERTS_PREFIX) for t in named})
     linear = {name for layer in decoder_layers(model) for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
-    is_linear = {t: any(n == t or n.endswith("." + t) for n in linear) for t in wanted}
+    is_linear = {t: t in named and any(n == t or n.endswith("." + t) for n in linear) for t in wanted}
     if missing := [t for t in wanted if not is_linear[t] and t not in experts]:
         raise UserError(f"--lora-targets {', '.join(missing)}: no linear layer of {type(model).__name__}'s decoder "
                         f"blocks is named so; its linear layers are {', '.join(available)}"
