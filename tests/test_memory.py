@@ -203,8 +203,8 @@ def test_layers_that_differ_are_counted_as_built(family):
 
 def test_lora_on_fused_experts_counts_the_merged_copy_of_each_layer_s_experts_autograd_keeps():
     """peft's ParamWrapper saves W + B A of every expert of each layer for the backward: the activations grow by the
-    experts in the compute dtype, all layers' without checkpointing and one layer's with it; not under DoRA, which
-    leaves the experts frozen."""
+    experts in the compute dtype, all layers' without checkpointing and one layer's with either kind; not under DoRA,
+    which leaves the experts frozen."""
     from pipeline.prep.tiny import family_config
 
     shape = Shape.of(family_config("qwen3-moe", 512, 0, 1))
@@ -215,8 +215,9 @@ def test_lora_on_fused_experts_counts_the_merged_copy_of_each_layer_s_experts_au
         return estimate(shape, Workload("fsdp2", "FULL_SHARD", 2, 2, 2, 1, 128, adapter=adapter, **kw)).activations
 
     assert activations("lora") - activations("lora", lora_targets="q_proj") == experts * 2
-    assert activations("lora", activation_checkpointing=True) - \
-        activations("lora", activation_checkpointing=True, lora_targets="q_proj") == experts // 2 * 2
+    for recomputed in ({"activation_checkpointing": True}, {"selective_checkpointing": True}):
+        assert activations("lora", **recomputed) - activations("lora", lora_targets="q_proj", **recomputed) == \
+            experts // 2 * 2
     assert activations("lora", lora_targets="experts.down_proj") - activations("lora", lora_targets="q_proj") == \
         2 * 4 * 64 * 32 * 2
     assert activations("dora") == activations("dora", lora_targets="q_proj,k_proj,v_proj,o_proj")

@@ -318,14 +318,19 @@ def adapter_activation_bytes(shape: Shape, work: Workload, tokens: int) -> int:
     the base output and the low-rank output by its magnitude, so autograd keeps both (two output widths per adapted
     linear layer: 0.30 GiB on SmolLM2's shape at 256 tokens, where DoRA's measured peak is 0.31 GiB above LoRA's in
     fp32, BENCHMARKS.md section 16; under bf16 autocast the fp32 magnitude may make those outputs fp32, not
-    measured). LoRA's own, a rank-wide middle, is too small to count. LoRA on fused expert weights (peft's
-    ParamWrapper) computes each forward's weight as W + B A for every expert of the layer and autograd keeps that copy
-    for the backward: a whole layer's experts in the compute dtype per layer (measured: 25.2 MB of fp32 experts
-    saved 26.2 MB more than the same model with attention adapters only)."""
-    merged = sum(e * a * b for _, e, a, b in shape.adapted_experts(work)) // shape.layers * work.compute_bytes
+    measured). LoRA's own, a rank-wide middle, is too small to count."""
     if work.adapter != "dora":
-        return merged
-    return merged + tokens * 2 * sum(o for _, _, o in shape.adapted_linears(work)) // shape.layers * work.compute_bytes
+        return 0
+    return tokens * 2 * sum(o for _, _, o in shape.adapted_linears(work)) // shape.layers * work.compute_bytes
+
+
+def merged_expert_bytes(shape: Shape, work: Workload) -> int:
+    """LoRA on fused expert weights (peft's ParamWrapper) computes each forward's weight as W + B A for every expert
+    of the layer, and autograd keeps that copy for the backward: a layer's experts in the compute dtype, averaged over
+    the layers (measured: 25.2 MB of fp32 experts saved 26.2 MB more than the same model with attention adapters
+    only). A product's output that checkpointing of either kind recomputes (baddbmm is not among the operators
+    selective checkpointing keeps; not measured under it)."""
+    return sum(e * a * b for _, e, a, b in shape.adapted_experts(work)) // shape.layers * work.compute_bytes
 
 
 class StrategyTerms(Protocol):
@@ -356,12 +361,13 @@ def estimate(shape: Shape, work: Workload, terms: StrategyTerms) -> Estimate:
     logit_tokens = tokens if gen is None else gen.completions * (gen.completion + 1)
     layer = layer_activation_bytes(shape, tokens, c)
     per_layer = layer + adapter_activation_bytes(shape, work, tokens)
+    merged = merged_expert_bytes(shape, work)
     if work.activation_checkpointing:  # each layer's input, and one layer recomputed at a time
-        activations = shape.layers * tokens * shape.hidden * c + per_layer
+        activations = shape.layers * tokens * shape.hidden * c + per_layer + merged
     elif work.selective_checkpointing:  # the products' and attention's outputs, and one layer recomputed at a time
-        activations = shape.layers * (per_layer - layer + selective_layer_bytes(shape, tokens, c)) + per_layer
+        activations = shape.layers * (per_layer - layer + selective_layer_bytes(shape, tokens, c)) + per_layer + merged
     else:
-        activations = shape.layers * per_layer
+        activations = shape.layers * (per_layer + merged)
     activations += gen.mask_bytes(shape, c) if gen else 0
     logits = logits_bytes(shape, work, logit_tokens, shards)
     if work.adapter != "none":
