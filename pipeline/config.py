@@ -208,8 +208,17 @@ class ModelConfig(Section):
     (gate_up_proj, down_proj; experts.down_proj for the experts' alone where a linear layer is also so named); empty:
     every linear layer of the decoder blocks except a mixture of experts' router, and every fused expert weight."""
 
+    router_aux_loss_coef: float = -1.0
+    """A mixture of experts: the auxiliary load-balancing loss transformers defines for the family is added to the
+    training loss times this; negative (the default): the model config's router_aux_loss_coef where its
+    output_router_logits is set, else 0 (the loss is then only logged, as aux_loss). Under --adapter the router
+    itself stays frozen, so the loss moves the experts' inputs only."""
+
     def check(self) -> None:
         require(bool(self.model_name), "--model-name (-m) is required")
+        require(self.router_aux_loss_coef == -1 or 0 <= self.router_aux_loss_coef <= 100,
+                f"--router-aux-loss-coef must be in [0, 100] (or -1: the model config's), got "
+                f"{self.router_aux_loss_coef:g}")
         require(self.lora_rank >= 1, f"--lora-rank must be at least 1, got {self.lora_rank}")
         in_range(self.lora_alpha, 0, 1e4, "lora_alpha", low_open=True)  # alpha / rank scales every adapter's output
         require(0 <= self.lora_dropout < 1, f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")

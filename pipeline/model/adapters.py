@@ -195,6 +195,7 @@ class LowRankAdapter(ModelTransform):
         """The adapted fused expert weights: state-dict name of the base weight -> its adapter."""
         self.frozen_experts = ""
         """Why a mixture of experts' routed experts are all left frozen ("" when they are adapted, or none exist)."""
+        self.warned = False
 
     def apply(self, model: nn.Module) -> None:
         from peft import LoraConfig, inject_adapter_in_model
@@ -238,8 +239,9 @@ class LowRankAdapter(ModelTransform):
         return set(self.quantized)
 
     def warnings(self) -> list[str]:
-        if not self.frozen_experts:
+        if not self.frozen_experts or self.warned:
             return []
+        self.warned = True
         return [f"every routed expert stays frozen (only attention and dense layers train): {self.frozen_experts}"]
 
     def load_base(self, model: nn.Module, read: Callable[[dict], None]) -> None:

@@ -201,6 +201,16 @@ def param_counts(model: nn.Module) -> tuple[int, int]:
     return total, matmul - idle_expert_params(model)
 
 
+def moe_shape(config) -> tuple[int, int]:
+    """(routed experts per layer, experts per token) of a mixture of experts' config, under whichever name the family
+    uses; (0, 0) for a dense model."""
+    text = config.get_text_config()
+    experts = (getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
+               or getattr(text, "n_routed_experts", None))
+    top_k = getattr(text, "num_experts_per_tok", None) or getattr(text, "top_k_experts", None)
+    return (int(experts), int(top_k)) if experts and top_k else (0, 0)
+
+
 def idle_expert_params(model: nn.Module) -> int:
     """Parameters of the experts one token is not routed to (0 for a dense model)."""
     text = model.config.get_text_config()

@@ -6,8 +6,10 @@ of them needs to know how the model is then distributed, and every strategy appl
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 
@@ -29,9 +31,25 @@ class ModelTransform:
         return name
 
     def warnings(self) -> list[str]:
-        """What the run should say of this transform once at its start (rank 0): a choice that leaves part of the
-        model untrained, say. None by default."""
+        """What the run should say of this transform now, each thing once (asked at the start and after every log
+        window, on rank 0): a choice that leaves part of the model untrained, a router that collapsed. None by
+        default."""
         return []
+
+    def recording(self) -> contextlib.AbstractContextManager:
+        """Around the forward of each micro-step of training (not validation's or generation's): what the transform
+        watches in the forward is taken then. Nothing by default."""
+        return contextlib.nullcontext()
+
+    def auxiliary_loss(self) -> torch.Tensor | None:
+        """A term of its own to add to the objective's loss of the forward just recorded (a router's load-balancing
+        loss), or None."""
+        return None
+
+    def read_metrics(self, reduce: bool) -> dict:
+        """Its figures over the log window, then reset; reduce: over every rank first (a collective where it has
+        figures: every rank calls it). None by default."""
+        return {}
 
     def held_back(self) -> set[str]:
         """Base weights (state-dict names) this transform keeps in a form of its own (NF4) and loads itself in

@@ -12,7 +12,7 @@ import contextlib
 import copy
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -244,6 +244,27 @@ class Strategy(ABC):
         """Runs after every applied optimizer step, on every rank: the transforms' hooks."""
         for transform in self.transforms:
             transform.after_optimizer_step(self.module)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Around a training micro-step's forward: what the transforms watch in it (a router's logits and load)."""
+        with contextlib.ExitStack() as stack:
+            for transform in self.transforms:
+                stack.enter_context(transform.recording())
+            yield
+
+    def auxiliary_loss(self) -> torch.Tensor | None:
+        """The transforms' own terms for the loss of the forward just recorded (a router's load balancing), or None."""
+        terms = [t for transform in self.transforms if (t := transform.auxiliary_loss()) is not None]
+        return sum(terms[1:], terms[0]) if terms else None
+
+    def transform_metrics(self) -> dict:
+        """The transforms' figures over the log window, reduced over every rank (a collective: every rank calls it)."""
+        return {k: v for transform in self.transforms for k, v in transform.read_metrics(reduce=True).items()}
+
+    def transform_warnings(self) -> list[str]:
+        """What the transforms have to say now, each thing once, named by transform."""
+        return [f"{transform.name}: {w}" for transform in self.transforms for w in transform.warnings()]
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Context for one micro-step's forward and backward: whether its backward reduces gradients over the ranks

@@ -60,9 +60,14 @@ def train_step(strategy: Strategy, objective: Objective, micro: Sequence[np.ndar
             with strategy.gradient_sync(i == len(micro) - 1):
                 with timer.phase("forward"):
                     # each micro-batch's summed loss over the whole step's targets: their sum is the token mean
-                    loss = objective(batch, targets)
+                    with strategy.recording():
+                        loss = objective(batch, targets)
+                    # a MoE router's balancing term, per micro-batch as transformers adds it per forward, averaged
+                    # over the micro-steps as the HF Trainer's accumulation does (and over ranks by the gradients')
+                    aux = strategy.auxiliary_loss()
+                    trained = loss if aux is None else loss + aux / len(micro)
                 with timer.phase("backward"):
-                    (loss if update.scaler is None else update.scaler.scale(loss)).backward()
+                    (trained if update.scaler is None else update.scaler.scale(trained)).backward()
             total += loss.detach()
         with timer.phase("update"):
             scale = None

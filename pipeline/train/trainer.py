@@ -155,10 +155,7 @@ class Trainer:
                  type(self.strategy.module).__name__, f"{self.strategy.num_params:,}",
                  f"{self.strategy.num_trainable:,}", experts_part(self.strategy), self.dtype, cfg.model.strategy,
                  cfg.model.sharding, data, self.step, self.total_steps)
-        if d.is_main:
-            for transform in self.strategy.transforms:
-                for warning in transform.warnings():
-                    log.warning("%s: %s", transform.name, warning)
+        self.say_transform_warnings()
 
     # ------------------------------------------------------------------------------------------------ state
 
@@ -422,8 +419,10 @@ class Trainer:
                   "time_ms": self.timer.read(), "mem_gb": self.memory(),
                   **({"loss_scale": self.scaler.get_scale()} if self.scaler is not None else {}),
                   # a collective (a preference objective's pairs summed over the ranks): every rank logs the window
-                  **self.objective.read_metrics(reduce=True)}
+                  **self.objective.read_metrics(reduce=True),
+                  **self.strategy.transform_metrics()}  # a collective too (a MoE's expert load)
         telemetry.event("train", self.step, **fields)
+        self.say_transform_warnings()
         log_samples(telemetry, self.objective.samples(), self.step)
         t = fields["time_ms"]
         tokens = self.objective.counted == "trained_tokens"
@@ -433,8 +432,15 @@ class Trainer:
                          **({"tok/s": round(tokens_per_s)} if tokens_per_s else {}),
                          rate: round(fields[f"{self.objective.counted}_per_s"], None if tokens else 2),
                          "mfu": fields["mfu"], **{k: round(fields[k], 4) for k, _ in self.objective.shown},
+                         **({"aux_loss": round(fields["aux_loss"], 4)} if "aux_loss" in fields else {}),
                          **{f"time/{k}": t[k] for k in t},
                          "mem/peak_alloc_gb": fields["mem_gb"]["peak_alloc"]})
+
+    def say_transform_warnings(self) -> None:
+        """The transforms' warnings, on rank 0 (each rank's transforms see the same, and clear them when asked)."""
+        for warning in self.strategy.transform_warnings():
+            if self.dist.is_main:
+                log.warning("%s", warning)
 
     def memory(self) -> dict:
         """This rank's memory figures, and every rank's peak above what it held before the model was built
