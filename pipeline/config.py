@@ -208,6 +208,11 @@ class ModelConfig(Section):
     (gate_up_proj, down_proj; experts.down_proj for the experts' alone where a linear layer is also so named); empty:
     every linear layer of the decoder blocks except a mixture of experts' router, and every fused expert weight."""
 
+    expert_parallel: str = "1"
+    """A mixture of experts under fsdp2: each layer's routed experts split by expert over the ranks FSDP shards over
+    (E/N whole experts per rank, never gathered), tokens sent to their experts' ranks and back by all-to-all; the
+    value is that number of ranks. 1: off (the experts sharded and gathered as every other weight); auto: on where
+    the shard ranks divide the experts and sit on one node."""
     router_aux_loss_coef: float = -1.0
     """A mixture of experts: the auxiliary load-balancing loss transformers defines for the family is added to the
     training loss times this; negative (the default): the model config's router_aux_loss_coef where its
@@ -216,6 +221,9 @@ class ModelConfig(Section):
 
     def check(self) -> None:
         require(bool(self.model_name), "--model-name (-m) is required")
+        ep = self.expert_parallel
+        require(ep == "auto" or (ep.isascii() and ep.isdigit() and 1 <= int(ep) <= 1 << 20),
+                f"--expert-parallel must be a number of ranks (1: off) or auto, got {ep!r}")
         require(self.router_aux_loss_coef == -1 or 0 <= self.router_aux_loss_coef <= 100,
                 f"--router-aux-loss-coef must be in [0, 100] (or -1: the model config's), got "
                 f"{self.router_aux_loss_coef:g}")

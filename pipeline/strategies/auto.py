@@ -9,6 +9,7 @@ from pipeline.distributed.launch import Launch
 from pipeline.distributed.launch import detect as detect_launch
 from pipeline.distributed.runtime import Dist, gather_objects
 from pipeline.errors import UserError
+from pipeline.strategies.expert_parallel import degree
 from pipeline.strategies.memory import GIB, Estimate, Shape, ShapeUnknown, device_bytes
 from pipeline.strategies.registry import estimate, settle, traffic_bytes, workload
 
@@ -54,6 +55,9 @@ def plan_memory(cfg: Config, hf_config, device: str, launch: Launch | None = Non
         chosen, reason = choose(cfg, shape, budget, device, world, local_world, resident_params)
         cfg = replace(cfg, model=replace(m, strategy=chosen))
     cfg = settle(cfg)
+    if cfg.model.strategy == "fsdp2":  # a degree the model or mesh cannot take: one line before any work
+        shard_ranks = {"NO_SHARD": 1, "HYBRID_SHARD": local_world}.get(cfg.model.sharding, world)
+        degree(cfg.model, hf_config, shard_ranks, local_world)
     return MemoryPlan(cfg, estimate(shape, workload(cfg, device, world, local_world, resident_params)), budget,
                       reason)
 
@@ -78,8 +82,10 @@ def choose(cfg: Config, shape: Shape, budget: int, device: str, world: int, loca
     copies), among those whose estimated peak fits the budget; fsdp2 when the settings given need it, or on one rank.
     Checked against the four strategies by bench/strategy_auto.py (BENCHMARKS.md section 11)."""
     m = cfg.model
-    if m.sharding not in ("auto", "NO_SHARD") or m.cpu_offload or m.vocab_parallel == "on":
-        return "fsdp2", "fsdp2: the settings given (sharding, CPU offload or vocabulary parallelism) need it"
+    if m.sharding not in ("auto", "NO_SHARD") or m.cpu_offload or m.vocab_parallel == "on" or \
+            m.expert_parallel not in ("1", "auto"):
+        return "fsdp2", ("fsdp2: the settings given (sharding, CPU offload, vocabulary or expert parallelism) need "
+                         "it")
     if world == 1 and m.adapter == "qlora":
         return "ddp", "ddp: fsdp2 on one rank cannot rebuild the NF4 weights of --adapter qlora"
     if world == 1:

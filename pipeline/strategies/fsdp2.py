@@ -29,9 +29,10 @@ from pipeline.distributed.runtime import build_mesh
 from pipeline.errors import UserError
 from pipeline.model import nf4
 from pipeline.model.head import Head
-from pipeline.model.modeling import decoder_layers, trunk, untested_family
+from pipeline.model.modeling import decoder_layers, moe_shape, trunk, untested_family
 from pipeline.model.vocab_parallel import VocabParallelEmbedding, unsupported_terms
 from pipeline.strategies.base import Strategy
+from pipeline.strategies.expert_parallel import ExpertParallel, degree
 
 log = logging.getLogger("pipeline")  # the run's logger (pipeline/train/telemetry.py sets its handlers)
 
@@ -76,6 +77,8 @@ class FSDP2(Strategy):
     vocab_parallel: bool
     clock: CommClock | None = None
     """Times the collectives (CPU only)."""
+    experts: ExpertParallel | None = None
+    """--expert-parallel: the experts split over the shard ranks (None: off)."""
 
     VOCAB_PARALLEL = True
     ADAPTERS = True
@@ -152,9 +155,11 @@ class FSDP2(Strategy):
         # host tensors, the same code paths otherwise
         offload = CPUOffloadPolicy(pin_memory=self.dist.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
         reshard = cfg.sharding in ("FULL_SHARD", "HYBRID_SHARD")
+        ignored = self._expert_parallel(model)
         layers = decoder_layers(model)
         for layer in layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload,
+                        ignored_params=ignored)
         if cfg.forward_prefetch:  # FSDP2's explicit prefetch; backward prefetch is implicit (as BACKWARD_PRE)
             for layer, after in zip(layers, layers[1:], strict=False):
                 layer.set_modules_to_forward_prefetch([after])
@@ -162,7 +167,8 @@ class FSDP2(Strategy):
             # root: embeddings, final norm and lm_head (one shared parameter when tied). Not resharded after
             # forward: the backward needs the lm_head first, right after the forward ends, so resharding would only
             # all-gather it again
-            fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
+            fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload,
+                        ignored_params=ignored)
             return
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
         # frozen stays frozen (adapters train on a frozen embedding and head)
@@ -173,11 +179,34 @@ class FSDP2(Strategy):
             head.weight = nn.Parameter(distribute_tensor(head.weight, mesh, [Shard(0)]), head.weight.requires_grad)
         model.set_input_embeddings(VocabParallelEmbedding(weight, embed.padding_idx, mesh.get_group()))
         fully_shard(trunk(model), mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload,
-                    ignored_params={weight, head.weight})
+                    ignored_params={weight, head.weight, *ignored})
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+    def _expert_parallel(self, model: nn.Module) -> set[nn.Parameter]:
+        """--expert-parallel: the routed experts split by expert over the shard ranks and left out of FSDP
+        (pipeline/strategies/expert_parallel.py); the parameters FSDP must ignore. Their gradients are divided as
+        FSDP divides the others: by the world size, or by 1 where the vocabulary-parallel loss is already the mean
+        over every rank's tokens."""
+        n = degree(self.cfg, model.config, self.mesh.size(-1), self.dist.local_world_size, model)
+        if n == 1:
+            return set()
+        self.experts = ExpertParallel(self.mesh, self.dtype, 1.0 if self.vocab_parallel else self.dist.world_size)
+        ignored = self.experts.shard(model)
+        if self.dist.is_main:
+            total, _ = moe_shape(model.config)
+            log.info("expert parallelism: %d experts per layer over %d ranks (%d each), tokens sent by all-to-all",
+                     total, n, total // n)
+        return ignored
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        # after the step's last backward and before the norm: the experts' gradients reduced as FSDP's (a collective
+        # under HYBRID_SHARD; called once per step by every rank)
+        if self.experts is not None:
+            self.experts.reduce_gradients()
+        return super().clip_grad_norm(max_norm)
 
     def _time_collectives(self, model: nn.Module) -> None:
         self.clock = CommClock()

@@ -16,6 +16,7 @@ from pipeline.model.transforms import ModelTransform
 from pipeline.rl.packing import PACKABLE_KERNELS
 from pipeline.strategies.base import Strategy
 from pipeline.strategies.ddp import DDP
+from pipeline.strategies.expert_parallel import expert_parallel_asked
 from pipeline.strategies.fsdp1 import FSDP1
 from pipeline.strategies.fsdp2 import FSDP2
 from pipeline.strategies.manual import ManualZeRO3
@@ -62,8 +63,27 @@ def check(cfg: Config) -> None:
         if m.cpu_offload:
             raise UserError("--vocab-parallel on cannot be combined with --cpu-offload (the head would stay on the "
                             "GPU)")
+    if expert_parallel_asked(m):
+        _check_expert_parallel(m)
     if m.strategy != "auto":
         STRATEGIES[m.strategy].check(cfg)
+
+
+def _check_expert_parallel(m: ModelConfig) -> None:
+    """What --expert-parallel cannot be combined with (its degree against the model and mesh: expert_parallel.degree,
+    once both are known)."""
+    name = f"--expert-parallel {m.expert_parallel}"
+    if m.strategy not in ("fsdp2", "auto"):
+        raise UserError(f"{name} needs --strategy fsdp2 (the experts are split over its mesh), got --strategy "
+                        f"{m.strategy}")
+    if m.sharding in ("NO_SHARD", "HYBRID_SHARD"):
+        raise UserError(f"{name} needs --sharding FULL_SHARD or SHARD_GRAD_OP (the experts are split over the ranks "
+                        f"FSDP shards over, with no replicas), got {m.sharding}")
+    if m.cpu_offload:
+        raise UserError(f"{name} cannot be combined with --cpu-offload (a rank's experts stay on its device)")
+    if m.adapter != "none":
+        raise UserError(f"{name} does not train adapters yet (--adapter {m.adapter}): use --expert-parallel 1, "
+                        "which adapts the experts under fsdp2")
 
 
 def _check_facts(cfg: Config) -> None:

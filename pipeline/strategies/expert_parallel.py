@@ -1,0 +1,212 @@
+"""Expert parallelism under fsdp2 (--expert-parallel): each decoder layer's routed experts split by expert index over
+the ranks FSDP shards over, each rank holding E/N experts whole and never gathering the others'; tokens travel to
+their experts' ranks and back by all-to-all.
+
+FSDP2 already stores a fused expert weight ([experts, ...]) sharded by its first dimension, so where the shard ranks
+divide the experts each rank's shard is E/N whole experts: expert parallelism keeps exactly that layout (the same
+DTensors, Shard(0) on the FSDP mesh, so a checkpoint holds every expert under its global index and resumes at any
+degree), leaves those parameters out of FSDP's all-gathers (as the vocabulary-parallel head is), and replaces the
+gather by moving tokens instead. Each rank computes its experts with the family's own experts function (transformers'
+forward, on its local experts), so the result is the model's function; no token is dropped.
+
+Gradients: each rank's experts receive, through the all-to-all's backward, the gradient of every rank's tokens that
+they served, then are divided as FSDP divides the others (by the world size where FSDP averages; by 1 where the loss
+is already the mean over every rank's tokens, the vocabulary-parallel head's sum mode). FULL_SHARD and SHARD_GRAD_OP
+only: HYBRID_SHARD's replicas would each hold the same experts and need their gradients summed, not built yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from pipeline.config import ModelConfig
+from pipeline.errors import UserError
+from pipeline.model.modeling import decoder_layers, in_routed_experts, meta_model, moe_shape
+
+ROUTING_ARGS = ("top_k_index", "router_indices", "selected_experts")
+"""What transformers' fused experts modules call the routing indices (and, after them, the routing weights)."""
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with its backward (the same exchange, the splits swapped): torch's own differentiable one,
+    torch.distributed.nn.functional.all_to_all_single, warns at every call that it is deprecated in favour of a
+    private module, so this is the public collective with the two lines of autograd around it."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        out = rows.new_empty((sum(recv), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
+def exchange(rows: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """rows[send[0] first rows] to rank 0 of the group, the next send[1] to rank 1, ...; back, recv[i] rows from each
+    rank i, in rank order. Differentiable (the backward sends the gradients back the same way). A collective."""
+    return _AllToAll.apply(rows, recv, send, group)
+
+
+def experts_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Every decoder layer's routed experts module: the module of the routed experts holding 3-D weights."""
+    for i, layer in enumerate(decoder_layers(model)):
+        for name, module in layer.named_modules():
+            if in_routed_experts(name) and any(p.ndim == 3 for p in module.parameters(recurse=False)):
+                yield f"layers.{i}.{name}", module
+
+
+def routing_arguments(module: nn.Module) -> tuple[str, str] | None:
+    """The names of the routing indices and weights among the experts module's forward arguments (second and
+    third, as transformers 5's experts take them), or None."""
+    names = list(inspect.signature(module.forward).parameters)
+    return (names[1], names[2]) if len(names) >= 3 and names[1] in ROUTING_ARGS else None
+
+
+def expert_parallel_asked(cfg: ModelConfig) -> bool:
+    """Whether --expert-parallel is anything but 1 (off)."""
+    return cfg.expert_parallel == "auto" or int(cfg.expert_parallel) != 1
+
+
+def degree(cfg: ModelConfig, hf_config, shard_ranks: int, node_ranks: int, model: nn.Module | None = None) -> int:
+    """--expert-parallel resolved for this model and mesh: 1 (off), or the ranks FSDP shards over. auto: those,
+    where there are 2 or more, they divide the experts, sit on one node and the experts take routing indices; else 1.
+    A number asked for that this cannot give is one line. model: the one being built (else one is built on the meta
+    device, to find its experts modules)."""
+    if not expert_parallel_asked(cfg):
+        return 1
+    experts, _ = moe_shape(hf_config)
+    if cfg.expert_parallel == "auto":
+        fits = experts and shard_ranks > 1 and experts % shard_ranks == 0 and shard_ranks <= node_ranks
+        return shard_ranks if fits and not unroutable(model or meta_model(hf_config)) else 1
+    n = int(cfg.expert_parallel)
+    if not experts:
+        raise UserError(f"--expert-parallel {n}: {hf_config.model_type} is not a mixture of experts")
+    if n != shard_ranks:
+        raise UserError(f"--expert-parallel {n}: the experts are split over the ranks FSDP shards over, {shard_ranks} "
+                        f"here (--sharding {cfg.sharding}); use --expert-parallel {shard_ranks} or auto")
+    if experts % n:
+        raise UserError(f"--expert-parallel {n} does not divide the {experts} experts of each layer of "
+                        f"{hf_config.model_type}; use a degree that does, or 1")
+    if why := unroutable(model or meta_model(hf_config)):
+        raise UserError(f"--expert-parallel {n}: {why}; use 1")
+    return n
+
+
+def unroutable(model: nn.Module) -> str:
+    """Why the model's experts cannot be split by expert ("" when they can): an experts module that takes no routing
+    indices (Llama 4's run every expert on every token, scaled by the router's scores), or one whose weights are not
+    laid out by expert."""
+    found = list(experts_modules(model))
+    if not found:
+        return f"{model.config.model_type} has no fused routed experts to split"
+    for name, module in found:
+        if routing_arguments(module) is None:
+            return (f"{type(module).__name__} ({name}) takes no routing indices (its experts run on every token), so "
+                    "there are no tokens to send to experts")
+        for leaf, param in module.named_parameters(recurse=False):
+            if param.shape[0] != getattr(module, "num_experts", None):
+                return f"{name}.{leaf} is not laid out by expert ({tuple(param.shape)})"
+    return ""
+
+
+@contextlib.contextmanager
+def local_experts(module: nn.Module, leaves: list[str], dtype: torch.dtype, count: int) -> Iterator[None]:
+    """The experts module seen as holding only this rank's experts: each weight its local shard in the compute dtype
+    (a differentiable view of the DTensor parameter, so the gradient reaches it), num_experts their count. Its
+    forward is called directly, not through the module (whose hooks saw the global routing already). The parameters
+    are the module's own at the call (to_empty gave it new ones after shard())."""
+    saved = {leaf: module._parameters[leaf] for leaf in leaves}
+    views = {leaf: p.to_local().to(dtype if p.dtype.is_floating_point else p.dtype) for leaf, p in saved.items()}
+    experts = module.num_experts
+    for leaf, view in views.items():
+        del module._parameters[leaf]
+        module.__dict__[leaf] = view
+    module.num_experts = count
+    try:
+        yield
+    finally:
+        module.num_experts = experts
+        for leaf, param in saved.items():
+            module.__dict__.pop(leaf, None)
+            module._parameters[leaf] = param
+
+
+class ExpertParallel:
+    """The experts of one model split over a mesh dimension, and their gradients' reduction."""
+
+    def __init__(self, mesh: DeviceMesh, compute_dtype: torch.dtype, divide: float):
+        if mesh.ndim != 1:  # registry._check_expert_parallel refuses HYBRID_SHARD and NO_SHARD before this
+            raise ValueError(f"expert parallelism needs FSDP's 1-D mesh, got {mesh}")
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.n = dist.get_world_size(self.group)
+        self.dtype = compute_dtype
+        self.divide = divide
+        self.modules: list[tuple[nn.Module, list[str]]] = []
+        """Each experts module split, with the names of its weights (the parameters themselves change at to_empty)."""
+
+    def shard(self, model: nn.Module) -> set[nn.Parameter]:
+        """Every experts module's weights as DTensors of E/N whole experts per rank (on the meta device, before
+        to_empty), and its forward routed through all-to-all; the parameters FSDP must leave alone."""
+        ignored: set[nn.Parameter] = set()
+        for _, module in experts_modules(model):  # each checked by degree() (unroutable)
+            args = routing_arguments(module)
+            leaves = []
+            for leaf, param in list(module.named_parameters(recurse=False)):
+                sharded = nn.Parameter(distribute_tensor(param, self.mesh, [Shard(0)]), param.requires_grad)
+                setattr(module, leaf, sharded)
+                leaves.append(leaf)
+                ignored.add(sharded)
+            self.modules.append((module, leaves))
+            module.forward = functools.partial(self._forward, module, module.forward, leaves, args)
+        return ignored
+
+    def _forward(self, module: nn.Module, own, leaves: list[str], args: tuple[str, str],
+                 hidden_states: torch.Tensor, *rest, **named) -> torch.Tensor:
+        """The experts' output for this rank's tokens, computed by the ranks that hold each token's experts. Two
+        all-to-alls each way (the counts, then the rows; a host sync on the counts), every rank of the group in
+        the same order: a collective every rank must reach, in every layer's forward (and its recomputation)."""
+        index, weights = (named.pop(a) if a in named else rest[i] for i, a in enumerate(args))
+        experts, per_rank = module.num_experts, module.num_experts // self.n
+        flat = index.reshape(-1)
+        kept = (flat < experts).nonzero().squeeze(1)  # ids past the last expert: a family's dropped slots
+        order = kept[torch.argsort(flat[kept], stable=True)]  # by expert, so by the rank that holds it
+        dest = flat[order] // per_rank
+        sent = torch.bincount(dest, minlength=self.n)
+        got = torch.empty_like(sent)
+        dist.all_to_all_single(got, sent, group=self.group)
+        send, recv = sent.tolist(), got.tolist()
+        rows = hidden_states[order // index.shape[1]]
+        ids = torch.empty(sum(recv), dtype=flat.dtype, device=flat.device)
+        dist.all_to_all_single(ids, flat[order] % per_rank, recv, send, group=self.group)
+        arrived = exchange(rows, recv, send, self.group)
+        with local_experts(module, leaves, self.dtype, per_rank):  # the family's own function, each row weighted 1
+            done = own(arrived, ids[:, None], arrived.new_ones((len(ids), 1)))
+        back = exchange(done, send, recv, self.group)
+        out = hidden_states.new_zeros((flat.shape[0], back.shape[1]), dtype=back.dtype).index_copy(0, order, back)
+        slots = out.reshape(index.shape[0], index.shape[1], -1) * weights.unsqueeze(-1).to(out.dtype)
+        return slots.sum(dim=1).to(hidden_states.dtype)
+
+    def reduce_gradients(self) -> None:
+        """The experts' gradients divided as FSDP divides the others' (once per step, after the last backward). No
+        communication: each expert lives on one rank, and its gradient already holds every rank's tokens it
+        served (the all-to-all's backward brought them)."""
+        if self.divide == 1:
+            return
+        for param in (module._parameters[leaf] for module, leaves in self.modules for leaf in leaves):
+            if param.grad is not None:
+                (param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad).div_(self.divide)
