@@ -24,6 +24,7 @@ from pipeline.model.registry import transforms_for
 from pipeline.objectives.causal_lm import CausalLMLoss
 from pipeline.prep.tiny import FAMILIES
 from pipeline.strategies.registry import make_strategy
+from pipeline.train.export import adapter_of
 
 TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 
@@ -60,7 +61,7 @@ def test_an_adapter_starts_as_the_base_and_merges_and_saves_as_peft_does(group_o
         for name, p in s.model.named_parameters():
             if ".lora_B." in name or "magnitude" in name:
                 p.to_local().add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))).mul(0.05))
-    saved = s.transforms[0].adapter_state(s.model, s.module)
+    saved = adapter_of(s).adapter_state(s.model, s.module)
     peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
                                                  use_dora=adapter == "dora", task_type="CAUSAL_LM"))
     peft_model.save_pretrained(tmp_path / "peft")  # the names and shapes peft writes
@@ -87,7 +88,7 @@ def test_every_family_trains_the_loss_peft_gives_with_the_same_adapter(family, s
 
     model_dir = family_models[family]
     s = built(model_dir, group_of_one, "lora", strategy)
-    adapter = s.transforms[0]
+    adapter = adapter_of(s)
     experts = getattr(s.module.config, "num_local_experts", None) or getattr(s.module.config, "num_experts", None)
     adapted = [m.base_layer for m in s.module.modules() if hasattr(m, "lora_A")]
     assert adapted and not any(experts and m.out_features == experts for m in adapted if isinstance(m, torch.nn.Linear))
@@ -132,7 +133,7 @@ def test_lora_on_fused_experts_merges_and_saves_as_peft_does(family, family_mode
         for name, p in s.model.named_parameters():
             if ".lora_B." in name:
                 p.to_local().add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))).mul(0.05))
-    adapter = s.transforms[0]
+    adapter = adapter_of(s)
     saved = adapter.adapter_state(s.model, s.module)
     assert any(".experts.lora_A." in k for k in saved) and any(".experts.base_layer.lora_B." in k for k in saved)
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
@@ -182,21 +183,21 @@ def test_experts_left_frozen_say_why_and_naming_them_where_peft_cannot_is_one_li
         return s
 
     dora = make(adapter="dora")
-    assert dora.transforms[0].warnings() == ["every routed expert stays frozen (only attention and dense layers "
+    assert adapter_of(dora).warnings() == ["every routed expert stays frozen (only attention and dense layers "
                                              "train): --adapter dora: peft's LoRA on fused expert weights has no "
                                              "DoRA; use --adapter lora to adapt them"]
     assert dora.num_trainable > 0 and dora.num_trainable_experts == 0 and dora.num_expert_params > 0
     dropout = make(adapter="lora", lora_dropout=0.1)
-    (warning,) = dropout.transforms[0].warnings()
+    (warning,) = adapter_of(dropout).warnings()
     assert "--lora-dropout 0.1: peft's LoRA on fused expert weights takes no dropout; use --lora-dropout 0" in warning
     with pytest.raises(UserError, match=r"^--lora-targets gate_up_proj: --adapter dora: peft's LoRA on fused expert "):
         make(adapter="dora", lora_targets="q_proj,gate_up_proj")
     attention = make(adapter="lora", lora_targets="q_proj,v_proj")
-    assert attention.transforms[0].warnings() == [
+    assert adapter_of(attention).warnings() == [
         "every routed expert stays frozen (only attention and dense layers train): --lora-targets q_proj,v_proj names "
         "none of the fused expert weights (down_proj, gate_up_proj); add them to adapt them"]
     only = make(adapter="lora", lora_targets="down_proj")
-    assert only.transforms[0].warnings() == [] and set(only.transforms[0].experts) == {
+    assert adapter_of(only).warnings() == [] and set(adapter_of(only).experts) == {
         f"model.layers.{i}.mlp.experts.base_layer.down_proj" for i in range(2)}
     assert only.num_trainable == only.num_trainable_experts > 0
     with pytest.raises(UserError, match=r"its fused expert weights down_proj, gate_up_proj$"):
