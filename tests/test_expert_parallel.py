@@ -130,3 +130,25 @@ def test_every_tiny_moe_family_but_llama4_is_split_under_auto():
     split = [f for f in ("mixtral", "qwen3-moe", "qwen3_5_moe", "deepseek_v3", "glm4_moe", "llama4")
              if degree(auto, family_config(f, 512, 0, 1), 2, 2) == 2]
     assert split == ["mixtral", "qwen3-moe", "qwen3_5_moe", "deepseek_v3", "glm4_moe"]
+
+
+def test_the_estimate_leaves_split_experts_ungathered_and_counts_their_all_to_all():
+    """Under expert parallelism the gathered layer copies and the reduce-scattered gradients leave the experts out,
+    the bytes sent lose their gathers and reductions and gain each token's top-k rows there and back in the forward
+    and the backward; a degree that does not divide the experts counts as off."""
+    from dataclasses import replace
+
+    from pipeline.strategies.memory import Shape, Workload
+    from pipeline.strategies.registry import estimate, traffic_bytes
+
+    shape = Shape.of(family_config("qwen3-moe", 512, 0, 1))  # 2 layers of 4 experts, 2 per token, fp32 below
+    assert shape.layer_experts == 4 * (64 * 64 + 64 * 32) and shape.routed_params == 2 * shape.layer_experts
+    off = Workload("fsdp2", "FULL_SHARD", 2, 2, 4, 2, 128, vocab_parallel=True)
+    on = replace(off, expert_parallel=2)
+    assert estimate(shape, off).copies - estimate(shape, on).copies == 2 * shape.layer_experts * 4
+    assert estimate(shape, off).gradients - estimate(shape, on).gradients == shape.layer_experts * 8
+    gathers_and_reduction = (2 * 4 + 4) * shape.routed_params / 2  # fp32 gathers fwd + bwd, fp32 reduce-scatter
+    rows = 2 * 128 * 2 * 2  # tokens x top-k x MoE layers
+    assert traffic_bytes(shape, on) == int(traffic_bytes(shape, off) - gathers_and_reduction
+                                           + 2 * 2 * rows * 64 * 4 / 2)
+    assert estimate(shape, replace(off, expert_parallel=3)) == estimate(shape, off)

@@ -123,7 +123,9 @@ class Strategy(ABC):
         """A layer's compute-dtype gradient and its fp32 copy on their way to the reduce-scatter, and the whole
         unsharded fp32 gradients kept between the micro-steps of gradient accumulation (no_sync)."""
         accumulated = 4 * shape.num_params if work.grad_accum > 1 else 0
-        return shape.layer_params * (work.compute_bytes + 4) + accumulated
+        # expert parallelism: a layer's experts' gradients are this rank's own, never reduce-scattered
+        layer = shape.layer_params - (shape.layer_experts if shape.split_experts(work) > 1 else 0)
+        return layer * (work.compute_bytes + 4) + accumulated
 
     @classmethod
     def copy_bytes(cls, shape: Shape, work: Workload) -> int:
@@ -132,13 +134,15 @@ class Strategy(ABC):
         if cls.shards(work) == 1:  # replicating: every unit already whole, cast to the compute dtype when it differs
             return shape.num_params * c if c < 4 else 0
         root = 0 if work.vocab_parallel else shape.root_params  # the root stays gathered
-        return (root + cls.gathered_layers(shape, work) * shape.layer_params) * c
+        # expert parallelism: a layer's routed experts are never gathered
+        layer = shape.layer_params - (shape.layer_experts if shape.split_experts(work) > 1 else 0)
+        return (root + cls.gathered_layers(shape, work) * layer) * c
 
     @classmethod
     def gathered_layers(cls, shape: Shape, work: Workload) -> int:
         """Decoder layers gathered whole at the forward's peak: every one under SHARD_GRAD_OP (ZeRO-2: kept from
         its forward to its backward), else the one in use and those prefetched."""
-        return shape.layers if work.sharding == "SHARD_GRAD_OP" else cls.PREFETCHED_LAYERS
+        return shape.layers if work.sharding == "SHARD_GRAD_OP" else min(cls.PREFETCHED_LAYERS, shape.layers)
 
     @classmethod
     def traffic_bytes(cls, shape: Shape, work: Workload) -> int:

@@ -68,6 +68,10 @@ class Shape:
     experts: tuple[tuple[str, int, int, int], ...] = ()
     """(name, experts, rows, columns) of every fused routed-expert weight of every block (a mixture of experts' 3-D
     gate_up_proj and down_proj), which an adapter can target through peft's target_parameters."""
+    layer_experts: int = 0
+    """Routed-expert parameters of the decoder layer that holds the most (0 for a dense model)."""
+    top_k: int = 0
+    """Experts each token is routed to (0 for a dense model)."""
     packs_to: int = 0
     """The longest prompt plus completion GRPO may score in packed rows (pipeline/rl/packing.py; 0: never)."""
     costs: Costs | None = None
@@ -80,7 +84,7 @@ class Shape:
 
         from pipeline.errors import UserError
         from pipeline.model.adapters import default_targets
-        from pipeline.model.modeling import decoder_layers, in_routed_experts, meta_model
+        from pipeline.model.modeling import decoder_layers, in_routed_experts, meta_model, moe_shape
 
         try:
             model = meta_model(config)
@@ -97,10 +101,13 @@ class Shape:
                         if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets)
         experts = tuple((name.rsplit(".", 1)[-1], *p.shape) for block in blocks for name, p in block.named_parameters()
                         if p.ndim == 3 and in_routed_experts(name))
+        routed = max(sum(p.numel() for name, p in block.named_parameters() if in_routed_experts(name))
+                     for block in blocks)
         n = len(blocks)
         return cls(hidden, sum(i for _, i in widths) // n, sum(k for k, _ in widths) // n, n, text.vocab_size,
                    bool(getattr(text, "tie_word_embeddings", False)), max(sizes), sum(sizes),
-                   sum(p.numel() for p in model.parameters()), linears, experts, packed_span(text), Costs.of(text))
+                   sum(p.numel() for p in model.parameters()), linears, experts, routed, moe_shape(config)[1],
+                   packed_span(text), Costs.of(text))
 
     def adapter_params(self, work: Workload) -> int:
         """Trainable parameters of the workload's adapter: r x (in + out) per adapted linear layer (DoRA: + out, its
@@ -136,6 +143,18 @@ class Shape:
     def trainable_params(self, work: Workload) -> int:
         """What the optimizer updates: every parameter, or an adapter's alone."""
         return self.adapter_params(work) if work.adapter != "none" else self.num_params
+
+    def split_experts(self, work: Workload) -> int:
+        """Ranks each layer's routed experts are split over by expert parallelism (1: not split): --expert-parallel's
+        degree where it divides the experts (pipeline/strategies/expert_parallel.degree decides the run's)."""
+        experts = self.experts[0][1] if self.experts else 0
+        n = work.expert_parallel
+        return n if n > 1 and experts and experts % n == 0 else 1
+
+    @property
+    def routed_params(self) -> int:
+        """Every decoder layer's routed-expert parameters."""
+        return sum(e * a * b for _, e, a, b in self.experts)
 
     @property
     def root_params(self) -> int:
@@ -240,6 +259,9 @@ class Workload:
     resident_bytes: int = 0
     """Other models every rank holds through every moment (GRPO's reward models, whole, in the compute dtype)."""
     selective_checkpointing: bool = False
+    expert_parallel: int = 1
+    """--expert-parallel's degree (1: off): each layer's routed experts split over that many ranks, never gathered,
+    tokens sent to them by all-to-all."""
 
 
 @dataclass(frozen=True)
@@ -324,6 +346,17 @@ def adapter_activation_bytes(shape: Shape, work: Workload, tokens: int) -> int:
     return tokens * 2 * sum(o for _, _, o in shape.adapted_linears(work)) // shape.layers * work.compute_bytes
 
 
+def expert_parallel_bytes(shape: Shape, work: Workload, tokens: int) -> int:
+    """Expert parallelism, per layer: this rank's experts cast to the compute dtype for its products, which autograd
+    keeps for the backward (none in fp32, where the cast is the weight itself), and the rows the all-to-all brings
+    in (each token's top-k copies, about as many as it sends). Recomputed, like the rest, under checkpointing."""
+    n = shape.split_experts(work)
+    if n == 1:
+        return 0
+    cast = shape.layer_experts // n * work.compute_bytes if work.compute_bytes < 4 else 0
+    return cast + tokens * shape.top_k * shape.hidden * work.compute_bytes
+
+
 def merged_expert_bytes(shape: Shape, work: Workload) -> int:
     """LoRA on fused expert weights (peft's ParamWrapper) computes each forward's weight as W + B A for every expert
     of the layer, and autograd keeps that copy for the backward: a layer's experts in the compute dtype, averaged over
@@ -361,7 +394,7 @@ def estimate(shape: Shape, work: Workload, terms: StrategyTerms) -> Estimate:
     logit_tokens = tokens if gen is None else gen.completions * (gen.completion + 1)
     layer = layer_activation_bytes(shape, tokens, c)
     per_layer = layer + adapter_activation_bytes(shape, work, tokens)
-    merged = merged_expert_bytes(shape, work)
+    merged = merged_expert_bytes(shape, work) + expert_parallel_bytes(shape, work, tokens)
     if work.activation_checkpointing:  # each layer's input, and one layer recomputed at a time
         activations = shape.layers * tokens * shape.hidden * c + per_layer + merged
     elif work.selective_checkpointing:  # the products' and attention's outputs, and one layer recomputed at a time

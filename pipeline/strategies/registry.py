@@ -133,7 +133,15 @@ def workload(cfg: Config, device: str, world_size: int, local_world_size: int, r
     return Workload(m.strategy, m.sharding, world_size, local_world_size, dtype.itemsize, batch, seq,
                     cfg.train.grad_accum, m.activation_checkpointing, uses_vocab_parallel(m), m.cpu_offload, device,
                     m.adapter, m.lora_rank, m.lora_targets, generation, resident_params * dtype.itemsize,
-                    m.selective_checkpointing)
+                    m.selective_checkpointing, planned_degree(m, world_size))
+
+
+def planned_degree(m: ModelConfig, world_size: int) -> int:
+    """--expert-parallel as the estimate counts it: the number given, or under auto the ranks FULL_SHARD or
+    SHARD_GRAD_OP shard over (Shape.split_experts then keeps it only where it divides the experts)."""
+    if m.expert_parallel != "auto":
+        return int(m.expert_parallel)
+    return world_size if m.strategy == "fsdp2" and m.sharding in ("FULL_SHARD", "SHARD_GRAD_OP") else 1
 
 
 def estimate(shape: Shape, work: Workload) -> Estimate:

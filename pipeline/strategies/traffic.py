@@ -24,7 +24,8 @@ def replicated_bytes(shape: Shape, w: Workload) -> int:
 def sharded_bytes(shape: Shape, w: Workload) -> int:
     """FSDP's pattern: parameters all-gathered for use, gradients reduce-scattered. HYBRID_SHARD is counted as
     FULL_SHARD over every rank (its replicas' all-reduce left out): auto never chooses it."""
-    body = shape.body_params
+    split = shape.split_experts(w)
+    body = shape.body_params - (shape.routed_params if split > 1 else 0)  # split experts are never gathered
     root = shape.hidden if w.vocab_parallel else shape.root_params  # a vocab-parallel head is never gathered
     # layers are gathered for the forward and again for the backward unless kept (SHARD_GRAD_OP); the root stays
     # gathered from its forward to its backward. Gathers happen every micro-step, the reduce-scatter once
@@ -35,4 +36,18 @@ def sharded_bytes(shape: Shape, w: Workload) -> int:
         # every rank's hidden states and embeddings cross the vocabulary shards: two gathers and two reduce-scatters
         # of (world x tokens x hidden) per micro-step
         moved += w.grad_accum * 4 * w.world_size * w.batch_size * w.seq_length * shape.hidden * w.compute_bytes
-    return int(ring(w) * moved)
+    moved = ring(w) * moved
+    if split > 1:
+        # each MoE layer sends every token's top-k rows to their experts' ranks and takes the outputs back, in the
+        # forward and again (gradients) in the backward, a third time where checkpointing recomputes the forward;
+        # (n-1)/n of them leave the rank when the routing is balanced
+        passes = 3 if w.activation_checkpointing or w.selective_checkpointing else 2
+        rows = w.batch_size * w.seq_length * shape.top_k * sum(1 for _ in moe_layers(shape))
+        moved += w.grad_accum * passes * 2 * rows * shape.hidden * w.compute_bytes * (split - 1) / split
+    return int(moved)
+
+
+def moe_layers(shape: Shape) -> range:
+    """The decoder layers with routed experts (each holds one gate_up_proj-like weight and one down_proj-like)."""
+    names = {name for name, *_ in shape.experts}
+    return range(len(shape.experts) // max(len(names), 1))

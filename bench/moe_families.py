@@ -1,0 +1,122 @@
+"""Expert parallelism on every mixture-of-experts family of the installed transformers, from its registry
+(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, the model types whose tiny config has routed experts), not from a list of ours:
+the tiny model of bench/all_families.py (4 experts of which 2 per token) trained --steps steps on 2 ranks with
+--expert-parallel 2 (batch 2 per rank) and in one process (batch 4: the same blocks each step), fp32; every step's
+loss and gradient norm must agree within 1e-5. Each run is one launch under a time limit, so a family that crashes
+or hangs costs its own row only.
+
+Verdicts: equal (every step within 1e-5); refused (our one-line error, exit 2, on the expert-parallel run: the
+family is not split); cannot build (its tiny config or model cannot be made from its defaults); other error (the
+one-process run fails too: the family's own trouble, bench/all_families.py's row says which); wrong (trained, not
+equal); crashed (a traceback, not one line). Rewrites the moe_families table of BENCHMARKS.md; raw results in
+bench/data/moe_families.json.
+
+    .venv/bin/python bench/moe_families.py [--only TYPE ...] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+from all_families import build, first_line, tiny_config
+from common import ROOT, bench_env, demo_dataset, machine, table, torchrun_cmd, update_section
+
+RAW = ROOT / "bench" / "data" / "moe_families.json"
+LAUNCH_SECONDS = 300
+
+
+def moe_types() -> list[str]:
+    """The causal-LM model types whose tiny config routes tokens to experts."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from pipeline.model.modeling import moe_shape
+
+    found = []
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        try:
+            if moe_shape(tiny_config(model_type))[0]:
+                found.append(model_type)
+        except Exception:  # noqa: BLE001,S112 (a config that cannot be made is all_families' row, not ours)
+            continue
+    return found
+
+
+def train(runs: Path, name: str, model: Path, data: Path, nproc: int, *flags: object, steps: int) -> tuple[int, str]:
+    shutil.rmtree(runs / name, ignore_errors=True)
+    args = ["-e", name, "--save-dir", runs, "-d", data, "-m", model, "--precision", "fp32", "--strategy", "fsdp2",
+            "--eval-freq", 0, "--ckpt-freq", 0, "--log-freq", 1, "--max-steps", steps, "--seq-length", 32,
+            "--lr", 1e-3, "--warmup-steps", 0, "--num-proc", 1, *flags]
+    cmd = torchrun_cmd(nproc, ROOT / "fsdp1.py", *args)
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=LAUNCH_SECONDS)
+    except subprocess.TimeoutExpired:
+        return -1, f"no result in {LAUNCH_SECONDS} s (a hang)"
+    output = done.stdout + done.stderr
+    lines = [x for x in output.splitlines() if "error: " in x or "Error" in x]
+    return done.returncode, first_line(lines[-1].split("error: ", 1)[-1] if lines else output[-400:])
+
+
+def figures(run: Path) -> dict[int, tuple[float, float]]:
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return {e["step"]: (e["loss"], e["grad_norm"]) for e in events if e.get("event") == "train"}
+
+
+def run_family(model_type: str, workdir: Path, data: Path, steps: int) -> dict:
+    folder = workdir / model_type
+    if not (folder / "config.json").exists() and (why := build(model_type, folder)) is not None:
+        return {"family": model_type, "verdict": "cannot build", "why": why}
+    runs = workdir / "runs"
+    code, why = train(runs, f"{model_type}-ep", folder, data, 2, "--expert-parallel", 2, "-b", 2, steps=steps)
+    if code != 0:
+        verdict = "refused" if code == 2 and "Traceback" not in why else "crashed"
+        return {"family": model_type, "verdict": verdict, "why": why}
+    code, why = train(runs, f"{model_type}-one", folder, data, 1, "-b", 4, steps=steps)
+    if code != 0:
+        return {"family": model_type, "verdict": "other error", "why": f"one process: {why}"}
+    ep, one = figures(runs / f"{model_type}-ep"), figures(runs / f"{model_type}-one")
+    diff = max(max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ep[s], one[s], strict=True)) for s in one)
+    return {"family": model_type, "verdict": "equal" if sorted(ep) == sorted(one) and diff <= 1e-5 else "wrong",
+            "why": "", "rel_diff": diff}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "moe_families")
+    p.add_argument("--only", nargs="*", default=None)
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args()
+    from transformers import __version__
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    data = demo_dataset(args.workdir / "dataset")
+    rows = []
+    for model_type in args.only or moe_types():
+        rows.append(run_family(model_type, args.workdir, data, args.steps))
+        rows[-1]["why"] = rows[-1]["why"].replace(f"{args.workdir}/", "")
+        print(f"{model_type}: {rows[-1]['verdict']} {rows[-1].get('rel_diff', '')} {rows[-1]['why']}", flush=True)
+    if args.only and RAW.exists():
+        fresh = {r["family"]: r for r in rows}
+        rows = [fresh.pop(r["family"], r) for r in json.loads(RAW.read_text())] + list(fresh.values())
+    RAW.parent.mkdir(parents=True, exist_ok=True)
+    RAW.write_text(json.dumps(rows, indent=1))
+    kinds = ("equal", "refused", "cannot build", "other error", "wrong", "crashed")
+    counts = {kind: sum(r["verdict"] == kind for r in rows) for kind in kinds}
+    update_section("moe_families", "\n".join([
+        f"- Machine: {machine()}; transformers {__version__}: {len(rows)} mixture-of-experts model types in its "
+        "registry (those whose tiny config routes tokens to experts).",
+        f"- Command: `.venv/bin/python bench/moe_families.py --steps {args.steps}{' --only ...' if args.only else ''}`"
+        " (2 ranks with --expert-parallel 2, batch 2 each, against one process, batch 4; fp32, 32-token blocks).",
+        "- " + ", ".join(f"{n} {kind}" for kind, n in counts.items()) + ".",
+        "",
+        table(["model type", "verdict", "largest relative diff (loss, grad norm)", "why"],
+              [[r["family"], r["verdict"], f"{r['rel_diff']:.1e}" if "rel_diff" in r else "",
+                r["why"].replace("|", "/")] for r in rows]),
+    ]))
+
+
+if __name__ == "__main__":
+    main()
