@@ -11,12 +11,13 @@ one-process run fails too: the family's own trouble, bench/all_families.py's row
 equal); crashed (a traceback, not one line). Rewrites the moe_families table of BENCHMARKS.md; raw results in
 bench/data/moe_families.json.
 
-    .venv/bin/python bench/moe_families.py [--only TYPE ...] [--steps 3]
+    .venv/bin/python bench/moe_families.py [--only TYPE ...] [--steps 3] [--fresh]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import subprocess
@@ -29,6 +30,7 @@ RAW = ROOT / "bench" / "data" / "moe_families.json"
 LAUNCH_SECONDS = 300
 
 
+@functools.cache
 def moe_types() -> list[str]:
     """The causal-LM model types whose tiny config routes tokens to experts."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -60,6 +62,14 @@ def train(runs: Path, name: str, model: Path, data: Path, nproc: int, *flags: ob
     return done.returncode, first_line(lines[-1].split("error: ", 1)[-1] if lines else output[-400:])
 
 
+@functools.cache
+def tokenizer():
+    """The bench tokenizer with the tiny configs' 512-token vocabulary."""
+    from pipeline.prep.tiny import DEFAULT_CORPUS, corpus_texts, train_tokenizer
+
+    return train_tokenizer(corpus_texts(DEFAULT_CORPUS), 512)
+
+
 def figures(run: Path) -> dict[int, tuple[float, float]]:
     events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     return {e["step"]: (e["loss"], e["grad_norm"]) for e in events if e.get("event") == "train"}
@@ -69,6 +79,8 @@ def run_family(model_type: str, workdir: Path, data: Path, steps: int) -> dict:
     folder = workdir / model_type
     if not (folder / "config.json").exists() and (why := build(model_type, folder)) is not None:
         return {"family": model_type, "verdict": "cannot build", "why": why}
+    if not (folder / "tokenizer.json").exists():  # all_families' worker needs none; fsdp1.py reads the text with one
+        tokenizer().save_pretrained(folder)
     runs = workdir / "runs"
     code, why = train(runs, f"{model_type}-ep", folder, data, 2, "--expert-parallel", 2, "-b", 2, steps=steps)
     if code != 0:
@@ -88,27 +100,30 @@ def main() -> None:
     p.add_argument("--workdir", type=Path, default=ROOT / ".bench" / "moe_families")
     p.add_argument("--only", nargs="*", default=None)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--fresh", action="store_true", help="measure every family again (else those measured are kept)")
     args = p.parse_args()
     from transformers import __version__
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     data = demo_dataset(args.workdir / "dataset")
-    rows = []
-    for model_type in args.only or moe_types():
-        rows.append(run_family(model_type, args.workdir, data, args.steps))
-        rows[-1]["why"] = rows[-1]["why"].replace(f"{args.workdir}/", "")
-        print(f"{model_type}: {rows[-1]['verdict']} {rows[-1].get('rel_diff', '')} {rows[-1]['why']}", flush=True)
-    if args.only and RAW.exists():
-        fresh = {r["family"]: r for r in rows}
-        rows = [fresh.pop(r["family"], r) for r in json.loads(RAW.read_text())] + list(fresh.values())
-    RAW.parent.mkdir(parents=True, exist_ok=True)
-    RAW.write_text(json.dumps(rows, indent=1))
+    # the rows of earlier runs are kept: a family already measured is skipped unless named with --only or --fresh
+    done = {} if args.fresh or not RAW.exists() else {r["family"]: r for r in json.loads(RAW.read_text())}
+    for model_type in args.only or [t for t in moe_types() if t not in done]:
+        row = run_family(model_type, args.workdir, data, args.steps)
+        done[model_type] = row | {"why": row["why"].replace(f"{args.workdir}/", "")}
+        print(f"{model_type}: {row['verdict']} {row.get('rel_diff', '')} {row['why']}", flush=True)
+        RAW.parent.mkdir(parents=True, exist_ok=True)
+        RAW.write_text(json.dumps(list(done.values()), indent=1))  # after each family: a stopped run keeps its rows
+        write_table(list(done.values()), args, __version__)
+
+
+def write_table(rows: list[dict], args: argparse.Namespace, version: str) -> None:
     kinds = ("equal", "refused", "cannot build", "other error", "wrong", "crashed")
     counts = {kind: sum(r["verdict"] == kind for r in rows) for kind in kinds}
     update_section("moe_families", "\n".join([
-        f"- Machine: {machine()}; transformers {__version__}: {len(rows)} mixture-of-experts model types in its "
-        "registry (those whose tiny config routes tokens to experts).",
-        f"- Command: `.venv/bin/python bench/moe_families.py --steps {args.steps}{' --only ...' if args.only else ''}`"
+        f"- Machine: {machine()}; transformers {version}: {len(rows)} of the {len(moe_types())} mixture-of-experts "
+        "model types in its registry (those whose tiny config routes tokens to experts).",
+        f"- Command: `.venv/bin/python bench/moe_families.py --steps {args.steps}`"
         " (2 ranks with --expert-parallel 2, batch 2 each, against one process, batch 4; fp32, 32-token blocks).",
         "- " + ", ".join(f"{n} {kind}" for kind, n in counts.items()) + ".",
         "",

@@ -30,7 +30,7 @@ SLICE = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768
              decoder_sparse_step=1, rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960,
              tie_word_embeddings=False, dtype="float32")
 """Qwen/Qwen3-30B-A3B's config.json but its layer count and vocabulary."""
-SYSTEMS = {"fsdp2": (), "fsdp2 + expert parallelism": ("--expert-parallel", "2")}
+SYSTEMS = {"fsdp2": ("--expert-parallel", "1"), "fsdp2 + expert parallelism": ("--expert-parallel", "2")}
 
 
 def build(out: Path, layers: int) -> Path:

@@ -208,11 +208,12 @@ class ModelConfig(Section):
     (gate_up_proj, down_proj; experts.down_proj for the experts' alone where a linear layer is also so named); empty:
     every linear layer of the decoder blocks except a mixture of experts' router, and every fused expert weight."""
 
-    expert_parallel: str = "1"
+    expert_parallel: str = "auto"
     """A mixture of experts under fsdp2: each layer's routed experts split by expert over the ranks FSDP shards over
     (E/N whole experts per rank, never gathered), tokens sent to their experts' ranks and back by all-to-all; the
     value is that number of ranks. 1: off (the experts sharded and gathered as every other weight); auto: on where
-    the shard ranks divide the experts and sit on one node."""
+    the shard ranks divide the experts and sit on one node, under FULL_SHARD or SHARD_GRAD_OP without adapters or
+    CPU offload (measured: 5.5x fsdp2's tokens/s on Qwen3-30B-A3B's shape, BENCHMARKS.md section 31)."""
     router_aux_loss_coef: float = -1.0
     """A mixture of experts: the auxiliary load-balancing loss transformers defines for the family is added to the
     training loss times this; negative (the default): the model config's router_aux_loss_coef where its

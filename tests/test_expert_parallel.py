@@ -97,7 +97,7 @@ def test_qwen3_moe_with_expert_parallelism_trains_as_one_process_and_resumes_at_
     proc = train(family_env, tmp_path, "local/qwen3-moe", "-e", "ep", *common, "--expert-parallel", "2", "-b", "2")
     assert "expert parallelism: 4 experts per layer over 2 ranks (2 each)" in proc.stdout + proc.stderr
     train(family_env, tmp_path, "local/qwen3-moe", "-e", "one", *common, "-b", "4", nproc=1)
-    train(family_env, tmp_path, "local/qwen3-moe", "-e", "fsdp", *common, "-b", "2")
+    train(family_env, tmp_path, "local/qwen3-moe", "-e", "fsdp", *common, "-b", "2", "--expert-parallel", "1")
     assert_same_run(tmp_path / "ep", tmp_path / "one")
     assert_same_run(tmp_path / "ep", tmp_path / "fsdp")
     ours, one, gathered = exported(tmp_path / "ep"), exported(tmp_path / "one"), exported(tmp_path / "fsdp")

@@ -257,6 +257,7 @@ def test_lora_on_a_moe_trains_its_experts_on_two_ranks_resumes_on_one_and_export
     in_experts = sum(v.numel() for k, v in adapter.items() if ".experts." in k)
     total = sum(v.numel() for v in adapter.values())
     assert in_experts and f"({total:,} trainable, of which {in_experts:,} in experts)" in first.stdout + first.stderr
+    assert "expert parallelism off (--expert-parallel auto): --adapter lora" in first.stdout + first.stderr
     again = tmp_path / "again"
     shutil.copytree(tmp_path / "r", again / "r")
     train(family_env, again, model, "-e", "r", "--max-steps", "4", "--strategy", "ddp", "-b", "4", "--resume-from",

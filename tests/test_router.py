@@ -177,3 +177,5 @@ def test_two_ranks_log_the_aux_loss_and_every_layer_s_load(train_env, tmp_path):
         assert set(event["expert_load"]["idle"]) == {"0", "1"}
         assert all(v >= 1.0 for v in event["expert_load"]["max_over_mean"].values())
     assert "'aux_loss': " in proc.stdout + proc.stderr
+    # --expert-parallel auto, the default: the 4 experts split over the 2 ranks, the load still every rank's tokens
+    assert "expert parallelism: 4 experts per layer over 2 ranks (2 each)" in proc.stdout + proc.stderr

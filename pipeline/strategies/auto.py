@@ -9,7 +9,7 @@ from pipeline.distributed.launch import Launch
 from pipeline.distributed.launch import detect as detect_launch
 from pipeline.distributed.runtime import Dist, gather_objects
 from pipeline.errors import UserError
-from pipeline.strategies.expert_parallel import degree
+from pipeline.strategies.expert_parallel import degree, expert_parallel_asked
 from pipeline.strategies.memory import GIB, Estimate, Shape, ShapeUnknown, device_bytes
 from pipeline.strategies.registry import estimate, settle, traffic_bytes, workload
 
@@ -83,7 +83,7 @@ def choose(cfg: Config, shape: Shape, budget: int, device: str, world: int, loca
     Checked against the four strategies by bench/strategy_auto.py (BENCHMARKS.md section 11)."""
     m = cfg.model
     if m.sharding not in ("auto", "NO_SHARD") or m.cpu_offload or m.vocab_parallel == "on" or \
-            m.expert_parallel not in ("1", "auto"):
+            expert_parallel_asked(m):
         return "fsdp2", ("fsdp2: the settings given (sharding, CPU offload, vocabulary or expert parallelism) need "
                          "it")
     if world == 1 and m.adapter == "qlora":

@@ -77,8 +77,20 @@ def routing_arguments(module: nn.Module) -> tuple[str, str] | None:
 
 
 def expert_parallel_asked(cfg: ModelConfig) -> bool:
-    """Whether --expert-parallel is anything but 1 (off)."""
-    return cfg.expert_parallel == "auto" or int(cfg.expert_parallel) != 1
+    """Whether --expert-parallel names a degree above 1 (auto asks for nothing it cannot have)."""
+    return cfg.expert_parallel != "auto" and int(cfg.expert_parallel) != 1
+
+
+def auto_blocked(cfg: ModelConfig) -> str:
+    """Why --expert-parallel auto stays off for these settings ("" where it may split): what a named degree is
+    refused with (registry._check_expert_parallel)."""
+    if cfg.strategy != "fsdp2":
+        return f"--strategy {cfg.strategy}"
+    if cfg.sharding not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        return f"--sharding {cfg.sharding}"
+    if cfg.cpu_offload:
+        return "--cpu-offload"
+    return f"--adapter {cfg.adapter}" if cfg.adapter != "none" else ""
 
 
 def degree(cfg: ModelConfig, hf_config, shard_ranks: int, node_ranks: int, model: nn.Module | None = None) -> int:
@@ -86,12 +98,12 @@ def degree(cfg: ModelConfig, hf_config, shard_ranks: int, node_ranks: int, model
     where there are 2 or more, they divide the experts, sit on one node and the experts take routing indices; else 1.
     A number asked for that this cannot give is one line. model: the one being built (else one is built on the meta
     device, to find its experts modules)."""
-    if not expert_parallel_asked(cfg):
-        return 1
     experts, _ = moe_shape(hf_config)
     if cfg.expert_parallel == "auto":
         fits = experts and shard_ranks > 1 and experts % shard_ranks == 0 and shard_ranks <= node_ranks
-        return shard_ranks if fits and not unroutable(model or meta_model(hf_config)) else 1
+        return shard_ranks if fits and not auto_blocked(cfg) and not unroutable(model or meta_model(hf_config)) else 1
+    if not expert_parallel_asked(cfg):
+        return 1
     n = int(cfg.expert_parallel)
     if not experts:
         raise UserError(f"--expert-parallel {n}: {hf_config.model_type} is not a mixture of experts")

@@ -32,7 +32,7 @@ from pipeline.model.head import Head
 from pipeline.model.modeling import decoder_layers, moe_shape, trunk, untested_family
 from pipeline.model.vocab_parallel import VocabParallelEmbedding, unsupported_terms
 from pipeline.strategies.base import Strategy
-from pipeline.strategies.expert_parallel import ExpertParallel, degree
+from pipeline.strategies.expert_parallel import ExpertParallel, auto_blocked, degree, unroutable
 
 log = logging.getLogger("pipeline")  # the run's logger (pipeline/train/telemetry.py sets its handlers)
 
@@ -192,6 +192,9 @@ class FSDP2(Strategy):
         over every rank's tokens."""
         n = degree(self.cfg, model.config, self.mesh.size(-1), self.dist.local_world_size, model)
         if n == 1:
+            if self.cfg.expert_parallel == "auto" and moe_shape(model.config)[0] and self.dist.is_main and \
+                    (why := auto_blocked(self.cfg) or unroutable(model)):
+                log.info("expert parallelism off (--expert-parallel auto): %s", why)
             return set()
         self.experts = ExpertParallel(self.mesh, self.dtype, 1.0 if self.vocab_parallel else self.dist.world_size)
         ignored = self.experts.shard(model)

@@ -16,7 +16,7 @@ from pipeline.model.transforms import ModelTransform
 from pipeline.rl.packing import PACKABLE_KERNELS
 from pipeline.strategies.base import Strategy
 from pipeline.strategies.ddp import DDP
-from pipeline.strategies.expert_parallel import expert_parallel_asked
+from pipeline.strategies.expert_parallel import auto_blocked, expert_parallel_asked
 from pipeline.strategies.fsdp1 import FSDP1
 from pipeline.strategies.fsdp2 import FSDP2
 from pipeline.strategies.manual import ManualZeRO3
@@ -141,7 +141,7 @@ def planned_degree(m: ModelConfig, world_size: int) -> int:
     SHARD_GRAD_OP shard over (Shape.split_experts then keeps it only where it divides the experts)."""
     if m.expert_parallel != "auto":
         return int(m.expert_parallel)
-    return world_size if m.strategy == "fsdp2" and m.sharding in ("FULL_SHARD", "SHARD_GRAD_OP") else 1
+    return 1 if auto_blocked(m) else world_size
 
 
 def estimate(shape: Shape, work: Workload) -> Estimate:
