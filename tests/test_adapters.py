@@ -176,8 +176,8 @@ def test_experts_left_frozen_say_why_and_naming_them_where_peft_cannot_is_one_li
     model_dir = family_models["qwen3-moe"]
 
     def make(**flags):
-        cfg = ModelConfig(model_name=str(model_dir), precision="fp32", strategy="fsdp2", vocab_parallel="off",
-                          lora_rank=4, **flags)
+        cfg = ModelConfig(**{"model_name": str(model_dir), "precision": "fp32", "strategy": "fsdp2",
+                             "vocab_parallel": "off", "lora_rank": 4, **flags})
         s = make_strategy(cfg, group_of_one, torch.float32, transforms_for(cfg, torch.float32))
         s.build(AutoConfig.from_pretrained(model_dir))
         return s
@@ -202,6 +202,11 @@ def test_experts_left_frozen_say_why_and_naming_them_where_peft_cannot_is_one_li
     assert only.num_trainable == only.num_trainable_experts > 0
     with pytest.raises(UserError, match=r"its fused expert weights down_proj, gate_up_proj$"):
         make(adapter="lora", lora_targets="gate_proj_x")
+    qlora = make(adapter="qlora", strategy="ddp")  # fsdp2 on one rank cannot rebuild NF4 weights
+    assert len(adapter_of(qlora).experts) == 4 and adapter_of(qlora).warnings() == [
+        "--adapter qlora: the fused expert weights stay in the compute dtype, not NF4 (NF4 holds the linear layers' "
+        "weights); their adapters train as LoRA's"]
+    assert adapter_of(qlora).warnings() == []  # said once
 
 
 # ------------------------------------------------------------------------------------------ real runs, 2 ranks

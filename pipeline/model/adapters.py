@@ -239,10 +239,15 @@ class LowRankAdapter(ModelTransform):
         return set(self.quantized)
 
     def warnings(self) -> list[str]:
-        if not self.frozen_experts or self.warned:
+        if self.warned:
             return []
         self.warned = True
-        return [f"every routed expert stays frozen (only attention and dense layers train): {self.frozen_experts}"]
+        if self.frozen_experts:
+            return [f"every routed expert stays frozen (only attention and dense layers train): {self.frozen_experts}"]
+        if self.cfg.adapter == "qlora" and self.experts:  # torchao's NF4 linear is for 2-D weights
+            return ["--adapter qlora: the fused expert weights stay in the compute dtype, not NF4 (NF4 holds the "
+                    "linear layers' weights); their adapters train as LoRA's"]
+        return []
 
     def load_base(self, model: nn.Module, read: Callable[[dict], None]) -> None:
         """QLoRA: each adapted layer's base weight read by rows into a compute-dtype buffer and quantized into its

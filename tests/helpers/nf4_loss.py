@@ -16,6 +16,7 @@ from pipeline.errors import run_cli
 from pipeline.model import nf4
 from pipeline.model.registry import transforms_for
 from pipeline.strategies.registry import make_strategy
+from pipeline.train.export import adapter_of
 
 
 def main() -> None:
@@ -26,7 +27,7 @@ def main() -> None:
     strategy = make_strategy(cfg, d, torch.float32, transforms_for(cfg, torch.float32))
     strategy.build(AutoConfig.from_pretrained(model_dir))
     strategy.load_weights(model_dir)
-    targets = sorted(strategy.transforms[0].peft_config.target_modules)
+    targets = sorted(adapter_of(strategy).peft_config.target_modules)
     reference = nf4.roundtrip(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), targets)
     with torch.no_grad():
         ids = torch.arange(48).reshape(2, 24) * 7 % reference.config.vocab_size
