@@ -228,6 +228,21 @@ def in_routed_experts(name: str) -> bool:
     return "experts" in name.split(".")
 
 
+ROUTING_ARGS = ("top_k_index", "router_indices", "selected_experts")
+"""What transformers' fused experts modules call the routing indices, their second argument (the routing weights
+come third)."""
+
+
+def routing_arguments(experts: nn.Module) -> tuple[str, str] | None:
+    """The names of the routing indices and weights among a fused experts module's forward arguments (second and
+    third, as transformers 5's experts take them: 68 of the 73 experts modules 5.23 ships), or None where it takes
+    none (Llama 4's run every expert on every token, scaled by the router's scores)."""
+    import inspect
+
+    names = list(inspect.signature(experts.forward).parameters)
+    return (names[1], names[2]) if len(names) >= 3 and names[1] in ROUTING_ARGS else None
+
+
 def expert_counts(model: nn.Module) -> tuple[int, int]:
     """(parameters in the routed experts, of which trainable) of an unwrapped model, adapters on them included."""
     params = [p for name, p in model.named_parameters() if in_routed_experts(name)]

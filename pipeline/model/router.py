@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import math
 import sys
 from collections.abc import Callable, Iterator
@@ -26,13 +25,11 @@ from torch import nn
 
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
-from pipeline.model.modeling import decoder_layers, in_routed_experts, moe_shape
+from pipeline.model.modeling import decoder_layers, in_routed_experts, moe_shape, routing_arguments
 from pipeline.model.transforms import ModelTransform
 
 COLLAPSED_SHARE = 0.9
 """A layer's busiest expert chosen by at least this share of a window's tokens is a collapse (one warning)."""
-ROUTING_ARGS = ("top_k_index", "router_indices", "selected_experts")
-"""What transformers' fused experts modules call the routing indices they take second."""
 
 
 def router_recorder(model: nn.Module) -> tuple[type[nn.Module], int] | None:
@@ -51,13 +48,6 @@ def aux_loss_function(model: nn.Module) -> Callable | None:
     """The family's own load-balancing loss (its modeling module's load_balancing_loss_func), or None where
     transformers defines none (DeepSeek-V3, GLM-4-MoE: routers balanced by a bias instead)."""
     return getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
-
-
-def routing_position(experts: nn.Module) -> tuple[int, str] | None:
-    """(position, name) of the routing indices among the experts module's forward arguments, or None when it takes
-    none (Llama 4's experts run every token, scaled by the router's scores)."""
-    names = list(inspect.signature(experts.forward).parameters)
-    return next(((i, n) for i, n in enumerate(names) if n in ROUTING_ARGS), None)
 
 
 class RouterBalance(ModelTransform):
@@ -112,8 +102,8 @@ class RouterBalance(ModelTransform):
                 if recorder and self.aux_fn and isinstance(module, recorder[0]):
                     module.register_forward_hook(functools.partial(self._on_router, recorder[1]))
                 direct = [p for p in module.parameters(recurse=False) if p.ndim == 3]
-                if direct and in_routed_experts(name) and (where := routing_position(module)):
-                    module.register_forward_pre_hook(functools.partial(self._on_experts, i, *where),
+                if direct and in_routed_experts(name) and (where := routing_arguments(module)):
+                    module.register_forward_pre_hook(functools.partial(self._on_experts, i, where[0]),
                                                      with_kwargs=True)
                     watched += 1
         return watched
@@ -126,11 +116,10 @@ class RouterBalance(ModelTransform):
             logits = output[index] if isinstance(output, tuple | list) else output
             self.logits.append(logits.reshape(-1, logits.shape[-1]))
 
-    def _on_experts(self, layer: int, position: int, name: str, module: nn.Module, args, kwargs) -> None:
+    def _on_experts(self, layer: int, name: str, module: nn.Module, args, kwargs) -> None:
         if not self._recording():
             return
-        # positional as transformers' blocks pass it (position counts self out: args[0] is the hidden states)
-        routing = kwargs[name] if name in kwargs else args[position]
+        routing = kwargs[name] if name in kwargs else args[1]  # positional as transformers' blocks pass it
         counts = torch.bincount(routing.detach().reshape(-1), minlength=self.experts)[: self.experts].double()
         if layer in self.counts:
             self.counts[layer] += counts

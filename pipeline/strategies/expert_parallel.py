@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from collections.abc import Iterator
 
 import torch
@@ -30,10 +29,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
-from pipeline.model.modeling import decoder_layers, in_routed_experts, meta_model, moe_shape
-
-ROUTING_ARGS = ("top_k_index", "router_indices", "selected_experts")
-"""What transformers' fused experts modules call the routing indices (and, after them, the routing weights)."""
+from pipeline.model.modeling import decoder_layers, in_routed_experts, meta_model, moe_shape, routing_arguments
 
 
 class _AllToAll(torch.autograd.Function):
@@ -67,13 +63,6 @@ def experts_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         for name, module in layer.named_modules():
             if in_routed_experts(name) and any(p.ndim == 3 for p in module.parameters(recurse=False)):
                 yield f"layers.{i}.{name}", module
-
-
-def routing_arguments(module: nn.Module) -> tuple[str, str] | None:
-    """The names of the routing indices and weights among the experts module's forward arguments (second and
-    third, as transformers 5's experts take them), or None."""
-    names = list(inspect.signature(module.forward).parameters)
-    return (names[1], names[2]) if len(names) >= 3 and names[1] in ROUTING_ARGS else None
 
 
 def expert_parallel_asked(cfg: ModelConfig) -> bool:
