@@ -7,9 +7,9 @@ or hangs costs its own row only.
 
 Verdicts: equal (every step within 1e-5); refused (our one-line error, exit 2, on the expert-parallel run: the
 family is not split); cannot build (its tiny config or model cannot be made from its defaults); other error (the
-one-process run fails too: the family's own trouble, bench/all_families.py's row says which); wrong (trained, not
-equal); crashed (a traceback, not one line). Rewrites the moe_families table of BENCHMARKS.md; raw results in
-bench/data/moe_families.json.
+one-process run fails: the family's own trouble, bench/all_families.py's row says which); wrong (trained, not
+equal); crashed (the expert-parallel run fails with a traceback where one process trains). Rewrites the
+moe_families table of BENCHMARKS.md; raw results in bench/data/moe_families.json.
 
     .venv/bin/python bench/moe_families.py [--only TYPE ...] [--steps 3] [--fresh]
 """
@@ -21,10 +21,11 @@ import functools
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from all_families import build, first_line, tiny_config
-from common import ROOT, bench_env, demo_dataset, machine, table, torchrun_cmd, update_section
+from common import ROOT, bench_env, demo_dataset, machine, table, update_section
 
 RAW = ROOT / "bench" / "data" / "moe_families.json"
 LAUNCH_SECONDS = 300
@@ -52,7 +53,8 @@ def train(runs: Path, name: str, model: Path, data: Path, nproc: int, *flags: ob
     args = ["-e", name, "--save-dir", runs, "-d", data, "-m", model, "--precision", "fp32", "--strategy", "fsdp2",
             "--eval-freq", 0, "--ckpt-freq", 0, "--log-freq", 1, "--max-steps", steps, "--seq-length", 32,
             "--lr", 1e-3, "--warmup-steps", 0, "--num-proc", 1, *flags]
-    cmd = torchrun_cmd(nproc, ROOT / "fsdp1.py", *args)
+    # fsdp1.py's own launcher: its preflight's one-line refusals exit 2 (under torchrun any worker's failure is 1)
+    cmd = [sys.executable, str(ROOT / "fsdp1.py"), "--nproc-per-node", str(nproc), *map(str, args)]
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=LAUNCH_SECONDS)
     except subprocess.TimeoutExpired:
@@ -83,12 +85,14 @@ def run_family(model_type: str, workdir: Path, data: Path, steps: int) -> dict:
         tokenizer().save_pretrained(folder)
     runs = workdir / "runs"
     code, why = train(runs, f"{model_type}-ep", folder, data, 2, "--expert-parallel", 2, "-b", 2, steps=steps)
+    one, one_why = train(runs, f"{model_type}-one", folder, data, 1, "-b", 4, steps=steps)
+    if code != 0 and one != 0:  # the family fails without expert parallelism too: not this bench's verdict
+        return {"family": model_type, "verdict": "other error", "why": f"one process too: {one_why}"}
     if code != 0:
         verdict = "refused" if code == 2 and "Traceback" not in why else "crashed"
         return {"family": model_type, "verdict": verdict, "why": why}
-    code, why = train(runs, f"{model_type}-one", folder, data, 1, "-b", 4, steps=steps)
-    if code != 0:
-        return {"family": model_type, "verdict": "other error", "why": f"one process: {why}"}
+    if one != 0:
+        return {"family": model_type, "verdict": "other error", "why": f"one process: {one_why}"}
     ep, one = figures(runs / f"{model_type}-ep"), figures(runs / f"{model_type}-one")
     diff = max(max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ep[s], one[s], strict=True)) for s in one)
     return {"family": model_type, "verdict": "equal" if sorted(ep) == sorted(one) and diff <= 1e-5 else "wrong",

@@ -216,7 +216,7 @@ class ModelConfig(Section):
     CPU offload (measured: 5.5x fsdp2's tokens/s on Qwen3-30B-A3B's shape, BENCHMARKS.md section 31)."""
     router_aux_loss_coef: float = -1.0
     """A mixture of experts: the auxiliary load-balancing loss transformers defines for the family is added to the
-    training loss times this; negative (the default): the model config's router_aux_loss_coef where its
+    training loss times this; -1 (the default): the model config's router_aux_loss_coef where its
     output_router_logits is set, else 0 (the loss is then only logged, as aux_loss). Under --adapter the router
     itself stays frozen, so the loss moves the experts' inputs only."""
 

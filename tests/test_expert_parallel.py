@@ -13,12 +13,13 @@ import torch
 from conftest import losses
 from safetensors.torch import load_file
 from test_families import train
+from transformers import AutoConfig
 
 from pipeline.config_merge import from_flat
 from pipeline.errors import UserError
 from pipeline.model.modeling import meta_model
 from pipeline.prep.tiny import family_config
-from pipeline.strategies.expert_parallel import degree
+from pipeline.strategies.expert_parallel import auto_off, degree
 from pipeline.strategies.registry import settle
 
 
@@ -86,6 +87,14 @@ def test_what_expert_parallelism_cannot_take_is_one_line_before_any_work():
     auto = settle(config(strategy="fsdp2", expert_parallel="auto")).model
     assert [degree(auto, moe, 2, 2), degree(auto, moe, 4, 2), degree(auto, moe, 3, 3), degree(auto, llama4, 2, 2),
             degree(auto, family_config("llama", 512, 0, 1), 2, 2)] == [2, 1, 1, 1, 1]
+    olmoe = AutoConfig.for_model("olmoe", vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=4, num_experts=4, num_experts_per_tok=2)
+    assert degree(auto, olmoe, 2, 2) == 1 and degree(m, olmoe, 2, 2) == 2  # auto: the suite's families only
+    assert auto_off(auto, olmoe, 2, 2).startswith("model_type 'olmoe' is not one of the families the suite trains")
+    assert auto_off(auto, moe, 3, 3) == "3 shard rank(s) do not split the 4 experts of each layer"
+    assert auto_off(auto, moe, 2, 1) == "the 2 shard ranks span nodes (all-to-all would cross them)"
+    assert auto_off(settle(config(strategy="fsdp2", expert_parallel="auto", adapter="lora")).model, moe, 2, 2) == \
+        "--adapter lora"
 
 
 def test_qwen3_moe_with_expert_parallelism_trains_as_one_process_and_resumes_at_another_degree(family_env, tmp_path):
@@ -152,3 +161,26 @@ def test_the_estimate_leaves_split_experts_ungathered_and_counts_their_all_to_al
     assert traffic_bytes(shape, on) == int(traffic_bytes(shape, off) - gathers_and_reduction
                                            + 2 * 2 * rows * 64 * 4 / 2)
     assert estimate(shape, replace(off, expert_parallel=3)) == estimate(shape, off)
+
+
+def test_a_rank_whose_experts_get_no_token_still_takes_part_in_the_backward(family_env, tmp_path):
+    """Every token routed to rank 0's experts, under transformers' loop-style experts (which return a tensor with no
+    graph when no expert is hit): both ranks finish the backward (rank 1 would otherwise skip the all-to-alls rank 0
+    waits in), rank 1's experts get zero gradients, not none, and the loss and norm are those without expert
+    parallelism."""
+    from conftest import ROOT, torchrun
+
+    from pipeline.prep.tiny import build_family
+
+    model = build_family(tmp_path / "qwen3-moe", "qwen3-moe")
+    out = tmp_path / "rows.jsonl"
+    proc = torchrun(2, ROOT / "tests" / "helpers" / "ep_starved_rank.py", model, out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["rank"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(rows) == [0, 1]
+    for row in rows.values():
+        assert row["2"]["loss"] == pytest.approx(row["1"]["loss"], abs=1e-6)
+        assert row["2"]["norm"] == pytest.approx(row["1"]["norm"], rel=1e-5)
+    starved = rows[1]["2"]["grads"]
+    assert starved and all(g == 0.0 for g in starved.values())  # zeros, every one present
+    assert all(g > 0 for g in rows[0]["2"]["grads"].values())

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, torchrun
+from conftest import ROOT, losses, torchrun
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.config import ModelConfig
@@ -101,6 +101,37 @@ def test_only_the_training_forward_records_and_the_config_s_coefficient_is_the_d
             AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(family_models["llama"])))
 
 
+def test_a_config_that_asks_for_the_balancing_loss_gets_it_once(family_models, group_of_one, tmp_path):
+    """output_router_logits in the model's config: the transform adds the config's coefficient times the loss, and
+    the model's own forward (the HF loss path, labels given) no longer adds it a second time; the exported config
+    still asks for it; --router-aux-loss-coef 0 turns it off."""
+    import shutil
+
+    model_dir = tmp_path / "moe"
+    shutil.copytree(family_models["qwen3-moe"], model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "output_router_logits": True,
+                                                       "router_aux_loss_coef": 0.05}))
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    b = batch(group_of_one)
+    with torch.no_grad():
+        plain = reference(input_ids=b.input_ids, labels=b.labels, output_router_logits=False).loss.item()
+        theirs = reference(input_ids=b.input_ids, labels=b.labels).loss.item()
+    for coef, expected in ((-1.0, theirs), (0.0, plain)):
+        s = built(model_dir, group_of_one, router_aux_loss_coef=coef)
+        assert s.module.config.output_router_logits
+        with s.recording(), torch.no_grad():
+            loss = CausalLMLoss(s.head())(b, 2 * 15)
+        with torch.no_grad():  # the trainer's forward with gradients on records; here the term is asked alone
+            aux = s.auxiliary_loss()
+        assert aux is None  # no_grad: nothing recorded
+        with s.recording():
+            loss = CausalLMLoss(s.head())(b, 2 * 15)
+        aux = s.auxiliary_loss()
+        assert loss.item() == pytest.approx(plain, abs=2e-6)
+        assert (loss + (aux if aux is not None else 0)).item() == pytest.approx(expected, abs=2e-6)
+
+
 def test_a_forced_router_collapse_shows_in_the_load_and_is_one_warning(family_models, group_of_one):
     """A router made to send every token to experts 0 and 1 (of 4, 2 per token): each layer's load is twice the
     mean on the busiest expert and 2 experts idle, and one warning names every layer, once."""
@@ -153,6 +184,26 @@ def test_activation_checkpointing_gives_every_moe_family_the_same_gradients(fami
             torch.testing.assert_close(grads[mode][name], g, rtol=0, atol=1e-7 if family == "qwen3_5_moe" else 0,
                                        msg=f"{mode} {name}")
         assert counts[mode] == counts["none"]
+
+
+def test_two_ranks_train_the_same_balancing_term_whether_gradients_are_averaged_or_summed(train_env, tmp_path):
+    """fsdp2 averages the gradients of the model's own loss and sums those of the vocabulary-parallel one (already
+    the mean over every rank's tokens): the router's term, each rank's own, must weigh the same under both, so the
+    two runs train the same losses."""
+    from pipeline.prep.hub import import_local
+    from pipeline.prep.tiny import build_family
+
+    hf = tmp_path / "hf"
+    import_local(build_family(tmp_path / "qwen3-moe", "qwen3-moe"), "local/qwen3-moe", "main", hf / "hub")
+    for name, vocab in (("summed", "on"), ("averaged", "off")):
+        args = ["-d", train_env["dataset"], "-m", "local/qwen3-moe", "--save-dir", tmp_path, "-e", name, "--config",
+                ROOT / "configs" / "demo.yaml", "--log-freq", "1", "--eval-freq", "0", "--ckpt-freq", "0",
+                "--max-steps", "3", "--strategy", "fsdp2", "--router-aux-loss-coef", "0.5", "-b", "2",
+                "--vocab-parallel", vocab, "--precision", "fp32"]
+        proc = torchrun(2, ROOT / "fsdp1.py", *args, env={**train_env["env"], "HF_HOME": str(hf)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    got, expected = (losses(tmp_path / name) for name in ("summed", "averaged"))
+    assert sorted(got) == [1, 2, 3] and got == pytest.approx(expected, rel=1e-5)
 
 
 def test_two_ranks_log_the_aux_loss_and_every_layer_s_load(train_env, tmp_path):

@@ -59,8 +59,9 @@ def read_adapter_folder(path: Path) -> AdapterFolder:
     targets, parameters = conf.get("target_modules") or [], conf.get("target_parameters") or []
     if not isinstance(targets, list) or not isinstance(parameters, list) or not targets + parameters or \
             not all(isinstance(t, str) for t in targets + parameters):
-        raise UserError(f"{path}: {CONFIG}'s target_modules must be a list of module names (and target_parameters "
-                        f"one of fused expert weights), got {conf.get('target_modules')!r}")
+        raise UserError(f"{path}: {CONFIG}'s target_modules must be a list of module names and target_parameters "
+                        f"one of fused expert weights, one of them not empty; got {conf.get('target_modules')!r} and "
+                        f"{conf.get('target_parameters')!r}")
     if not (path / WEIGHTS).is_file():
         raise UserError(f"{path} has no {WEIGHTS}")
     settings["lora_targets"] = ",".join(sorted(targets) + sorted(EXPERTS_PREFIX + p for p in parameters))

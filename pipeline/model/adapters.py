@@ -84,7 +84,8 @@ def is_router(module: nn.Linear, config) -> bool:
 def default_targets(model: nn.Module) -> list[str]:
     """The leaf names of every linear layer in the decoder blocks (q_proj, ..., down_proj), a mixture of experts'
     router left out, and those peft would put on the fused experts instead (retargeted_by_peft)."""
-    return sorted(linear_names(model) - retargeted_by_peft(model, linear_names(model)))
+    names = linear_names(model)
+    return sorted(names - retargeted_by_peft(model, names))
 
 
 def linear_names(model: nn.Module) -> set[str]:

@@ -25,7 +25,7 @@ from torch import nn
 
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
-from pipeline.model.modeling import decoder_layers, in_routed_experts, moe_shape, routing_arguments
+from pipeline.model.modeling import decoder_layers, in_routed_experts, moe_shape, routing_arguments, trunk
 from pipeline.model.transforms import ModelTransform
 
 COLLAPSED_SHARE = 0.9
@@ -48,6 +48,11 @@ def aux_loss_function(model: nn.Module) -> Callable | None:
     """The family's own load-balancing loss (its modeling module's load_balancing_loss_func), or None where
     transformers defines none (DeepSeek-V3, GLM-4-MoE: routers balanced by a bias instead)."""
     return getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
+
+
+def without_router_logits(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward pre-hook: output_router_logits=False unless the caller passed it."""
+    return args, {"output_router_logits": False, **kwargs}
 
 
 class RouterBalance(ModelTransform):
@@ -88,6 +93,12 @@ class RouterBalance(ModelTransform):
         if self.coef and (self.aux_fn is None or recorder is None):
             raise UserError(f"--router-aux-loss-coef {self.coef:g}: transformers defines no auxiliary load-balancing "
                             f"loss for {model.config.model_type} (its routers are balanced otherwise); leave it out")
+        if own:
+            # the transform adds the term itself: the causal LM's forward, which reads output_router_logits from the
+            # config, would add it a second time into the loss it returns (the config itself is left as it is, for
+            # the export)
+            for module in {model, trunk(model)}:
+                module.register_forward_pre_hook(without_router_logits, with_kwargs=True)
         watched = self._hook(model, recorder)
         if not watched:
             self.notes.append(f"expert load figures: {model.config.model_type}'s experts take no routing indices, "
@@ -143,7 +154,8 @@ class RouterBalance(ModelTransform):
         logits, self.logits = self.logits, []
         if not logits or self.aux_fn is None:
             return None
-        aux = self.aux_fn(tuple(logits), self.experts, self.top_k, None)
+        with contextlib.nullcontext() if self.coef else torch.no_grad():  # only logged: no graph to keep
+            aux = self.aux_fn(tuple(logits), self.experts, self.top_k, None)
         self.aux = self.aux.to(aux.device) + torch.stack([aux.detach().double(), aux.new_ones((), dtype=torch.float64)])
         return self.coef * aux if self.coef else None
 

@@ -258,9 +258,20 @@ class Strategy(ABC):
             yield
 
     def auxiliary_loss(self) -> torch.Tensor | None:
-        """The transforms' own terms for the loss of the forward just recorded (a router's load balancing), or None."""
+        """The transforms' own terms for the loss of the forward just recorded (a router's load balancing, this rank's
+        tokens' as transformers computes it per device), or None; scaled so that the gradient over the ranks is their
+        mean, whether the strategy averages gradients or sums them (sums_gradients)."""
         terms = [t for transform in self.transforms if (t := transform.auxiliary_loss()) is not None]
-        return sum(terms[1:], terms[0]) if terms else None
+        if not terms:
+            return None
+        total = sum(terms[1:], terms[0])
+        return total / self.dist.world_size if self.sums_gradients else total
+
+    @property
+    def sums_gradients(self) -> bool:
+        """Whether the gradients are summed over the ranks rather than averaged (a loss that is already the mean over
+        every rank's tokens: fsdp2's vocabulary-parallel head). Averaged here."""
+        return False
 
     def transform_metrics(self) -> dict:
         """The transforms' figures over the log window, reduced over every rank (a collective: every rank calls it)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterator
 
 import torch
@@ -29,7 +30,14 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
-from pipeline.model.modeling import decoder_layers, in_routed_experts, meta_model, moe_shape, routing_arguments
+from pipeline.model.modeling import (
+    decoder_layers,
+    in_routed_experts,
+    meta_model,
+    moe_shape,
+    routing_arguments,
+    untested_family,
+)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -83,17 +91,14 @@ def auto_blocked(cfg: ModelConfig) -> str:
 
 
 def degree(cfg: ModelConfig, hf_config, shard_ranks: int, node_ranks: int, model: nn.Module | None = None) -> int:
-    """--expert-parallel resolved for this model and mesh: 1 (off), or the ranks FSDP shards over. auto: those,
-    where there are 2 or more, they divide the experts, sit on one node and the experts take routing indices; else 1.
-    A number asked for that this cannot give is one line. model: the one being built (else one is built on the meta
-    device, to find its experts modules)."""
-    experts, _ = moe_shape(hf_config)
+    """--expert-parallel resolved for this model and mesh: 1 (off), or the ranks FSDP shards over (auto: where
+    auto_off finds nothing against it). A number asked for that this cannot give is one line. model: the one being
+    built (else one is built on the meta device, to find its experts modules)."""
     if cfg.expert_parallel == "auto":
-        fits = experts and shard_ranks > 1 and experts % shard_ranks == 0 and shard_ranks <= node_ranks
-        return shard_ranks if fits and not auto_blocked(cfg) and not unroutable(model or meta_model(hf_config)) else 1
+        return 1 if auto_off(cfg, hf_config, shard_ranks, node_ranks, model) else shard_ranks
     if not expert_parallel_asked(cfg):
         return 1
-    n = int(cfg.expert_parallel)
+    n, (experts, _) = int(cfg.expert_parallel), moe_shape(hf_config)
     if not experts:
         raise UserError(f"--expert-parallel {n}: {hf_config.model_type} is not a mixture of experts")
     if n != shard_ranks:
@@ -107,6 +112,25 @@ def degree(cfg: ModelConfig, hf_config, shard_ranks: int, node_ranks: int, model
     return n
 
 
+def auto_off(cfg: ModelConfig, hf_config, shard_ranks: int, node_ranks: int, model: nn.Module | None = None) -> str:
+    """Why --expert-parallel auto leaves this run's experts gathered ("" where it splits them): settings it does not
+    take, a degree that does not divide the experts or spans nodes, a family the suite does not train (its tiny model
+    proven against one process: a named degree still splits it, bench/moe_families.py checks the registry), or
+    experts that cannot be split."""
+    experts, _ = moe_shape(hf_config)
+    if not experts:
+        return f"{hf_config.model_type} is not a mixture of experts"
+    if why := auto_blocked(cfg):
+        return why
+    if shard_ranks < 2 or experts % shard_ranks:
+        return f"{shard_ranks} shard rank(s) do not split the {experts} experts of each layer"
+    if shard_ranks > node_ranks:
+        return f"the {shard_ranks} shard ranks span nodes (all-to-all would cross them)"
+    if why := untested_family(hf_config):
+        return f"{why}; --expert-parallel {shard_ranks} splits it"
+    return unroutable(model or meta_model(hf_config))
+
+
 def unroutable(model: nn.Module) -> str:
     """Why the model's experts cannot be split by expert ("" when they can): an experts module that takes no routing
     indices (Llama 4's run every expert on every token, scaled by the router's scores), or one whose weights are not
@@ -118,6 +142,10 @@ def unroutable(model: nn.Module) -> str:
         if routing_arguments(module) is None:
             return (f"{type(module).__name__} ({name}) takes no routing indices (its experts run on every token), so "
                     "there are no tokens to send to experts")
+        required = [p for p in inspect.signature(module.forward).parameters.values()
+                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(required) > 3:  # what else it takes could not travel with the tokens
+            return f"{type(module).__name__} ({name}) takes more than the tokens and their routing"
         for leaf, param in module.named_parameters(recurse=False):
             if param.shape[0] != getattr(module, "num_experts", None):
                 return f"{name}.{leaf} is not laid out by expert ({tuple(param.shape)})"
@@ -125,11 +153,12 @@ def unroutable(model: nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def local_experts(module: nn.Module, leaves: list[str], dtype: torch.dtype, count: int) -> Iterator[None]:
+def local_experts(module: nn.Module, leaves: list[str], dtype: torch.dtype, count: int
+                  ) -> Iterator[list[torch.Tensor]]:
     """The experts module seen as holding only this rank's experts: each weight its local shard in the compute dtype
     (a differentiable view of the DTensor parameter, so the gradient reaches it), num_experts their count. Its
     forward is called directly, not through the module (whose hooks saw the global routing already). The parameters
-    are the module's own at the call (to_empty gave it new ones after shard())."""
+    are the module's own at the call (to_empty gave it new ones after shard()). Yields the local views."""
     saved = {leaf: module._parameters[leaf] for leaf in leaves}
     views = {leaf: p.to_local().to(dtype if p.dtype.is_floating_point else p.dtype) for leaf, p in saved.items()}
     experts = module.num_experts
@@ -138,7 +167,7 @@ def local_experts(module: nn.Module, leaves: list[str], dtype: torch.dtype, coun
         module.__dict__[leaf] = view
     module.num_experts = count
     try:
-        yield
+        yield list(views.values())
     finally:
         module.num_experts = experts
         for leaf, param in saved.items():
@@ -195,8 +224,13 @@ class ExpertParallel:
         ids = torch.empty(sum(recv), dtype=flat.dtype, device=flat.device)
         dist.all_to_all_single(ids, flat[order] % per_rank, recv, send, group=self.group)
         arrived = exchange(rows, recv, send, self.group)
-        with local_experts(module, leaves, self.dtype, per_rank):  # the family's own function, each row weighted 1
+        with local_experts(module, leaves, self.dtype, per_rank) as views:  # the family's own function, rows weighted 1
             done = own(arrived, ids[:, None], arrived.new_ones((len(ids), 1)))
+            if not len(ids):
+                # no row for this rank's experts: a loop-style experts function then returns a tensor with no graph,
+                # and this rank would skip the two all-to-alls of the backward every other rank enters (a hang), and
+                # leave its experts without a gradient where the others have one
+                done = done + sum((v.sum() for v in views if v.is_floating_point()), arrived.sum()) * 0
         back = exchange(done, send, recv, self.group)
         out = hidden_states.new_zeros((flat.shape[0], back.shape[1]), dtype=back.dtype).index_copy(0, order, back)
         slots = out.reshape(index.shape[0], index.shape[1], -1) * weights.unsqueeze(-1).to(out.dtype)

@@ -32,7 +32,7 @@ from pipeline.model.head import Head
 from pipeline.model.modeling import decoder_layers, moe_shape, trunk, untested_family
 from pipeline.model.vocab_parallel import VocabParallelEmbedding, unsupported_terms
 from pipeline.strategies.base import Strategy
-from pipeline.strategies.expert_parallel import ExpertParallel, auto_blocked, degree, unroutable
+from pipeline.strategies.expert_parallel import ExpertParallel, auto_off, degree
 
 log = logging.getLogger("pipeline")  # the run's logger (pipeline/train/telemetry.py sets its handlers)
 
@@ -192,11 +192,11 @@ class FSDP2(Strategy):
         over every rank's tokens."""
         n = degree(self.cfg, model.config, self.mesh.size(-1), self.dist.local_world_size, model)
         if n == 1:
-            if self.cfg.expert_parallel == "auto" and moe_shape(model.config)[0] and self.dist.is_main and \
-                    (why := auto_blocked(self.cfg) or unroutable(model)):
-                log.info("expert parallelism off (--expert-parallel auto): %s", why)
+            if self.cfg.expert_parallel == "auto" and moe_shape(model.config)[0] and self.dist.is_main:
+                log.info("expert parallelism off (--expert-parallel auto): %s", auto_off(
+                    self.cfg, model.config, self.mesh.size(-1), self.dist.local_world_size, model))
             return set()
-        self.experts = ExpertParallel(self.mesh, self.dtype, 1.0 if self.vocab_parallel else self.dist.world_size)
+        self.experts = ExpertParallel(self.mesh, self.dtype, 1.0 if self.sums_gradients else self.dist.world_size)
         ignored = self.experts.shard(model)
         if self.dist.is_main:
             total, _ = moe_shape(model.config)
@@ -205,8 +205,8 @@ class FSDP2(Strategy):
         return ignored
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        # after the step's last backward and before the norm: the experts' gradients reduced as FSDP's (a collective
-        # under HYBRID_SHARD; called once per step by every rank)
+        # after the step's last backward and before the norm (once per step): the experts' gradients divided as
+        # FSDP divides the others'; no collective
         if self.experts is not None:
             self.experts.reduce_gradients()
         return super().clip_grad_norm(max_norm)
@@ -218,6 +218,10 @@ class FSDP2(Strategy):
             if isinstance(module, FSDPModule):
                 module.set_custom_all_gather(gather)
                 module.set_custom_reduce_scatter(scatter)
+
+    @property
+    def sums_gradients(self) -> bool:
+        return self.vocab_parallel  # _shard sets each unit's divide factor to 1 then
 
     def comm_seconds(self) -> float | None:
         return None if self.clock is None else self.clock.read()

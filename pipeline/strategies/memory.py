@@ -72,6 +72,10 @@ class Shape:
     """Routed-expert parameters of the decoder layer that holds the most (0 for a dense model)."""
     top_k: int = 0
     """Experts each token is routed to (0 for a dense model)."""
+    routable: bool = False
+    """Whether expert parallelism can split the experts (pipeline/strategies/expert_parallel.unroutable)."""
+    tested: bool = False
+    """Whether the family is one the suite trains (--expert-parallel auto splits only those)."""
     packs_to: int = 0
     """The longest prompt plus completion GRPO may score in packed rows (pipeline/rl/packing.py; 0: never)."""
     costs: Costs | None = None
@@ -84,7 +88,8 @@ class Shape:
 
         from pipeline.errors import UserError
         from pipeline.model.adapters import default_targets
-        from pipeline.model.modeling import decoder_layers, in_routed_experts, meta_model, moe_shape
+        from pipeline.model.modeling import decoder_layers, in_routed_experts, meta_model, moe_shape, untested_family
+        from pipeline.strategies.expert_parallel import unroutable
 
         try:
             model = meta_model(config)
@@ -107,7 +112,8 @@ class Shape:
         return cls(hidden, sum(i for _, i in widths) // n, sum(k for k, _ in widths) // n, n, text.vocab_size,
                    bool(getattr(text, "tie_word_embeddings", False)), max(sizes), sum(sizes),
                    sum(p.numel() for p in model.parameters()), linears, experts, routed, moe_shape(config)[1],
-                   packed_span(text), Costs.of(text))
+                   bool(experts) and not unroutable(model), not untested_family(config), packed_span(text),
+                   Costs.of(text))
 
     def adapter_params(self, work: Workload) -> int:
         """Trainable parameters of the workload's adapter: r x (in + out) per adapted linear layer (DoRA: + out, its
@@ -145,11 +151,12 @@ class Shape:
         return self.adapter_params(work) if work.adapter != "none" else self.num_params
 
     def split_experts(self, work: Workload) -> int:
-        """Ranks each layer's routed experts are split over by expert parallelism (1: not split): --expert-parallel's
-        degree where it divides the experts (pipeline/strategies/expert_parallel.degree decides the run's)."""
+        """Ranks each layer's routed experts are split over by expert parallelism (1: not split), as
+        pipeline/strategies/expert_parallel.degree decides the run's: the degree named, or under auto (0) the world
+        where the family is tested; only where it divides the experts and they can be split."""
         experts = self.experts[0][1] if self.experts else 0
-        n = work.expert_parallel
-        return n if n > 1 and experts and experts % n == 0 else 1
+        n = work.expert_parallel or (work.world_size if self.tested else 1)
+        return n if n > 1 and experts and experts % n == 0 and self.routable else 1
 
     @property
     def routed_params(self) -> int:
@@ -260,8 +267,8 @@ class Workload:
     """Other models every rank holds through every moment (GRPO's reward models, whole, in the compute dtype)."""
     selective_checkpointing: bool = False
     expert_parallel: int = 1
-    """--expert-parallel's degree (1: off): each layer's routed experts split over that many ranks, never gathered,
-    tokens sent to them by all-to-all."""
+    """--expert-parallel's degree (1: off; 0: auto, where the settings allow it): each layer's routed experts split
+    over that many ranks, never gathered, tokens sent to them by all-to-all (Shape.split_experts resolves it)."""
 
 
 @dataclass(frozen=True)

@@ -133,15 +133,15 @@ def workload(cfg: Config, device: str, world_size: int, local_world_size: int, r
     return Workload(m.strategy, m.sharding, world_size, local_world_size, dtype.itemsize, batch, seq,
                     cfg.train.grad_accum, m.activation_checkpointing, uses_vocab_parallel(m), m.cpu_offload, device,
                     m.adapter, m.lora_rank, m.lora_targets, generation, resident_params * dtype.itemsize,
-                    m.selective_checkpointing, planned_degree(m, world_size))
+                    m.selective_checkpointing, planned_degree(m, world_size, local_world_size))
 
 
-def planned_degree(m: ModelConfig, world_size: int) -> int:
-    """--expert-parallel as the estimate counts it: the number given, or under auto the ranks FULL_SHARD or
-    SHARD_GRAD_OP shard over (Shape.split_experts then keeps it only where it divides the experts)."""
+def planned_degree(m: ModelConfig, world_size: int, local_world_size: int) -> int:
+    """--expert-parallel as the estimate counts it: the number given; under auto 1 where the settings or a launch
+    over nodes keep it off, else 0 (the model's side decided by Shape.split_experts)."""
     if m.expert_parallel != "auto":
         return int(m.expert_parallel)
-    return 1 if auto_blocked(m) else world_size
+    return 1 if auto_blocked(m) or world_size > local_world_size else 0
 
 
 def estimate(shape: Shape, work: Workload) -> Estimate:

@@ -63,7 +63,7 @@ def train_step(strategy: Strategy, objective: Objective, micro: Sequence[np.ndar
                     with strategy.recording():
                         loss = objective(batch, targets)
                     # a MoE router's balancing term, per micro-batch as transformers adds it per forward, averaged
-                    # over the micro-steps as the HF Trainer's accumulation does (and over ranks by the gradients')
+                    # over the micro-steps as the HF Trainer's accumulation does (over the ranks: auxiliary_loss)
                     aux = strategy.auxiliary_loss()
                     trained = loss if aux is None else loss + aux / len(micro)
                 with timer.phase("backward"):
