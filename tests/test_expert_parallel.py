@@ -62,7 +62,7 @@ def test_what_expert_parallelism_cannot_take_is_one_line_before_any_work():
         ({"strategy": "fsdp2", "sharding": "HYBRID_SHARD"}, "--expert-parallel 2 needs --sharding FULL_SHARD or "
                                                             "SHARD_GRAD_OP"),
         ({"strategy": "fsdp2", "cpu_offload": True}, "--expert-parallel 2 cannot be combined with --cpu-offload"),
-        ({"strategy": "fsdp2", "adapter": "lora"}, "--expert-parallel 2 does not train adapters yet (--adapter lora)"),
+        ({"strategy": "fsdp2", "adapter": "dora"}, "--expert-parallel 2 trains LoRA adapters, not --adapter dora yet"),
     ]:
         with pytest.raises(UserError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
             settle(config(expert_parallel="2", **flags))
@@ -93,8 +93,9 @@ def test_what_expert_parallelism_cannot_take_is_one_line_before_any_work():
     assert auto_off(auto, olmoe, 2, 2).startswith("model_type 'olmoe' is not one of the families the suite trains")
     assert auto_off(auto, moe, 3, 3) == "3 shard rank(s) do not split the 4 experts of each layer"
     assert auto_off(auto, moe, 2, 1) == "the 2 shard ranks span nodes (all-to-all would cross them)"
-    assert auto_off(settle(config(strategy="fsdp2", expert_parallel="auto", adapter="lora")).model, moe, 2, 2) == \
-        "--adapter lora"
+    assert auto_off(settle(config(strategy="fsdp2", expert_parallel="auto", adapter="qlora")).model, moe, 2, 2) == \
+        "--adapter qlora"
+    assert degree(settle(config(strategy="fsdp2", expert_parallel="auto", adapter="lora")).model, moe, 2, 2) == 2
 
 
 def test_qwen3_moe_with_expert_parallelism_trains_as_one_process_and_resumes_at_another_degree(family_env, tmp_path):
@@ -184,3 +185,19 @@ def test_a_rank_whose_experts_get_no_token_still_takes_part_in_the_backward(fami
     starved = rows[1]["2"]["grads"]
     assert starved and all(g == 0.0 for g in starved.values())  # zeros, every one present
     assert all(g > 0 for g in rows[0]["2"]["grads"].values())
+
+
+def test_lora_on_the_experts_under_expert_parallelism_trains_as_one_process(family_env, tmp_path):
+    """LoRA on every linear layer and every fused expert weight, the experts split over 2 ranks (each adds its
+    experts' slices of B and A to its own experts; peft's wrappers pass through): every step's loss and gradient norm
+    as one process training the same adapter on the same blocks, and the same exported adapter."""
+    common = ("--max-steps", "3", "--strategy", "fsdp2", "--precision", "fp32", "--adapter", "lora", "--lora-rank",
+              "4")
+    proc = train(family_env, tmp_path, "local/qwen3-moe", "-e", "ep", *common, "--expert-parallel", "2", "-b", "2")
+    assert "expert parallelism: 4 experts per layer over 2 ranks (2 each)" in proc.stdout + proc.stderr
+    train(family_env, tmp_path, "local/qwen3-moe", "-e", "one", *common, "-b", "4", nproc=1)
+    assert_same_run(tmp_path / "ep", tmp_path / "one")
+    ours, theirs = (load_file(tmp_path / r / "adapter" / "adapter_model.safetensors") for r in ("ep", "one"))
+    assert ours.keys() == theirs.keys() and any(".experts.lora_A" in k for k in ours)
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=1e-5, msg=key)

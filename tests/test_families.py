@@ -243,10 +243,10 @@ def test_family_resumes_bitwise_exports_what_it_trained_and_ddp_agrees(family, f
 
 def test_lora_on_a_moe_trains_its_experts_on_two_ranks_resumes_on_one_and_exports_what_peft_loads(
         family_env, families, tmp_path, group_of_one):
-    """qwen3-moe with LoRA under fsdp2 on 2 ranks (each holding half of every fused expert weight and of its
-    adapter): the start line counts the experts' adapters among the trainable parameters; resumed from step 2 in one
-    process under ddp, the uninterrupted run's losses; peft's own model with the exported adapter computes the
-    checkpoint's logits, and so does the merged export."""
+    """qwen3-moe with LoRA under fsdp2 on 2 ranks (expert parallelism: each holding half of the experts, adding its
+    experts' slices of the adapter to them): the start line counts the experts' adapters among the trainable
+    parameters; resumed from step 2 in one process under ddp, the uninterrupted run's losses; peft's own model with
+    the exported adapter computes the checkpoint's logits, and so does the merged export."""
     from peft import PeftModel
     from safetensors.torch import load_file
 
@@ -257,7 +257,8 @@ def test_lora_on_a_moe_trains_its_experts_on_two_ranks_resumes_on_one_and_export
     in_experts = sum(v.numel() for k, v in adapter.items() if ".experts." in k)
     total = sum(v.numel() for v in adapter.values())
     assert in_experts and f"({total:,} trainable, of which {in_experts:,} in experts)" in first.stdout + first.stderr
-    assert "expert parallelism off (--expert-parallel auto): --adapter lora" in first.stdout + first.stderr
+    # --expert-parallel auto, the default: the experts and their adapters split over the 2 ranks
+    assert "expert parallelism: 4 experts per layer over 2 ranks (2 each)" in first.stdout + first.stderr
     again = tmp_path / "again"
     shutil.copytree(tmp_path / "r", again / "r")
     train(family_env, again, model, "-e", "r", "--max-steps", "4", "--strategy", "ddp", "-b", "4", "--resume-from",

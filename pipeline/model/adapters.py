@@ -329,10 +329,8 @@ class LowRankAdapter(ModelTransform):
         a, b = ((t.full_tensor() if isinstance(t, DTensor) else t).float() for t in (a, b))  # collectives
         n = weight.shape[0]
         mine = self._my_rows(torch.arange(n), weight) if isinstance(weight, DTensor) else torch.arange(n)
-        a = a.reshape(n, -1, a.shape[-1])[mine]  # experts x r x in
-        b = b.reshape(b.shape[0], -1, n).permute(2, 0, 1)[mine]  # experts x out x r
-        delta = self.scaling * torch.bmm(b, a)  # experts x out x in
-        rows = local(weight).float() + (delta if adapter.out_first else delta.transpose(1, 2)).to(local(weight).device)
+        delta = experts_delta(a, b, n, mine, self.scaling, adapter.out_first)
+        rows = local(weight).float() + delta.to(local(weight).device)
         if isinstance(weight, DTensor):
             return DTensor.from_local(rows, weight.device_mesh, weight.placements, run_check=False,
                                       shape=weight.shape, stride=weight.stride())
@@ -380,6 +378,26 @@ class ExpertAdapter:
     out_first: bool
     """peft reads the weight as experts x out x in (False: experts x in x out, where transformers' experts module
     says is_transposed)."""
+
+
+def experts_delta(a: torch.Tensor, b: torch.Tensor, experts: int, which: torch.Tensor, scaling: float,
+                  out_first: bool) -> torch.Tensor:
+    """scaling x B_e A_e for the experts `which` of peft's LoRA on a fused expert weight (A: (experts x r) x in, expert
+    by expert; B: out x (r x experts), the expert the fastest index), laid out as the weight: experts x out x in where
+    peft reads it out first, else experts x in x out."""
+    a = a.reshape(experts, -1, a.shape[-1])[which]  # experts x r x in
+    b = b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)[which]  # experts x out x r
+    delta = scaling * torch.bmm(b, a)
+    return delta if out_first else delta.transpose(1, 2)
+
+
+def wrapper_delta(wrapper: nn.Module, which: torch.Tensor, out_first: bool) -> torch.Tensor | None:
+    """The update peft's LoRA wrapper (its ParamWrapper) adds to the experts `which` of the fused weight it wraps, as
+    it computes it in its forward; None while its adapters are off (adapters_disabled: a reference pass)."""
+    if wrapper.disable_adapters or ADAPTER_NAME not in wrapper.lora_A:
+        return None
+    return experts_delta(wrapper.lora_A[ADAPTER_NAME].weight, wrapper.lora_B[ADAPTER_NAME].weight,
+                         wrapper.num_experts, which, wrapper.scaling[ADAPTER_NAME], out_first)
 
 
 def expert_adapters(model: nn.Module) -> dict[str, ExpertAdapter]:

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
+from pipeline.model.adapters import wrapper_delta
 from pipeline.model.modeling import (
     decoder_layers,
     in_routed_experts,
@@ -87,7 +88,7 @@ def auto_blocked(cfg: ModelConfig) -> str:
         return f"--sharding {cfg.sharding}"
     if cfg.cpu_offload:
         return "--cpu-offload"
-    return f"--adapter {cfg.adapter}" if cfg.adapter != "none" else ""
+    return f"--adapter {cfg.adapter}" if cfg.adapter not in ("none", "lora") else ""
 
 
 def degree(cfg: ModelConfig, hf_config, shard_ranks: int, node_ranks: int, model: nn.Module | None = None) -> int:
@@ -153,14 +154,18 @@ def unroutable(model: nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def local_experts(module: nn.Module, leaves: list[str], dtype: torch.dtype, count: int
-                  ) -> Iterator[list[torch.Tensor]]:
+def local_experts(module: nn.Module, leaves: list[str], dtype: torch.dtype, count: int,
+                  updates: dict[str, torch.Tensor | None]) -> Iterator[list[torch.Tensor]]:
     """The experts module seen as holding only this rank's experts: each weight its local shard in the compute dtype
     (a differentiable view of the DTensor parameter, so the gradient reaches it), num_experts their count. Its
     forward is called directly, not through the module (whose hooks saw the global routing already). The parameters
-    are the module's own at the call (to_empty gave it new ones after shard()). Yields the local views."""
+    are the module's own at the call (to_empty gave it new ones after shard()). updates: an adapter's update of a
+    weight's local experts, added to it (LoRA on the experts). Yields the local views."""
     saved = {leaf: module._parameters[leaf] for leaf in leaves}
     views = {leaf: p.to_local().to(dtype if p.dtype.is_floating_point else p.dtype) for leaf, p in saved.items()}
+    for leaf, update in updates.items():
+        if update is not None:
+            views[leaf] = views[leaf] + update.to(views[leaf].dtype)
     experts = module.num_experts
     for leaf, view in views.items():
         del module._parameters[leaf]
@@ -173,6 +178,24 @@ def local_experts(module: nn.Module, leaves: list[str], dtype: torch.dtype, coun
         for leaf, param in saved.items():
             module.__dict__.pop(leaf, None)
             module._parameters[leaf] = param
+
+
+def peft_wrappers(layer: nn.Module, name: str) -> dict[str, nn.Module]:
+    """The LoRA wrappers peft put around the experts module `name` of the layer (experts.base_layer.base_layer: one
+    per adapted weight), by the weight each adapts; each made to pass its call through to what it wraps, since the
+    split forward adds the adapter's update to the local experts itself (peft's own would add every expert's to the
+    split weight). Empty where there is no adapter."""
+    wrappers, outer = {}, name
+    while outer.endswith(".base_layer"):
+        outer = outer.removesuffix(".base_layer")
+        wrapper = layer.get_submodule(outer)
+        wrappers[wrapper.parameter_name] = wrapper
+        wrapper.forward = functools.partial(passed_through, wrapper)
+    return wrappers
+
+
+def passed_through(wrapper: nn.Module, *args, **kwargs):
+    return wrapper.base_layer(*args, **kwargs)
 
 
 class ExpertParallel:
@@ -191,22 +214,28 @@ class ExpertParallel:
 
     def shard(self, model: nn.Module) -> set[nn.Parameter]:
         """Every experts module's weights as DTensors of E/N whole experts per rank (on the meta device, before
-        to_empty), and its forward routed through all-to-all; the parameters FSDP must leave alone."""
+        to_empty), and its forward routed through all-to-all; the parameters FSDP must leave alone. Where peft
+        wrapped the experts (LoRA on their fused weights: one ParamWrapper per weight around the module), each
+        wrapper passes its call through and the split forward adds its update to this rank's experts itself."""
         ignored: set[nn.Parameter] = set()
-        for _, module in experts_modules(model):  # each checked by degree() (unroutable)
-            args = routing_arguments(module)
-            leaves = []
-            for leaf, param in list(module.named_parameters(recurse=False)):
-                sharded = nn.Parameter(distribute_tensor(param, self.mesh, [Shard(0)]), param.requires_grad)
-                setattr(module, leaf, sharded)
-                leaves.append(leaf)
-                ignored.add(sharded)
-            self.modules.append((module, leaves))
-            module.forward = functools.partial(self._forward, module, module.forward, leaves, args)
+        for layer in decoder_layers(model):
+            for name, module in layer.named_modules():
+                if not (in_routed_experts(name) and any(p.ndim == 3 for p in module.parameters(recurse=False))):
+                    continue  # each split one checked by degree() (unroutable)
+                wrappers = peft_wrappers(layer, name)
+                leaves = []
+                for leaf, param in list(module.named_parameters(recurse=False)):
+                    sharded = nn.Parameter(distribute_tensor(param, self.mesh, [Shard(0)]), param.requires_grad)
+                    setattr(module, leaf, sharded)
+                    leaves.append(leaf)
+                    ignored.add(sharded)
+                self.modules.append((module, leaves))
+                module.forward = functools.partial(self._forward, module, module.forward, leaves,
+                                                   routing_arguments(module), wrappers)
         return ignored
 
     def _forward(self, module: nn.Module, own, leaves: list[str], args: tuple[str, str],
-                 hidden_states: torch.Tensor, *rest, **named) -> torch.Tensor:
+                 wrappers: dict[str, nn.Module], hidden_states: torch.Tensor, *rest, **named) -> torch.Tensor:
         """The experts' output for this rank's tokens, computed by the ranks that hold each token's experts. Two
         all-to-alls each way (the counts, then the rows; a host sync on the counts), every rank of the group in
         the same order: a collective every rank must reach, in every layer's forward (and its recomputation)."""
@@ -224,7 +253,10 @@ class ExpertParallel:
         ids = torch.empty(sum(recv), dtype=flat.dtype, device=flat.device)
         dist.all_to_all_single(ids, flat[order] % per_rank, recv, send, group=self.group)
         arrived = exchange(rows, recv, send, self.group)
-        with local_experts(module, leaves, self.dtype, per_rank) as views:  # the family's own function, rows weighted 1
+        mine = torch.arange(per_rank, device=flat.device) + dist.get_rank(self.group) * per_rank
+        updates = {leaf: wrapper_delta(w, mine, not getattr(module, "is_transposed", False))
+                   for leaf, w in wrappers.items()}
+        with local_experts(module, leaves, self.dtype, per_rank, updates) as views:  # the family's own function
             done = own(arrived, ids[:, None], arrived.new_ones((len(ids), 1)))
             if not len(ids):
                 # no row for this rank's experts: a loop-style experts function then returns a tensor with no graph,

@@ -370,7 +370,9 @@ def merged_expert_bytes(shape: Shape, work: Workload) -> int:
     the layers (measured: 25.2 MB of fp32 experts saved 26.2 MB more than the same model with attention adapters
     only). A product's output that checkpointing of either kind recomputes (baddbmm is not among the operators
     selective checkpointing keeps; not measured under it)."""
-    return sum(e * a * b for _, e, a, b in shape.adapted_experts(work)) // shape.layers * work.compute_bytes
+    # under expert parallelism a rank adds the update to its own experts only
+    return sum(e * a * b for _, e, a, b in shape.adapted_experts(work)) // shape.layers // shape.split_experts(work) \
+        * work.compute_bytes
 
 
 class StrategyTerms(Protocol):

@@ -81,9 +81,9 @@ def _check_expert_parallel(m: ModelConfig) -> None:
                         f"FSDP shards over, with no replicas), got {m.sharding}")
     if m.cpu_offload:
         raise UserError(f"{name} cannot be combined with --cpu-offload (a rank's experts stay on its device)")
-    if m.adapter != "none":
-        raise UserError(f"{name} does not train adapters yet (--adapter {m.adapter}): use --expert-parallel 1, "
-                        "which adapts the experts under fsdp2")
+    if m.adapter not in ("none", "lora"):
+        raise UserError(f"{name} trains LoRA adapters, not --adapter {m.adapter} yet: use --adapter lora, or "
+                        "--expert-parallel 1")
 
 
 def _check_facts(cfg: Config) -> None:
