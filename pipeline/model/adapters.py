@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
 from pipeline.model import nf4
-from pipeline.model.modeling import decoder_layers, in_routed_experts, plain_named_parameters
+from pipeline.model.modeling import decoder_layers, fused_experts, plain_named_parameters
 from pipeline.model.transforms import ModelTransform
 
 ADAPTER_NAME = "default"
@@ -99,8 +99,8 @@ def expert_parameters(model: nn.Module) -> list[str]:
     down_proj: [experts, ...], transformers 5's layout), found by shape and place rather than by family: the 3-D
     parameters of the routed experts' module (a linear attention's 3-D convolution is not one). Empty for a dense
     model."""
-    return sorted({leaf for layer in decoder_layers(model) for name, m in layer.named_modules()
-                   if in_routed_experts(name) for leaf, p in m.named_parameters(recurse=False) if p.ndim == 3})
+    return sorted({leaf for *_, m in fused_experts(model) for leaf, p in m.named_parameters(recurse=False)
+                   if p.ndim == 3})
 
 
 def experts_blocked(cfg: ModelConfig) -> str:

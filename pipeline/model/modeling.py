@@ -228,6 +228,16 @@ def in_routed_experts(name: str) -> bool:
     return "experts" in name.split(".")
 
 
+def fused_experts(model: nn.Module) -> Iterator[tuple[int, nn.Module, str, nn.Module]]:
+    """(layer index, decoder layer, name in the layer, module) of every routed experts module holding fused 3-D
+    weights (transformers 5's layout; a linear attention's 3-D convolution is not one): what adapters, the router's
+    load and expert parallelism find the experts by."""
+    for i, layer in enumerate(decoder_layers(model)):
+        for name, module in layer.named_modules():
+            if in_routed_experts(name) and any(p.ndim == 3 for p in module.parameters(recurse=False)):
+                yield i, layer, name, module
+
+
 ROUTING_ARGS = ("top_k_index", "router_indices", "selected_experts")
 """What transformers' fused experts modules call the routing indices, their second argument (the routing weights
 come third)."""

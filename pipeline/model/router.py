@@ -25,7 +25,7 @@ from torch import nn
 
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
-from pipeline.model.modeling import decoder_layers, in_routed_experts, moe_shape, routing_arguments, trunk
+from pipeline.model.modeling import decoder_layers, fused_experts, moe_shape, routing_arguments, trunk
 from pipeline.model.transforms import ModelTransform
 
 COLLAPSED_SHARE = 0.9
@@ -107,16 +107,15 @@ class RouterBalance(ModelTransform):
     def _hook(self, model: nn.Module, recorder: tuple[type[nn.Module], int] | None) -> int:
         """Hooks on every layer's router (its logits, for the loss) and experts (the routing, for the load); the
         count of layers whose load is watched."""
-        watched = 0
-        for i, layer in enumerate(decoder_layers(model)):
-            for name, module in layer.named_modules():
-                if recorder and self.aux_fn and isinstance(module, recorder[0]):
+        if recorder and self.aux_fn:
+            for module in decoder_layers(model).modules():
+                if isinstance(module, recorder[0]):
                     module.register_forward_hook(functools.partial(self._on_router, recorder[1]))
-                direct = [p for p in module.parameters(recurse=False) if p.ndim == 3]
-                if direct and in_routed_experts(name) and (where := routing_arguments(module)):
-                    module.register_forward_pre_hook(functools.partial(self._on_experts, i, where[0]),
-                                                     with_kwargs=True)
-                    watched += 1
+        watched = 0
+        for i, _, _, module in fused_experts(model):
+            if where := routing_arguments(module):
+                module.register_forward_pre_hook(functools.partial(self._on_experts, i, where[0]), with_kwargs=True)
+                watched += 1
         return watched
 
     def _recording(self) -> bool:

@@ -325,14 +325,12 @@ def _read_json(path: Path) -> dict:
 
 def family_lines(config) -> list[str]:
     """What the report says of the model's family: a mixture of experts' routing, an untested family."""
-    from pipeline.model.modeling import cannot_train, untested_family
+    from pipeline.model.modeling import cannot_train, moe_shape, untested_family
 
     lines = []
     text = config.get_text_config()
-    experts = (getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
-               or getattr(text, "n_routed_experts", None))
-    top_k = getattr(text, "num_experts_per_tok", None) or getattr(text, "top_k_experts", None)
-    if experts and top_k:
+    experts, top_k = moe_shape(config)
+    if experts:
         lines.append(f"mixture of experts: {experts} experts, {top_k} per token (every expert is held; activations, "
                      "and MFU in training, count those a token is routed to)")
     if getattr(text, "is_heterogeneous", False):

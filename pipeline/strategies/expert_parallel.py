@@ -31,14 +31,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
 from pipeline.model.adapters import wrapper_delta
-from pipeline.model.modeling import (
-    decoder_layers,
-    in_routed_experts,
-    meta_model,
-    moe_shape,
-    routing_arguments,
-    untested_family,
-)
+from pipeline.model.modeling import fused_experts, meta_model, moe_shape, routing_arguments, untested_family
 
 
 class _AllToAll(torch.autograd.Function):
@@ -64,14 +57,6 @@ def exchange(rows: torch.Tensor, recv: list[int], send: list[int], group: dist.P
     """rows[send[0] first rows] to rank 0 of the group, the next send[1] to rank 1, ...; back, recv[i] rows from each
     rank i, in rank order. Differentiable (the backward sends the gradients back the same way). A collective."""
     return _AllToAll.apply(rows, recv, send, group)
-
-
-def experts_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """Every decoder layer's routed experts module: the module of the routed experts holding 3-D weights."""
-    for i, layer in enumerate(decoder_layers(model)):
-        for name, module in layer.named_modules():
-            if in_routed_experts(name) and any(p.ndim == 3 for p in module.parameters(recurse=False)):
-                yield f"layers.{i}.{name}", module
 
 
 def expert_parallel_asked(cfg: ModelConfig) -> bool:
@@ -136,7 +121,7 @@ def unroutable(model: nn.Module) -> str:
     """Why the model's experts cannot be split by expert ("" when they can): an experts module that takes no routing
     indices (Llama 4's run every expert on every token, scaled by the router's scores), or one whose weights are not
     laid out by expert."""
-    found = list(experts_modules(model))
+    found = [(f"layers.{i}.{name}", module) for i, _, name, module in fused_experts(model)]
     if not found:
         return f"{model.config.model_type} has no fused routed experts to split"
     for name, module in found:
@@ -218,20 +203,17 @@ class ExpertParallel:
         wrapped the experts (LoRA on their fused weights: one ParamWrapper per weight around the module), each
         wrapper passes its call through and the split forward adds its update to this rank's experts itself."""
         ignored: set[nn.Parameter] = set()
-        for layer in decoder_layers(model):
-            for name, module in layer.named_modules():
-                if not (in_routed_experts(name) and any(p.ndim == 3 for p in module.parameters(recurse=False))):
-                    continue  # each split one checked by degree() (unroutable)
-                wrappers = peft_wrappers(layer, name)
-                leaves = []
-                for leaf, param in list(module.named_parameters(recurse=False)):
-                    sharded = nn.Parameter(distribute_tensor(param, self.mesh, [Shard(0)]), param.requires_grad)
-                    setattr(module, leaf, sharded)
-                    leaves.append(leaf)
-                    ignored.add(sharded)
-                self.modules.append((module, leaves))
-                module.forward = functools.partial(self._forward, module, module.forward, leaves,
-                                                   routing_arguments(module), wrappers)
+        for _, layer, name, module in fused_experts(model):  # each checked by degree() (unroutable)
+            wrappers = peft_wrappers(layer, name)
+            leaves = []
+            for leaf, param in list(module.named_parameters(recurse=False)):
+                sharded = nn.Parameter(distribute_tensor(param, self.mesh, [Shard(0)]), param.requires_grad)
+                setattr(module, leaf, sharded)
+                leaves.append(leaf)
+                ignored.add(sharded)
+            self.modules.append((module, leaves))
+            module.forward = functools.partial(self._forward, module, module.forward, leaves, routing_arguments(module),
+                                               wrappers)
         return ignored
 
     def _forward(self, module: nn.Module, own, leaves: list[str], args: tuple[str, str],
@@ -253,7 +235,7 @@ class ExpertParallel:
         ids = torch.empty(sum(recv), dtype=flat.dtype, device=flat.device)
         dist.all_to_all_single(ids, flat[order] % per_rank, recv, send, group=self.group)
         arrived = exchange(rows, recv, send, self.group)
-        mine = torch.arange(per_rank, device=flat.device) + dist.get_rank(self.group) * per_rank
+        mine = torch.arange(per_rank, device=flat.device) + dist.get_rank(self.group) * per_rank if wrappers else None
         updates = {leaf: wrapper_delta(w, mine, not getattr(module, "is_transposed", False))
                    for leaf, w in wrappers.items()}
         with local_experts(module, leaves, self.dtype, per_rank, updates) as views:  # the family's own function
