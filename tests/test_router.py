@@ -230,3 +230,18 @@ def test_two_ranks_log_the_aux_loss_and_every_layer_s_load(train_env, tmp_path):
     assert "'aux_loss': " in proc.stdout + proc.stderr
     # --expert-parallel auto, the default: the 4 experts split over the 2 ranks, the load still every rank's tokens
     assert "expert parallelism: 4 experts per layer over 2 ranks (2 each)" in proc.stdout + proc.stderr
+
+
+def test_the_coefficient_is_a_finite_number_in_its_range():
+    from pipeline.config_merge import from_flat
+
+    def coef(value: str) -> float:
+        return from_flat({"experiment_name": "x", "dataset_name": "d", "model_name": "m",
+                          "router_aux_loss_coef": value}).model.router_aux_loss_coef
+
+    for bad, message in (("inf", "must be a finite number, got inf"), ("nan", "must be a finite number, got nan"),
+                         ("1e308", r"must be in \[0, 100\] \(or -1: the model config's\), got 1e\+308"),
+                         ("-0.5", r"must be in \[0, 100\] \(or -1: the model config's\), got -0.5")):
+        with pytest.raises(UserError, match=rf"^--router-aux-loss-coef {message}$"):
+            coef(bad)
+    assert (coef("-1"), coef("0"), coef("1e-320"), coef("100")) == (-1.0, 0.0, 1e-320, 100.0)
