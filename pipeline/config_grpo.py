@@ -24,6 +24,9 @@ class GRPOConfig(Section):
     `fn(prompts, completions, completion_ids, **columns) -> list[float | None]`), or a built-in NAME[:WEIGHT]
     (`accuracy`: the completion's last number or \\boxed{} answer equals the `answer` column; `think_format`: a
     <think>...</think> then the answer). The reward is their weighted sum (weight 1 by default)."""
+    reward_timeout: float = 600.0
+    """grpo: seconds one call of a reward function (on one micro-batch's completions) may take before the run stops
+    in one line naming it and the prompt; 0: no limit. A stop signal interrupts a reward at once either way."""
     num_generations: int = 8
     """grpo: completions per prompt (G), compared within their group; each group lives on one rank."""
     max_prompt_length: int = 512
@@ -61,6 +64,9 @@ class GRPOConfig(Section):
     TensorBoard's text tab; 0: none."""
 
     def check(self) -> None:
+        in_range(self.reward_timeout, 0, 1e6, "reward_timeout")
+        require(self.reward_timeout == 0 or self.reward_timeout >= 1e-3,
+                f"--reward-timeout must be 0 (no limit) or at least 0.001 s, got {self.reward_timeout:g}")
         in_range(self.num_generations, 2, 4096, "num_generations")  # a group of one has no std to compare with
         in_range(self.max_prompt_length, 1, MAX_LENGTH, "max_prompt_length")
         in_range(self.max_completion_length, 1, MAX_LENGTH, "max_completion_length")

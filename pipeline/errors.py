@@ -22,6 +22,11 @@ class UserError(Exception):
     """A problem the user can fix (bad path, bad flag, missing model). Printed as one line, exit code 2."""
 
 
+class PeerFailed(Exception):
+    """This process stops because another one failed and said why in its own line (a collective it was in failed
+    with it): exit 1, and only this message, if any (a peer on another node, whose line is not on this console)."""
+
+
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 """What the machine, not our code, refuses a write for: a full disk or quota, a read-only mount, no permission."""
 
@@ -92,6 +97,10 @@ def run_cli(main: Callable[[], int | None], *, finalize: bool = True) -> None:
     except UserError as exc:
         say(f"error: {exc}")
         code = 2
+    except PeerFailed as exc:
+        if str(exc):
+            say(f"error: {exc}")
+        code = 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130

@@ -111,6 +111,17 @@ class PeerWatch:
                 self._store.set(self._key("failed", self.d.rank), failure)
             self._store.add(self._key("beat", self.d.rank), DONE)
 
+    def failed_peer(self) -> tuple[int, str] | None:
+        """Another rank that has failed with an error of its own, and its one line (None if none has, or nothing is
+        watched): what a collective failing here is the echo of. One store read per rank."""
+        if self._store is None:
+            return None
+        with contextlib.suppress(RuntimeError):  # the store is gone with its host: the heartbeat will say so
+            for r in range(self.d.world_size):
+                if r != self.d.rank and self._store.check([self._key("failed", r)]):
+                    return r, self._store.get(self._key("failed", r)).decode()
+        return None
+
     def wait_for_verdict(self, give_up: Callable[[], bool]) -> None:
         """After a collective failed: give the heartbeat time to name the lost rank (it then ends the process
         itself) and return if it does not, or as soon as give_up() (e.g. the launcher is stopping us)."""

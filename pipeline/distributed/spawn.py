@@ -74,9 +74,11 @@ def run_workers(nproc: int, script: Path, argv: list[str]) -> int:
 
 def _first_failure(failed) -> int:
     """The first failing worker's line (from its error file, errors.say), printed once; its exit code. A worker that
-    printed its own line (a lost peer) or a traceback (a bug) left no line of ours to repeat."""
-    _, failure = failed.get_first_failure()
-    message = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
+    printed its own line (a lost peer) or a traceback (a bug) left no line of ours to repeat; one that stopped
+    silently because another failed (errors.PeerFailed) left none, so the first worker with a line is the cause."""
+    said = [f for f in failed.failures.values() if _said(f)]
+    failure = min(said, key=lambda f: f.timestamp) if said else failed.get_first_failure()[1]
+    message = _said(failure)
     if message:
         say(message)
     if failure.exitcode < 0:  # killed by a signal it did not handle (the kernel's OOM killer sends SIGKILL)
@@ -84,3 +86,8 @@ def _first_failure(failed) -> int:
             "out-of-memory killer, use a smaller -b or more --grad-accum; rerun the same command to resume")
         return 128 - failure.exitcode
     return failure.exitcode
+
+
+def _said(failure) -> str:
+    """A failed worker's line from its error file ("" without one)."""
+    return failure.message.get("message", "") if isinstance(failure.message, dict) else ""

@@ -11,15 +11,12 @@ import torch.distributed as dist
 from pipeline.data.batches import Part, dealt, rounds
 from pipeline.distributed.runtime import Dist
 from pipeline.objectives.objective import HeldOut, Objective
+from pipeline.signals import Stopped
 from pipeline.strategies.base import Strategy
 
 STOP_EVERY = 16
 """Rounds of batches between two calls of held_out_loss's `stop`: its all-reduce costs next to nothing beside 16
 forwards, and a signal waits 16 forwards at most (far under the 300 s a launcher grants after one)."""
-
-
-class Stopped(Exception):
-    """held_out_loss's `stop` said so: the pass was abandoned, nothing of it counted."""
 
 
 @torch.no_grad()
@@ -62,7 +59,7 @@ def _sums(parts: Sequence[Part], batch_size: int, d: Dist, objective: Objective,
         for b in range(rounds(n, d.world_size, batch_size)):
             done += 1
             if stop is not None and done % STOP_EVERY == 0 and stop():  # every rank the same rounds: the same calls
-                raise Stopped
+                raise Stopped("during validation")
             # a rank short of blocks pads with block 0, whose rows do not count
             idx, valid = dealt(n, d.rank, d.world_size, batch_size, b)
             # over num_items = world size, the losses summed over ranks are the global sum

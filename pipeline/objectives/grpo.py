@@ -97,6 +97,8 @@ class GRPOObjective:
         """Whether this process's ranks have settled the packing decision together (_settle_packing)."""
         self.compute_dtype = compute_dtype
         """The forward's dtype: the packed rows' additive mask is in it."""
+        self.said_unscored = False
+        """Whether a window that no reward scored was warned of (once a run)."""
 
     def _figures(self, names: list[str]) -> Figures:
         means = ["reward", *(f"rewards/{n}/mean" for n in names), "frac_reward_zero_std",
@@ -326,7 +328,16 @@ class GRPOObjective:
         return len(ids) if valid_rows is None else valid_rows
 
     def read_metrics(self, reduce: bool) -> dict[str, float]:
-        return self.figures.read(reduce)
+        """The window's figures; a window whose completions no reward scored (every function abstained on all of
+        them: all advantages 0, nothing trained) is one warning, once (the same on every rank: read over all)."""
+        out = self.figures.read(reduce)
+        if "completions/mean_length" in out and "reward" not in out and not self.said_unscored:
+            self.said_unscored = True
+            if self.dist.is_main:
+                log.warning("no reward scored any completion of this window: every reward (%s) abstained (returned "
+                            "None) on each, so every advantage is 0 and nothing trains; check the columns they read",
+                            ", ".join(self.roller.rewards.names))
+        return out
 
     @contextlib.contextmanager
     def window_apart(self) -> Iterator[None]:

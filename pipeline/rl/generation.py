@@ -5,6 +5,8 @@ Hazards:
   steps its generation until every rank is done (one small all-reduce per token), feeding finished rows padding.
   Over a whole replica's forward (ddp's module, Strategy.replica_head) no rank waits for another: each stops when
   its own rows are done.
+- A stop signal: under collective generation the per-token all-reduce carries it, so every rank raises Stopped at
+  the same token; over a replica a rank that got one ends its rows at once (the rollout's caller then agrees).
 - Exact resume: sampling draws from a generator seeded by (seed, step, rank, micro-batch), never the global RNG, so
   a rerun from a checkpoint repeats the uninterrupted run's completions bitwise (same world size and device).
 """
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.model.head import Head
+from pipeline.signals import Stopped, StopRequest
 
 
 @dataclass(frozen=True)
@@ -115,11 +118,15 @@ def _next_logits(head: Head, ids: torch.Tensor, mask: torch.Tensor, positions: t
 def _all_done(done: torch.Tensor, collective: bool) -> bool:
     """Whether every rank's rows (collective), or this rank's, have stopped: a host sync per token, and under
     collective one all-reduce (generation is sequential anyway; a rank that stopped alone would leave the others'
-    all-gathers waiting)."""
-    left = (~done).sum().reshape(1).float()
+    all-gathers waiting), which also carries whether any rank got a stop signal: then Stopped on every rank alike.
+    Over a replica, this rank's signal ends its own rows (its caller agrees with the others after)."""
+    left = torch.stack([(~done).sum().float().cpu(), torch.tensor(float(StopRequest.signum != 0))])
     if collective and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(left)
-    return left.item() == 0
+    rows_left, stop = left.tolist()
+    if stop and collective:
+        raise Stopped("during generation")
+    return rows_left == 0 or bool(stop)
 
 
 def _through_first_stop(completion: torch.Tensor, stop: torch.Tensor | None) -> torch.Tensor:

@@ -98,6 +98,19 @@ def prompt_rows_of(ds) -> list[PromptRow]:
     return out
 
 
+def prompt_columns(ds) -> tuple[dict[str, int], int]:
+    """The columns of a DATA-HF prompts dataset's rows beside the prompt ({name: rows holding a value}) and its
+    prompt rows: what a reward function is passed."""
+    held: dict[str, int] = {}
+    rows = 0
+    for columns in ds["columns"]:
+        if columns:
+            rows += 1
+            for name, value in json.loads(columns).items():
+                held[name] = held.get(name, 0) + (value is not None)
+    return held, rows
+
+
 def prefilled(row: PromptRow) -> bool:
     """A conversational prompt ending with the assistant's text: the model continues that turn (TRL's
     continue_final_message), where any other prompt gets the assistant's header to answer after."""

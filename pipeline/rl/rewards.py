@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import math
 import numbers
 import re
@@ -25,7 +24,9 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import UserError
+from pipeline.rl import user_code
 from pipeline.rl.reward_model import RewardModelFn, is_model_folder, model_name
+from pipeline.signals import Stopped
 
 RewardFn = Callable[..., Sequence]
 
@@ -104,11 +105,21 @@ class RewardSpec:
         return f"{self.path or 'built-in'}:{self.name}:{self.weight!r}:{digest}"
 
 
+FILE_ENTRY = re.compile(r"(?P<path>.+?\.py):(?P<name>[A-Za-z_]\w*)(?::(?P<weight>[^:]*))?")
+"""FILE.py:FUNCTION[:WEIGHT]; the path taken as short as the rest allows, so a path may hold ':' (and ',')."""
+NAMED_ENTRY = re.compile(r"(?P<name>[^:]+)(?::(?P<weight>[^:]*))?")
+"""A built-in NAME[:WEIGHT] or a reward model's FOLDER[:WEIGHT]."""
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+"""A reward model's Hub id, ORG/NAME."""
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+"""The largest reward that is a number in the float32 the advantages are computed in (1e39 is inf there)."""
+
+
 def parse_rewards(text: str) -> list[RewardSpec]:
     """The --reward list: FILE.py:FUNCTION[:WEIGHT], NAME[:WEIGHT] (a built-in) or MODEL_FOLDER[:WEIGHT] (a reward
-    model), comma-separated; one line for an entry that is none of them, a weight that is not a finite number, or a
-    name given twice."""
-    specs = [_spec(entry.strip()) for entry in text.split(",") if entry.strip()]
+    model), comma-separated (a comma inside a path is part of it where the entry only reads whole with it); one line
+    for an entry that is none of them, a weight that is not a finite number, or a name given twice."""
+    specs = [_spec(entry) for entry in _entries(text)]
     names = [s.name for s in specs]
     if twice := sorted({n for n in names if names.count(n) > 1}):
         raise UserError(f"--reward names {twice[0]} twice; each reward's metrics are named by its function, so give "
@@ -116,34 +127,56 @@ def parse_rewards(text: str) -> list[RewardSpec]:
     return specs
 
 
+def _entries(text: str) -> list[str]:
+    """The comma-separated entries, commas that leave a piece which is no entry joining it to the next pieces until
+    one reads whole (a FILE.py:FUNCTION, a built-in, an existing folder); a piece no join completes stays alone."""
+    pieces = [p.strip() for p in text.split(",")]
+    out, i = [], 0
+    while i < len(pieces):
+        ends = [j for j in range(i + 1, len(pieces) + 1) if _whole(",".join(pieces[i:j]))]
+        j = ends[0] if ends else i + 1
+        if entry := ",".join(pieces[i:j]).strip():
+            out.append(entry)
+        i = j
+    return out
+
+
+def _whole(entry: str) -> bool:
+    if FILE_ENTRY.fullmatch(entry):
+        return True
+    named = NAMED_ENTRY.fullmatch(entry)
+    return bool(named) and (named["name"] in BUILT_IN or (Path(named["name"]) / "config.json").exists()
+                            or bool(HUB_ID.fullmatch(named["name"])))
+
+
 def _spec(entry: str) -> RewardSpec:
-    parts = entry.rsplit(":", 2) if ".py:" in entry else entry.split(":")
-    weight = 1.0
-    if len(parts) > 1 and _is_number(parts[-1]):
-        weight = float(parts.pop())
-        if not math.isfinite(weight) or abs(weight) > 1e6:
-            raise UserError(f"--reward {entry}: the weight must be a finite number within +-1e6, got {weight:g}")
-    if len(parts) == 1 and parts[0] in BUILT_IN:
-        return RewardSpec(parts[0], weight)
-    if len(parts) == 2 and parts[0].endswith(".py") and parts[1].isidentifier():
-        return RewardSpec(parts[1], weight, parts[0])
-    if len(parts) == 1 and is_model_folder(parts[0]):
-        return RewardSpec(model_name(parts[0]), weight, model=parts[0])
+    if found := FILE_ENTRY.fullmatch(entry):
+        return RewardSpec(found["name"], _weight(entry, found["weight"]), found["path"])
+    named = NAMED_ENTRY.fullmatch(entry)
+    if named and named["name"] in BUILT_IN:
+        return RewardSpec(named["name"], _weight(entry, named["weight"]))
+    if named and is_model_folder(named["name"]):
+        return RewardSpec(model_name(named["name"]), _weight(entry, named["weight"]), model=named["name"])
     raise UserError(f"--reward {entry} is neither FILE.py:FUNCTION[:WEIGHT], a built-in reward "
                     f"({', '.join(BUILT_IN)}) nor a reward model folder, each with an optional :WEIGHT")
 
 
-def _is_number(text: str) -> bool:
+def _weight(entry: str, text: str | None) -> float:
+    if text is None:
+        return 1.0
     try:
-        float(text)
+        weight = float(text)
     except ValueError:
-        return False
-    return True
+        raise UserError(f"--reward {entry}: its weight {text!r} is not a number (FILE.py:FUNCTION:WEIGHT, e.g. "
+                        ":0.5)") from None
+    if not math.isfinite(weight) or abs(weight) > 1e6:
+        raise UserError(f"--reward {entry}: the weight must be a finite number within +-1e6, got {text}")
+    return weight
 
 
 def _load(spec: RewardSpec, chat_date: str) -> tuple[RewardFn, str]:
-    """The function and the SHA-256 of its file (the built-ins: their name; a reward model: its weights' digest),
-    loaded as a module of its own."""
+    """The function and the SHA-256 of its file and of the modules it imported from its own folder (the
+    built-ins: their name; a reward model: its weights' digest), loaded as a module of its own."""
     if spec.model:
         fn = RewardModelFn(spec.model, chat_date)
         return fn, fn.digest
@@ -154,31 +187,51 @@ def _load(spec: RewardSpec, chat_date: str) -> tuple[RewardFn, str]:
         source = path.read_bytes()
     except OSError as exc:
         raise UserError(f"--reward {spec.path}:{spec.name}: the file cannot be read ({exc.strerror or exc})") from None
-    digest = hashlib.sha256(source).hexdigest()[:16]
-    module_name = f"_reward_{digest}"
-    module = sys.modules.get(module_name)
-    if module is None:
-        loader = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(loader)
-        try:
-            loader.loader.exec_module(module)
-        except Exception as exc:  # the user's module: any error in it is theirs to fix, named in one line
-            raise UserError(f"--reward {spec.path}: importing it raised {type(exc).__name__}: {exc}") from None
-        sys.modules[module_name] = module
+    module_name = f"_reward_{hashlib.sha256(source).hexdigest()[:16]}"
+    module = sys.modules.get(module_name) or user_code.import_file(path, module_name, f"--reward {spec.path}")
     fn = getattr(module, spec.name, None)
     if not callable(fn):
         raise UserError(f"--reward {spec.path}:{spec.name}: the file defines no function {spec.name}")
-    return fn, digest
+    return fn, _digest(path, source)
+
+
+def _digest(path: Path, source: bytes) -> str:
+    """The file's content hash with those of the modules imported from its folder (or below it) so far: an edited
+    helper module beside a reward file changes its identity as an edit of the file does. This package's own modules
+    and installed ones are no helper of it."""
+    folder, ours = path.resolve().parent, Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256(source)
+    helpers = set()
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if not file or not file.endswith(".py"):
+            continue
+        where = Path(file).resolve()
+        if where != path.resolve() and where.is_relative_to(folder) and not where.is_relative_to(ours) and \
+                "site-packages" not in where.parts:
+            helpers.add(where)
+    for where in sorted(helpers):
+        digest.update(where.relative_to(folder).as_posix().encode() + b"\0" + where.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 class Rewards:
     """The run's reward functions, loaded, and their weighted sum over a batch of completions."""
 
-    def __init__(self, text: str, chat_date: str = ""):
+    def __init__(self, text: str, chat_date: str = "", timeout: float = 0):
         self.specs = parse_rewards(text)
         if not self.specs:
             raise UserError("--objective grpo needs at least one --reward (FILE.py:FUNCTION[:WEIGHT] or a built-in: "
                             f"{', '.join(BUILT_IN)})")
+        if not any(s.weight for s in self.specs):
+            raise UserError(f"every --reward has weight 0 ({', '.join(_named(s) for s in self.specs)}): every "
+                            "completion would get reward 0 and advantage 0, so nothing would train; give at least "
+                            "one a non-zero weight")
+        self.timeout = timeout
+        """Seconds one call of a reward function may take (--reward-timeout; 0: no limit)."""
+        self.columns: list[str] = []
+        """Every column of the run's prompt rows (check_columns): each function gets them all, None where a row
+        has none, as TRL passes a dataset's columns."""
         loaded = [_load(spec, chat_date) for spec in self.specs]
         self.functions = [fn for fn, _ in loaded]
         self.identity = [spec.identity(digest) for spec, (_, digest) in zip(self.specs, loaded, strict=True)]
@@ -204,6 +257,15 @@ class Rewards:
     def names(self) -> list[str]:
         return [s.name for s in self.specs]
 
+    def check_columns(self, columns: dict[str, int], rows: int, data: str) -> None:
+        """The prompt rows' columns (name: rows holding it, of rows) kept for score(); a built-in that reads a
+        column no row has would abstain on every completion: one line."""
+        self.columns = sorted(columns)
+        if any(s.name == "accuracy" and not s.path and not s.model for s in self.specs) and not columns.get("answer"):
+            raise UserError(f"--reward accuracy compares each completion with its prompt's `answer` column, and none "
+                            f"of the {rows:,} prompts of {data} has one (their columns: "
+                            f"{', '.join(self.columns) or 'none'}); add answers, or use another reward")
+
     def score(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: list[dict],
               state: RewardState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(rewards [n], per function [n, F] with NaN where one abstained): the weighted sum of the values given, NaN
@@ -212,8 +274,8 @@ class Rewards:
         and the prompt. state: TRL's trainer_state argument (None: not passed)."""
         # a column named as one of the functions' own arguments cannot reach them (TRL's signature takes them first)
         own = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
-        keys = dict.fromkeys(k for row in columns for k in row if k not in own)
-        kwargs = {key: [row.get(key) for row in columns] for key in keys}
+        keys = dict.fromkeys([*self.columns, *(k for row in columns for k in row)])
+        kwargs = {key: [row.get(key) for row in columns] for key in keys if key not in own}
         if state is not None:  # for rewards shaped by training progress, as TRL passes it
             kwargs["trainer_state"] = state
         self.extra = {}
@@ -221,8 +283,8 @@ class Rewards:
         for j, (spec, fn) in enumerate(zip(self.specs, self.functions, strict=True)):
             loggers = {"log_metric": functools.partial(self._log_metric, spec),
                        "log_extra": functools.partial(self._log_extra, spec, len(completions))}
-            values = self._call(spec, fn, prompts, completions, completion_ids, {**kwargs, **loggers})
-            for i, value in enumerate(values):
+            for i, value in enumerate(self._call(spec, fn, prompts, completions, completion_ids,
+                                                 {**kwargs, **loggers})):
                 if value is not None:
                     per[i, j] = float(value)
         total = (per * self.weights).nansum(dim=1)
@@ -254,35 +316,43 @@ class Rewards:
         self.extra[column] = [_json_value(v) for v in values]
 
     def _call(self, spec: RewardSpec, fn: RewardFn, prompts: list, completions: list, ids: list,
-              kwargs: dict) -> Sequence:
+              kwargs: dict) -> list:
         try:
-            values = fn(prompts=prompts, completions=completions, completion_ids=ids, **kwargs)
-        except UserError:  # a logger's own one line (a bad metric or column)
+            values = user_code.call(f"reward {_named(spec)}", fn, prompts=prompts, completions=completions,
+                                    completion_ids=ids, timeout=self.timeout,
+                                    late=f" on the {len(completions)} completions of prompt {_shown(prompts[0])}",
+                                    **kwargs)
+        except (UserError, Stopped):  # a logger's own one line (a bad metric or column), a time limit, a stop
             raise
         except Exception as exc:  # the user's code: named, with the prompt it failed on
-            where = _failing(fn, prompts, completions, ids, kwargs)
+            where = _failing(fn, prompts, completions, ids, kwargs, self.timeout)
             raise UserError(f"reward {_named(spec)} raised {type(exc).__name__}: {exc} (prompt {_shown(where)})"
                             ) from None
+        if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):  # numpy arrays, tensors (TRL's too)
+            values = values.tolist()
         if not isinstance(values, (list, tuple)) or len(values) != len(completions):
             count = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
             raise UserError(f"reward {_named(spec)} returned {count} values for {len(completions)} completions (prompt "
                             f"{_shown(prompts[0])}); it must return one float or None per completion")
         for i, value in enumerate(values):
-            if value is not None and not (isinstance(value, numbers.Real) and math.isfinite(float(value))):
+            if value is not None and not (isinstance(value, numbers.Real) and abs(float(value)) <= FLOAT32_MAX):
                 raise UserError(f"reward {_named(spec)} returned {value!r:.40} for the completion "
                                 f"{_shown(completions[i])} of prompt {_shown(prompts[i])}; a reward must be a finite "
-                                "number, or None to abstain")
-        return values
+                                f"number within float32's +-{FLOAT32_MAX:.3g}, or None to abstain")
+        return list(values)
 
 
-def _failing(fn: RewardFn, prompts: list, completions: list, ids: list, kwargs: dict) -> object:
+def _failing(fn: RewardFn, prompts: list, completions: list, ids: list, kwargs: dict, timeout: float) -> object:
     """The first prompt whose completion alone makes fn raise (the batch's first if none alone does); what it logs
-    meanwhile is dropped (a column of one value would not be the batch's)."""
+    meanwhile is dropped (a column of one value would not be the batch's). Each call under the same guards."""
     quiet = {"log_metric": _dropped, "log_extra": _dropped}
     for i in range(len(completions)):
         try:
-            fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1], completion_ids=ids[i:i + 1],
-               **{k: v[i:i + 1] if isinstance(v, list) else v for k, v in kwargs.items()} | quiet)
+            user_code.call("a reward", fn, prompts=prompts[i:i + 1], completions=completions[i:i + 1],
+                           completion_ids=ids[i:i + 1], timeout=timeout,
+                           **{k: v[i:i + 1] if isinstance(v, list) else v for k, v in kwargs.items()} | quiet)
+        except (UserError, Stopped):  # timed out or stopped meanwhile: the batch's first is named
+            break
         except Exception:  # the one that fails alone is the one to name
             return prompts[i]
     return prompts[0]

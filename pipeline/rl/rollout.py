@@ -12,6 +12,7 @@ from pipeline.data.batches import Batch
 from pipeline.rl.generation import Sampling, generate
 from pipeline.rl.prompts import PromptRow
 from pipeline.rl.rewards import Rewards, RewardState
+from pipeline.signals import Stopped, StopRequest, agreed_stop
 
 
 @dataclass
@@ -62,7 +63,9 @@ class Roller:
     def roll(self, batch: Batch, group: int, sampling: Sampling, generator: torch.Generator | None,
              state: RewardState | None = None) -> Rollout:
         """G completions of each prompt of the batch (padding rows, `rows` -1, completed too: every rank runs the
-        same micro-batches), decoded and scored. A collective where the head's forward is one (generation)."""
+        same micro-batches), decoded and scored. A collective: the generation where the head's forward is one, and
+        at the end whether any rank got a stop signal (then Stopped on every rank: a rank's generation or reward
+        cut short by one has nothing to give)."""
         rows = np.repeat(batch.rows, group)
         ids, mask = batch.input_ids.repeat_interleave(group, 0), batch.flags.repeat_interleave(group, 0)
         completion, cmask = generate(self.head, ids, mask, sampling, self.stops, self.pad_id, generator,
@@ -79,14 +82,20 @@ class Roller:
         rewards = torch.zeros(len(rows))
         per = torch.full((len(rows), len(self.rewards.functions)), torch.nan)
         extra: dict[str, list] = {}
-        if len(keep):
-            r, p = self.rewards.score([prompts[i] for i in keep], [completions[i] for i in keep],
-                                      [token_lists[i] for i in keep], [chosen[i].columns for i in keep], state)
-            rewards[keep], per[keep] = r, p
-            for column, values in self.rewards.extra.items():
-                extra[column] = [None] * len(rows)
-                for i, value in zip(keep, values, strict=True):
-                    extra[column][i] = value
+        where = "during generation" if StopRequest.signum else "during the rollouts"
+        try:
+            if len(keep) and not StopRequest.signum:  # (a signal over a replica ends its generation early)
+                r, p = self.rewards.score([prompts[i] for i in keep], [completions[i] for i in keep],
+                                          [token_lists[i] for i in keep], [chosen[i].columns for i in keep], state)
+                rewards[keep], per[keep] = r, p
+                for column, values in self.rewards.extra.items():
+                    extra[column] = [None] * len(rows)
+                    for i, value in zip(keep, values, strict=True):
+                        extra[column][i] = value
+        except Stopped as stopped:  # this rank's reward cut short: the others hear of it below
+            where = str(stopped)
+        if agreed_stop():  # every rank, once per rollout
+            raise Stopped(where)
         # what generate kept of each row ends at its first stop token: one that reached the limit without one
         clipped = torch.tensor([len(t) >= sampling.max_tokens and t[-1] not in self.stops for t in token_lists])
         return Rollout(ids, mask, completion, cmask, rewards, per, torch.from_numpy(valid), clipped, prompts, texts,

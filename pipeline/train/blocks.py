@@ -29,8 +29,8 @@ from pipeline.errors import UserError
 from pipeline.model.reward_head import pad_id
 from pipeline.objectives.kto import KTOSettings, balance_advice
 from pipeline.rl.prompts import PromptBlocks, build_prompt_blocks
+from pipeline.signals import Interrupted, StopRequest
 from pipeline.train.preflight import DataSource, Plan
-from pipeline.train.signals import Interrupted, StopRequest
 from pipeline.train.telemetry import log
 
 

@@ -17,8 +17,9 @@ from pipeline.distributed.launch import detect as detect_launch
 from pipeline.distributed.liveness import PeerWatch, is_collective_failure, watch_parent
 from pipeline.distributed.runtime import Dist, init_distributed
 from pipeline.distributed.spawn import nproc_arg, run_workers
-from pipeline.errors import UserError, first_line, naming
+from pipeline.errors import PeerFailed, UserError, first_line, naming
 from pipeline.eval.harness import Tasks, check_tasks
+from pipeline.signals import Interrupted, StopRequest
 from pipeline.strategies.auto import check_agreed
 from pipeline.strategies.registry import out_of_memory_hints, settle
 from pipeline.train.blocks import prepare_only
@@ -26,7 +27,6 @@ from pipeline.train.export import described
 from pipeline.train.lm_eval_run import run_at_end
 from pipeline.train.preflight import Plan, preflight
 from pipeline.train.rundir import open_run_dir
-from pipeline.train.signals import Interrupted, StopRequest
 from pipeline.train.telemetry import log
 from pipeline.train.trainer import Trainer
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = train_or_stop(cfg, d, plan, peers)
     except BaseException as exc:
-        if not is_collective_failure(exc):  # this rank's own failure, not the echo of another's
+        if not is_collective_failure(exc) and not isinstance(exc, PeerFailed):  # its own, not another's echo
             peers.stop(failure=first_line(exc))
         # No destroy_process_group here: another rank may still be inside a collective, and tearing the group down
         # under it can block this rank (torchtitan#1342). fsdp1.py leaves without finalization (errors.leave).
@@ -109,6 +109,10 @@ def train_or_stop(cfg: Config, d: Dist, plan: Plan, peers: PeerWatch) -> int:
             raise
         if "out of memory" in str(exc):  # NCCL's report of a CUDA OOM
             raise UserError(out_of_memory_message(cfg, d)) from None
+        if failed := peers.failed_peer():  # the echo of a peer's own failure: its line is the whole story
+            rank, line = failed
+            here = rank // d.local_world_size == d.rank // d.local_world_size  # its line is on this console
+            raise PeerFailed("" if here else f"rank {d.rank}: stopped because rank {rank} failed: {line}") from None
         # Most often a peer died: the heartbeat names it and ends the process; a launcher that is already
         # stopping us (another worker failed on this node) needs no wait
         peers.wait_for_verdict(give_up=lambda: StopRequest.signum != 0)

@@ -10,6 +10,7 @@ from pathlib import Path
 from pipeline.config import Config
 from pipeline.config_base import flag
 from pipeline.errors import UserError
+from pipeline.rl.prompts import prompt_columns
 from pipeline.rl.rewards import Rewards
 
 GENERATION = ("num_generations", "max_prompt_length", "long_prompts", "max_completion_length", "temperature", "top_p",
@@ -31,17 +32,36 @@ def check_prompts(cfg: Config, prompts: int) -> None:
         raise UserError(f"{flag(given[0])} is for --objective grpo, not {objective}")
 
 
-def plan_rewards(cfg: Config) -> Rewards | None:
+def plan_rewards(cfg: Config, hf_config: object) -> Rewards | None:
     """The rewards of a GRPO run, loaded; and the settings GRPO cannot take, refused in one line. None for another
     objective."""
     if cfg.objective.objective != "grpo":
         return None
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    longest = cfg.grpo.max_prompt_length + cfg.grpo.max_completion_length
+    if limit is not None and longest > limit:  # as --seq-length past it is refused: positions the model never saw
+        raise UserError(f"--max-prompt-length {cfg.grpo.max_prompt_length} + --max-completion-length "
+                        f"{cfg.grpo.max_completion_length} = {longest} tokens is above the model's limit "
+                        f"(max_position_embeddings {limit}); lower either so that they sum to {limit} at most")
     if cfg.model.vocab_parallel == "on":
         raise UserError("--vocab-parallel on: GRPO scores its completions through the model's own head; use "
                         "--vocab-parallel auto or off")
     if cfg.train.sample_prompts:
         raise UserError("--sample-prompts: a GRPO run logs its own completions (--log-completions); drop it")
-    return Rewards(cfg.grpo.reward, cfg.data.chat_date)
+    return Rewards(cfg.grpo.reward, cfg.data.chat_date, cfg.grpo.reward_timeout)
+
+
+def check_reward_columns(rewards: Rewards, data: list) -> None:
+    """The rewards told the prompt rows' columns (each function is passed them all); a built-in that needs one no
+    row has is one line."""
+    held: dict[str, int] = {}
+    rows = 0
+    for source in data:
+        columns, n = prompt_columns(source.dataset)
+        rows += n
+        for name, count in columns.items():
+            held[name] = held.get(name, 0) + count
+    rewards.check_columns(held, rows, ", ".join(s.source.path for s in data))
 
 
 def grpo_settings(cfg: Config, rewards: Rewards) -> dict:

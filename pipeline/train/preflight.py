@@ -44,7 +44,13 @@ from pipeline.rl.rewards import Rewards
 from pipeline.strategies.auto import MemoryPlan, plan_memory
 from pipeline.train.checkpoint import read_state
 from pipeline.train.export import check_replaceable, run_exports
-from pipeline.train.grpo_plan import check_prompts, grpo_changed, grpo_settings, plan_rewards
+from pipeline.train.grpo_plan import (
+    check_prompts,
+    check_reward_columns,
+    grpo_changed,
+    grpo_settings,
+    plan_rewards,
+)
 from pipeline.train.trackers import check_installed
 
 
@@ -287,7 +293,8 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
                      cfg.data.allow_special_tokens_in_data, pairs=cfg.objective.preference,
                      kto=cfg.objective.objective == "kto", train_reasoning=cfg.data.train_on_reasoning)
     fingerprint = run_fingerprint(cfg, model_dir, hf_config, data, spec)
-    if rewards := plan_rewards(cfg):
+    if rewards := plan_rewards(cfg, hf_config):
+        check_reward_columns(rewards, data)
         fingerprint["grpo"] = grpo_settings(cfg, rewards)
         if cfg.model.vocab_parallel == "auto":  # GRPO scores its completions through the model's own head
             cfg.model.vocab_parallel = "off"

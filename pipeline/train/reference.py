@@ -20,10 +20,10 @@ from pipeline.model.head import Head
 from pipeline.model.registry import transforms_for
 from pipeline.objectives.grpo import KLReference
 from pipeline.objectives.reference_pass import ensure_reference, reference_folder
+from pipeline.signals import Interrupted, StopRequest, agreed_stop
 from pipeline.strategies.base import Strategy
 from pipeline.strategies.registry import make_strategy
 from pipeline.train.preflight import Plan, ReferencePlan
-from pipeline.train.signals import Interrupted, StopRequest, agreed_stop
 from pipeline.train.telemetry import log
 
 

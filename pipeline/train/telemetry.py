@@ -26,8 +26,8 @@ import torch
 from pipeline.errors import UserError, disk_problem, naming
 from pipeline.fsutil import write_atomic
 from pipeline.model.modeling import layer_configs
+from pipeline.signals import Interrupted
 from pipeline.strategies.memory import GIB
-from pipeline.train.signals import Interrupted
 from pipeline.train.trackers import Trackers
 
 PHASES = ("data", "forward", "backward", "update", "total")

@@ -23,13 +23,14 @@ from pipeline.config import Config
 from pipeline.data.sampler import MixtureSampler
 from pipeline.distributed.runtime import Dist, compute_dtype
 from pipeline.errors import UserError
-from pipeline.eval.heldout import Stopped, held_out_loss
+from pipeline.eval.heldout import held_out_loss
 from pipeline.eval.samples import complete, stop_ids
 from pipeline.model.registry import transforms_for
 from pipeline.model.reward_head import pad_id
 from pipeline.objectives.build import make_grpo, make_objective
 from pipeline.objectives.objective import HeldOut
 from pipeline.objectives.reference import precomputed
+from pipeline.signals import Interrupted, Stopped, StopRequest, agreed_stop
 from pipeline.strategies.memory import GIB
 from pipeline.strategies.registry import make_strategy
 from pipeline.train.blocks import check_one_batch, make_sampler, prepare_blocks
@@ -40,7 +41,6 @@ from pipeline.train.preflight import Plan
 from pipeline.train.profiling import StepProfiler, memory_breakdown
 from pipeline.train.reference import frozen_copy, with_reference
 from pipeline.train.reports import data_line, experts_part, log_mixture, log_plan, log_profile, log_samples
-from pipeline.train.signals import Interrupted, StopRequest, agreed_stop
 from pipeline.train.step import StepResult, Update, train_step
 from pipeline.train.telemetry import (
     PhaseTimer,
@@ -263,7 +263,10 @@ class Trainer:
             lr = self.optimizer.param_groups[0]["lr"]  # what this step applies: the update advances the schedule
             self.profiler.before(self.step + 1)
             consumed = self.sampler.consumed
-            result = self.train_step()
+            try:
+                result = self.train_step()
+            except Stopped as stopped:  # in the step's generation or rewards: it has changed nothing yet
+                self.stop(telemetry, f"{stopped} ")
             self.step += 1
             if profiled := self.profiler.after(self.step, final=self.step >= self.total_steps):
                 log_profile(telemetry, profiled, self.step, self.run_dir)
@@ -393,9 +396,14 @@ class Trainer:
         idx, train = self.sampler.upcoming(), self.blocks.part("train")
         make = lambda rows: train.batch(rows, self.dist.device)  # noqa: E731 (the one-line maker train_step takes)
         if self.objective.generates:  # its items are the completions it generates now (a collective); it draws the
-            with self.timer.phase("generate"):  # step's prompts only when it generates (not when it reuses them)
-                n, items = self.objective.prepare(lambda: [make(rows) for rows in self.sampler.next_step()],
-                                                  self.step)
+            drawn_from = self.sampler.state_dict()  # step's prompts only when it generates (not when it reuses them)
+            try:
+                with self.timer.phase("generate"):
+                    n, items = self.objective.prepare(lambda: [make(rows) for rows in self.sampler.next_step()],
+                                                      self.step)
+            except Stopped:  # the step's checkpoint then draws the same prompts again on resume
+                self.sampler.load_state_dict(drawn_from)
+                raise
             # it trains on its prepared rollouts in order: the micro-steps' batches are its, not the sampler's
             return train_step(self.strategy, self.objective, range(n), lambda i: None, items, self.update, self.timer)
         items = self.objective.items(train.blocks[idx], train.flags_at(idx))
@@ -431,7 +439,7 @@ class Trainer:
                          "lr": f"{fields['lr']:.3g}", "grad_norm": round(fields["grad_norm"], 4),
                          **({"tok/s": round(tokens_per_s)} if tokens_per_s else {}),
                          rate: round(fields[f"{self.objective.counted}_per_s"], None if tokens else 2),
-                         "mfu": fields["mfu"], **{k: round(fields[k], 4) for k, _ in self.objective.shown},
+                         "mfu": fields["mfu"], **{k: _rounded(fields.get(k)) for k, _ in self.objective.shown},
                          **({"aux_loss": round(fields["aux_loss"], 4)} if "aux_loss" in fields else {}),
                          **{f"time/{k}": t[k] for k in t},
                          "mem/peak_alloc_gb": fields["mem_gb"]["peak_alloc"]})
@@ -463,8 +471,8 @@ class Trainer:
         try:
             val = held_out_loss(self.strategy, parts, self.cfg.train.batch_size, self.dist, self.objective,
                                 stop=agreed_stop)
-        except Stopped:
-            self.stop(telemetry, "during validation ")
+        except Stopped as stopped:  # between rounds, or in a round's generation or rewards (GRPO)
+            self.stop(telemetry, f"{stopped} ")
         if val is None:
             return None
         by_source = {f"eval/loss/{name}": loss for name, loss in zip(names, val.by_part, strict=True) if name}
@@ -474,7 +482,7 @@ class Trainer:
                  **({"sample_seconds": round(sampled - start, 6)} if self.plan.prompts else {})}
         telemetry.event("eval", self.step, loss=val.loss, ppl=val.ppl, **val.metrics, **by_source, **costs)
         # a preference objective's mean is over pairs or examples: its exp is no perplexity, its figures say more
-        shown = ({f"eval_{name}": round(val.metrics[k], 4) for k, name in self.objective.shown}
+        shown = ({f"eval_{name}": _rounded(val.metrics.get(k)) for k, name in self.objective.shown}
                  or {"eval_ppl": round(val.ppl, 3)})
         telemetry.human({"global_step": self.step, "eval_loss": round(val.loss, 5), **shown,
                          **{k: None if v is None else round(v, 5) for k, v in by_source.items()}})
@@ -495,3 +503,8 @@ class Trainer:
             telemetry.text(f"sample/{index}", self.step, f"{prompt.shown}\n-> {text}")
             if self.dist.is_main:
                 log.info("sample %d at step %d: %r -> %r", index, self.step, prompt.shown, text)
+
+
+def _rounded(value: float | None) -> float | None:
+    """A figure as the console shows it; None where the window had none (every GRPO reward abstained in it)."""
+    return None if value is None else round(value, 4)
