@@ -18,8 +18,8 @@ import yaml
 from conftest import ROOT, events, preflight_errors, run_script, start_torchrun, wait_for, with_root
 
 from pipeline.errors import UserError
+from pipeline.signals import Interrupted
 from pipeline.train import trackers
-from pipeline.train.signals import Interrupted
 from pipeline.train.telemetry import Telemetry, read_metrics
 from pipeline.train.trackers import Trackers, check_installed, check_report_to
 
@@ -245,6 +245,53 @@ def test_a_resumed_run_whose_mlflow_store_was_deleted_starts_a_new_mlflow_run(tm
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert new != old and client.get_run(new).data.metrics == {"train/loss": 1.5}
     assert f"--report-to mlflow: run {old} of RUN/trackers.json is not in sqlite:///" in proc.stderr
+
+
+WANDB_START = """import logging, sys, time
+from pathlib import Path
+from pipeline.train.trackers import Trackers
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+start = time.monotonic()
+t = Trackers(Path(sys.argv[1]), "wandb,tensorboard", {"seed": 0})
+print(f"started in {time.monotonic() - start:.1f} s", flush=True)
+t.scalars(1, {"train/loss": 3.0})
+t.close()
+"""
+
+
+def test_wandb_online_out_of_reach_is_one_warning_within_seconds(tmp_path):
+    """WANDB_MODE=online with no network (a host that does not resolve) or a server that is gone (a port nothing
+    listens on): W&B's own retries took 101 s here before its error; one retry of each request bounds it to seconds.
+    Both in processes of their own at once (W&B starts a service process and keeps it for the process's life)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    urls = {"unresolved": "http://wandb.invalid", "refused": "http://127.0.0.1:9"}  # .invalid never resolves
+    procs = {}
+    for case, url in urls.items():
+        (tmp_path / case).mkdir()
+        env = with_root({**os.environ, "WANDB_MODE": "online", "WANDB_BASE_URL": url, "WANDB_API_KEY": "0" * 40,
+                         "WANDB_CONFIG_DIR": str(tmp_path / case / "config")})
+        procs[case] = subprocess.Popen([sys.executable, "-c", WANDB_START, str(tmp_path / case)], env=env, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for case, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        seconds = float(out.split("started in ")[1].split(" s")[0])
+        assert seconds < 30, (case, seconds)  # 101 s before, 8 s here after
+        run_id = json.loads((tmp_path / case / "trackers.json").read_text())["wandb"]
+        (warning,) = [line for line in err.splitlines() if "--report-to" in line]
+        assert warning.startswith(f"--report-to wandb could not start (CommError: Failed to get resume status for "
+                                  f"run {run_id}: POST {urls[case]}/graphql giving up after 2 attempt(s): Post "
+                                  f'"{urls[case]}/graphql": dial tcp')
+        assert warning.endswith("); training goes on without it")
+        if case == "refused":
+            assert warning == (f"--report-to wandb could not start (CommError: Failed to get resume status for run "
+                               f"{run_id}: POST {urls[case]}/graphql giving up after 2 attempt(s): Post "
+                               f'"{urls[case]}/graphql": dial tcp 127.0.0.1:9: connect: connection refused); '
+                               "training goes on without it")
+        acc = EventAccumulator(str(tmp_path / case / "tensorboard"))  # the other tracker went on
+        acc.Reload()
+        assert [(s.step, s.value) for s in acc.Scalars("train/loss")] == [(1, 3.0)]
 
 
 def test_a_run_stopped_by_a_signal_ends_its_tracker_run_as_killed(train_env, tmp_path):

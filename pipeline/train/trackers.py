@@ -164,6 +164,10 @@ class WandB:
     name = "wandb"
 
     def __init__(self, run_dir: Path, ids: dict, params: dict):
+        # online with no network (or a server that is gone) costs the training seconds, not the 100 s of W&B's
+        # retries within its 90 s init timeout: one retry of each request, each at most 10 s, as MLflow's
+        os.environ.setdefault("WANDB__GRAPHQL_RETRY_MAX", "1")
+        os.environ.setdefault("WANDB_HTTP_TIMEOUT", "10")
         import wandb
 
         os.environ.setdefault("WANDB_MODE", "offline")
