@@ -267,3 +267,47 @@ def test_unbalanced_labels_get_the_weights_the_kto_paper_recommends():
         "30 desirable and 90 undesirable examples at --kto-desirable-weight 1 and --kto-undesirable-weight 1: the KTO "
         "paper's balance (eq. 8) wants --kto-desirable-weight in [3, 3.99] or --kto-undesirable-weight in [0.25, 0.33] "
         "(one of them, not both)")
+
+
+def test_labels_all_on_one_side_say_that_the_other_side_is_missing():
+    """No weight balances one side against none (TRL's check, counting the missing side as 1, advised a range like
+    [0.02, 0.02]): the advice says which side is missing, whatever the weights."""
+    from pipeline.objectives.kto import KTOSettings, balance_advice
+
+    for settings in (KTOSettings(), KTOSettings(desirable_weight=0.02), KTOSettings(undesirable_weight=64)):
+        assert balance_advice(64, 0, settings) == (
+            "all 64 examples are desirable, none undesirable: one side of KTO is missing, so no weight balances the "
+            "two and the reward margin (desirable - undesirable) is undefined; the run trains the desirable "
+            "completions against the KL term alone (to train both sides, add undesirable records, label false, or "
+            "pairs)")
+        assert balance_advice(0, 7, settings) == (
+            "all 7 examples are undesirable, none desirable: one side of KTO is missing, so no weight balances the "
+            "two and the reward margin (desirable - undesirable) is undefined; the run trains the undesirable "
+            "completions against the KL term alone (to train both sides, add desirable records, label true, or "
+            "pairs)")
+
+
+def test_a_kto_run_on_labels_all_on_one_side_warns_once_and_validates_without_a_nan_margin(tmp_path, train_env):
+    """Only undesirable completions: one warning line that the desirable side is missing (not a weight range), and
+    the validation's closing line says the margin is undefined for want of desirable examples instead of nan."""
+    from conftest import ROOT, torchrun
+
+    rows = [{"prompt": f"What is {a} plus {b}?", "completion": f" {a * b + 7} maybe.", "label": False}
+            for a in range(1, 7) for b in range(1, 7)]
+    write_jsonl(tmp_path / "data" / "feedback.jsonl", rows)
+    build_dataset(CorpusConfig(tmp_path / "data", tmp_path / "feedback", num_proc=1))
+    proc = torchrun(1, ROOT / "fsdp1.py", "-e", "r", "-d", tmp_path / "feedback", "-m", "local/tiny", "--save-dir",
+                    tmp_path / "runs", "--config", ROOT / "configs" / "demo.yaml", "--seq-length", 128, "--max-steps",
+                    2, "--objective", "kto", "--adapter", "lora", env=train_env["env"])
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-3000:]
+    (warning,) = [line for line in said.splitlines() if "KTO: " in line]
+    assert warning.endswith(
+        "KTO: all 36 examples are undesirable, none desirable: one side of KTO is missing, so no weight balances the "
+        "two and the reward margin (desirable - undesirable) is undefined; the run trains the undesirable completions "
+        "against the KL term alone (to train both sides, add desirable records, label true, or pairs)")
+    (closing,) = [line for line in said.splitlines() if "validation kto loss" in line]
+    assert re.search(r"validation kto loss 0\.5000 -> \d\.\d{4} over \d+ examples; reward margin \(desirable - "
+                     r"undesirable\) undefined \(the validation examples hold no desirable completion\), kl 0\.0000 "
+                     r"-> \d\.\d{4}, base -> step 2$", closing), closing
+    assert "nan" not in warning + closing

@@ -15,6 +15,7 @@ undesirable completions), rewards/margins (their difference), logps/chosen, logp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,15 @@ def kto_losses(s: KTOSettings, logps: torch.Tensor, ref_logps: torch.Tensor, und
 
 def balance_advice(desirable: int, undesirable: int, s: KTOSettings) -> str:
     """The weights to use where the labels are unbalanced and neither weight is in the range the KTO paper
-    recommends (its eq. 8: w_d * n_d / (w_u * n_u) in [1, 4/3], TRL's check and rounding), "" where they are fine."""
+    recommends (its eq. 8: w_d * n_d / (w_u * n_u) in [1, 4/3], TRL's check and rounding), "" where they are fine.
+    Where one side is missing no weight balances them (TRL's check, counting it as 1, would advise one): that, said
+    as such."""
+    if (desirable == 0) != (undesirable == 0):
+        has, lacks, label = ("desirable", "undesirable", "false") if desirable else ("undesirable", "desirable", "true")
+        return (f"all {desirable or undesirable} examples are {has}, none {lacks}: one side of KTO is missing, so no "
+                f"weight balances the two and the reward margin (desirable - undesirable) is undefined; the run trains "
+                f"the {has} completions against the KL term alone (to train both sides, add {lacks} records, label "
+                f"{label}, or pairs)")
     n_d, n_u = max(desirable, 1), max(undesirable, 1)
     if n_d == n_u:
         return ""
@@ -75,9 +84,12 @@ class KTOObjective(OverPairs):
 
     def closing(self, base: HeldOut, final: HeldOut) -> str:
         b, f = base.metrics, final.metrics
+        missing = [side for side, key in (("desirable", "rewards/chosen"), ("undesirable", "rewards/rejected"))
+                   if math.isnan(f[key])]
+        margin = (f"{b['rewards/margins']:.4f} -> {f['rewards/margins']:.4f}" if not missing else
+                  f"undefined (the validation examples hold no {' and no '.join(missing)} completion)")
         return (f"kto loss {base.loss:.4f} -> {final.loss:.4f} over {final.tokens} examples; reward margin "
-                f"(desirable - undesirable) {b['rewards/margins']:.4f} -> {f['rewards/margins']:.4f}, kl "
-                f"{b['kl']:.4f} -> {f['kl']:.4f}")
+                f"(desirable - undesirable) {margin}, kl {b['kl']:.4f} -> {f['kl']:.4f}")
 
     def kl_term(self, ratios: torch.Tensor) -> torch.Tensor:
         """The mean of the KL sequences' log-probability ratios over every rank's examples of this micro-step, at
