@@ -139,8 +139,9 @@ def add_config_arguments(p: argparse.ArgumentParser, leave_out: frozenset[str] =
             p.add_argument(*flags, dest=key, help=doc + default, metavar="on|off", nargs="?", const="on")
         elif key in REPEATED:
             p.add_argument(*flags, dest=key, help=doc + " (repeatable)", action="append")
-        else:
-            p.add_argument(*flags, dest=key, help=doc + default, choices=allowed)
+        else:  # choices shown as argparse shows them, checked by the section (one line, not argparse's usage block)
+            metavar = "{" + ",".join(allowed) + "}" if allowed else None
+            p.add_argument(*flags, dest=key, help=doc + default, metavar=metavar)
 
 
 def _show(value: Any) -> str:

@@ -195,6 +195,45 @@ def test_choices_come_from_the_type_hints_and_are_checked_once():
         ModelConfig(model_name="m", sharding="ZERO3")  # a YAML value, not only a flag, is checked
 
 
+def test_every_flag_with_choices_refuses_another_value_in_one_line_without_a_usage_block():
+    """Every Literal field of every section (not a list of the ones we thought of), GRPO's included: a value outside
+    its choices is one line naming the flag, its choices and the value, from the section's own check (argparse's
+    choice check printed its 70-line usage block first); --help shows the choices as argparse did."""
+    from pipeline.config import SECTIONS
+    from pipeline.config_base import choices, flag
+    from pipeline.config_merge import build_parser
+
+    allowed = {key: values for cls in SECTIONS.values() for key, values in choices(cls).items()}
+    assert {"loss_type", "strategy", "precision", "adapter", "objective", "export_dtype"} <= set(allowed)
+    actions = [a for a in build_parser()._actions if a.option_strings]
+    assert not [a.dest for a in actions if a.choices]  # none left to argparse
+    assert {a.dest: a.metavar for a in actions if a.metavar and a.metavar.startswith("{")} == {
+        key: "{" + ",".join(values) + "}" for key, values in allowed.items()}
+    for key, values in allowed.items():
+        for value in ("unknown", values[0].upper() if values[0].upper() not in values else values[0].lower(), ""):
+            with pytest.raises(UserError) as err:
+                resolve([*REQUIRED, flag(key), value])
+            assert str(err.value) == f"{flag(key)} must be one of {', '.join(values)}, got {value!r}", key
+
+
+@pytest.mark.parametrize("argv", [["--loss-type", "unknown"], ["--nproc-per-node", "2", "--strategy", "unknown"],
+                                  ["--objective=unknown"]])
+def test_fsdp1_says_an_invalid_choice_in_one_line_and_exits_2(argv, tmp_path):
+    """The whole output: the one line (a launcher of workers refuses it before starting any)."""
+    from conftest import run_script
+
+    from pipeline.config import SECTIONS
+    from pipeline.config_base import choices
+
+    allowed = {key: values for cls in SECTIONS.values() for key, values in choices(cls).items()}
+    name = argv[-2] if len(argv) % 2 == 0 else argv[-1].split("=")[0]
+    proc = run_script("fsdp1.py", "-e", "x", "-d", tmp_path / "data", "-m", "org/model", "--save-dir", tmp_path,
+                      *argv)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        2, "", f"error: {name} must be one of {', '.join(allowed[name[2:].replace('-', '_')])}, got 'unknown'\n")
+    assert not list(tmp_path.iterdir())
+
+
 def parsers():
     from pipeline import config_merge
     from pipeline.prep import corpus, hub, organize
