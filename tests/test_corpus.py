@@ -1,6 +1,7 @@
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -641,3 +642,58 @@ def test_a_folder_mixing_prompt_records_with_other_kinds_is_refused_in_one_line(
             build(tmp_path / folder, tmp_path / f"{folder}-out", num_proc=1)
         assert str(err.value) == f"{tmp_path / folder} {line}"
         assert not (tmp_path / f"{folder}-out").exists()
+
+
+def test_pipeline_tiny_trains_its_tokenizer_on_the_text_of_pairs_kto_records_and_prompts(tmp_path):
+    """`python -m pipeline.tiny --corpus` on a folder of preference pairs, of KTO records or of prompts (a traceback
+    before): the tokenizer is trained on every text those records hold, each field's word learnt whole (a word only
+    a rejected answer, an undesirable completion or a prompt's reference answer holds too); a folder whose records
+    are all skipped is one line."""
+    from transformers import AutoTokenizer
+
+    from pipeline.prep.tiny import corpus_texts, train_tokenizer
+
+    def words(field: str) -> str:
+        return " ".join([f"{field}glyph"] * 3)
+
+    def say(role: str, field: str) -> dict:
+        return {"role": role, "content": words(field)}
+
+    kinds = {
+        "pairs": [{"prompt": words("quokka"), "chosen": words("zebra"), "rejected": words("wombat")},
+                  {"prompt": [say("user", "ibex")], "chosen": [say("assistant", "heron")],
+                   "rejected": [say("assistant", "marmot")]},
+                  {"chosen": [say("user", "okapi"), say("assistant", "tapir")],
+                   "rejected": [say("user", "okapi"), say("assistant", "vole")]}],
+        "kto": [{"prompt": words("quokka"), "completion": words("kiwi"), "label": True},
+                {"prompt": words("quokka"), "completion": words("yak"), "label": False},
+                {"prompt": [say("user", "ibex")], "completion": [say("assistant", "lynx")], "label": False}],
+        "prompts": [{"prompt": words("quokka"), "answer": words("bison"), "id": 3},
+                    {"prompt": [say("system", "dingo"), say("user", "ibex")], "answer": words("gecko")}],
+        "skipped": [{"prompt": "x", "completion": "y", "label": "true"}, {"prompt": "x", "chosen": "y",
+                                                                            "rejected": "y"}],
+    }
+    learnt = {"pairs": ("quokka", "zebra", "wombat", "ibex", "heron", "marmot", "okapi", "tapir", "vole"),
+              "kto": ("quokka", "kiwi", "yak", "ibex", "lynx"),
+              "prompts": ("quokka", "bison", "ibex", "dingo", "gecko")}
+
+    def whole(tokenizer, fields: tuple[str, ...]) -> dict[str, list[str]]:
+        return {field: tokenizer.tokenize(f" {field}glyph") for field in fields}
+
+    for kind, records in kinds.items():
+        write(tmp_path / kind, "records.jsonl", "\n".join(json.dumps(r) for r in records * 20) + "\n")
+        write(tmp_path / "all", f"{kind}.jsonl", "\n".join(json.dumps(r) for r in records * 20) + "\n")
+    for kind, fields in learnt.items():
+        tokenizer = train_tokenizer(corpus_texts(tmp_path / kind), 1024)
+        assert whole(tokenizer, fields) == {field: [f"\u0120{field}glyph"] for field in fields}, kind
+    with pytest.raises(UserError) as err:
+        corpus_texts(tmp_path / "skipped")
+    assert str(err.value) == f"--corpus {tmp_path / 'skipped'} holds no usable text to train a tokenizer on"
+    # the command itself, on a folder of the three kinds (and records it skips)
+    out = tmp_path / "model"
+    proc = subprocess.run([sys.executable, "-m", "pipeline.tiny", "--out", str(out), "--corpus", str(tmp_path / "all")],
+                          cwd=ROOT, env=with_root(), capture_output=True, text=True, timeout=300)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        0, f"tiny Llama (tied, 2 layers, hidden 64, random weights) written to {out}\n", ""), proc.stderr[-3000:]
+    fields = tuple(dict.fromkeys(f for fs in learnt.values() for f in fs))
+    assert whole(AutoTokenizer.from_pretrained(out), fields) == {field: [f"\u0120{field}glyph"] for field in fields}

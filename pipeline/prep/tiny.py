@@ -11,6 +11,7 @@ is initialised on the GPU when there is one, whose random numbers differ from th
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -19,7 +20,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast
 
 from pipeline.errors import ArgumentParser, UserError
-from pipeline.prep.extract import SUPPORTED, SkipFile, extract_file
+from pipeline.prep.conversations import Chat
+from pipeline.prep.extract import SUPPORTED, Row, SkipFile, extract_file, strings_in
+from pipeline.prep.preferences import Pair
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -54,10 +57,25 @@ def corpus_texts(corpus: Path) -> list[str]:
             rows = extract_file(path).rows
         except (SkipFile, OSError):
             continue
-        texts.extend(r if isinstance(r, str) else "\n".join(m["content"] for m in r.messages) for r in rows)
+        texts.extend(map(row_text, rows))
     if not texts:
         raise UserError(f"--corpus {corpus} holds no usable text to train a tokenizer on")
     return texts
+
+
+def row_text(row: Row) -> str:
+    """The text a row of the corpus holds, one piece a line: text as it is; a conversation's messages; a preference
+    record's prompt and answers (both of a pair, a KTO record's one); a prompt record's prompt and the strings of its
+    other keys (a reference answer)."""
+    if isinstance(row, str):
+        return row
+    if isinstance(row, Chat):
+        return "\n".join(m["content"] for m in row.messages)
+    if isinstance(row, Pair):
+        messages, pieces = [*row.prompt_messages, *row.chosen, *row.rejected], [row.prompt_text]
+    else:
+        messages, pieces = row.prompt_messages, [row.prompt_text, *strings_in(json.loads(row.columns))]
+    return "\n".join(piece for piece in (*pieces, *(m["content"] for m in messages)) if piece)
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
