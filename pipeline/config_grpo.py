@@ -66,7 +66,7 @@ class GRPOConfig(Section):
     def check(self) -> None:
         in_range(self.reward_timeout, 0, 1e6, "reward_timeout")
         require(self.reward_timeout == 0 or self.reward_timeout >= 1e-3,
-                f"--reward-timeout must be 0 (no limit) or at least 0.001 s, got {self.reward_timeout:g}")
+                f"--reward-timeout must be 0 (no limit) or at least 0.001 s, got {self.reward_timeout!r}")
         in_range(self.num_generations, 2, 4096, "num_generations")  # a group of one has no std to compare with
         in_range(self.max_prompt_length, 1, MAX_LENGTH, "max_prompt_length")
         in_range(self.max_completion_length, 1, MAX_LENGTH, "max_completion_length")

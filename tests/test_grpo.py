@@ -101,7 +101,8 @@ def test_rewards_are_weighted_abstentions_left_out_and_a_bad_one_stops_in_one_li
     assert refusal("short", ["p", "q"]) == (f"reward {path}:short returned 1 values for 2 completions (prompt 'p'); it "
                                             "must return one float or None per completion")
     assert refusal("not_finite", ["p"]) == (f"reward {path}:not_finite returned nan for the completion 'c' of prompt "
-                                            "'p'; a reward must be a finite number, or None to abstain")
+                                            "'p'; a reward must be a finite number within float32's +-3.4e+38, or "
+                                            "None to abstain")
     assert refusal("text", ["p"]).startswith(f"reward {path}:text returned '1' for the completion")
 
     from pipeline.rl.rewards import RewardState

@@ -500,7 +500,7 @@ def test_answer_logps_equal_each_familys_own_forward_packed_and_unpacked_under_f
 @pytest.mark.slow
 def test_a_run_killed_during_its_reference_pass_resumes_the_pass_from_its_saved_chunks(tmp_path, train_env):
     """Full-fine-tuning DPO SIGKILLed (torchrun and its workers) once the reference pass has saved its first chunk of
-    256 blocks and before it finished, then stopped by SIGTERM after its next chunk: the same command again reads the
+    256 blocks and before it finished, then stopped by SIGTERM within its third chunk: the same command again reads the
     chunks done, computes the rest, and trains from ln 2 with every reward 0 at step 1 (the reference equal to the
     policy: a wrong resumed value would show)."""
     import os
@@ -531,8 +531,8 @@ def test_a_run_killed_during_its_reference_pass_resumes_the_pass_from_its_saved_
         kill_tree(proc)
     assert proc.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
     assert not list(references.glob("*/reference/*/meta.json")), "the pass finished before the kill"
-    # SIGTERM (a scheduler's preemption) while the rerun computes its second chunk: every rank stops once that chunk
-    # is saved, in one line, instead of finishing the pass (and the step-0 validation) first
+    # SIGTERM (a scheduler's preemption) while the rerun computes its second chunk: every rank stops before its next
+    # round of forwards, in one line, instead of finishing the chunk, the pass (and the step-0 validation) first
     with open(tmp_path / "stopped.log", "w") as log:
         proc = start_torchrun(2, ROOT / "fsdp1.py", *cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None and not list(references.glob("*/reference/*.partial/train/chunk-00001.npy")):
@@ -540,8 +540,8 @@ def test_a_run_killed_during_its_reference_pass_resumes_the_pass_from_its_saved_
         os.kill(proc.pid, signal.SIGTERM)  # the launcher forwards it to the workers
         proc.wait(timeout=120)
     stopped = (tmp_path / "stopped.log").read_text()
-    done = re.search(r"stopped by signal during the reference pass, after chunk ([23]) of 3 \(the chunks done are "
-                     r"saved\); rerun the same command to resume", stopped)
+    done = re.search(r"stopped by signal during the reference pass, with ([23]) of 3 chunks saved \(kept\); rerun "
+                     r"the same command to resume", stopped)
     assert done and not list(references.glob("*/reference/*/meta.json")), stopped[-3000:]
     assert not events(tmp_path / "runs" / "dpo", "train")
     again = torchrun(2, ROOT / "fsdp1.py", *cmd, env=env)

@@ -11,6 +11,7 @@ saves them (the token cache may be local to a node); a chunk counts as done only
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import shutil
@@ -51,13 +52,16 @@ def _everywhere(found: bool, d: Dist) -> bool:
 
 
 @torch.no_grad()
-def _chunk(head: Head, blocks: np.ndarray, flags: np.ndarray, batch_size: int, d: Dist, width: int) -> np.ndarray:
+def _chunk(head: Head, blocks: np.ndarray, flags: np.ndarray, batch_size: int, d: Dist, width: int,
+           each_round: Callable[[], None]) -> np.ndarray:
     """The (chosen, rejected) log-probabilities of each pair of these blocks: [blocks, width, 2], NaN past a block's
-    pairs. The blocks are dealt to the ranks; every rank returns the whole. A collective."""
+    pairs. The blocks are dealt to the ranks; every rank returns the whole. each_round() before each round of
+    forwards (every rank the same rounds: a stop check that is a collective may go there). A collective."""
     n, world = len(blocks), d.world_size
     out = np.full((n, width, 2), np.nan, dtype=np.float32)
     mine: dict[int, np.ndarray] = {}
     for b in range(rounds(n, world, batch_size)):
+        each_round()
         idx, valid = dealt(n, d.rank, world, batch_size, b)
         got = sequence_logps(head, Part(blocks, flags).batch(idx, d.device, valid))
         values = torch.stack([got["chosen"], got["rejected"]], 1).float().cpu().numpy()
@@ -80,12 +84,13 @@ def _chunk(head: Head, blocks: np.ndarray, flags: np.ndarray, batch_size: int, d
 
 
 def reference_pass(head: Head, blocks: np.ndarray, flags: np.ndarray, batch_size: int, d: Dist,
-                   work: Path, after_chunk: Callable[[int, int], None] = lambda done, chunks: None
+                   work: Path, check_stop: Callable[[int, int], None] = lambda saved, chunks: None
                    ) -> tuple[np.ndarray, int, int]:
     """Every pair's (chosen, rejected) summed log-probabilities under the model as it is: [blocks, pairs, 2]
     float32, NaN past a block's pairs, resumed from the chunks saved in work/; with (chunks read from there,
-    chunks). after_chunk(done, chunks) runs on every rank once a computed chunk is saved everywhere (a stop request
-    acted on there loses nothing). A collective."""
+    chunks). check_stop(saved, chunks) runs on every rank before each round of forwards and once a computed chunk
+    is saved everywhere, with the chunks saved so far (a stop acted on there loses one round's work at most, and a
+    round is one forward: a chunk of 256 blocks took 94 s on a large pass). A collective."""
     width = max(int(pair_starts(flags).sum(1).max()) if len(flags) else 0, 1)  # the most pairs one block holds
     out = np.full((len(blocks), width, 2), np.nan, dtype=np.float32)
     starts = range(0, len(blocks), CHUNK_BLOCKS)
@@ -97,25 +102,26 @@ def reference_pass(head: Head, blocks: np.ndarray, flags: np.ndarray, batch_size
             out[start:stop] = np.load(saved)
             resumed += 1
             continue
-        out[start:stop] = _chunk(head, blocks[start:stop], flags[start:stop], batch_size, d, width)
+        out[start:stop] = _chunk(head, blocks[start:stop], flags[start:stop], batch_size, d, width,
+                                 functools.partial(check_stop, start // CHUNK_BLOCKS, len(starts)))
         if d.is_local_main:
             work.mkdir(parents=True, exist_ok=True)
             save_npy_atomic(saved, out[start:stop])
         dist.barrier()
-        after_chunk(start // CHUNK_BLOCKS + 1, len(starts))
+        check_stop(start // CHUNK_BLOCKS + 1, len(starts))
     return out, resumed, len(starts)
 
 
 def ensure_reference(head: Head, cache: Path, folder: Path, splits: dict[str, Part],
                      batch_size: int, d: Dist, load: Callable[[], None],
                      off: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                     after_chunk: Callable[[int, int], None] = lambda done, chunks: None
+                     check_stop: Callable[[int, int], None] = lambda saved, chunks: None
                      ) -> tuple[dict[str, np.ndarray], str]:
     """Each split's reference log-probabilities ({name: [blocks, pairs, 2]}) and what happened ("reused", or
     "computed in S s" with how many chunks an interrupted pass had saved): read from folder when every process finds
     them there, else computed by the model after load() has put the reference's weights in it (off: the context
     that makes the model the reference, the adapters switched off in an adapter run), saved, and the model left in
-    training mode. after_chunk: reference_pass's. A collective."""
+    training mode. check_stop: reference_pass's. A collective."""
     if _everywhere((folder / "meta.json").exists(), d):
         return {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in splits}, "reused"
     started = time.perf_counter()
@@ -123,7 +129,7 @@ def ensure_reference(head: Head, cache: Path, folder: Path, splits: dict[str, Pa
     load()
     head.model.eval()
     with off():
-        passes = {name: reference_pass(head, part.blocks, part.flags, batch_size, d, partial / name, after_chunk)
+        passes = {name: reference_pass(head, part.blocks, part.flags, batch_size, d, partial / name, check_stop)
                   for name, part in splits.items()}
     head.model.train()
     found = {name: values for name, (values, _, _) in passes.items()}

@@ -27,12 +27,13 @@ from pipeline.train.preflight import Plan, ReferencePlan
 from pipeline.train.telemetry import log
 
 
-def stop_between_chunks(done: int, chunks: int) -> None:
-    """A signal on any rank stops the pass after the chunk every rank has just saved (a pass over many pairs takes
-    minutes: a scheduler's grace period would kill it first). One small all-reduce per chunk: every rank calls it."""
+def stop_in_pass(saved: int, chunks: int) -> None:
+    """A signal on any rank stops the pass before its next round of forwards (a pass over many pairs takes minutes:
+    a scheduler's grace period would kill it first); the chunks saved are kept. One small all-reduce per round:
+    every rank calls it."""
     if agreed_stop():
-        log.warning("stopped by signal during the reference pass, after chunk %d of %d (the chunks done are saved); "
-                    "rerun the same command to resume", done, chunks)
+        log.warning("stopped by signal during the reference pass, with %d of %d chunks saved (kept); rerun the same "
+                    "command to resume", saved, chunks)
         raise Interrupted(StopRequest.signum or signal.SIGTERM)
 
 
@@ -45,7 +46,7 @@ def with_reference(blocks: Blocks, ref: ReferencePlan, strategy: Strategy, dtype
     splits = {name: blocks.part(name) for name in ("train", "val")}
     off = functools.partial(adapters_disabled, strategy.model) if strategy.freezes_base else contextlib.nullcontext
     found, how = ensure_reference(strategy.head(), blocks.path, folder, splits, batch_size, strategy.dist,
-                                  lambda: strategy.load_weights(ref.model_dir), off, stop_between_chunks)
+                                  lambda: strategy.load_weights(ref.model_dir), off, stop_in_pass)
     strategy.release()  # the root stays gathered after forwards without backward
     if strategy.dist.is_main:
         pairs = sum(count_pairs(part.flags) for part in splits.values())
