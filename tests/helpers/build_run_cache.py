@@ -13,9 +13,9 @@ switch_offline()
 
 from pipeline import config_merge as config_mod  # noqa: E402
 from pipeline.data import token_cache  # noqa: E402
+from pipeline.signals import Interrupted, StopRequest  # noqa: E402
 from pipeline.train.blocks import ensure_blocks  # noqa: E402
 from pipeline.train.preflight import preflight  # noqa: E402
-from pipeline.train.signals import Interrupted, StopRequest  # noqa: E402
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
