@@ -234,6 +234,34 @@ def test_fsdp1_says_an_invalid_choice_in_one_line_and_exits_2(argv, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_pipeline_tiny_says_an_invalid_preset_or_family_in_one_line_and_exits_2(tmp_path, capsys):
+    """pipeline.tiny's flags with choices, as fsdp1.py's: one line naming the choices, nothing built; --help shows
+    them as argparse did."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, with_root
+
+    from pipeline.prep import tiny
+
+    allowed = {"--preset": sorted(tiny.PRESETS), "--family": list(tiny.FAMILIES)}
+    for name, values in allowed.items():
+        for value in ("unknown", values[0].upper(), ""):
+            with pytest.raises(UserError) as err:
+                tiny.main(["--out", str(tmp_path / "out"), name, value])
+            assert str(err.value) == f"{name} must be one of {', '.join(values)}, got {value!r}"
+    proc = subprocess.run([sys.executable, "-m", "pipeline.tiny", "--out", str(tmp_path / "out"), "--family", "gpt2",
+                           "--seed", "1"], cwd=ROOT, env=with_root(), capture_output=True, text=True, timeout=300)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        2, "", f"error: --family must be one of {', '.join(tiny.FAMILIES)}, got 'gpt2'\n")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit):
+        tiny.main(["--help"])
+    usage = capsys.readouterr().out
+    assert "[--preset {llama-3.1-8b,llama-3.2-1b,smollm2-135m}]" in usage
+    assert "[--family {" + ",".join(tiny.FAMILIES) + "}]" in usage
+
+
 def parsers():
     from pipeline import config_merge
     from pipeline.prep import corpus, hub, organize

@@ -178,10 +178,15 @@ beyond the common miniature shape (family_config): what sets the family apart is
 soft-capping, sliding windows, QK norms, 4 experts of which 2 per token)."""
 
 
+def one_of(name: str, value: str, allowed: list[str]) -> None:
+    """A flag's value among its choices, else one line (as fsdp1.py's flags say it), never argparse's usage block."""
+    if value not in allowed:
+        raise UserError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
 def family_config(family: str, vocab_size: int, bos_id: int, eos_id: int) -> PretrainedConfig:
     """A 2-layer, hidden-64 config of a family of FAMILIES (grouped-query attention: 4 heads, 2 KV heads)."""
-    if family not in FAMILIES:
-        raise UserError(f"unknown --family {family!r}; known: {', '.join(FAMILIES)}")
+    one_of("--family", family, list(FAMILIES))
     config_class, extra = FAMILIES[family]
     common = {"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
@@ -200,8 +205,7 @@ def build_family(out: Path, family: str, corpus: Path = DEFAULT_CORPUS, *, seed:
 def build_preset(out: Path, preset: str, corpus: Path = DEFAULT_CORPUS, *, seed: int = 0) -> Path:
     """A random-weight model with a preset's real config, in its file dtype, and the bundled tokenizer; returns out.
     Built on the GPU when there is one (a 1B model's random init takes minutes on two CPU cores)."""
-    if preset not in PRESETS:
-        raise UserError(f"unknown --preset {preset!r}; known: {', '.join(PRESETS)}")
+    one_of("--preset", preset, sorted(PRESETS))
     tokenizer = train_tokenizer(corpus_texts(corpus), 1024)
     config = LlamaConfig(**PRESETS[preset], bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     return save_random(out, config, tokenizer, seed, "cuda" if torch.cuda.is_available() else "cpu")
@@ -257,11 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+    p.add_argument("--preset", metavar="{" + ",".join(sorted(PRESETS)) + "}", default=None,
                    help="a real model's config instead of the tiny one (--layers, --hidden and --tied ignored)")
-    p.add_argument("--family", choices=list(FAMILIES), default=None,
+    p.add_argument("--family", metavar="{" + ",".join(FAMILIES) + "}", default=None,
                    help="a tiny model of another family (2 layers, hidden 64; --layers, --hidden, --tied ignored)")
     args = p.parse_args(argv)
+    if args.preset is not None:
+        one_of("--preset", args.preset, sorted(PRESETS))
+    if args.family is not None:
+        one_of("--family", args.family, list(FAMILIES))
     if not args.corpus.is_dir():
         raise UserError(f"--corpus {args.corpus} does not exist or is not a directory")
     if args.family:
