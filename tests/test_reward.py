@@ -124,10 +124,20 @@ def test_the_bradley_terry_loss_over_packed_pairs_is_each_pair_s_alone(tiny_mode
         "mean_reward": sum(flat) / 8, "min_reward": min(flat), "max_reward": max(flat)}, rel=1e-5, abs=1e-6)
 
 
-def test_reward_runs_are_refused_in_one_line_where_they_cannot_train(tmp_path, train_env):
+def test_reward_runs_are_refused_in_one_line_where_they_cannot_train(tmp_path, train_env, tiny_models):
     """Sampling and the hand-written strategy are refused for a reward model, and its coefficient for other
-    objectives; each before any weight is read. The plain run and the adapter run pass."""
+    objectives; a tokenizer that pads with a token beyond the embedding (the export could not be built: "Padding_idx
+    must be within num_embeddings", after the whole run); each before any weight is read. The plain run and the
+    adapter run pass."""
+    import shutil
+
     from conftest import ROOT, preflight_errors
+    from transformers import AutoTokenizer
+
+    padded = shutil.copytree(tiny_models["tied"], tmp_path / "padded")
+    tokenizer = AutoTokenizer.from_pretrained(padded)
+    tokenizer.add_special_tokens({"pad_token": "<pad-beyond>"})
+    tokenizer.save_pretrained(padded)
 
     arithmetic_pairs(tmp_path, 2)
     common = ["-e", "r", "-m", "local/tiny", "--save-dir", tmp_path / "runs", "--config",
@@ -138,14 +148,18 @@ def test_reward_runs_are_refused_in_one_line_where_they_cannot_train(tmp_path, t
     refusals = preflight_errors([reward, [*reward, "--adapter", "qlora"], [*reward, "--sample-prompts", prompts],
                                  [*reward, "--strategy", "manual"],
                                  [*common, "--objective", "dpo", "--center-rewards-coefficient", 0.1],
-                                 [*reward, "--center-rewards-coefficient", -1]], train_env["env"])
+                                 [*reward, "--center-rewards-coefficient", -1],
+                                 [*reward, "-m", padded]], train_env["env"])
     assert refusals == [
         "ok", "ok",
         "--sample-prompts: a reward model scores text and does not generate; drop it (its validation gives the "
         "held-out accuracy)",
         "--objective reward trains under --strategy ddp, fsdp2 or fsdp1 (auto picks among them), not manual",
         "--center-rewards-coefficient is for --objective reward, not dpo",
-        "--center-rewards-coefficient must be in [0, 1000], got -1"]
+        "--center-rewards-coefficient must be in [0, 1000], got -1",
+        f"--objective reward: the tokenizer of {padded} pads with token id {len(tokenizer) - 1}, beyond the model's "
+        "embedding of 1,024 rows, so the exported reward model could not be loaded; set its pad_token "
+        "(tokenizer_config.json) to a token the model has, e.g. its end-of-sequence token"]
     assert not (tmp_path / "runs").exists()
 
 

@@ -71,6 +71,23 @@ def pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
+def checked_pad_id(tokenizer, hf_config, model_name: str) -> int:
+    """pad_id, refused in one line where the exported class could not be built with it: transformers gives it to
+    the embedding as padding_idx, which must lie within the embedding's rows ("Padding_idx must be within
+    num_embeddings", at the export, after the whole run), and a model whose tokenizer has neither token has none."""
+    pad = pad_id(tokenizer)
+    rows = getattr(hf_config.get_text_config(), "vocab_size", None)
+    if pad is None:
+        raise UserError(f"--objective reward: the tokenizer of {model_name} has no pad token and no end-of-sequence "
+                        "token to pool each sequence's score by; give it one (tokenizer_config.json's pad_token)")
+    if rows is not None and not 0 <= pad < rows:
+        raise UserError(f"--objective reward: the tokenizer of {model_name} pads with token id {pad}, beyond the "
+                        f"model's embedding of {rows:,} rows, so the exported reward model could not be loaded; set "
+                        "its pad_token (tokenizer_config.json) to a token the model has, e.g. its end-of-sequence "
+                        "token")
+    return pad
+
+
 def scores_forward(self, input_ids=None, position_ids=None, **kwargs):
     """The sequence-classification forward before its pooling: every position's score, as `logits` [rows, seq, 1]."""
     from transformers.modeling_outputs import CausalLMOutputWithPast

@@ -33,7 +33,7 @@ from pipeline.errors import UserError
 from pipeline.eval.samples import Prompt, read_prompts
 from pipeline.model.adapters import chosen_targets
 from pipeline.model.modeling import cannot_train, meta_model
-from pipeline.model.reward_head import RewardHead, is_reward_model, pad_id, reward_head_layout
+from pipeline.model.reward_head import RewardHead, checked_pad_id, is_reward_model, reward_head_layout
 from pipeline.model.router import RouterBalance
 from pipeline.model.weight_check import WeightCheck, read_line, unchanged_weights, weights_digest
 from pipeline.model.weight_files import read_index
@@ -302,7 +302,8 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return Plan(model_dir, hf_config, data, tokenizer, spec, fingerprint,
                 plan_memory(cfg, hf_config, device, launch, rewards.model_params if rewards else 0),
-                reward_head=RewardHead(layout, pad_id(tokenizer), is_reward_model(hf_config)) if layout else None,
+                reward_head=RewardHead(layout, checked_pad_id(tokenizer, hf_config, cfg.model.model_name),
+                                      is_reward_model(hf_config)) if layout else None,
                 rewards=rewards)
 
 
