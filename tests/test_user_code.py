@@ -94,6 +94,15 @@ def short_on_rank(prompts, completions, completion_ids, **columns):
     return [1.0] * (len(completions) - (os.environ["RANK"] == os.environ["FAILING_RANK"]))
 
 
+class Exiting(float):
+    def __float__(self):
+        sys.exit(0)
+
+
+def exits_when_read(prompts, completions, completion_ids, **columns):
+    return [Exiting(1.0) for _ in completions]
+
+
 def parity(prompts, completions, completion_ids, **columns):
     return [float(len(ids) % 2) for ids in completion_ids]
 '''
@@ -355,3 +364,20 @@ def test_a_reward_failing_on_one_rank_is_the_whole_output(tmp_path, train_env, f
         said = (proc.stdout + proc.stderr).splitlines()
         rest = [s for s in said if not s.startswith("[rank=0]")]
         assert proc.returncode == 2 and len(rest) == 1 and rest[0].startswith(line), "\n".join(said[-30:])
+
+
+def test_a_run_ended_by_sys_exit_anywhere_inside_it_exits_with_an_error_naming_where(tmp_path, train_env):
+    """SystemExit(0) raised outside any guarded call (here: reading a reward's value, a float whose __float__ exits)
+    ends the run with exit 2 and one line naming where, never exit 0 with nothing trained or exported."""
+    from conftest import run_script
+
+    prompts_dataset(tmp_path)
+    path = reward_file(tmp_path / "r")
+    proc = run_script("fsdp1.py", "--nproc-per-node", 2, *grpo_command(
+        tmp_path, "x", f"{path}:exits_when_read", "--max-completion-length", 4, "--max-steps", 2),
+        env=train_env["env"])
+    line = REWARDS.splitlines().index("        sys.exit(0)") + 1
+    assert (proc.returncode, proc.stderr.splitlines()[-1]) == (2, (
+        f"error: the run was ended by SystemExit(0) raised at {path}:{line}, before it finished; it exits with an "
+        "error (a rerun of the same command resumes from the last checkpoint)")), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr and not (tmp_path / "runs" / "x" / "hf").exists()

@@ -4,6 +4,7 @@ its failures mapped to one line (exit 2) or a clean stop's exit code."""
 from __future__ import annotations
 
 import sys
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -95,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _raised_at(exc: BaseException) -> str:
+    """Where an exception was raised: the innermost frame's file and line."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "an unknown place"
+
+
 def train_or_stop(cfg: Config, d: Dist, plan: Plan, peers: PeerWatch) -> int:
     """run(), its clean stop as an exit code, and its failures as one line where we can say what happened."""
     try:
@@ -102,6 +109,9 @@ def train_or_stop(cfg: Config, d: Dist, plan: Plan, peers: PeerWatch) -> int:
             run(cfg, d, plan)
     except Interrupted as stop:
         return 128 + stop.signum
+    except SystemExit as exc:  # code of the user's, or a library's, ending the process mid-run: never exit 0
+        raise UserError(f"the run was ended by {exc!r} raised at {_raised_at(exc)}, before it finished; it exits "
+                        "with an error (a rerun of the same command resumes from the last checkpoint)") from None
     except torch.OutOfMemoryError:
         raise UserError(out_of_memory_message(cfg, d)) from None
     except RuntimeError as exc:
