@@ -81,6 +81,32 @@ def test_a_folder_mixing_pairs_with_text_is_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_folder_of_only_bad_preference_records_names_their_own_reasons_in_one_line(tmp_path):
+    """KTO labels written as strings ("true", "false", 1) and pairs whose answers are equal (standard and
+    conversational): DATA-HF's one line names the records' own reasons (bad_label, same_answers) and where each was
+    first, not only the files' no_valid_pair; nothing is written."""
+    from conftest import run_script
+
+    labels = [{"prompt": "2+2?", "completion": " 4", "label": "true"},
+              {"prompt": chat("2+3?"), "completion": [chat("", "5")[1]], "label": "false"},
+              {"prompt": "2+4?", "completion": " 6", "label": 1}]
+    same = [{"prompt": "x", "chosen": " y", "rejected": " y"},
+            {"prompt": chat("Hi?"), "chosen": [chat("", "Hello")[1]], "rejected": [chat("", "Hello")[1]]}]
+    write_jsonl(tmp_path / "labels" / "feedback.jsonl", labels)
+    write_jsonl(tmp_path / "same" / "pairs.jsonl", same)
+    write_jsonl(tmp_path / "both" / "feedback.jsonl", labels)
+    write_jsonl(tmp_path / "both" / "pairs.jsonl", same)
+    for folder, why in (
+            ("labels", "no_valid_pair: 1; preference records skipped: bad_label 3, first at feedback.jsonl:line 1"),
+            ("same", "no_valid_pair: 1; preference records skipped: same_answers 2, first at pairs.jsonl:line 1"),
+            ("both", "no_valid_pair: 2; preference records skipped: bad_label 3, first at feedback.jsonl:line 1; "
+                     "same_answers 2, first at pairs.jsonl:line 1")):
+        proc = run_script("DATA-HF.py", "--data_folder", tmp_path / folder, "--save_dir", tmp_path / f"{folder}-out",
+                          "--num_proc", 1)
+        assert (proc.returncode, proc.stderr) == (2, f"error: no text extracted from {tmp_path / folder} ({why})\n")
+        assert not (tmp_path / f"{folder}-out").exists()
+
+
 def test_the_objective_the_data_and_the_reference_must_agree_in_one_line(tmp_path, train_env):
     """SFT on pairs would train the prompts alone; a preference objective on text has nothing to compare; a
     --reference-model must score the policy's tokens in the policy's architecture. Each refused before any weight is

@@ -397,6 +397,15 @@ def build_dataset(cfg: CorpusConfig) -> dict:
             return _build_locked(cfg, files, sizes, pre_skipped, start)
 
 
+def records_skipped(report: dict) -> str:
+    """The records' own reasons behind files skipped for holding no valid record of their kind (no_valid_pair: KTO
+    labels written as "true", pairs whose answers are equal), each with where it was first: "" when none."""
+    kinds = (("conversations", "conversations"), ("preferences", "preference records"), ("prompts", "prompt records"))
+    return "".join(f"; {what} skipped: " + "; ".join(f"{reason} {v['count']}, first at {v['where'][0]}"
+                                                    for reason, v in report[key]["skipped"].items())
+                   for key, what in kinds if report[key]["skipped"])
+
+
 def _build_locked(cfg: CorpusConfig, files: list[str], sizes: list[int], pre_skipped: dict, start: float) -> dict:
     _clean_stale_partials(cfg.save_dir)
     work = cfg.save_dir.parent / f".{cfg.save_dir.name}.partial-{os.getpid()}"
@@ -406,7 +415,7 @@ def _build_locked(cfg: CorpusConfig, files: list[str], sizes: list[int], pre_ski
         report = _report(cfg, results, pre_skipped)
         if not report["rows"]:
             reasons = ", ".join(f"{r}: {v['count']}" for r, v in report["skipped"].items())
-            raise UserError(f"no text extracted from {cfg.data_folder} ({reasons})")
+            raise UserError(f"no text extracted from {cfg.data_folder} ({reasons}{records_skipped(report)})")
         if refused := mixed_folder(cfg.data_folder, report, [r.shard for r in results if r.rows]):
             raise UserError(refused)
         if 0 < (pairs := report["preferences"]["rows"]) < report["rows"]:
