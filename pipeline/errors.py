@@ -190,6 +190,14 @@ class ArgumentParser(argparse.ArgumentParser):
         end = args.index("--") if "--" in args else len(args)  # after a bare --, everything is a value
         return super().parse_known_args([self._declared(a) for a in args[:end]] + args[end:], namespace)
 
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        """A value outside a flag's choices: one line (exit 2), not argparse's usage block first. argparse's hook for
+        it is private (no public one exists); tests/test_config.py checks that it is still called."""
+        if action.choices is not None and value not in action.choices:
+            name = next((o for o in action.option_strings if o.startswith("--")), action.dest)
+            raise UserError(f"{name} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
+        super()._check_value(action, value)
+
     def _declared(self, token: str) -> str:
         if not token.startswith("--"):
             return token

@@ -369,3 +369,23 @@ def test_a_stage_in_a_process_group_leaves_with_its_code_and_all_it_wrote_but_no
     else:
         assert proc.stderr == stderr
     assert (tmp_path / "log").read_text() == "INFO:root:logged\n"
+
+
+def test_every_other_commands_flag_with_choices_refuses_another_value_in_one_line(tmp_path):
+    """ORGANIZE_DATA, pipeline.chat, pipeline.evaluate and pipeline.export: a value outside a flag's choices is one
+    line naming them, exit 2, through errors.ArgumentParser's hook on argparse's private _check_value (checked here
+    to exist: argparse has no public hook for it)."""
+    import argparse
+
+    from conftest import run_module, run_script
+
+    assert callable(getattr(argparse.ArgumentParser, "_check_value", None))
+    for proc, line in (
+            (run_script("ORGANIZE_DATA.py", "--src_dir", tmp_path, "--dst_dir", tmp_path / "x", "--mode", "bad"),
+             "--mode must be one of copy, hardlink, symlink, got 'bad'"),
+            (run_module("pipeline.chat", tmp_path, "--mode", "bad"),
+             "--mode must be one of auto, chat, text, got 'bad'"),
+            (run_module("pipeline.evaluate", tmp_path, "--split", "bad"), "--split must be one of val, all, got 'bad'"),
+            (run_module("pipeline.export", tmp_path, "--export-dtype", "bad"),
+             "--export-dtype must be one of auto, bf16, fp16, fp32, got 'bad'")):
+        assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {line}\n")
