@@ -311,3 +311,11 @@ def test_a_kto_run_on_labels_all_on_one_side_warns_once_and_validates_without_a_
                      r"undesirable\) undefined \(the validation examples hold no desirable completion\), kl 0\.0000 "
                      r"-> \d\.\d{4}, base -> step 2$", closing), closing
     assert "nan" not in warning + closing
+    # pipeline.evaluate of its adapter on the run's config: the margin said undefined too, not "nan"
+    from conftest import run_evaluate
+
+    scored = run_evaluate(train_env["env"], tmp_path / "runs" / "r" / "adapter", "--config",
+                          tmp_path / "runs" / "r" / "config.yaml")
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert "margin     undefined (the examples hold desirable or undesirable completions only)\n" in scored.stdout, \
+        scored.stdout

@@ -25,6 +25,7 @@ import gc
 import hashlib
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -331,7 +332,8 @@ def table(report: dict) -> str:
                    if report["objective"] != "reward" else {}),
                 f"{report['objective']} loss": _figure(report["loss"], ".5f"),
                 **({"accuracy": format(report["preference_accuracy"], ".4f")} if items == "pairs" else {}),
-                "margin": format(report["mean_margin"], ".4f"),
+                "margin": format(report["mean_margin"], ".4f") if math.isfinite(report["mean_margin"]) else
+                "undefined (the examples hold desirable or undesirable completions only)",
                 **({"kl": format(report["kl"], ".4f")} if "kl" in report else {})}
     width = max(map(len, rows)) + 1
     return "\n".join(f"{k:<{width}} {v}" for k, v in rows.items())
