@@ -1,8 +1,11 @@
 """What hostile inputs cost a worker: DATA-HF on a whitespace-free row of --row-mb MB (in a .jsonl line and in a .json
 document, skipped at the default --max_row_mb and kept above it) and on a sparse 2 GB file, and the token cache's
-tokenizer on such a row. Peak resident memory of the process above its start, and seconds.
+tokenizer on such a row. Peak resident memory of the process above its start, and seconds. And (--part user-code)
+the user's own code inside training as a hostile user writes it (bench/hostile_user_code.py): what each case ends
+in, how fast a stop comes.
 
     .venv/bin/python bench/hostile_inputs.py --row-mb 100
+    .venv/bin/python bench/hostile_inputs.py --part user-code
 
 Each case runs in a process of its own (DATA-HF with --num_proc 1, so the worker is the process measured).
 """
@@ -21,6 +24,7 @@ import time
 from pathlib import Path
 
 import common
+import hostile_user_code
 
 RESULTS = common.ROOT / "bench" / "data" / "hostile_inputs.json"
 HWM = "int(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))"
@@ -73,7 +77,33 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--row-mb", type=int, default=100)
     p.add_argument("--workdir", type=Path, default=common.ROOT / ".bench" / "hostile")
+    p.add_argument("--part", choices=("data", "user-code", "all"), default="all")
     args = p.parse_args()
+    if args.part in ("user-code", "all"):
+        user_code(args.workdir / "user-code")
+    if args.part in ("data", "all"):
+        data(args)
+
+
+def user_code(work: Path) -> None:
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    results = hostile_user_code.run_all(work)
+    raw = {"machine": common.machine(), "cases": results}
+    out = RESULTS.with_name("hostile_user_code.json")
+    out.write_text(json.dumps(raw, indent=2))
+    body = [f"- Machine: {raw['machine']}.",
+            f"- Command: `.venv/bin/python bench/hostile_inputs.py --part user-code`; raw results in "
+            f"{out.relative_to(common.ROOT)}.",
+            "- Each case a `fsdp1.py --nproc-per-node 2` GRPO run on the bundled tiny model (bench/hostile_user_code.py"
+            " holds the reward functions); seconds from the start, or from the SIGTERM for a stop; the lines printed "
+            "beyond the case's one line and rank 0's log; whether a traceback was printed; the last line (paths "
+            "relative to the work folder).", "", hostile_user_code.table(results, work)]
+    common.update_section("hostile_user_code", "\n".join(body))
+    print("\n".join(body))
+
+
+def data(args: argparse.Namespace) -> None:
     work = args.workdir
     shutil.rmtree(work, ignore_errors=True)
     chars = args.row_mb * 10**6

@@ -84,6 +84,14 @@ def hangs_on_step_2(prompts, completions, completion_ids, trainer_state, **colum
     return [float(len(ids) % 2) for ids in completion_ids]
 
 
+def parity_preempted_in_step_2(prompts, completions, completion_ids, trainer_state, **columns):
+    mark = os.environ.get("PREEMPT_MARK")
+    if mark and trainer_state.global_step == 1 and os.environ["RANK"] == "0" and not Path(mark).exists():
+        Path(mark).write_text(repr(time.time()))
+        os.kill(os.getppid(), signal.SIGTERM)  # to the launcher, as a scheduler's preemption, which passes it on
+    return [float(len(ids) % 2) for ids in completion_ids]
+
+
 def fails_on_rank(prompts, completions, completion_ids, **columns):
     if os.environ["RANK"] == os.environ["FAILING_RANK"]:
         raise ValueError("only here")
@@ -307,31 +315,37 @@ def stopped_by_sigterm(argv: list, env: dict, ready, log: Path) -> tuple[int, fl
     return code, time.monotonic() - sent, log.read_text()
 
 
-def test_sigterm_in_a_long_generation_or_a_hanging_reward_stops_within_seconds_and_the_rerun_repeats_the_run(
+def test_sigterm_in_a_steps_generation_or_a_hanging_reward_stops_within_seconds_and_the_rerun_repeats_the_run(
         tmp_path, train_env):
-    """SIGTERM while every rank generates 800 tokens per completion (fsdp2: one all-reduce per token, which carries
-    the stop) ends the run within seconds, the step's checkpoint saved before its prompts were drawn: the rerun's
-    steps are the uninterrupted run's, bit for bit. SIGTERM while a reward function never returns (ddp, each rank
-    generating through its own replica) interrupts it at once; the rerun resumes. Each stop is one line naming where,
-    exit 128 + SIGTERM, no traceback."""
-    from conftest import ROOT, events, torchrun
+    """A preemption (SIGTERM to the launcher) in the middle of step 2's rollouts, sent by the reward of its first
+    micro-batch, before its second generates 800 tokens per completion (fsdp2: one all-reduce per token, which carries
+    the stop): the run ends within seconds, step 2's checkpoint saved as it was before its prompts were drawn, and
+    the rerun's steps are the uninterrupted run's, bit for bit. SIGTERM while a reward function never returns (ddp,
+    each rank generating through its own replica) interrupts it at once. Each stop is one line naming where, exit
+    128 + SIGTERM, no traceback."""
+    from conftest import ROOT, events, start_python, torchrun, with_root
 
     prompts_dataset(tmp_path)
     path = reward_file(tmp_path / "r")
     env = train_env["env"]
-    long = ("--strategy", "fsdp2", "--max-completion-length", 800, "--max-steps", 2)
-    straight = torchrun(2, ROOT / "fsdp1.py", *grpo_command(tmp_path, "straight", f"{path}:parity", *long), env=env)
+    reward = f"{path}:parity_preempted_in_step_2"
+    long = ("--strategy", "fsdp2", "--max-completion-length", 800, "--max-steps", 2, "--grad-accum", 2)
+    straight = torchrun(2, ROOT / "fsdp1.py", *grpo_command(tmp_path, "straight", reward, *long), env=env)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    run = tmp_path / "runs" / "g"
-    code, seconds, said = stopped_by_sigterm(grpo_command(tmp_path, "g", f"{path}:parity", *long), env,
-                                             lambda: len(events(run, "train")) == 1, tmp_path / "g.log")
+    run, mark = tmp_path / "runs" / "g", tmp_path / "preempted"
+    with open(tmp_path / "g.log", "w") as out:
+        argv = ["fsdp1.py", "--nproc-per-node", "2", *map(str, grpo_command(tmp_path, "g", reward, *long))]
+        proc = start_python(argv, with_root({**env, "PREEMPT_MARK": str(mark)}), offline=True, stdout=out,
+                            stderr=subprocess.STDOUT)
+        code = proc.wait(timeout=300)
+    seconds, said = time.time() - float(mark.read_text()), (tmp_path / "g.log").read_text()
     assert (code, "Traceback" in said) == (128 + signal.SIGTERM, False), said[-3000:]
     assert seconds < 60, seconds
-    # the step-2 generation takes seconds, the boundary before it a millisecond: the signal lands in one of them
-    assert re.search(rf"stopped by signal (during generation )?at step 1; checkpoint "
-                     rf"{re.escape(str(run / 'checkpoints' / 'step-00000001'))} saved; rerun the same command to "
-                     "resume", said), said[-3000:]
-    again = torchrun(2, ROOT / "fsdp1.py", *grpo_command(tmp_path, "g", f"{path}:parity", *long), env=env)
+    # where the signal met the step: in the reward that sent it, at the rollout's agreement, or in the next generation
+    assert re.search(rf"stopped by signal (in reward {re.escape(reward)}|during the rollouts|during generation) at "
+                     rf"step 1; checkpoint {re.escape(str(run / 'checkpoints' / 'step-00000001'))} saved; rerun the "
+                     "same command to resume", said), said[-3000:]
+    again = torchrun(2, ROOT / "fsdp1.py", *grpo_command(tmp_path, "g", reward, *long), env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     keys = ("step", "loss", "grad_norm", "reward", "completions/mean_length")
     assert [[e[k] for k in keys] for e in events(run, "train")] == \
