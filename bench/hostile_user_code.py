@@ -97,6 +97,8 @@ class Case:
     """For a stop: SIGTERM once ready(run folder) holds."""
     before: Callable[[], None] | None = None
     """Run before the case (a first run, a file edited)."""
+    command: list | None = None
+    """The whole fsdp1.py command after -e NAME, where it is not a GRPO run with these rewards."""
 
 
 def cases(work: Path) -> list[Case]:
@@ -110,6 +112,9 @@ def cases(work: Path) -> list[Case]:
              ready=lambda run: mark.exists(), before=lambda: mark.unlink(missing_ok=True)),
         Case("SIGTERM in a spinning reward that catches Exception", 1, [f"{r}:spins", "--max-steps", 3],
              {"MARK": str(mark)}, ready=lambda run: mark.exists(), before=lambda: mark.unlink(missing_ok=True)),
+        Case("SIGTERM in a DPO reference pass (6,400 pairs, 4 x 256 model)", 1, [], ready=_in_the_pass,
+             command=["-d", work / "pairs", "-m", work / "wide", "--objective", "dpo", "--precision", "fp32",
+                      "--seq-length", 64, "--val-fraction", 0, "--max-steps", 2]),
         Case("a reward past --reward-timeout 2", 1, [f"{r}:slow", "--reward-timeout", 2]),
         Case("sys.exit() in a reward", 2, [f"{r}:exits"]),
         Case("sys.exit(0) at the reward file's import", 2, [f"{work / 'exit_at_import.py'}:f"]),
@@ -135,6 +140,11 @@ def cases(work: Path) -> list[Case]:
         Case("a reward file parsing the command line at import", 7, [f"{work / 'argv.py'}:f"]),
         Case("--loss-type unknown", 7, [f"{r}:parity", "--loss-type", "unknown"]),
     ]
+
+
+def _in_the_pass(run: Path) -> bool:
+    """Once the reference pass has saved its first chunk (of about 25)."""
+    return any(run.parent.glob("token_cache/*/reference/*.partial/train/chunk-00000.npy"))
 
 
 def _generating() -> Callable[[Path], bool]:
@@ -170,6 +180,11 @@ def files(work: Path) -> None:
                                         "**columns):\n    return [VALUE] * len(completions)\n")
     from pipeline.prep.corpus import CorpusConfig, build_dataset
 
+    (work / "pairs-raw").mkdir(exist_ok=True)
+    pairs = [{"prompt": f"Add {a} and {b}.", "chosen": f" {a + b}", "rejected": f" {a * b + 1}"}
+             for a in range(80) for b in range(80)]
+    (work / "pairs-raw" / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in pairs))
+    build_dataset(CorpusConfig(work / "pairs-raw", work / "pairs", num_proc=1))
     for name, extra in (("prompts", {"answer": "4"}), ("no-answer", {"topic": "sums"})):
         (work / f"{name}-raw").mkdir(exist_ok=True)
         rows = [{"prompt": f"What is {i} + {i}?", **extra} for i in range(48)]
@@ -180,11 +195,12 @@ def files(work: Path) -> None:
 def run(work: Path, case: Case, name: str) -> dict:
     """One case: its exit code, seconds (from the signal for a stop), the lines beyond rank 0's log, the last one."""
     data = work / case.env.get("DATA", "prompts")
-    cmd = [sys.executable, str(common.ROOT / "fsdp1.py"), "--nproc-per-node", "2", "-e", name, "-d", str(data),
-           "-m", str(work / "tiny"), "--save-dir", str(work / "runs"), "--config",
-           str(common.ROOT / "configs" / "demo.yaml"), "--objective", "grpo", "--num-generations", "2", "-b", "2",
-           "--max-completion-length", "8", "--max-steps", "2", "--log-freq", "1", "--val-fraction", "0",
-           "--eval-base", "false", "--ckpt-freq", "0", "--reward", *map(str, case.flags)]
+    grpo = ["-d", data, "-m", work / "tiny", "--objective", "grpo", "--num-generations", 2, "-b", 2,
+            "--max-completion-length", 8, "--max-steps", 2, "--val-fraction", 0, "--eval-base", "false",
+            "--reward", *case.flags]
+    cmd = [sys.executable, str(common.ROOT / "fsdp1.py"), "--nproc-per-node", "2", "-e", name, "--save-dir",
+           str(work / "runs"), "--config", str(common.ROOT / "configs" / "demo.yaml"), "--log-freq", "1",
+           "--ckpt-freq", "0", *map(str, case.command or grpo)]
     env = common.bench_env(**{k: v for k, v in case.env.items() if k != "DATA"})
     log = work / f"{name}.log"
     with open(log, "w") as out:
@@ -210,6 +226,7 @@ def run_all(work: Path) -> dict[str, dict]:
     files(work)
     if not (work / "tiny" / "config.json").exists():
         build_tiny(work / "tiny")
+        build_tiny(work / "wide", layers=4, hidden=256)
     out = {}
     for i, case in enumerate(cases(work)):
         if case.before is not None:

@@ -10,6 +10,7 @@ import functools
 import signal
 
 import torch
+import torch.distributed as dist
 
 from pipeline.config import Config
 from pipeline.data.pair_tokens import count_pairs
@@ -32,8 +33,10 @@ def stop_in_pass(saved: int, chunks: int) -> None:
     a scheduler's grace period would kill it first); the chunks saved are kept. One small all-reduce per round:
     every rank calls it."""
     if agreed_stop():
-        log.warning("stopped by signal during the reference pass, with %d of %d chunks saved (kept); rerun the same "
-                    "command to resume", saved, chunks)
+        # said once, by rank 0; the others keep it in their log (their console shows warnings only)
+        (log.warning if dist.get_rank() == 0 else log.info)(
+            "stopped by signal during the reference pass, with %d of %d chunks saved (kept); rerun the same command "
+            "to resume", saved, chunks)
         raise Interrupted(StopRequest.signum or signal.SIGTERM)
 
 
