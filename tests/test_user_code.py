@@ -77,7 +77,7 @@ def signalled(prompts, completions, completion_ids, **columns):
 
 
 def hangs_on_step_2(prompts, completions, completion_ids, trainer_state, **columns):
-    if trainer_state.global_step == 1:
+    if trainer_state.global_step == 1 and os.environ["RANK"] == "0":  # rank 1 waits for it in the rollout's agreement
         Path(os.environ["REWARD_MARK"]).touch()
         while True:
             time.sleep(1)

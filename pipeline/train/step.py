@@ -5,8 +5,9 @@ one step function of the Trainer (and of tests/helpers/strategy_steps.py, which 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -107,3 +108,31 @@ def agree(loss: torch.Tensor, norm: torch.Tensor, targets: int, world_size: int,
     loss_sum, bad_ranks, local_norm = torch.cat([summed, norm.reshape(1)]).tolist()
     return StepResult(loss_sum / world_size, local_norm, bad_ranks == 0 and math.isfinite(loss_sum), targets,
                       loss_scale)
+
+
+@dataclass
+class Window:
+    """What the steps since the last log line add up to."""
+
+    steps: int = 0
+    applied: int = 0
+    loss: float = 0.0
+    """Sum of the applied steps' losses."""
+    grad_norm: float = math.nan
+    """The last applied step's."""
+    lr: float = math.nan
+    """The learning rate the last applied step used (the schedule has moved on once it is applied)."""
+    targets: int = 0
+    """What the loss is a mean over (target tokens, or pairs: the objective's items), over every rank."""
+    started: float = field(default_factory=time.perf_counter)
+
+    def add(self, result: StepResult, lr: float) -> None:
+        self.steps += 1
+        self.targets += result.targets
+        if result.applied:
+            self.applied += 1
+            self.loss += result.loss
+            self.grad_norm, self.lr = result.grad_norm, lr
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started

@@ -12,7 +12,6 @@ import math
 import random
 import signal
 import time
-from dataclasses import dataclass, field
 from typing import NoReturn
 
 import numpy as np
@@ -41,7 +40,7 @@ from pipeline.train.preflight import Plan
 from pipeline.train.profiling import StepProfiler, memory_breakdown
 from pipeline.train.reference import frozen_copy, with_reference
 from pipeline.train.reports import data_line, experts_part, log_mixture, log_plan, log_profile, log_samples
-from pipeline.train.step import StepResult, Update, train_step
+from pipeline.train.step import StepResult, Update, Window, train_step
 from pipeline.train.telemetry import (
     PhaseTimer,
     Telemetry,
@@ -59,34 +58,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-@dataclass
-class Window:
-    """What the steps since the last log line add up to."""
-
-    steps: int = 0
-    applied: int = 0
-    loss: float = 0.0
-    """Sum of the applied steps' losses."""
-    grad_norm: float = math.nan
-    """The last applied step's."""
-    lr: float = math.nan
-    """The learning rate the last applied step used (the schedule has moved on once it is applied)."""
-    targets: int = 0
-    """What the loss is a mean over (target tokens, or pairs: the objective's items), over every rank."""
-    started: float = field(default_factory=time.perf_counter)
-
-    def add(self, result: StepResult, lr: float) -> None:
-        self.steps += 1
-        self.targets += result.targets
-        if result.applied:
-            self.applied += 1
-            self.loss += result.loss
-            self.grad_norm, self.lr = result.grad_norm, lr
-
-    def seconds(self) -> float:
-        return time.perf_counter() - self.started
 
 
 class Trainer:
