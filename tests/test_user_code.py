@@ -111,6 +111,34 @@ def exits_when_read(prompts, completions, completion_ids, **columns):
     return [Exiting(1.0) for _ in completions]
 
 
+def zero_d(prompts, completions, completion_ids, **columns):
+    import numpy as np
+    import torch
+    return [torch.tensor(1.5), np.bool_(True)][:len(completions)]
+
+
+def beyond_float(prompts, completions, completion_ids, **columns):
+    return [10 ** 400] * len(completions)
+
+
+def large(prompts, completions, completion_ids, **columns):
+    return [1e20] * len(completions)
+
+
+def alarm_user(prompts, completions, completion_ids, **columns):
+    signal.alarm(30)  # as math_verify's timeout decorator: its own alarm, cancelled in its finally
+    signal.alarm(0)
+    time.sleep(3600)
+
+
+def converts_stops(prompts, completions, completion_ids, **columns):
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(3600)
+    except BaseException as exc:  # a reward with a handler of its own, turning everything into its error
+        raise RuntimeError("my reward failed") from exc
+
+
 def parity(prompts, completions, completion_ids, **columns):
     return [float(len(ids) % 2) for ids in completion_ids]
 '''
@@ -155,6 +183,20 @@ def test_rewards_come_back_as_trl_takes_them_and_values_float32_cannot_hold_are_
     Rewards("accuracy").check_columns({"answer": 1}, 5, "data/prompts")  # some rows with one: the others abstain
 
 
+def test_zero_d_values_are_numbers_and_what_float32_statistics_cannot_hold_is_one_line(tmp_path):
+    """0-d tensors and numpy booleans are numbers; 10**400 (past float() itself) is refused as 1e39 is; a reward of
+    1e20, or two weighted rewards summing past float32, would make the group's std overflow and every advantage 0:
+    one line naming the completion, the values and the weights."""
+    path = reward_file(tmp_path)
+    assert Rewards(f"{path}:zero_d").score(["p", "q"], ["a", "b"], [[1], [2]], [{}, {}])[0].tolist() == [1.5, 1.0]
+    assert one_line(f"{path}:beyond_float").startswith(f"reward {path}:beyond_float returned 1000000000000000")
+    assert one_line(f"{path}:large") == (
+        "the weighted reward of the completion 'a' of prompt 'p' is 1e+20 (large gave [1.0000000200408773e+20] at "
+        "weights [1.0]): beyond +-1e+15, its group's std overflows float32 and every advantage becomes 0; scale the "
+        "rewards down")
+    assert Rewards(f"{path}:large:1e-6").score(["p"], ["a"], [[1]], [{}])[0].item() == pytest.approx(1e14, rel=1e-6)
+
+
 def test_reward_entries_are_read_whole_and_a_bad_one_says_what_is_wrong_with_it(tmp_path):
     """A path holding ':' and ',' is read as the path (the entry reads whole only with it); functions named nan and inf
     are functions; a weight that is not a number says so; every weight 0 trains nothing: one line each."""
@@ -172,10 +214,20 @@ def test_reward_entries_are_read_whole_and_a_bad_one_says_what_is_wrong_with_it(
             ("accuracy:1e308", "--reward accuracy:1e308: the weight must be a finite number within +-1e6, got 1e308"),
             (f"accuracy:0,{odd}:parity:0.0", f"every --reward has weight 0 (accuracy, {odd}:parity): every completion "
                                              "would get reward 0 and advantage 0, so nothing would train; give at "
-                                             "least one a non-zero weight")):
+                                             "least one a non-zero weight"),
+            # a comma joins pieces only into something that exists: a misspelt built-in stays the mistake it is
+            (f"acuracy,{odd}:parity", "--reward acuracy is neither FILE.py:FUNCTION[:WEIGHT], a built-in reward "
+                                      "(accuracy, think_format) nor a reward model folder, each with an optional "
+                                      ":WEIGHT")):
         with pytest.raises(UserError) as caught:
             Rewards(spec)
         assert str(caught.value) == said, spec
+    from pipeline.rl.rewards import parse_rewards
+
+    (tmp_path / "rm,v2").mkdir()
+    (tmp_path / "rm,v2" / "config.json").write_text("{}")  # a reward model's folder whose name holds a comma
+    assert [(s.model, s.weight) for s in parse_rewards(f"{tmp_path / 'rm,v2'}:0.5,org/judge")] == [
+        (str(tmp_path / "rm,v2"), 0.5), ("org/judge", 1.0)]
 
 
 def test_a_reward_that_exits_interrupts_or_hangs_is_one_line_and_a_stop_signal_cuts_it_short(tmp_path):
@@ -208,6 +260,36 @@ def test_a_reward_that_exits_interrupts_or_hangs_is_one_line_and_a_stop_signal_c
         Rewards(f"{tmp_path / 'exits_at_import.py'}:f")
     assert str(caught.value) == (f"--reward {tmp_path / 'exits_at_import.py'} raised SystemExit(0): code run inside "
                                  "training must return, not end the process")
+
+
+def test_a_reward_keeps_its_time_limit_through_its_own_alarm_and_a_stop_it_turns_into_an_error_is_a_stop(
+        tmp_path):
+    """A reward that sets and cancels SIGALRM itself (math_verify's timeouts do) still times out; one whose handler
+    turns the stop's interruption into an error of its own still stops the run as a stop, not as its error."""
+    path = reward_file(tmp_path)
+    StopRequest.install()
+    try:
+        assert one_line(f"{path}:alarm_user", timeout=0.3).startswith(f"reward {path}:alarm_user did not return "
+                                                                      "within 0.3 s")
+        with pytest.raises(Stopped, match=f"^in reward {path}:converts_stops$"):
+            Rewards(f"{path}:converts_stops").score(["p"], ["a"], [[1]], [{}])
+    finally:
+        StopRequest.uninstall()
+        StopRequest.signum = 0
+
+
+def test_a_reward_file_run_from_its_own_folder_or_using_dataclasses_loads(tmp_path, monkeypatch):
+    """--reward rewards.py:f from the reward's own folder (the README's form: the current directory holds it, and
+    torch's modules with relative file names are no helper of it); a file whose dataclass is built under `from
+    __future__ import annotations` (which looks its module up in sys.modules while it is imported)."""
+    (tmp_path / "local_rewards_77.py").write_text(
+        "from __future__ import annotations\nfrom dataclasses import dataclass\n\n@dataclass\nclass Score:\n"
+        "    value: float\n\ndef f(prompts, completions, completion_ids, **columns):\n"
+        "    return [Score(1.0).value] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    loaded = Rewards("local_rewards_77.py:f")
+    assert loaded.score(["p"], ["a"], [[1]], [{}])[0].tolist() == [1.0]
+    assert loaded.identity == Rewards("local_rewards_77.py:f").identity
 
 
 def test_a_reward_files_helpers_beside_it_are_importable_and_part_of_its_identity(tmp_path):

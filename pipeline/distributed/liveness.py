@@ -148,7 +148,8 @@ class PeerWatch:
                 if self._stop.is_set():
                     return
                 self._exit(f"lost the launcher's store at {self.address} ({type(exc).__name__}): the node that "
-                           "hosts it (the first node: rank 0 or the rendezvous agent) is down or unreachable")
+                           "hosts it (the first node: rank 0 or the rendezvous agent) is down or unreachable",
+                           store_up=False)
 
     def _check_watched(self, seen: dict[int, tuple[int, float]]) -> str:
         """What is wrong with the watched ranks ("" if nothing): one that failed says why at once; one whose counter
@@ -171,12 +172,15 @@ class PeerWatch:
         return (f"rank(s) {', '.join(map(str, lost))} on {', '.join(hosts)} stopped responding for "
                 f"{self.timeout_s:g} s (a lost node or a killed process)")
 
-    def _exit(self, why: str) -> None:
+    def _exit(self, why: str, store_up: bool = True) -> None:
         """End this process from the heartbeat thread: the main thread may be stuck in a collective that will only
-        fail at the collective timeout (NCCL), so it cannot be asked."""
+        fail at the collective timeout (NCCL), so it cannot be asked. Its line is said unless a peer on this node
+        failed and said why (store_up: the store can be asked which)."""
         line = (f"error: rank {self.d.rank}: {why}; exiting. Rerun the same command on every node to resume from the "
                 "last complete checkpoint")
-        os.write(2, (line + "\n").encode())
+        failed = self.failed_peer() if store_up else None
+        if not failed or failed[0] // self.d.local_world_size != self.d.rank // self.d.local_world_size:
+            os.write(2, (line + "\n").encode())  # (a peer of this node that failed has said why on this console)
         record = logging.LogRecord(LOGGER, logging.ERROR, __file__, 0, line, None, None)
         for handler in logging.getLogger(LOGGER).handlers:  # the run's train.log too (the console has it already)
             if isinstance(handler, logging.FileHandler):

@@ -76,8 +76,10 @@ def _first_failure(failed) -> int:
     """The first failing worker's line (from its error file, errors.say), printed once; its exit code. A worker that
     printed its own line (a lost peer) or a traceback (a bug) left no line of ours to repeat; one that stopped
     silently because another failed (errors.PeerFailed) left none, so the first worker with a line is the cause."""
+    failure = failed.get_first_failure()[1]
     said = [f for f in failed.failures.values() if _said(f)]
-    failure = min(said, key=lambda f: f.timestamp) if said else failed.get_first_failure()[1]
+    if said and failure.exitcode >= 0:  # (a worker the kernel killed first is the cause, line or not)
+        failure = min(said, key=lambda f: f.timestamp)
     message = _said(failure)
     if message:
         say(message)

@@ -120,9 +120,9 @@ def _all_done(done: torch.Tensor, collective: bool) -> bool:
     collective one all-reduce (generation is sequential anyway; a rank that stopped alone would leave the others'
     all-gathers waiting), which also carries whether any rank got a stop signal: then Stopped on every rank alike.
     Over a replica, this rank's signal ends its own rows (its caller agrees with the others after)."""
-    left = torch.stack([(~done).sum().float().cpu(), torch.tensor(float(StopRequest.signum != 0))])
+    left = torch.stack([(~done).sum().float(), torch.tensor(float(StopRequest.signum != 0), device=done.device)])
     if collective and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(left)
+        dist.all_reduce(left)  # on the device (NCCL on a GPU), as before the stop flag rode along
     rows_left, stop = left.tolist()
     if stop and collective:
         raise Stopped("during generation")

@@ -15,8 +15,10 @@ import functools
 import hashlib
 import math
 import numbers
+import os
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +28,7 @@ import torch
 from pipeline.errors import UserError
 from pipeline.rl import user_code
 from pipeline.rl.reward_model import RewardModelFn, is_model_folder, model_name
-from pipeline.signals import Stopped
+from pipeline.signals import Stopped, StopRequest
 
 RewardFn = Callable[..., Sequence]
 
@@ -105,14 +107,15 @@ class RewardSpec:
         return f"{self.path or 'built-in'}:{self.name}:{self.weight!r}:{digest}"
 
 
-FILE_ENTRY = re.compile(r"(?P<path>.+?\.py):(?P<name>[A-Za-z_]\w*)(?::(?P<weight>[^:]*))?")
+FILE_ENTRY = re.compile(r"(?P<path>.+?\.py):(?P<name>[A-Za-z_]\w*)(?::(?P<weight>[^:,]*))?")
 """FILE.py:FUNCTION[:WEIGHT]; the path taken as short as the rest allows, so a path may hold ':' (and ',')."""
-NAMED_ENTRY = re.compile(r"(?P<name>[^:]+)(?::(?P<weight>[^:]*))?")
+NAMED_ENTRY = re.compile(r"(?P<name>[^:]+)(?::(?P<weight>[^:,]*))?")
 """A built-in NAME[:WEIGHT] or a reward model's FOLDER[:WEIGHT]."""
-HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
-"""A reward model's Hub id, ORG/NAME."""
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 """The largest reward that is a number in the float32 the advantages are computed in (1e39 is inf there)."""
+MAX_TOTAL = 1e15
+"""The largest weighted reward: the squares of a group's deviations (up to 4096 of them) then fit float32, so its
+std, and every advantage, is a number (a reward of 1e20 made the std inf and every advantage 0)."""
 
 
 def parse_rewards(text: str) -> list[RewardSpec]:
@@ -128,25 +131,24 @@ def parse_rewards(text: str) -> list[RewardSpec]:
 
 
 def _entries(text: str) -> list[str]:
-    """The comma-separated entries, commas that leave a piece which is no entry joining it to the next pieces until
-    one reads whole (a FILE.py:FUNCTION, a built-in, an existing folder); a piece no join completes stays alone."""
+    """The comma-separated entries; pieces join across a comma only where the joined text names something that
+    exists (a file, FILE.py:FUNCTION[:WEIGHT], or a model folder), the longest such join first: a path may hold ','."""
     pieces = [p.strip() for p in text.split(",")]
     out, i = [], 0
     while i < len(pieces):
-        ends = [j for j in range(i + 1, len(pieces) + 1) if _whole(",".join(pieces[i:j]))]
-        j = ends[0] if ends else i + 1
+        joins = [j for j in range(len(pieces), i + 1, -1) if _exists(",".join(pieces[i:j]))]
+        j = joins[0] if joins else i + 1
         if entry := ",".join(pieces[i:j]).strip():
             out.append(entry)
         i = j
     return out
 
 
-def _whole(entry: str) -> bool:
-    if FILE_ENTRY.fullmatch(entry):
-        return True
+def _exists(entry: str) -> bool:
+    if found := FILE_ENTRY.fullmatch(entry):
+        return Path(found["path"]).is_file()
     named = NAMED_ENTRY.fullmatch(entry)
-    return bool(named) and (named["name"] in BUILT_IN or (Path(named["name"]) / "config.json").exists()
-                            or bool(HUB_ID.fullmatch(named["name"])))
+    return bool(named) and (Path(named["name"]) / "config.json").is_file()
 
 
 def _spec(entry: str) -> RewardSpec:
@@ -174,8 +176,12 @@ def _weight(entry: str, text: str | None) -> float:
     return weight
 
 
+HELPERS: dict[str, list[Path]] = {}
+"""The modules each reward file's import brought in from its own folder (or below it), by its module name."""
+
+
 def _load(spec: RewardSpec, chat_date: str) -> tuple[RewardFn, str]:
-    """The function and the SHA-256 of its file and of the modules it imported from its own folder (the
+    """The function and the SHA-256 of its file and of the modules its import brought in from its own folder (the
     built-ins: their name; a reward model: its weights' digest), loaded as a module of its own."""
     if spec.model:
         fn = RewardModelFn(spec.model, chat_date)
@@ -188,30 +194,40 @@ def _load(spec: RewardSpec, chat_date: str) -> tuple[RewardFn, str]:
     except OSError as exc:
         raise UserError(f"--reward {spec.path}:{spec.name}: the file cannot be read ({exc.strerror or exc})") from None
     module_name = f"_reward_{hashlib.sha256(source).hexdigest()[:16]}"
-    module = sys.modules.get(module_name) or user_code.import_file(path, module_name, f"--reward {spec.path}")
+    module = sys.modules.get(module_name)
+    if module is None:
+        module, added = user_code.import_file(path, module_name, f"--reward {spec.path}")
+        HELPERS[module_name] = _helpers(path, added)
     fn = getattr(module, spec.name, None)
     if not callable(fn):
         raise UserError(f"--reward {spec.path}:{spec.name}: the file defines no function {spec.name}")
-    return fn, _digest(path, source)
+    return fn, _digest(path, source, HELPERS.get(module_name, []))
 
 
-def _digest(path: Path, source: bytes) -> str:
-    """The file's content hash with those of the modules imported from its folder (or below it) so far: an edited
-    helper module beside a reward file changes its identity as an edit of the file does. This package's own modules
-    and installed ones are no helper of it."""
-    folder, ours = path.resolve().parent, Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256(source)
-    helpers = set()
-    for module in list(sys.modules.values()):
+def _helpers(path: Path, modules: list[object]) -> list[Path]:
+    """The files of the modules a reward file's import brought in from its folder or below it."""
+    folder = path.resolve().parent
+    found = set()
+    for module in modules:
         file = getattr(module, "__file__", None)
-        if not file or not file.endswith(".py"):
-            continue
-        where = Path(file).resolve()
-        if where != path.resolve() and where.is_relative_to(folder) and not where.is_relative_to(ours) and \
-                "site-packages" not in where.parts:
-            helpers.add(where)
-    for where in sorted(helpers):
-        digest.update(where.relative_to(folder).as_posix().encode() + b"\0" + where.read_bytes())
+        if file and os.path.isabs(file) and file.endswith(".py"):
+            where = Path(file).resolve()
+            if where.is_relative_to(folder) and where != path.resolve() and where.is_file():
+                found.add(where)
+    return sorted(found)
+
+
+def _digest(path: Path, source: bytes, helpers: list[Path]) -> str:
+    """The file's content hash with its helpers' (as they are now): an edited helper module beside a reward file
+    changes its identity as an edit of the file does."""
+    digest = hashlib.sha256(source)
+    folder = path.resolve().parent
+    for where in helpers:
+        try:
+            digest.update(where.relative_to(folder).as_posix().encode() + b"\0" + where.read_bytes())
+        except OSError as exc:
+            raise UserError(f"--reward {path}: its helper module {where} cannot be read ({exc.strerror or exc})"
+                            ) from None
     return digest.hexdigest()[:16]
 
 
@@ -288,6 +304,12 @@ class Rewards:
                 if value is not None:
                     per[i, j] = float(value)
         total = (per * self.weights).nansum(dim=1)
+        if (too := (total.abs() > MAX_TOTAL) | ~torch.isfinite(total)).any():  # NaN is no scorer's: set below
+            i = int(too.nonzero()[0])
+            raise UserError(f"the weighted reward of the completion {_shown(completions[i])} of prompt "
+                            f"{_shown(prompts[i])} is {float(total[i]):g} ({', '.join(self.names)} gave "
+                            f"{per[i].tolist()} at weights {self.weights.tolist()}): beyond +-{MAX_TOTAL:g}, its "
+                            "group's std overflows float32 and every advantage becomes 0; scale the rewards down")
         total[torch.isnan(per).all(dim=1)] = torch.nan  # no function scored it: unscored, not 0 (as TRL 1.16)
         return total, per
 
@@ -300,7 +322,7 @@ class Rewards:
         if not isinstance(name, str) or not name:
             raise UserError(f"reward {_named(spec)} called log_metric with the name {name!r:.40}; a metric's name is a "
                             "non-empty string")
-        if isinstance(value, bool) or not (isinstance(value, numbers.Real) and math.isfinite(float(value))):
+        if isinstance(value, bool) or not _within(value, math.inf):
             raise UserError(f"reward {_named(spec)} logged {value!r:.40} as the metric {name}; log_metric takes a "
                             "finite number")
         self.metrics.setdefault(name, []).append(float(value))
@@ -325,6 +347,8 @@ class Rewards:
         except (UserError, Stopped):  # a logger's own one line (a bad metric or column), a time limit, a stop
             raise
         except Exception as exc:  # the user's code: named, with the prompt it failed on
+            if StopRequest.signum:  # its own handler turned the stop into an error of its own: a stop still
+                raise Stopped(f"in reward {_named(spec)}") from None
             where = _failing(fn, prompts, completions, ids, kwargs, self.timeout)
             raise UserError(f"reward {_named(spec)} raised {type(exc).__name__}: {exc} (prompt {_shown(where)})"
                             ) from None
@@ -334,22 +358,41 @@ class Rewards:
             count = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
             raise UserError(f"reward {_named(spec)} returned {count} values for {len(completions)} completions (prompt "
                             f"{_shown(prompts[0])}); it must return one float or None per completion")
+        values = [_scalar(v) for v in values]
         for i, value in enumerate(values):
-            if value is not None and not (isinstance(value, numbers.Real) and abs(float(value)) <= FLOAT32_MAX):
+            if value is not None and not _within(value, FLOAT32_MAX):
                 raise UserError(f"reward {_named(spec)} returned {value!r:.40} for the completion "
                                 f"{_shown(completions[i])} of prompt {_shown(prompts[i])}; a reward must be a finite "
                                 f"number within float32's +-{FLOAT32_MAX:.3g}, or None to abstain")
-        return list(values)
+        return values
+
+
+def _scalar(value: object) -> object:
+    """A 0-d tensor or numpy value as the Python number it holds (np.bool_ too); anything else as it is."""
+    return value.item() if hasattr(value, "item") and getattr(value, "ndim", None) == 0 else value
+
+
+def _within(value: object, bound: float) -> bool:
+    """A real number whose magnitude is finite and at most bound (10**400 overflows float() itself)."""
+    try:
+        return isinstance(value, numbers.Real) and abs(float(value)) <= bound and math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def _failing(fn: RewardFn, prompts: list, completions: list, ids: list, kwargs: dict, timeout: float) -> object:
     """The first prompt whose completion alone makes fn raise (the batch's first if none alone does); what it logs
-    meanwhile is dropped (a column of one value would not be the batch's). Each call under the same guards."""
+    meanwhile is dropped (a column of one value would not be the batch's). Each call under the same guards, all of
+    them within one time limit."""
     quiet = {"log_metric": _dropped, "log_extra": _dropped}
+    deadline = time.monotonic() + timeout  # the whole search within one call's time limit
     for i in range(len(completions)):
+        left = deadline - time.monotonic()
+        if timeout and left <= 0:
+            break
         try:
             user_code.call("a reward", fn, prompts=prompts[i:i + 1], completions=completions[i:i + 1],
-                           completion_ids=ids[i:i + 1], timeout=timeout,
+                           completion_ids=ids[i:i + 1], timeout=max(left, 1e-3) if timeout else 0,
                            **{k: v[i:i + 1] if isinstance(v, list) else v for k, v in kwargs.items()} | quiet)
         except (UserError, Stopped):  # timed out or stopped meanwhile: the batch's first is named
             break
@@ -367,7 +410,7 @@ def _json_value(value: object) -> object:
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, numbers.Real):
-        return float(value) if math.isfinite(float(value)) else str(value)
+        return float(value) if _within(value, math.inf) else str(value)
     return str(value)
 
 

@@ -1,8 +1,10 @@
 """The user's own Python (reward functions; their files at import) run inside the training processes, where it may
 hang, exit or read the command line: a time limit, a stop signal that interrupts it at once, and SystemExit or
-KeyboardInterrupt from it turned into one line. Hazard: the time limit is SIGALRM (ITIMER_REAL), which only the main
-thread can take; elsewhere (none of ours) the code runs without one. C code that holds the GIL and never returns is
-beyond any of this."""
+KeyboardInterrupt from it turned into one line.
+
+Hazards: the time limit is a watchdog thread that signals the main thread (a real-time signal of its own: SIGALRM is
+the user's, e.g. math_verify's timeouts call alarm(0), which would cancel a limit kept there), so only code on the
+main thread has one; C code that holds the GIL and never returns is beyond any of this."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import importlib.util
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -18,9 +21,20 @@ from types import ModuleType
 from pipeline.errors import UserError
 from pipeline.signals import SignalInUserCode, Stopped, StopRequest
 
+LIMIT_SIGNAL = signal.SIGRTMAX - 2
+"""The watchdog's signal: a real-time one no library or scheduler sends (SLURM's preemption notices are SIGUSR1/2)."""
+_deadline: list[float] = []
+"""The armed limit's end (time.monotonic), empty when none is: a late signal after the call has returned is let go."""
+
 
 class TimedOut(BaseException):  # noqa: N818 - a BaseException, so the user's `except Exception` lets it by
     """The time limit passed while the user's code ran."""
+
+
+def _expired(_signum, _frame) -> None:
+    if _deadline and time.monotonic() >= _deadline[0] - 0.05:  # (a timer's wait may end a hair early)
+        _deadline.clear()
+        raise TimedOut
 
 
 @contextlib.contextmanager
@@ -29,17 +43,17 @@ def time_limit(seconds: float) -> Iterator[None]:
     if not seconds or threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def expired(_signum, _frame):
-        raise TimedOut
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    if signal.getsignal(LIMIT_SIGNAL) is not _expired:
+        signal.signal(LIMIT_SIGNAL, _expired)  # once per process; it acts only while a limit is armed
+    timer = threading.Timer(seconds, signal.pthread_kill, (threading.main_thread().ident, LIMIT_SIGNAL))
+    timer.daemon = True
     try:
+        _deadline[:] = [time.monotonic() + seconds]
+        timer.start()
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        timer.cancel()
+        _deadline.clear()
 
 
 def call(what: str, fn: Callable, *args: object, timeout: float = 0, late: str = "", **kwargs: object) -> object:
@@ -47,7 +61,7 @@ def call(what: str, fn: Callable, *args: object, timeout: float = 0, late: str =
     line naming WHAT and what `late` says of where it was (e.g. the prompt); SystemExit and KeyboardInterrupt it
     raises, one line naming WHAT (a run that did not finish never exits 0). Its other exceptions are the caller's."""
     try:
-        with StopRequest.interrupting(), time_limit(timeout):
+        with time_limit(timeout), StopRequest.interrupting():
             return fn(*args, **kwargs)
     except SignalInUserCode:
         raise Stopped(f"in {what}") from None
@@ -67,23 +81,28 @@ def _exit_named(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def import_file(path: Path, module_name: str, what: str) -> ModuleType:
-    """The user's file imported as module_name (kept in sys.modules): its folder first on sys.path while it imports
-    (where TRL users keep their helper modules) and after, sys.argv as if the file were run alone (a module that
-    parses the command line at import reads none of ours), any exception of its import one line naming it."""
+def import_file(path: Path, module_name: str, what: str) -> tuple[ModuleType, list[ModuleType]]:
+    """The user's file imported as module_name (in sys.modules from before it runs, as Python's own imports do: a
+    dataclass under `from __future__ import annotations` looks itself up there), with the other modules its import
+    brought in: its folder first on sys.path while it imports (where TRL users keep their helper modules) and after,
+    sys.argv as if the file were run alone (a module that parses the command line at import reads none of ours),
+    any exception of its import one line naming it."""
     folder = str(path.resolve().parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)
     loader = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(loader)
+    before = set(sys.modules)
+    sys.modules[module_name] = module
     argv, sys.argv = sys.argv, [str(path)]
     try:
         call(what, loader.loader.exec_module, module)
-    except (UserError, Stopped):
-        raise
-    except Exception as exc:  # the user's module: any error in it is theirs to fix, named in one line
+    except BaseException as exc:
+        sys.modules.pop(module_name, None)
+        if isinstance(exc, (UserError, Stopped)) or not isinstance(exc, Exception):
+            raise
+        # the user's module: any error in it is theirs to fix, named in one line
         raise UserError(f"{what}: importing it raised {type(exc).__name__}: {exc}") from None
     finally:
         sys.argv = argv
-    sys.modules[module_name] = module
-    return module
+    return module, [sys.modules[name] for name in set(sys.modules) - before - {module_name}]

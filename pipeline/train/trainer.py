@@ -33,7 +33,7 @@ from pipeline.signals import Interrupted, Stopped, StopRequest, agreed_stop
 from pipeline.strategies.memory import GIB
 from pipeline.strategies.registry import make_strategy
 from pipeline.train.blocks import check_one_batch, make_sampler, prepare_blocks
-from pipeline.train.checkpoint import Checkpointer, state_problem, step_name
+from pipeline.train.checkpoint import Checkpointer, rng_state, set_rng_state, state_problem, step_name
 from pipeline.train.export import described, export_run, run_exports
 from pipeline.train.optim import build_optimizer, build_scheduler, rescale_lr
 from pipeline.train.preflight import Plan
@@ -367,13 +367,15 @@ class Trainer:
         idx, train = self.sampler.upcoming(), self.blocks.part("train")
         make = lambda rows: train.batch(rows, self.dist.device)  # noqa: E731 (the one-line maker train_step takes)
         if self.objective.generates:  # its items are the completions it generates now (a collective); it draws the
-            drawn_from = self.sampler.state_dict()  # step's prompts only when it generates (not when it reuses them)
+            # step's prompts only when it generates (not when it reuses them); what a reward drew from the global
+            drawn_from, rng = self.sampler.state_dict(), rng_state()  # generators before a stop is put back too
             try:
                 with self.timer.phase("generate"):
                     n, items = self.objective.prepare(lambda: [make(rows) for rows in self.sampler.next_step()],
                                                       self.step)
             except Stopped:  # the step's checkpoint then draws the same prompts again on resume
                 self.sampler.load_state_dict(drawn_from)
+                set_rng_state(rng)
                 raise
             # it trains on its prepared rollouts in order: the micro-steps' batches are its, not the sampler's
             return train_step(self.strategy, self.objective, range(n), lambda i: None, items, self.update, self.timer)
