@@ -13,6 +13,7 @@ from pipeline.config_base import Section, in_range, require
 LossType = Literal["dapo", "dr_grpo", "grpo", "bnpo"]
 ScaleRewards = Literal["group", "batch", "none"]
 LongPrompts = Literal["cut", "drop"]
+SamplingLevel = Literal["token", "sequence"]
 MAX_LENGTH = 1 << 20
 """The longest prompt or completion, in tokens: beyond it a cache or a mask would not fit any accelerator."""
 
@@ -49,6 +50,12 @@ class GRPOConfig(Section):
     """grpo: how the per-token losses are averaged, as TRL defines each: dapo (over every completion token of the
     step), dr_grpo (over completions x --max-completion-length), grpo (each completion's mean, then their mean),
     bnpo (over the tokens of each micro-batch)."""
+    importance_sampling_level: SamplingLevel = "token"
+    """grpo: the policy ratio per token (TRL's default), or per completion (sequence: GSPO, the exp of its tokens' mean
+    log ratio, clipped as one; with --loss-type grpo it is the GSPO paper's objective)."""
+    mask_truncated_completions: bool = False
+    """grpo: completions that reached --max-completion-length without ending train nothing (DAPO's overlong
+    filtering, TRL's flag): a cut-off text's reward is no signal about the finished answer."""
     epsilon: float = 0.2
     """grpo: the policy ratio is clipped to [1 - epsilon, 1 + epsilon-high]."""
     epsilon_high: float = 0.0

@@ -533,3 +533,49 @@ def test_ddp_generates_through_its_replica_and_the_sharded_strategies_through_th
         assert replica.model is strategy.module and strategy.head().model is strategy.model is not strategy.module
     else:
         assert replica is None
+
+
+def test_truncated_completions_are_said_and_masked_on_request_and_gspo_runs(tmp_path, train_env):
+    """Completions that all reach --max-completion-length 4: the first log line says so (clipped_ratio 1.0), a window
+    where most do is one warning pointing at --mask-truncated-completions; with it they train nothing (loss and
+    gradient 0 at every step, TRL's masking), and the warning says so. GSPO (--importance-sampling-level sequence)
+    trains, warning that a token-summing loss type weighs completions by length; changed on resume, it is refused."""
+    from conftest import ROOT, events, preflight_errors, torchrun
+
+    from pipeline.prep.corpus import CorpusConfig, build_dataset
+
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "p.jsonl").write_text("".join(json.dumps({"prompt": f"Count to {i}:"}) + "\n" for i in range(32)))
+    build_dataset(CorpusConfig(tmp_path / "p", tmp_path / "ds", num_proc=1))
+    rewards = reward_file(tmp_path)
+
+    def command(name: str, *extra: object) -> list:
+        return ["-e", name, "-d", tmp_path / "ds", "-m", "local/tiny", "--save-dir", tmp_path / "runs", "--config",
+                ROOT / "configs" / "demo.yaml", "--objective", "grpo", "--num-generations", 4, "-b", 2,
+                "--max-completion-length", 4, "--reward", f"{rewards}:even_ids", "--log-freq", 1, "--val-fraction", 0,
+                "--eval-base", "false", "--max-steps", 2, "--lr", 1e-2, "--strategy", "ddp", *extra]
+
+    said = {}
+    for name, extra in (("plain", ()), ("masked", ("--mask-truncated-completions", "true")),
+                        ("gspo", ("--importance-sampling-level", "sequence"))):
+        proc = torchrun(2, ROOT / "fsdp1.py", *command(name, *extra), env=train_env["env"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        said[name] = proc.stdout + proc.stderr
+    assert "'completions/clipped_ratio': 1.0" in said["plain"] and (
+        "100% of this window's completions reached --max-completion-length 4 without ending: their rewards judge "
+        "cut-off text; raise --max-completion-length, or pass --mask-truncated-completions to train on finished ones "
+        "only") in said["plain"]
+    assert said["plain"].count("of this window's completions reached") == 1  # once a run
+    assert ("100% of this window's completions reached --max-completion-length 4 without ending: they train nothing "
+            "(--mask-truncated-completions), so little trains; raise --max-completion-length") in said["masked"]
+    plain, masked = events(tmp_path / "runs" / "plain", "train"), events(tmp_path / "runs" / "masked", "train")
+    assert plain[0]["reward_std"] > 0 and plain[0]["grad_norm"] > 0
+    assert [(e["loss"], e["grad_norm"]) for e in masked] == [(0, 0)] * 2
+    assert ("--importance-sampling-level sequence with --loss-type dapo sums the completions' tokens, so each "
+            "completion weighs by its length rather than as one sequence; --loss-type grpo is the GSPO paper's "
+            "objective (as TRL warns)") in said["gspo"]
+    gspo = events(tmp_path / "runs" / "gspo", "train")
+    assert gspo[0]["loss"] == pytest.approx(plain[0]["loss"], abs=1e-6)  # on-policy the ratio is 1 either way
+    assert preflight_errors([command("gspo", "--max-steps", 4)], train_env["env"]) == [
+        f"refusing to resume {tmp_path / 'runs' / 'gspo'}: --importance-sampling-level was 'sequence' and is now "
+        "'token'; rerun with the original value, or pass --no-resume to start a new run beside it"]

@@ -248,3 +248,53 @@ def test_sampling_draws_each_token_as_often_as_its_probability_and_stops_on_non_
         assert ((freq - p).abs() <= 4 * (p * (1 - p) / rows).sqrt() + 1e-12).all(), (s, freq, p)
     with pytest.raises(RuntimeError, match="non-finite logits"):
         pick(torch.tensor([[0.0, float("nan")]]), Sampling(1), seeded(0))
+
+
+def trl_sequence_terms(logps, old, adv, mask, ref, eps_low, eps_high, beta):
+    """TRL 1.16's _compute_loss from the log ratio to per_token_loss under importance_sampling_level="sequence"
+    (use_bias_correction_kl, its default), and its clip flags, transcribed."""
+    log_ratio = logps - old
+    log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_importance_weights)
+    per_token_kl = None
+    if beta != 0.0:
+        per_token_kl = (torch.exp(ref - logps) - (ref - logps) - 1) * coef_1
+    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    advantages = adv.unsqueeze(1)
+    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    if beta != 0.0:
+        per_token_loss = per_token_loss + beta * per_token_kl
+    low = (coef_1 < 1 - eps_low) & (advantages < 0)
+    high = (coef_1 > 1 + eps_high) & (advantages > 0)
+    return per_token_loss, per_token_kl, low, high
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_gspo_is_trls_sequence_level_loss_value_gradient_and_clip_flags(beta):
+    """--importance-sampling-level sequence: one ratio per completion (its tokens' mean log ratio, padding left out),
+    clipped as one; the loss, its gradient, the KL and the clip flags are TRL's, and under the grpo loss type the
+    micro-batch's loss is TRL's step loss (each completion's mean, then their mean)."""
+    torch.manual_seed(0)
+    mask = right_padded([5, 2, 4], 5).float()
+    logps = (torch.randn(3, 5) - 2).requires_grad_()
+    old = logps.detach() + torch.tensor([[0.3], [-0.4], [0.05]])  # one row clipped low, one high, one inside
+    adv, ref = torch.tensor([-1.0, 2.0, 0.5]), logps.detach() + 0.1 * torch.randn(3, 5)
+    s = GRPOLossSettings(loss_type="grpo", epsilon=0.2, epsilon_high=0.28, beta=beta, sequence_level=True)
+    ours = token_terms(logps, old, adv, s, ref if beta else None, mask)
+    theirs, kl, low, high = trl_sequence_terms(logps, old, adv, mask, ref, 0.2, 0.28, beta)
+    torch.testing.assert_close(ours.loss, theirs)
+    assert (ours.low_clipped.tolist(), ours.high_clipped.tolist()) == (low.tolist(), high.tolist()) == (
+        [[True], [False], [False]], [[False], [True], [False]])
+    if beta:
+        torch.testing.assert_close(ours.kl, kl)
+    counts = StepCounts(tokens=int(mask.sum()), sequences=3, micro_steps=1, world_size=1)
+    loss = micro_loss(ours.loss, mask, s, counts)
+    trl = ((theirs * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    torch.testing.assert_close(loss, trl)
+    (ours_grad,) = torch.autograd.grad(loss, logps, retain_graph=True)
+    (trl_grad,) = torch.autograd.grad(trl, logps)
+    torch.testing.assert_close(ours_grad, trl_grad)
+    if not beta:  # the clipped rows (a ratio below 0.8 with A < 0, above 1.28 with A > 0) give no gradient
+        assert (ours_grad[:2] == 0).all() and (ours_grad[2, :4] != 0).all() and (ours_grad[2, 4:] == 0).all()
+    with pytest.raises(ValueError, match="sequence-level importance sampling needs the completion mask"):
+        token_terms(logps, old, adv, s, ref)

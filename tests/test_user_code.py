@@ -139,6 +139,31 @@ def converts_stops(prompts, completions, completion_ids, **columns):
         raise RuntimeError("my reward failed") from exc
 
 
+import asyncio
+
+BOTH_WAITING = {}
+
+
+async def waits_for_its_partner(prompts, completions, completion_ids, **columns):
+    BOTH_WAITING.setdefault("a", asyncio.Event()).set()
+    await BOTH_WAITING.setdefault("b", asyncio.Event()).wait()  # set by its partner only if both run together
+    return [1.0] * len(completions)
+
+
+async def its_partner(prompts, completions, completion_ids, **columns):
+    BOTH_WAITING.setdefault("b", asyncio.Event()).set()
+    await BOTH_WAITING.setdefault("a", asyncio.Event()).wait()
+    return [2.0] * len(completions)
+
+
+async def async_fails(prompts, completions, completion_ids, **columns):
+    raise ValueError("async trouble")
+
+
+async def async_sleeps(prompts, completions, completion_ids, **columns):
+    await asyncio.sleep(3600)
+
+
 def parity(prompts, completions, completion_ids, **columns):
     return [float(len(ids) % 2) for ids in completion_ids]
 '''
@@ -181,6 +206,20 @@ def test_rewards_come_back_as_trl_takes_them_and_values_float32_cannot_hold_are_
         "--reward accuracy compares each completion with its prompt's `answer` column, and none of the 5 prompts of "
         "data/prompts has one (their columns: question); add answers, or use another reward")
     Rewards("accuracy").check_columns({"answer": 1}, 5, "data/prompts")  # some rows with one: the others abstain
+
+
+def test_async_rewards_are_awaited_together_beside_plain_ones_under_the_same_guards(tmp_path):
+    """`async def` rewards (TRL's) are awaited concurrently (two that each wait for the other finish: run one after the
+    other, they would wait forever), beside a plain one; one that raises is one line naming it; past the time limit,
+    one line naming them."""
+    path = reward_file(tmp_path)
+    total, per = Rewards(f"{path}:waits_for_its_partner,{path}:parity,{path}:its_partner", timeout=60).score(
+        ["p", "q"], ["a", "bb"], [[1], [2, 3]], [{}, {}])
+    assert per.tolist() == [[1.0, 1.0, 2.0], [1.0, 0.0, 2.0]] and total.tolist() == [4.0, 3.0]
+    assert one_line(f"{path}:parity,{path}:async_fails") == (
+        f"reward {path}:async_fails raised ValueError: async trouble (prompt 'p')")
+    assert one_line(f"{path}:async_sleeps,{path}:waits_for_its_partner", timeout=0.3).startswith(
+        f"reward {path}:async_sleeps, {path}:waits_for_its_partner did not return within 0.3 s on the 2 completions")
 
 
 def test_zero_d_values_are_numbers_and_what_float32_statistics_cannot_hold_is_one_line(tmp_path):

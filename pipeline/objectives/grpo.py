@@ -63,7 +63,7 @@ class KLReference:
 
 class GRPOObjective:
     counted = "completions"
-    shown = (("reward", "reward"), ("completions/mean_length", "len"))
+    shown = (("reward", "reward"), ("completions/mean_length", "len"), ("completions/clipped_ratio", "clipped"))
     generates = True
 
     def __init__(self, head: Head, g: GRPOConfig, roller: Roller, d: Dist, seed: int, release: Callable[[], None],
@@ -75,7 +75,12 @@ class GRPOObjective:
         """The strategy's: the parameters gathered once for the many forwards of a generation (Strategy.gathered)."""
         self.reference = reference
         """The KL penalty's reference (--grpo-beta > 0): the base with the adapters off, or a frozen copy."""
-        self.settings = GRPOLossSettings(g.loss_type, g.epsilon, g.clip_high, g.grpo_beta, g.max_completion_length)
+        self.settings = GRPOLossSettings(g.loss_type, g.epsilon, g.clip_high, g.grpo_beta, g.max_completion_length,
+                                         sequence_level=g.importance_sampling_level == "sequence")
+        if g.importance_sampling_level == "sequence" and g.loss_type != "grpo" and d.is_main:
+            log.warning("--importance-sampling-level sequence with --loss-type %s sums the completions' tokens, so "
+                        "each completion weighs by its length rather than as one sequence; --loss-type grpo is the "
+                        "GSPO paper's objective (as TRL warns)", g.loss_type)
         self.sampling = Sampling(g.max_completion_length, g.temperature, g.top_p, g.top_k)
         self.greedy = Sampling(g.max_completion_length, greedy=True)
         self.cycle: list[Rollout] = []
@@ -99,6 +104,8 @@ class GRPOObjective:
         """The forward's dtype: the packed rows' additive mask is in it."""
         self.said_unscored = False
         """Whether a window that no reward scored was warned of (once a run)."""
+        self.said_clipped = False
+        """Whether a window whose completions mostly hit the length limit was warned of (once a run)."""
 
     def _figures(self, names: list[str]) -> Figures:
         means = ["reward", *(f"rewards/{n}/mean" for n in names), "frac_reward_zero_std",
@@ -147,7 +154,7 @@ class GRPOObjective:
         finally:
             self.release()  # the root stays gathered after a forward without backward
             model.train(training)
-        tokens = torch.tensor([float(sum(int(r.completion_mask.sum()) for r in self.cycle))])
+        tokens = torch.tensor([float(sum(int(self._loss_mask(r).sum()) for r in self.cycle))])
         if self.dist.world_size > 1:
             dist.all_reduce(tokens)  # CPU tensor: gloo, no device sync
         rows = sum(len(r.rewards) for r in self.cycle) * self.dist.world_size
@@ -299,15 +306,25 @@ class GRPOObjective:
         r = self.rollouts.pop(0)
         logps, entropy = self.logps(self.head, r)
         old = logps.detach() if r.old_logps is None else r.old_logps  # on-policy: the ratio is 1, its gradient not
-        terms = token_terms(logps, old, r.advantages, self.settings, r.ref_logps)
-        mask = r.completion_mask.to(logps.dtype)
+        mask = self._loss_mask(r).to(logps.dtype)
+        terms = token_terms(logps, old, r.advantages, self.settings, r.ref_logps, mask)
         f = self.figures
         for name, flags in (("low", terms.low_clipped), ("high", terms.high_clipped), ("region", terms.region_clipped)):
-            f.add(f"clip_ratio/{name}_mean", masked_mean(flags.float(), mask).reshape(1))
+            # per sequence under GSPO (one flag each, over every row, as TRL's metric), else per counted token
+            share = flags.float().mean() if flags.shape[1] == 1 else masked_mean(flags.float(), mask)
+            f.add(f"clip_ratio/{name}_mean", share.reshape(1))
         f.add("entropy", entropy[mask.bool()])
         if terms.kl is not None:
             f.add("kl", terms.kl.detach()[mask.bool()])
         return micro_loss(terms.loss, mask, self.settings, self.counts)
+
+    def _loss_mask(self, r: Rollout) -> torch.Tensor:
+        """The tokens that train: the completions' own, those of completions cut at --max-completion-length left
+        out under --mask-truncated-completions (TRL zeroes their completion mask: no loss, nor a count in dapo's
+        denominator)."""
+        if not self.g.mask_truncated_completions:
+            return r.completion_mask
+        return r.completion_mask * (~r.clipped).to(r.completion_mask.device)[:, None]
 
     def _validate(self, batch: Batch) -> torch.Tensor:
         with self.gathered():
@@ -331,6 +348,16 @@ class GRPOObjective:
         """The window's figures; a window whose completions no reward scored (every function abstained on all of
         them: all advantages 0, nothing trained) is one warning, once (the same on every rank: read over all)."""
         out = self.figures.read(reduce)
+        if out.get("completions/clipped_ratio", 0) > 0.5 and not self.said_clipped:
+            self.said_clipped = True
+            if self.dist.is_main:
+                log.warning("%.0f%% of this window's completions reached --max-completion-length %d without ending: "
+                            "%s; raise --max-completion-length%s", 100 * out["completions/clipped_ratio"],
+                            self.g.max_completion_length,
+                            "they train nothing (--mask-truncated-completions), so little trains" if
+                            self.g.mask_truncated_completions else "their rewards judge cut-off text",
+                            "" if self.g.mask_truncated_completions else
+                            ", or pass --mask-truncated-completions to train on finished ones only")
         if "completions/mean_length" in out and "reward" not in out and not self.said_unscored:
             self.said_unscored = True
             if self.dist.is_main:

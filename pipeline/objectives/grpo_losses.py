@@ -92,6 +92,10 @@ class GRPOLossSettings:
     KL gradient becomes the unbiased reverse-KL gradient (DeepSeek-V3.2). It changes the gradient even on-policy,
     where the ratio is 1 but its gradient is not 0: k3 * grad(log p) is added. False: the GRPO paper's plain k3.
     Last of the fields, so that the others keep their positions."""
+    sequence_level: bool = False
+    """GSPO (TRL's importance_sampling_level="sequence"): one ratio per completion, the exp of its tokens' mean log
+    ratio, clipped and weighting every token of it (and its KL, under kl_ratio_correction) alike; False: one ratio per
+    token (TRL's default, "token")."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -118,13 +122,16 @@ class TokenTerms:
 
 
 def token_terms(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: torch.Tensor,
-                s: GRPOLossSettings, ref_logps: torch.Tensor | None = None) -> TokenTerms:
+                s: GRPOLossSettings, ref_logps: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> TokenTerms:
     """TRL's clipped surrogate per token: with ratio = exp(logps - old_logps), -min(ratio * A, clamp(ratio, 1 - eps,
     1 + eps_high) * A), plus beta * kl, kl the k3 estimator exp(ref - logps) - (ref - logps) - 1 (>= 0, exactly 0
     where the policy is its reference), times the ratio under kl_ratio_correction (TRL's default). logps: [n, T] the
     policy's, with autograd; old_logps: the sampling policy's, detached (None: on-policy, logps.detach(), as TRL when
     each generation serves one optimizer step: ratio 1, the surrogate's gradient -A * grad logps); advantages: [n];
-    ref_logps: [n, T], needed when beta > 0.
+    ref_logps: [n, T], needed when beta > 0; mask: [n, T], the completion tokens, needed under sequence_level
+    (GSPO: the ratio is exp of the masked mean log ratio, [n, 1], and the loss and clip flags are [n, 1] too, the
+    loss [n, T] again where the KL term is added, as TRL's shapes are).
 
     Hazards: old_logps carrying autograd (e.g. logps itself) would make the ratio a constant 1 and the gradient 0, so
     it is refused; the log-probabilities at padding must be finite (TRL's are 0 there), since an inf there turns the
@@ -134,7 +141,13 @@ def token_terms(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages:
     elif old_logps.requires_grad:
         raise ValueError("old_logps carries autograd: detach it (with logps itself the ratio is constant, no gradient)")
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    ratio = torch.exp(logps - old_logps)
+    log_ratio = logps - old_logps
+    if s.sequence_level:
+        if mask is None:
+            raise ValueError("sequence-level importance sampling needs the completion mask")
+        mask = mask.to(log_ratio.dtype)
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+    ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - s.epsilon, 1 + s.epsilon_high)
     loss = -torch.min(ratio * adv, clipped * adv)
     kl = None

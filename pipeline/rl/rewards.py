@@ -11,8 +11,10 @@ reward is the weighted sum of the values given (TRL's nansum). As TRL does, a fu
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
+import inspect
 import math
 import numbers
 import os
@@ -285,9 +287,10 @@ class Rewards:
     def score(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: list[dict],
               state: RewardState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(rewards [n], per function [n, F] with NaN where one abstained): the weighted sum of the values given, NaN
-        where every function abstained (TRL leaves such a completion out of its group's mean and std). Any
-        function that raises or returns a wrong count, NaN, inf or a non-number stops the run in one line naming it
-        and the prompt. state: TRL's trainer_state argument (None: not passed)."""
+        where every function abstained (TRL leaves such a completion out of its group's mean and std). `async def`
+        functions are awaited together first, then the others called in turn. Any function that raises or returns a
+        wrong count, NaN, inf or a non-number stops the run in one line naming it and the prompt. state: TRL's
+        trainer_state argument (None: not passed)."""
         # a column named as one of the functions' own arguments cannot reach them (TRL's signature takes them first)
         own = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
         keys = dict.fromkeys([*self.columns, *(k for row in columns for k in row)])
@@ -296,11 +299,12 @@ class Rewards:
             kwargs["trainer_state"] = state
         self.extra = {}
         per = torch.full((len(completions), len(self.functions)), math.nan, dtype=torch.float32)
+        args = [{**kwargs, "log_metric": functools.partial(self._log_metric, spec),
+                 "log_extra": functools.partial(self._log_extra, spec, len(completions))} for spec in self.specs]
+        found = self._awaited(prompts, completions, completion_ids, args)
         for j, (spec, fn) in enumerate(zip(self.specs, self.functions, strict=True)):
-            loggers = {"log_metric": functools.partial(self._log_metric, spec),
-                       "log_extra": functools.partial(self._log_extra, spec, len(completions))}
-            for i, value in enumerate(self._call(spec, fn, prompts, completions, completion_ids,
-                                                 {**kwargs, **loggers})):
+            values = found[j] if j in found else self._call(spec, fn, prompts, completions, completion_ids, args[j])
+            for i, value in enumerate(self._checked(spec, values, prompts, completions)):
                 if value is not None:
                     per[i, j] = float(value)
         total = (per * self.weights).nansum(dim=1)
@@ -338,7 +342,8 @@ class Rewards:
         self.extra[column] = [_json_value(v) for v in values]
 
     def _call(self, spec: RewardSpec, fn: RewardFn, prompts: list, completions: list, ids: list,
-              kwargs: dict) -> list:
+              kwargs: dict) -> object:
+        """What a plain function returned, under user_code's guards; what it raised, one line naming the prompt."""
         try:
             values = user_code.call(f"reward {_named(spec)}", fn, prompts=prompts, completions=completions,
                                     completion_ids=ids, timeout=self.timeout,
@@ -352,6 +357,35 @@ class Rewards:
             where = _failing(fn, prompts, completions, ids, kwargs, self.timeout)
             raise UserError(f"reward {_named(spec)} raised {type(exc).__name__}: {exc} (prompt {_shown(where)})"
                             ) from None
+        return values
+
+    def _awaited(self, prompts: list, completions: list, ids: list, args: list[dict]) -> dict[int, object]:
+        """What the `async def` functions returned, by position, awaited together (as TRL gathers them) under one
+        time limit; one that raised is one line naming it and the batch's first prompt."""
+        chosen = [j for j, fn in enumerate(self.functions) if _is_async(fn)]
+        if not chosen:
+            return {}
+
+        async def together() -> list:
+            return await asyncio.gather(*(self.functions[j](prompts=prompts, completions=completions,
+                                                            completion_ids=ids, **args[j]) for j in chosen),
+                                        return_exceptions=True)
+
+        names = ", ".join(_named(self.specs[j]) for j in chosen)
+        results = user_code.call(f"reward {names}", asyncio.run, together(), timeout=self.timeout,
+                                 late=f" on the {len(completions)} completions of prompt {_shown(prompts[0])}")
+        for j, result in zip(chosen, results, strict=True):
+            if isinstance(result, UserError):  # a logger's own one line
+                raise result
+            if isinstance(result, Exception):
+                if StopRequest.signum:
+                    raise Stopped(f"in reward {_named(self.specs[j])}")
+                raise UserError(f"reward {_named(self.specs[j])} raised {type(result).__name__}: {result} (prompt "
+                                f"{_shown(prompts[0])})")
+        return dict(zip(chosen, results, strict=True))
+
+    def _checked(self, spec: RewardSpec, values: object, prompts: list, completions: list) -> list:
+        """A function's values as numbers or None, one per completion, each float32 can hold: else one line."""
         if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):  # numpy arrays, tensors (TRL's too)
             values = values.tolist()
         if not isinstance(values, (list, tuple)) or len(values) != len(completions):
@@ -365,6 +399,11 @@ class Rewards:
                                 f"{_shown(completions[i])} of prompt {_shown(prompts[i])}; a reward must be a finite "
                                 f"number within float32's +-{FLOAT32_MAX:.3g}, or None to abstain")
         return values
+
+
+def _is_async(fn: object) -> bool:
+    """An `async def` function, or an object whose __call__ is one (TRL's is_async_callable)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def _scalar(value: object) -> object:

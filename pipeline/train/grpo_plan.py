@@ -14,8 +14,12 @@ from pipeline.rl.prompts import prompt_columns
 from pipeline.rl.rewards import Rewards
 
 GENERATION = ("num_generations", "max_prompt_length", "long_prompts", "max_completion_length", "temperature", "top_p",
-              "top_k", "scale_rewards", "loss_type", "epsilon", "epsilon_high", "grpo_beta", "num_iterations")
+              "top_k", "scale_rewards", "loss_type", "importance_sampling_level", "mask_truncated_completions",
+              "epsilon", "epsilon_high", "grpo_beta", "num_iterations")
 """The settings that decide a GRPO run's completions and loss: changed on resume, the run would be another."""
+LATER = {"importance_sampling_level": "token", "mask_truncated_completions": False}
+"""Settings added after GRPO runs existed, with their defaults: in the fingerprint only away from them, so that a run
+checkpointed before they were added resumes."""
 
 
 def check_prompts(cfg: Config, prompts: int) -> None:
@@ -68,7 +72,8 @@ def grpo_settings(cfg: Config, rewards: Rewards) -> dict:
     """A GRPO run's fingerprint field: its generation and loss settings, and each reward's identity (file content
     hash, function, weight)."""
     values = dataclasses.asdict(cfg.grpo)
-    return {"rewards": rewards.identity, **{k: values[k] for k in GENERATION}}
+    return {"rewards": rewards.identity,
+            **{k: values[k] for k in GENERATION if k not in LATER or values[k] != LATER[k]}}
 
 
 def grpo_changed(run_dir: Path, saved: dict, current: dict) -> str:
@@ -79,5 +84,6 @@ def grpo_changed(run_dir: Path, saved: dict, current: dict) -> str:
                 "function or weight trains toward another goal; restore them, or pass --no-resume to start a new run "
                 "beside it")
     key = next(k for k in [*current, *saved] if saved.get(k) != current.get(k))
-    return (f"refusing to resume {run_dir}: {flag(key)} was {saved.get(key)!r} and is now {current.get(key)!r}; "
+    was, now = saved.get(key, LATER.get(key)), current.get(key, LATER.get(key))  # a later setting left at its default
+    return (f"refusing to resume {run_dir}: {flag(key)} was {was!r} and is now {now!r}; "
             "rerun with the original value, or pass --no-resume to start a new run beside it")
