@@ -43,7 +43,7 @@ def reward(completions, completion_ids, kind, **_) -> list[float]:
 
 
 def grpo_trainer(model_dir: Path, work: Path, loss_type: str, beta: float, batch: int, accumulation: int,
-                 kl_correction: bool = True):
+                 kl_correction: bool = True, level: str = "token"):
     """A real GRPOTrainer on a fresh copy of the tiny Llama, its weights moved by the same seeded noise every time
     (TRL's reference copy, made at construction, keeps the saved weights)."""
     import torch
@@ -53,7 +53,7 @@ def grpo_trainer(model_dir: Path, work: Path, loss_type: str, beta: float, batch
 
     args = GRPOConfig(output_dir=str(work / "trl"), per_device_train_batch_size=batch, num_generations=GROUP,
                       gradient_accumulation_steps=accumulation, max_completion_length=MAX_LEN, loss_type=loss_type,
-                      beta=beta, use_bias_correction_kl=kl_correction, epsilon=0.2,
+                      beta=beta, use_bias_correction_kl=kl_correction, epsilon=0.2, importance_sampling_level=level,
                       report_to="none", use_cpu=True, bf16=False, seed=0)
     dataset = Dataset.from_dict({"prompt": PROMPT_TEXTS, "kind": KINDS})
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -134,16 +134,17 @@ def rows_of(batch: dict, rows: slice) -> dict:
 
 
 def one_case(model_dir: Path, work: Path, batch: dict, loss_type: str, beta: float, kl_correction: bool, world: int,
-             micro: int) -> dict:
+             micro: int, level: str = "token") -> dict:
     """TRL's and our loss and gradient for one optimizer step of `world` ranks x `micro` micro-steps over the batch
-    (rank r's micro-step k holds the (r * micro + k)-th slice)."""
+    (rank r's micro-step k holds the (r * micro + k)-th slice); level: TRL's importance_sampling_level (sequence:
+    GSPO)."""
     import torch
 
     from pipeline.objectives.grpo_losses import GRPOLossSettings, StepCounts, masked_mean, micro_loss, token_terms
 
     n = batch["completion_ids"].shape[0]
     per = n // (world * micro)
-    trainer = grpo_trainer(model_dir, work, loss_type, beta, per, micro, kl_correction)
+    trainer = grpo_trainer(model_dir, work, loss_type, beta, per, micro, kl_correction, level)
     model = trainer.model
     slices = [[slice((r * micro + k) * per, (r * micro + k + 1) * per) for k in range(micro)] for r in range(world)]
 
@@ -167,31 +168,40 @@ def one_case(model_dir: Path, work: Path, batch: dict, loss_type: str, beta: flo
     trl_grads = gradients()
 
     s = GRPOLossSettings(loss_type=loss_type, epsilon=0.2, epsilon_high=0.2, beta=beta,
-                         kl_ratio_correction=kl_correction, max_completion_length=MAX_LEN)
+                         kl_ratio_correction=kl_correction, max_completion_length=MAX_LEN,
+                         sequence_level=level == "sequence")
     counts = StepCounts(tokens=int(batch["completion_mask"].sum()), sequences=n, micro_steps=micro, world_size=world)
     ours = torch.tensor(0.0)
     mine = {}
     for rank in slices:
         for rows in rank:
             part = rows_of(batch, rows)
+            mask = part["completion_mask"]
             terms = token_terms(our_logps(model, part), part["old_per_token_logps"], part["advantages"], s,
-                                part.get("ref_per_token_logps"))
-            loss = micro_loss(terms.loss, part["completion_mask"], s, counts) / world
+                                part.get("ref_per_token_logps"), mask)
+            loss = micro_loss(terms.loss, mask, s, counts) / world
             loss.backward()
             ours += loss.detach()
-            mask = part["completion_mask"]
             mine = {"kl": masked_mean(terms.kl, mask).item() if terms.kl is not None else None,
-                    "clip_ratio/low_mean": masked_mean(terms.low_clipped, mask).item(),
-                    "clip_ratio/high_mean": masked_mean(terms.high_clipped, mask).item(),
-                    "clip_ratio/region_mean": masked_mean(terms.region_clipped, mask).item()}
+                    "clip_ratio/low_mean": _share(terms.low_clipped, mask),
+                    "clip_ratio/high_mean": _share(terms.high_clipped, mask),
+                    "clip_ratio/region_mean": _share(terms.region_clipped, mask)}
     our_grads = gradients()
     grad_diff = max(float((our_grads[k] - trl_grads[k]).abs().max()) for k in trl_grads)
     grad_size = max(float(g.abs().max()) for g in trl_grads.values())
-    return {"loss_type": loss_type, "beta": beta, "kl_correction": kl_correction, "world": world, "micro": micro,
+    return {"loss_type": loss_type, "level": level, "beta": beta, "kl_correction": kl_correction, "world": world,
+            "micro": micro,
             "trl": theirs.item(), "ours": ours.item(), "loss_diff": abs(theirs.item() - ours.item()),
             "grad_diff": grad_diff, "grad_size": grad_size, "params": len(trl_grads),
             "metric_diffs": {k: abs(metrics[k] - mine[k]) for k in metrics if mine.get(k) is not None},
             "region_clipped": mine["clip_ratio/region_mean"]}
+
+
+def _share(flags, mask) -> float:
+    """A clip metric as TRL's global_masked_mean has it: per sequence under GSPO (one flag each), else per token."""
+    from pipeline.objectives.grpo_losses import masked_mean
+
+    return flags.float().mean().item() if flags.shape[1] == 1 else masked_mean(flags, mask).item()
 
 
 def main() -> None:
@@ -211,11 +221,13 @@ def main() -> None:
     results = [one_case(model_dir, work, batch, loss_type, beta, correction, world, micro)
                for world, micro in ((1, 1), (2, 2)) for loss_type in ("dapo", "dr_grpo", "grpo", "bnpo")
                for beta, correction in ((0.0, True), (0.04, True), (0.04, False))]
+    results += [one_case(model_dir, work, batch, loss_type, beta, True, world, micro, "sequence")  # GSPO
+                for world, micro in ((1, 1), (2, 2)) for loss_type in ("grpo", "dapo") for beta in (0.0, 0.04)]
     rows = []
     for r in results:
         metrics = max(r["metric_diffs"].values()) if r["world"] == 1 else None
         kl = "-" if not r["beta"] else "k3 x ratio" if r["kl_correction"] else "k3"
-        rows.append([f"{r['world']} x {r['micro']}", r["loss_type"], r["beta"], kl,
+        rows.append([f"{r['world']} x {r['micro']}", r["loss_type"], r["level"], r["beta"], kl,
                      f"{r['trl']:.7f}", f"{r['ours']:.7f}", f"{r['loss_diff']:.1e}",
                      f"{r['grad_diff']:.1e} (of {r['grad_size']:.1e})",
                      "-" if metrics is None else f"{metrics:.1e}"])
@@ -238,11 +250,14 @@ def main() -> None:
         "num_processes 2 seen by each rank's call, gradients summed over micro-steps and averaged over ranks as DDP "
         "does (one process plays both ranks). Ours: the same model's forward, token_terms, micro_loss with the step's "
         "StepCounts, alike. KL term: k3 x ratio is TRL 1.16's default (use_bias_correction_kl; ours "
-        "kl_ratio_correction), k3 the plain one.",
+        "kl_ratio_correction), k3 the plain one. Ratio: per token (TRL's default), or per sequence (GSPO, TRL's "
+        "importance_sampling_level=\"sequence\"; ours --importance-sampling-level sequence), whose clip metrics "
+        "are shares of sequences.",
         f"- Gradient: the largest absolute difference over the {results[0]['params']} parameter tensors (in brackets "
         "the largest gradient entry); metrics: TRL's kl and clip_ratio low/high/region means (1 x 1 only).",
         "",
-        table(["ranks x micro-steps", "loss type", "beta", "KL term", "loss, TRL", "loss, ours", "abs diff: loss",
+        table(["ranks x micro-steps", "loss type", "ratio", "beta", "KL term", "loss, TRL", "loss, ours",
+               "abs diff: loss",
                "gradient", "metrics"], rows),
         "",
         table(["reward scale", "abs diff: advantages (TRL's rewards)", "frac_reward_zero_std, TRL / ours"], adv_rows),
