@@ -261,7 +261,7 @@ def test_reward_entries_are_read_whole_and_a_bad_one_says_what_is_wrong_with_it(
         with pytest.raises(UserError) as caught:
             Rewards(spec)
         assert str(caught.value) == said, spec
-    from pipeline.rl.rewards import parse_rewards
+    from pipeline.rl.reward_specs import parse_rewards
 
     (tmp_path / "rm,v2").mkdir()
     (tmp_path / "rm,v2" / "config.json").write_text("{}")  # a reward model's folder whose name holds a comma

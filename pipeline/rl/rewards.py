@@ -13,73 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import inspect
 import math
 import numbers
-import os
-import re
-import sys
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from pipeline.errors import UserError
 from pipeline.rl import user_code
-from pipeline.rl.reward_model import RewardModelFn, is_model_folder, model_name
+from pipeline.rl.builtin_rewards import BUILT_IN, RewardFn, text_of
+from pipeline.rl.reward_model import RewardModelFn
+from pipeline.rl.reward_specs import RewardSpec, load, named, parse_rewards
 from pipeline.signals import Stopped, StopRequest
-
-RewardFn = Callable[..., Sequence]
-
-
-def _last_answer(text: str) -> str | None:
-    """A completion's answer: its last \\boxed{...}, else its last number (thousands' commas dropped)."""
-    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
-    if boxed:
-        return boxed[-1].strip()
-    numbers_found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
-    return numbers_found[-1].replace(",", "") if numbers_found else None
-
-
-def _same(answer: str, expected: object) -> bool:
-    """Equal as numbers where both are numbers (7 and 7.0), else as stripped text."""
-    want = str(expected).strip()
-    try:
-        return math.isclose(float(answer.replace(",", "")), float(want.replace(",", "")), rel_tol=0, abs_tol=1e-9)
-    except ValueError:
-        return answer == want
-
-
-def _text(completion: str | list) -> str:
-    return completion if isinstance(completion, str) else "".join(m.get("content") or "" for m in completion)
-
-
-def accuracy(prompts: list, completions: list, completion_ids: list, **columns) -> list[float | None]:
-    """1 where the completion's last \\boxed{} answer (else its last number) equals the row's `answer`, else 0; None
-    (abstains) for a row without one."""
-    answers = columns.get("answer") or [None] * len(completions)
-    out: list[float | None] = []
-    for completion, expected in zip(completions, answers, strict=True):
-        if expected is None:
-            out.append(None)
-            continue
-        found = _last_answer(_text(completion))
-        out.append(float(found is not None and _same(found, expected)))
-    return out
-
-
-THINK = re.compile(r"^\s*<think>.*?</think>\s*\S", re.DOTALL)
-
-
-def think_format(prompts: list, completions: list, completion_ids: list, **columns) -> list[float | None]:
-    """1 where the completion is a <think>...</think> reasoning block followed by an answer, else 0."""
-    return [float(bool(THINK.match(_text(c)))) for c in completions]
-
-
-BUILT_IN: dict[str, RewardFn] = {"accuracy": accuracy, "think_format": think_format}
 
 
 @dataclass(frozen=True)
@@ -91,146 +38,11 @@ class RewardState:
     max_steps: int
 
 
-@dataclass(frozen=True)
-class RewardSpec:
-    """One --reward entry."""
-
-    name: str
-    """The function's name: TRL's rewards/NAME metrics."""
-    weight: float
-    path: str = ""
-    """The Python file, "" for a built-in."""
-    model: str = ""
-    """A reward model's folder or Hub id (pipeline/rl/reward_model.py), "" for a function."""
-
-    def identity(self, digest: str) -> str:
-        if self.model:
-            return f"model {self.model}:{self.weight!r}:{digest}"
-        return f"{self.path or 'built-in'}:{self.name}:{self.weight!r}:{digest}"
-
-
-FILE_ENTRY = re.compile(r"(?P<path>.+?\.py):(?P<name>[A-Za-z_]\w*)(?::(?P<weight>[^:,]*))?")
-"""FILE.py:FUNCTION[:WEIGHT]; the path taken as short as the rest allows, so a path may hold ':' (and ',')."""
-NAMED_ENTRY = re.compile(r"(?P<name>[^:]+)(?::(?P<weight>[^:,]*))?")
-"""A built-in NAME[:WEIGHT] or a reward model's FOLDER[:WEIGHT]."""
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 """The largest reward that is a number in the float32 the advantages are computed in (1e39 is inf there)."""
 MAX_TOTAL = 1e15
 """The largest weighted reward: the squares of a group's deviations (up to 4096 of them) then fit float32, so its
 std, and every advantage, is a number (a reward of 1e20 made the std inf and every advantage 0)."""
-
-
-def parse_rewards(text: str) -> list[RewardSpec]:
-    """The --reward list: FILE.py:FUNCTION[:WEIGHT], NAME[:WEIGHT] (a built-in) or MODEL_FOLDER[:WEIGHT] (a reward
-    model), comma-separated (a comma inside a path is part of it where the entry only reads whole with it); one line
-    for an entry that is none of them, a weight that is not a finite number, or a name given twice."""
-    specs = [_spec(entry) for entry in _entries(text)]
-    names = [s.name for s in specs]
-    if twice := sorted({n for n in names if names.count(n) > 1}):
-        raise UserError(f"--reward names {twice[0]} twice; each reward's metrics are named by its function, so give "
-                        "each once (with a weight: NAME:2)")
-    return specs
-
-
-def _entries(text: str) -> list[str]:
-    """The comma-separated entries; pieces join across a comma only where the joined text names something that
-    exists (a file, FILE.py:FUNCTION[:WEIGHT], or a model folder), the longest such join first: a path may hold ','."""
-    pieces = [p.strip() for p in text.split(",")]
-    out, i = [], 0
-    while i < len(pieces):
-        joins = [j for j in range(len(pieces), i + 1, -1) if _exists(",".join(pieces[i:j]))]
-        j = joins[0] if joins else i + 1
-        if entry := ",".join(pieces[i:j]).strip():
-            out.append(entry)
-        i = j
-    return out
-
-
-def _exists(entry: str) -> bool:
-    if found := FILE_ENTRY.fullmatch(entry):
-        return Path(found["path"]).is_file()
-    named = NAMED_ENTRY.fullmatch(entry)
-    return bool(named) and (Path(named["name"]) / "config.json").is_file()
-
-
-def _spec(entry: str) -> RewardSpec:
-    if found := FILE_ENTRY.fullmatch(entry):
-        return RewardSpec(found["name"], _weight(entry, found["weight"]), found["path"])
-    named = NAMED_ENTRY.fullmatch(entry)
-    if named and named["name"] in BUILT_IN:
-        return RewardSpec(named["name"], _weight(entry, named["weight"]))
-    if named and is_model_folder(named["name"]):
-        return RewardSpec(model_name(named["name"]), _weight(entry, named["weight"]), model=named["name"])
-    raise UserError(f"--reward {entry} is neither FILE.py:FUNCTION[:WEIGHT], a built-in reward "
-                    f"({', '.join(BUILT_IN)}) nor a reward model folder, each with an optional :WEIGHT")
-
-
-def _weight(entry: str, text: str | None) -> float:
-    if text is None:
-        return 1.0
-    try:
-        weight = float(text)
-    except ValueError:
-        raise UserError(f"--reward {entry}: its weight {text!r} is not a number (FILE.py:FUNCTION:WEIGHT, e.g. "
-                        ":0.5)") from None
-    if not math.isfinite(weight) or abs(weight) > 1e6:
-        raise UserError(f"--reward {entry}: the weight must be a finite number within +-1e6, got {text}")
-    return weight
-
-
-HELPERS: dict[str, list[Path]] = {}
-"""The modules each reward file's import brought in from its own folder (or below it), by its module name."""
-
-
-def _load(spec: RewardSpec, chat_date: str) -> tuple[RewardFn, str]:
-    """The function and the SHA-256 of its file and of the modules its import brought in from its own folder (the
-    built-ins: their name; a reward model: its weights' digest), loaded as a module of its own."""
-    if spec.model:
-        fn = RewardModelFn(spec.model, chat_date)
-        return fn, fn.digest
-    if not spec.path:
-        return BUILT_IN[spec.name], "built-in"
-    path = Path(spec.path)
-    try:
-        source = path.read_bytes()
-    except OSError as exc:
-        raise UserError(f"--reward {spec.path}:{spec.name}: the file cannot be read ({exc.strerror or exc})") from None
-    module_name = f"_reward_{hashlib.sha256(source).hexdigest()[:16]}"
-    module = sys.modules.get(module_name)
-    if module is None:
-        module, added = user_code.import_file(path, module_name, f"--reward {spec.path}")
-        HELPERS[module_name] = _helpers(path, added)
-    fn = getattr(module, spec.name, None)
-    if not callable(fn):
-        raise UserError(f"--reward {spec.path}:{spec.name}: the file defines no function {spec.name}")
-    return fn, _digest(path, source, HELPERS.get(module_name, []))
-
-
-def _helpers(path: Path, modules: list[object]) -> list[Path]:
-    """The files of the modules a reward file's import brought in from its folder or below it."""
-    folder = path.resolve().parent
-    found = set()
-    for module in modules:
-        file = getattr(module, "__file__", None)
-        if file and os.path.isabs(file) and file.endswith(".py"):
-            where = Path(file).resolve()
-            if where.is_relative_to(folder) and where != path.resolve() and where.is_file():
-                found.add(where)
-    return sorted(found)
-
-
-def _digest(path: Path, source: bytes, helpers: list[Path]) -> str:
-    """The file's content hash with its helpers' (as they are now): an edited helper module beside a reward file
-    changes its identity as an edit of the file does."""
-    digest = hashlib.sha256(source)
-    folder = path.resolve().parent
-    for where in helpers:
-        try:
-            digest.update(where.relative_to(folder).as_posix().encode() + b"\0" + where.read_bytes())
-        except OSError as exc:
-            raise UserError(f"--reward {path}: its helper module {where} cannot be read ({exc.strerror or exc})"
-                            ) from None
-    return digest.hexdigest()[:16]
 
 
 class Rewards:
@@ -242,7 +54,7 @@ class Rewards:
             raise UserError("--objective grpo needs at least one --reward (FILE.py:FUNCTION[:WEIGHT] or a built-in: "
                             f"{', '.join(BUILT_IN)})")
         if not any(s.weight for s in self.specs):
-            raise UserError(f"every --reward has weight 0 ({', '.join(_named(s) for s in self.specs)}): every "
+            raise UserError(f"every --reward has weight 0 ({', '.join(named(s) for s in self.specs)}): every "
                             "completion would get reward 0 and advantage 0, so nothing would train; give at least "
                             "one a non-zero weight")
         self.timeout = timeout
@@ -250,7 +62,7 @@ class Rewards:
         self.columns: list[str] = []
         """Every column of the run's prompt rows (check_columns): each function gets them all, None where a row
         has none, as TRL passes a dataset's columns."""
-        loaded = [_load(spec, chat_date) for spec in self.specs]
+        loaded = [load(spec, chat_date) for spec in self.specs]
         self.functions = [fn for fn, _ in loaded]
         self.identity = [spec.identity(digest) for spec, (_, digest) in zip(self.specs, loaded, strict=True)]
         """What the run's fingerprint holds: a reward changed on resume is refused in one line."""
@@ -324,20 +136,20 @@ class Rewards:
 
     def _log_metric(self, spec: RewardSpec, name: object, value: object) -> None:
         if not isinstance(name, str) or not name:
-            raise UserError(f"reward {_named(spec)} called log_metric with the name {name!r:.40}; a metric's name is a "
+            raise UserError(f"reward {named(spec)} called log_metric with the name {name!r:.40}; a metric's name is a "
                             "non-empty string")
         if isinstance(value, bool) or not _within(value, math.inf):
-            raise UserError(f"reward {_named(spec)} logged {value!r:.40} as the metric {name}; log_metric takes a "
+            raise UserError(f"reward {named(spec)} logged {value!r:.40} as the metric {name}; log_metric takes a "
                             "finite number")
         self.metrics.setdefault(name, []).append(float(value))
 
     def _log_extra(self, spec: RewardSpec, count: int, column: object, values: object) -> None:
         if not isinstance(column, str) or not column:
-            raise UserError(f"reward {_named(spec)} called log_extra with the column {column!r:.40}; a column's name "
+            raise UserError(f"reward {named(spec)} called log_extra with the column {column!r:.40}; a column's name "
                             "is a non-empty string")
         if not isinstance(values, (list, tuple)) or len(values) != count:
             got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
-            raise UserError(f"reward {_named(spec)} logged {got} values in the column {column} for {count} "
+            raise UserError(f"reward {named(spec)} logged {got} values in the column {column} for {count} "
                             "completions; log_extra takes one value per completion")
         self.extra[column] = [_json_value(v) for v in values]
 
@@ -345,7 +157,7 @@ class Rewards:
               kwargs: dict) -> object:
         """What a plain function returned, under user_code's guards; what it raised, one line naming the prompt."""
         try:
-            values = user_code.call(f"reward {_named(spec)}", fn, prompts=prompts, completions=completions,
+            values = user_code.call(f"reward {named(spec)}", fn, prompts=prompts, completions=completions,
                                     completion_ids=ids, timeout=self.timeout,
                                     late=f" on the {len(completions)} completions of prompt {_shown(prompts[0])}",
                                     **kwargs)
@@ -353,9 +165,9 @@ class Rewards:
             raise
         except Exception as exc:  # the user's code: named, with the prompt it failed on
             if StopRequest.signum:  # its own handler turned the stop into an error of its own: a stop still
-                raise Stopped(f"in reward {_named(spec)}") from None
+                raise Stopped(f"in reward {named(spec)}") from None
             where = _failing(fn, prompts, completions, ids, kwargs, self.timeout)
-            raise UserError(f"reward {_named(spec)} raised {type(exc).__name__}: {exc} (prompt {_shown(where)})"
+            raise UserError(f"reward {named(spec)} raised {type(exc).__name__}: {exc} (prompt {_shown(where)})"
                             ) from None
         return values
 
@@ -371,7 +183,7 @@ class Rewards:
                                                             completion_ids=ids, **args[j]) for j in chosen),
                                         return_exceptions=True)
 
-        names = ", ".join(_named(self.specs[j]) for j in chosen)
+        names = ", ".join(named(self.specs[j]) for j in chosen)
         results = user_code.call(f"reward {names}", asyncio.run, together(), timeout=self.timeout,
                                  late=f" on the {len(completions)} completions of prompt {_shown(prompts[0])}")
         for j, result in zip(chosen, results, strict=True):
@@ -379,8 +191,8 @@ class Rewards:
                 raise result
             if isinstance(result, Exception):
                 if StopRequest.signum:
-                    raise Stopped(f"in reward {_named(self.specs[j])}")
-                raise UserError(f"reward {_named(self.specs[j])} raised {type(result).__name__}: {result} (prompt "
+                    raise Stopped(f"in reward {named(self.specs[j])}")
+                raise UserError(f"reward {named(self.specs[j])} raised {type(result).__name__}: {result} (prompt "
                                 f"{_shown(prompts[0])})")
         return dict(zip(chosen, results, strict=True))
 
@@ -390,12 +202,12 @@ class Rewards:
             values = values.tolist()
         if not isinstance(values, (list, tuple)) or len(values) != len(completions):
             count = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
-            raise UserError(f"reward {_named(spec)} returned {count} values for {len(completions)} completions (prompt "
+            raise UserError(f"reward {named(spec)} returned {count} values for {len(completions)} completions (prompt "
                             f"{_shown(prompts[0])}); it must return one float or None per completion")
         values = [_scalar(v) for v in values]
         for i, value in enumerate(values):
             if value is not None and not _within(value, FLOAT32_MAX):
-                raise UserError(f"reward {_named(spec)} returned {value!r:.40} for the completion "
+                raise UserError(f"reward {named(spec)} returned {value!r:.40} for the completion "
                                 f"{_shown(completions[i])} of prompt {_shown(prompts[i])}; a reward must be a finite "
                                 f"number within float32's +-{FLOAT32_MAX:.3g}, or None to abstain")
         return values
@@ -453,10 +265,6 @@ def _json_value(value: object) -> object:
     return str(value)
 
 
-def _named(spec: RewardSpec) -> str:
-    return f"{spec.path}:{spec.name}" if spec.path else spec.name
-
-
 def _shown(value: object) -> str:
-    text = value if isinstance(value, str) else _text(value[-1:]) if isinstance(value, list) else str(value)
+    text = value if isinstance(value, str) else text_of(value[-1:]) if isinstance(value, list) else str(value)
     return repr(text[:60] + ("..." if len(text) > 60 else ""))
