@@ -6,6 +6,7 @@ import json
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -164,6 +165,33 @@ async def async_sleeps(prompts, completions, completion_ids, **columns):
     await asyncio.sleep(3600)
 
 
+async def async_spins(prompts, completions, completion_ids, **columns):
+    started = time.monotonic()
+    while time.monotonic() < started + 5:  # work that never awaits (ending, so as not to hold the test's process)
+        pass
+
+
+async def async_in_a_thread(prompts, completions, completion_ids, **columns):
+    await asyncio.to_thread(time.sleep, 5)  # a call to a judge that does not answer in time
+
+
+async def async_signalled(prompts, completions, completion_ids, **columns):
+    os.kill(os.getpid(), signal.SIGTERM)
+    await asyncio.sleep(3600)
+
+
+async def async_narrow(prompts, completions):  # TRL's signature it is not
+    return [1.0] * len(completions)
+
+
+LOOPS = []
+
+
+async def async_same_loop(prompts, completions, completion_ids, **columns):
+    LOOPS.append(asyncio.get_running_loop())  # a client made at the first call is bound to this loop
+    return [float(len(LOOPS))] * len(completions)
+
+
 def parity(prompts, completions, completion_ids, **columns):
     return [float(len(ids) % 2) for ids in completion_ids]
 '''
@@ -220,6 +248,31 @@ def test_async_rewards_are_awaited_together_beside_plain_ones_under_the_same_gua
         f"reward {path}:async_fails raised ValueError: async trouble (prompt 'p')")
     assert one_line(f"{path}:async_sleeps,{path}:waits_for_its_partner", timeout=0.3).startswith(
         f"reward {path}:async_sleeps, {path}:waits_for_its_partner did not return within 0.3 s on the 2 completions")
+
+
+def test_async_rewards_that_hang_spin_are_stopped_or_mistyped_are_one_line_and_run_on_one_loop(tmp_path):
+    """An async reward that never awaits, or waits on a thread that never returns, is stopped by the time limit
+    (the run does not wait for the thread); a stop signal inside one is a stop; one whose signature is not TRL's is
+    one line as a plain function's is; every call runs on the same event loop (a client made at the first call works
+    at the next, as under TRL's one loop)."""
+    path = reward_file(tmp_path)
+    for name in ("async_spins", "async_in_a_thread"):
+        started = time.monotonic()
+        assert one_line(f"{path}:{name}", timeout=0.3).startswith(f"reward {path}:{name} did not return within 0.3 s")
+        assert time.monotonic() - started < 4, name  # not waiting for the work (5 s) to end
+    assert one_line(f"{path}:async_narrow").startswith(
+        f"reward {path}:async_narrow raised TypeError: async_narrow() got an unexpected keyword argument")
+    same = Rewards(f"{path}:async_same_loop")
+    assert [same.score(["p"], ["a"], [[1]], [{}])[0].item() for _ in range(2)] == [1.0, 2.0]
+    module = sys.modules[same.functions[0].__module__]
+    assert module.LOOPS[0] is module.LOOPS[1] and module.LOOPS[0].is_running()
+    StopRequest.install()
+    try:
+        with pytest.raises(Stopped, match=f"^in reward {path}:async_signalled$"):
+            Rewards(f"{path}:async_signalled").score(["p"], ["a"], [[1]], [{}])
+    finally:
+        StopRequest.uninstall()
+        StopRequest.signum = 0
 
 
 def test_zero_d_values_are_numbers_and_what_float32_statistics_cannot_hold_is_one_line(tmp_path):

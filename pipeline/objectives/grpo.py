@@ -311,7 +311,7 @@ class GRPOObjective:
         f = self.figures
         for name, flags in (("low", terms.low_clipped), ("high", terms.high_clipped), ("region", terms.region_clipped)):
             # per sequence under GSPO (one flag each, over every row, as TRL's metric), else per counted token
-            share = flags.float().mean() if flags.shape[1] == 1 else masked_mean(flags.float(), mask)
+            share = flags.float().mean() if self.settings.sequence_level else masked_mean(flags.float(), mask)
             f.add(f"clip_ratio/{name}_mean", share.reshape(1))
         f.add("entropy", entropy[mask.bool()])
         if terms.kl is not None:

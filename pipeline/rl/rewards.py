@@ -11,7 +11,6 @@ reward is the weighted sum of the values given (TRL's nansum). As TRL does, a fu
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import math
@@ -172,29 +171,29 @@ class Rewards:
         return values
 
     def _awaited(self, prompts: list, completions: list, ids: list, args: list[dict]) -> dict[int, object]:
-        """What the `async def` functions returned, by position, awaited together (as TRL gathers them) under one
-        time limit; one that raised is one line naming it and the batch's first prompt."""
+        """What the `async def` functions returned, by position, awaited together on the process's event loop (as
+        TRL gathers them) under one time limit; one that raised is one line naming it and the batch's first
+        prompt."""
         chosen = [j for j, fn in enumerate(self.functions) if _is_async(fn)]
         if not chosen:
             return {}
-
-        async def together() -> list:
-            return await asyncio.gather(*(self.functions[j](prompts=prompts, completions=completions,
-                                                            completion_ids=ids, **args[j]) for j in chosen),
-                                        return_exceptions=True)
-
-        names = ", ".join(named(self.specs[j]) for j in chosen)
-        results = user_code.call(f"reward {names}", asyncio.run, together(), timeout=self.timeout,
-                                 late=f" on the {len(completions)} completions of prompt {_shown(prompts[0])}")
-        for j, result in zip(chosen, results, strict=True):
+        makers = [functools.partial(self.functions[j], prompts=prompts, completions=completions, completion_ids=ids,
+                                    **args[j]) for j in chosen]
+        results = user_code.await_all(f"reward {', '.join(named(self.specs[j]) for j in chosen)}", makers,
+                                      self.timeout, f" on the {len(completions)} completions of prompt "
+                                                    f"{_shown(prompts[0])}")
+        for j, (raised, result) in zip(chosen, results, strict=True):
+            if not raised:
+                continue
+            what = f"reward {named(self.specs[j])}"
             if isinstance(result, UserError):  # a logger's own one line
                 raise result
-            if isinstance(result, Exception):
-                if StopRequest.signum:
-                    raise Stopped(f"in reward {named(self.specs[j])}")
-                raise UserError(f"reward {named(self.specs[j])} raised {type(result).__name__}: {result} (prompt "
-                                f"{_shown(prompts[0])})")
-        return dict(zip(chosen, results, strict=True))
+            if isinstance(result, (SystemExit, KeyboardInterrupt)):
+                raise UserError(user_code.exit_line(what, result))
+            if StopRequest.signum:  # a stop it turned into an error of its own
+                raise Stopped(f"in {what}")
+            raise UserError(f"{what} raised {type(result).__name__}: {result} (prompt {_shown(prompts[0])})")
+        return {j: result for j, (_, result) in zip(chosen, results, strict=True)}
 
     def _checked(self, spec: RewardSpec, values: object, prompts: list, completions: list) -> list:
         """A function's values as numbers or None, one per completion, each float32 can hold: else one line."""

@@ -8,13 +8,14 @@ main thread has one; C code that holds the GIL and never returns is beyond any o
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -71,8 +72,50 @@ def call(what: str, fn: Callable, *args: object, timeout: float = 0, late: str =
     except (SystemExit, KeyboardInterrupt) as exc:
         if isinstance(exc, KeyboardInterrupt) and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             raise  # Ctrl-C in a process that takes it the Python way (no stop handler): the user's, not the code's
-        raise UserError(f"{what} raised {_exit_named(exc)}: code run inside training must return, not end the "
-                        "process") from None
+        raise UserError(exit_line(what, exc)) from None
+
+
+def exit_line(what: str, exc: BaseException) -> str:
+    """The one line for code inside training that raised SystemExit or KeyboardInterrupt."""
+    return f"{what} raised {_exit_named(exc)}: code run inside training must return, not end the process"
+
+
+_loop: list[asyncio.AbstractEventLoop] = []
+"""The process's event loop for the user's `async def` code, running on a daemon thread (as TRL runs it): one loop,
+so a client an async reward keeps at module level (bound to the loop it first ran on) works on every call."""
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    if not _loop:
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name="user-async", daemon=True).start()
+        _loop.append(loop)
+    return _loop[0]
+
+
+def await_all(what: str, makers: list[Callable[[], Awaitable]], timeout: float = 0,
+              late: str = "") -> list[tuple[bool, object]]:
+    """Each maker()'s awaitable awaited together on the process's event loop, the main thread waiting under call()'s
+    time limit and stop signal (a wait a signal interrupts; the tasks are then cancelled, not waited for: a thread an
+    async reward started may never return). Returns per maker (raised, its value or what it raised): whatever it
+    raised, even SystemExit, is returned, so that the loop's thread lives on."""
+
+    async def guarded(make: Callable[[], Awaitable]) -> tuple[bool, object]:
+        try:
+            return False, await make()
+        except BaseException as exc:  # noqa: BLE001 - the caller names it; a SystemExit here would end the loop
+            return True, exc
+
+    async def together() -> list[tuple[bool, object]]:
+        return list(await asyncio.gather(*(guarded(make) for make in makers)))
+
+    future = asyncio.run_coroutine_threadsafe(together(), _event_loop())
+    try:
+        return call(what, future.result, timeout=timeout, late=late)
+    except BaseException:
+        future.cancel()
+        _loop.clear()  # a task that never awaits holds its loop for good: a later call gets a loop of its own
+        raise
 
 
 def _exit_named(exc: BaseException) -> str:

@@ -456,7 +456,7 @@ class Trainer:
         telemetry.event("eval", self.step, loss=val.loss, ppl=val.ppl, **val.metrics, **by_source, **costs)
         # a preference objective's mean is over pairs or examples: its exp is no perplexity, its figures say more
         shown = ({f"eval_{name}": _rounded(val.metrics[k]) for k, name in self.objective.shown if k in val.metrics}
-                 or {"eval_ppl": round(val.ppl, 3)})
+                 if self.objective.shown else {"eval_ppl": round(val.ppl, 3)})
         telemetry.human({"global_step": self.step, "eval_loss": round(val.loss, 5), **shown,
                          **{k: None if v is None else round(v, 5) for k, v in by_source.items()}})
         if self.cfg.run.save_best and self.step > 0 and val.loss < self.best_val:  # step 0 is the base, not a result
