@@ -22,6 +22,7 @@ AutoWrap = Literal["transformer", "size"]
 BackwardPrefetch = Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"]
 Schedule = Literal["cosine", "linear", "constant"]
 AutoOnOff = Literal["auto", "on", "off"]
+OnOff = Literal["on", "off"]
 ExportDtype = Literal["auto", "bf16", "fp16", "fp32"]
 TrainOn = Literal["assistant", "last", "all"]
 AttnImplementation = Literal["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"]
@@ -214,6 +215,10 @@ class ModelConfig(Section):
     value is that number of ranks. 1: off (the experts sharded and gathered as every other weight); auto: on where
     the shard ranks divide the experts and sit on one node, under FULL_SHARD or SHARD_GRAD_OP without adapters or
     CPU offload (measured: 5.5x fsdp2's tokens/s on Qwen3-30B-A3B's shape, BENCHMARKS.md section 31)."""
+    tiled_mlp: OnOff = "off"
+    """on: each decoder layer's MLP computed over chunks of about hidden-size tokens, each recomputed in backward
+    (ALST's TiledMLP), so its intermediate activations are one chunk's, not the whole sequence's: for long sequences.
+    The same result token by token; a mixture of experts' MLP is refused (its router must see the whole sequence)."""
     router_aux_loss_coef: float = -1.0
     """A mixture of experts: the auxiliary load-balancing loss transformers defines for the family is added to the
     training loss times this; -1 (the default): the model config's router_aux_loss_coef where its

@@ -35,6 +35,7 @@ from pipeline.model.adapters import chosen_targets
 from pipeline.model.modeling import cannot_train, meta_model
 from pipeline.model.reward_head import RewardHead, checked_pad_id, is_reward_model, reward_head_layout
 from pipeline.model.router import RouterBalance
+from pipeline.model.tiled_mlp import TiledMLP
 from pipeline.model.weight_check import WeightCheck, read_line, unchanged_weights, weights_digest
 from pipeline.model.weight_files import read_index
 from pipeline.objectives.build import REFERENCE_OBJECTIVES
@@ -283,6 +284,8 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
         meta_model(hf_config, attn_implementation=cfg.model.attn_implementation)
     if cfg.model.adapter != "none":  # --lora-targets naming no linear layer: one line, before any weight is read
         chosen_targets(meta_model(hf_config), cfg.model)
+    if cfg.model.tiled_mlp == "on":  # a mixture of experts' MLP: one line, before any worker starts
+        TiledMLP().apply(meta_model(hf_config))
     if cfg.model.router_aux_loss_coef > 0:  # a family without a balancing loss, or a dense model: one line
         RouterBalance(cfg.model).apply(meta_model(hf_config))
     data = load_sources(cfg)
