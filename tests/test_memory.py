@@ -277,3 +277,23 @@ def test_grpo_counts_its_completions_and_the_generations_kv_cache():
         (10**8 * c,) * 3
     sft = estimate(shape, workload(settle(config_for("m", "strategy", "fsdp2", "batch_size", 2)), "cuda", 8, 8))
     assert sft.generation == 0 and "generation" not in sft.gib() and "generation" in est.gib()
+
+
+def test_tiled_mlp_takes_every_layers_mlp_intermediates_out_of_the_estimate_but_one_chunks():
+    """--tiled-mlp on: without checkpointing no layer keeps its MLP's four intermediate widths, with it the layer
+    recomputed does not either, and selective checkpointing's kept gate and up outputs go too; one chunk's
+    (batch x hidden tokens) is counted once instead. At 1 x 32,768 tokens on Llama-3.2-1B's shape the activations
+    fall by the predicted bytes."""
+    shape = Shape.of(LlamaConfig(**LLAMA_1B))
+    for flags, layers_saving in ((("activation_checkpointing", False), shape.layers),
+                                 (("activation_checkpointing", True), 1),
+                                 (("selective_checkpointing", True), shape.layers + 1)):
+        cfg = settle(config_for("m", "strategy", "fsdp2", "batch_size", 1, "seq_length", 32768, *flags))
+        plain = estimate(shape, workload(cfg, "cuda", 8, 8))
+        tiled = estimate(shape, workload(replace(cfg, model=replace(cfg.model, tiled_mlp="on")), "cuda", 8, 8))
+        c = plain.activations and workload(cfg, "cuda", 8, 8).compute_bytes
+        whole, one_chunk = 4 * shape.intermediate * 32768 * c, 4 * shape.intermediate * shape.hidden * c
+        dropped = whole * layers_saving if flags[0] == "activation_checkpointing" else \
+            whole // 2 * shape.layers + whole  # selective: the kept gate and up outputs, and the recomputed layer's
+        assert plain.activations - tiled.activations == dropped - one_chunk, flags
+        assert (tiled.weights, tiled.logits) == (plain.weights, plain.logits)

@@ -269,6 +269,9 @@ class Workload:
     expert_parallel: int = 1
     """--expert-parallel's degree (1: off; 0: auto, where the settings allow it): each layer's routed experts split
     over that many ranks, never gathered, tokens sent to them by all-to-all (Shape.split_experts resolves it)."""
+    tiled_mlp: bool = False
+    """--tiled-mlp on: no layer keeps its MLP's intermediate activations; one chunk's (about hidden-size tokens per
+    sequence) exist at a time, while it is recomputed."""
 
 
 @dataclass(frozen=True)
@@ -402,14 +405,21 @@ def estimate(shape: Shape, work: Workload, terms: StrategyTerms) -> Estimate:
     # GRPO scores the completions' positions alone: their logits, not the prompts'
     logit_tokens = tokens if gen is None else gen.completions * (gen.completion + 1)
     layer = layer_activation_bytes(shape, tokens, c)
+    # --tiled-mlp: no layer keeps its MLP's intermediates, one chunk's exist while it is recomputed
+    untiled = INTERMEDIATE_WIDTHS * shape.intermediate * tokens * c if work.tiled_mlp else 0
+    chunk = INTERMEDIATE_WIDTHS * shape.intermediate * min(tokens, work.batch_size * shape.hidden) * c \
+        if work.tiled_mlp else 0
+    layer -= untiled
     per_layer = layer + adapter_activation_bytes(shape, work, tokens)
     merged = merged_expert_bytes(shape, work) + expert_parallel_bytes(shape, work, tokens)
     if work.activation_checkpointing:  # each layer's input, and one layer recomputed at a time
         activations = shape.layers * tokens * shape.hidden * c + per_layer + merged
     elif work.selective_checkpointing:  # the products' and attention's outputs, and one layer recomputed at a time
-        activations = shape.layers * (per_layer - layer + selective_layer_bytes(shape, tokens, c)) + per_layer + merged
+        kept = selective_layer_bytes(shape, tokens, c) - (untiled // 2)  # (the gate and up outputs: half of them)
+        activations = shape.layers * (per_layer - layer + kept) + per_layer + merged
     else:
         activations = shape.layers * (per_layer + merged)
+    activations += chunk
     activations += gen.mask_bytes(shape, c) if gen else 0
     logits = logits_bytes(shape, work, logit_tokens, shards)
     if work.adapter != "none":
