@@ -492,7 +492,7 @@ def stopped_by_sigterm(argv: list, env: dict, ready, log: Path) -> tuple[int, fl
 def test_sigterm_in_a_steps_generation_or_a_hanging_reward_stops_within_seconds_and_the_rerun_repeats_the_run(
         tmp_path, train_env):
     """A preemption (SIGTERM to the launcher) in the middle of step 2's rollouts, sent by the reward of its first
-    micro-batch, before its second generates 800 tokens per completion (fsdp2: one all-reduce per token, which carries
+    micro-batch, before its second generates 200 tokens per completion (fsdp2: one all-reduce per token, which carries
     the stop): the run ends within seconds, step 2's checkpoint saved as it was before its prompts were drawn, and
     the rerun's steps are the uninterrupted run's, bit for bit. SIGTERM while a reward function never returns (ddp,
     each rank generating through its own replica) interrupts it at once. Each stop is one line naming where, exit
@@ -503,7 +503,7 @@ def test_sigterm_in_a_steps_generation_or_a_hanging_reward_stops_within_seconds_
     path = reward_file(tmp_path / "r")
     env = train_env["env"]
     reward = f"{path}:parity_preempted_in_step_2"
-    long = ("--strategy", "fsdp2", "--max-completion-length", 800, "--max-steps", 2, "--grad-accum", 2)
+    long = ("--strategy", "fsdp2", "--max-completion-length", 200, "--max-steps", 2, "--grad-accum", 2)
     straight = torchrun(2, ROOT / "fsdp1.py", *grpo_command(tmp_path, "straight", reward, *long), env=env)
     assert straight.returncode == 0, straight.stderr[-3000:]
     run, mark = tmp_path / "runs" / "g", tmp_path / "preempted"
