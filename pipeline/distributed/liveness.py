@@ -111,15 +111,17 @@ class PeerWatch:
                 self._store.set(self._key("failed", self.d.rank), failure)
             self._store.add(self._key("beat", self.d.rank), DONE)
 
-    def failed_peer(self) -> tuple[int, str] | None:
-        """Another rank that has failed with an error of its own, and its one line (None if none has, or nothing is
-        watched): what a collective failing here is the echo of. One store read per rank."""
+    def failed_peer(self) -> tuple[str, bool] | None:
+        """Another rank that has failed with an error of its own ("rank R failed: its line"), and whether it is on
+        this node, whose console has its line already (None if none has, or nothing is watched): what a collective
+        failing here is the echo of. One store read per rank."""
         if self._store is None:
             return None
         with contextlib.suppress(RuntimeError):  # the store is gone with its host: the heartbeat will say so
             for r in range(self.d.world_size):
                 if r != self.d.rank and self._store.check([self._key("failed", r)]):
-                    return r, self._store.get(self._key("failed", r)).decode()
+                    here = r // self.d.local_world_size == self.d.rank // self.d.local_world_size
+                    return f"rank {r} failed: {self._store.get(self._key('failed', r)).decode()}", here
         return None
 
     def wait_for_verdict(self, give_up: Callable[[], bool]) -> None:
@@ -179,7 +181,7 @@ class PeerWatch:
         line = (f"error: rank {self.d.rank}: {why}; exiting. Rerun the same command on every node to resume from the "
                 "last complete checkpoint")
         failed = self.failed_peer() if store_up else None
-        if not failed or failed[0] // self.d.local_world_size != self.d.rank // self.d.local_world_size:
+        if not failed or not failed[1]:
             os.write(2, (line + "\n").encode())  # (a peer of this node that failed has said why on this console)
         record = logging.LogRecord(LOGGER, logging.ERROR, __file__, 0, line, None, None)
         for handler in logging.getLogger(LOGGER).handlers:  # the run's train.log too (the console has it already)

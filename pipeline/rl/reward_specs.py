@@ -39,6 +39,8 @@ FILE_ENTRY = re.compile(r"(?P<path>.+?\.py):(?P<name>[A-Za-z_]\w*)(?::(?P<weight
 """FILE.py:FUNCTION[:WEIGHT]; the path taken as short as the rest allows, so a path may hold ':' (and ',')."""
 NAMED_ENTRY = re.compile(r"(?P<name>[^:]+)(?::(?P<weight>[^:,]*))?")
 """A built-in NAME[:WEIGHT] or a reward model's FOLDER[:WEIGHT]."""
+
+
 def parse_rewards(text: str) -> list[RewardSpec]:
     """The --reward list: FILE.py:FUNCTION[:WEIGHT], NAME[:WEIGHT] (a built-in) or MODEL_FOLDER[:WEIGHT] (a reward
     model), comma-separated (a comma inside a path is part of it where the entry only reads whole with it); one line

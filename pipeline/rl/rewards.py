@@ -157,8 +157,7 @@ class Rewards:
         """What a plain function returned, under user_code's guards; what it raised, one line naming the prompt."""
         try:
             values = user_code.call(f"reward {named(spec)}", fn, prompts=prompts, completions=completions,
-                                    completion_ids=ids, timeout=self.timeout,
-                                    late=f" on the {len(completions)} completions of prompt {_shown(prompts[0])}",
+                                    completion_ids=ids, timeout=self.timeout, late=_late(prompts, completions),
                                     **kwargs)
         except (UserError, Stopped):  # a logger's own one line (a bad metric or column), a time limit, a stop
             raise
@@ -180,8 +179,7 @@ class Rewards:
         makers = [functools.partial(self.functions[j], prompts=prompts, completions=completions, completion_ids=ids,
                                     **args[j]) for j in chosen]
         results = user_code.await_all(f"reward {', '.join(named(self.specs[j]) for j in chosen)}", makers,
-                                      self.timeout, f" on the {len(completions)} completions of prompt "
-                                                    f"{_shown(prompts[0])}")
+                                      self.timeout, _late(prompts, completions))
         for j, (raised, result) in zip(chosen, results, strict=True):
             if not raised:
                 continue
@@ -262,6 +260,11 @@ def _json_value(value: object) -> object:
     if isinstance(value, numbers.Real):
         return float(value) if _within(value, math.inf) else str(value)
     return str(value)
+
+
+def _late(prompts: list, completions: list) -> str:
+    """Where a reward call that ran past its time limit was: its batch."""
+    return f" on the {len(completions)} completions of prompt {_shown(prompts[0])}"
 
 
 def _shown(value: object) -> str:

@@ -120,9 +120,8 @@ def train_or_stop(cfg: Config, d: Dist, plan: Plan, peers: PeerWatch) -> int:
         if "out of memory" in str(exc):  # NCCL's report of a CUDA OOM
             raise UserError(out_of_memory_message(cfg, d)) from None
         if failed := peers.failed_peer():  # the echo of a peer's own failure: its line is the whole story
-            rank, line = failed
-            here = rank // d.local_world_size == d.rank // d.local_world_size  # its line is on this console
-            raise PeerFailed("" if here else f"rank {d.rank}: stopped because rank {rank} failed: {line}") from None
+            line, here = failed
+            raise PeerFailed("" if here else f"rank {d.rank}: stopped because {line}") from None
         # Most often a peer died: the heartbeat names it and ends the process; a launcher that is already
         # stopping us (another worker failed on this node) needs no wait
         peers.wait_for_verdict(give_up=lambda: StopRequest.signum != 0)
