@@ -261,15 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--preset", metavar="{" + ",".join(sorted(PRESETS)) + "}", default=None,
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="a real model's config instead of the tiny one (--layers, --hidden and --tied ignored)")
-    p.add_argument("--family", metavar="{" + ",".join(FAMILIES) + "}", default=None,
+    p.add_argument("--family", choices=list(FAMILIES), default=None,
                    help="a tiny model of another family (2 layers, hidden 64; --layers, --hidden, --tied ignored)")
-    args = p.parse_args(argv)
-    if args.preset is not None:
-        one_of("--preset", args.preset, sorted(PRESETS))
-    if args.family is not None:
-        one_of("--family", args.family, list(FAMILIES))
+    args = p.parse_args(argv)  # a value outside the choices: one line (errors.ArgumentParser)
     if not args.corpus.is_dir():
         raise UserError(f"--corpus {args.corpus} does not exist or is not a directory")
     if args.family:
