@@ -280,14 +280,7 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
         raise UserError(f"--model-name {cfg.model.model_name} is a reward model ({hf_config.architectures[0]}): it "
                         "trains further with --objective reward only (it has no language-model head)")
     layout = check_reward(cfg, hf_config) if cfg.objective.objective == "reward" else None
-    if cfg.model.attn_implementation != "auto":  # a kernel the family refuses: one line, before any weight is read
-        meta_model(hf_config, attn_implementation=cfg.model.attn_implementation)
-    if cfg.model.adapter != "none":  # --lora-targets naming no linear layer: one line, before any weight is read
-        chosen_targets(meta_model(hf_config), cfg.model)
-    if cfg.model.tiled_mlp == "on":  # a mixture of experts' MLP: one line, before any worker starts
-        TiledMLP().apply(meta_model(hf_config))
-    if cfg.model.router_aux_loss_coef > 0:  # a family without a balancing loss, or a dense model: one line
-        RouterBalance(cfg.model).apply(meta_model(hf_config))
+    check_model_changes(cfg, hf_config)
     data = load_sources(cfg)
     chats = any(bool(conversation_rows(d.dataset).any()) for d in data)
     tokenizer = load_tokenizer(cfg, model_dir, chats)
@@ -308,6 +301,23 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
                 reward_head=RewardHead(layout, checked_pad_id(tokenizer, hf_config, cfg.model.model_name),
                                       is_reward_model(hf_config)) if layout else None,
                 rewards=rewards)
+
+
+def check_model_changes(cfg: Config, hf_config) -> None:
+    """What the config asks of the model, tried on one meta-device build before any weight is read, each refusal
+    one line: a kernel the family refuses, --lora-targets naming no linear layer, --tiled-mlp on a mixture of
+    experts, a balancing-loss coefficient for a family without one (or a dense model)."""
+    m = cfg.model
+    if m.attn_implementation == "auto" and m.adapter == "none" and m.tiled_mlp == "off" and \
+            m.router_aux_loss_coef <= 0:
+        return
+    model = meta_model(hf_config, attn_implementation=m.attn_implementation)
+    if m.adapter != "none":  # reads the model only: before the changes below
+        chosen_targets(model, m)
+    if m.tiled_mlp == "on":
+        TiledMLP().apply(model)
+    if m.router_aux_loss_coef > 0:
+        RouterBalance(m).apply(model)
 
 
 def load_sources(cfg: Config) -> list[DataSource]:
