@@ -215,6 +215,11 @@ class ModelConfig(Section):
     value is that number of ranks. 1: off (the experts sharded and gathered as every other weight); auto: on where
     the shard ranks divide the experts and sit on one node, under FULL_SHARD or SHARD_GRAD_OP without adapters or
     CPU offload (measured: 5.5x fsdp2's tokens/s on Qwen3-30B-A3B's shape, BENCHMARKS.md section 31)."""
+    sequence_parallel: int = 1
+    """Split each sequence by position over this many consecutive ranks (DeepSpeed Ulysses): around attention an
+    all-to-all gives each rank the whole sequence for 1/N of the heads, so a rank holds 1/N of every other
+    activation; the ranks of a group share one batch (the global batch is world / N x batch x grad accum). fsdp2 or
+    ddp, SFT and chat SFT; 1: off. N must divide the world size, the attention heads and --seq-length."""
     tiled_mlp: OnOff = "off"
     """on: each decoder layer's MLP computed over chunks of about hidden-size tokens, each recomputed in backward
     (ALST's TiledMLP), so its intermediate activations are one chunk's, not the whole sequence's: for long sequences.
@@ -230,6 +235,8 @@ class ModelConfig(Section):
         ep = self.expert_parallel
         require(ep == "auto" or (ep.isascii() and ep.isdigit() and 1 <= int(ep) <= 1 << 20),
                 f"--expert-parallel must be a number of ranks (1: off) or auto, got {ep!r}")
+        require(1 <= self.sequence_parallel <= 1 << 20,
+                f"--sequence-parallel must be a number of ranks from 1 (off), got {self.sequence_parallel}")
         require(self.router_aux_loss_coef == -1 or 0 <= self.router_aux_loss_coef <= 100,
                 f"--router-aux-loss-coef must be in [0, 100] (or -1: the model config's), got "
                 f"{self.router_aux_loss_coef:g}")

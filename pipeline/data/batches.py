@@ -30,6 +30,9 @@ class Batch:
     computed before training (pipeline/objectives/reference_pass.py), NaN past a row's pairs; None without."""
     rows: np.ndarray | None = None
     """A batch of prompts (GRPO, pipeline/rl/prompts.py): each row's prompt, -1 for a padding row; None otherwise."""
+    shifted: bool = False
+    """labels are already each position's next-token target, IGNORE where none: a sequence-parallel slice, whose
+    last position's target is the first token of the next rank's slice (pipeline/strategies/sequence_parallel.py)."""
 
 
 def _to(x: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -30,6 +30,24 @@ class Dist:
     local_rank: int
     local_world_size: int
     device: torch.device
+    sequence_parallel: int = 1
+    """Consecutive ranks that share each sequence, split by position (--sequence-parallel): the data is dealt to
+    these groups, not to the ranks."""
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of each global batch this rank trains on (its sequence-parallel group's)."""
+        return self.rank // self.sequence_parallel
+
+    @property
+    def data_world(self) -> int:
+        """How many shares each global batch is dealt in: the sequence-parallel groups."""
+        return self.world_size // self.sequence_parallel
+
+    @property
+    def counts_data(self) -> bool:
+        """Whether this rank counts its share's items (one rank per sequence-parallel group)."""
+        return self.rank % self.sequence_parallel == 0
 
     @property
     def is_main(self) -> bool:

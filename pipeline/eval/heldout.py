@@ -37,7 +37,7 @@ def held_out_loss(strategy: Strategy, parts: Sequence[Part], batch_size: int, d:
     model.eval()
     try:
         with objective.window_apart():
-            sums = _sums(parts, batch_size, d, objective, stop)
+            sums = _sums(parts, batch_size, d, strategy, objective, stop)
             dist.all_reduce(sums)
             metrics = objective.read_metrics(reduce=True)
     finally:
@@ -49,22 +49,22 @@ def held_out_loss(strategy: Strategy, parts: Sequence[Part], batch_size: int, d:
     return HeldOut(loss_sum / tokens, int(tokens), total, metrics, by_part) if tokens else None
 
 
-def _sums(parts: Sequence[Part], batch_size: int, d: Dist, objective: Objective,
+def _sums(parts: Sequence[Part], batch_size: int, d: Dist, strategy: Strategy, objective: Objective,
           stop: Callable[[], bool] | None) -> torch.Tensor:
     """This rank's (summed loss, items) over its share of each part: (parts, 2)."""
     sums = torch.zeros(len(parts), 2, dtype=torch.float64, device=d.device)
     done = 0
     for p, part in enumerate(parts):
         n = len(part.blocks)
-        for b in range(rounds(n, d.world_size, batch_size)):
+        for b in range(rounds(n, d.data_world, batch_size)):
             done += 1
             if stop is not None and done % STOP_EVERY == 0 and stop():  # every rank the same rounds: the same calls
                 raise Stopped("during validation")
             # a rank short of blocks pads with block 0, whose rows do not count
-            idx, valid = dealt(n, d.rank, d.world_size, batch_size, b)
+            idx, valid = dealt(n, d.data_rank, d.data_world, batch_size, b)
             # over num_items = world size, the losses summed over ranks are the global sum
-            # (pipeline/objectives/causal_lm.py)
-            loss = objective(part.batch(idx, d.device, valid), d.world_size)
-            tokens = objective.items(part.blocks[idx], part.flags_at(idx), valid)
+            # (pipeline/objectives/causal_lm.py); a sequence-parallel group's ranks each sum their own positions'
+            loss = objective(strategy.split(part.batch(idx, d.device, valid)), d.world_size)
+            tokens = objective.items(part.blocks[idx], part.flags_at(idx), valid) if d.counts_data else 0
             sums[p] += torch.stack([loss.double(), torch.tensor(tokens, dtype=torch.float64, device=d.device)])
     return sums

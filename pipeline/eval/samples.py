@@ -97,22 +97,26 @@ def complete(strategy: Strategy, prompts: list[Prompt], max_tokens: int, stops: 
     head, model = strategy.head(), strategy.model
     training = model.training
     model.eval()
-    completions = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt.ids], dtype=torch.long, device=d.device)
-        out: list[int] = []
-        while len(out) < max_tokens:
-            token = next_token(head, ids)
-            dist.broadcast(token, src=0)  # ranks that computed in another order still continue alike
-            value = int(token.item())  # a host sync per token: sampling is not the training loop
-            if value in stops:
-                break
-            out.append(value)
-            ids = torch.cat([ids, token.view(1, 1)], dim=1)
-        completions.append(out)
+    with strategy.whole_sequences():
+        completions = [_greedy(head, prompt, max_tokens, stops, d) for prompt in prompts]
     strategy.release()  # the root stays gathered after a forward without backward
     model.train(training)
     return completions
+
+
+def _greedy(head: Head, prompt: Prompt, max_tokens: int, stops: set[int], d: Dist) -> list[int]:
+    """One prompt's greedy completion. A collective (complete)."""
+    ids = torch.tensor([prompt.ids], dtype=torch.long, device=d.device)
+    out: list[int] = []
+    while len(out) < max_tokens:
+        token = next_token(head, ids)
+        dist.broadcast(token, src=0)  # ranks that computed in another order still continue alike
+        value = int(token.item())  # a host sync per token: sampling is not the training loop
+        if value in stops:
+            break
+        out.append(value)
+        ids = torch.cat([ids, token.view(1, 1)], dim=1)
+    return out
 
 
 def next_token(head: Head, ids: torch.Tensor) -> torch.Tensor:

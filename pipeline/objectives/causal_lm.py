@@ -58,13 +58,15 @@ class CausalLMLoss(Offline):
         # the restarting position ids (masking_utils), and each document would attend to the ones before it
         head = self.head
         if not head.vocab_parallel:
+            # transformers' loss shifts labels itself unless given shift_labels (the targets, already shifted)
+            shifted = {"shift_labels": batch.labels} if batch.shifted else {}
             with head.autocasting(batch.input_ids.device):
                 out = head.model(input_ids=batch.input_ids, labels=batch.labels, position_ids=batch.position_ids,
-                                 use_cache=False, num_items_in_batch=num_items)
+                                 use_cache=False, num_items_in_batch=num_items, **shifted)
             return out.loss * head.world_size
         h = trunk(head.model)(input_ids=batch.input_ids, position_ids=batch.position_ids,
                               use_cache=False).last_hidden_state
-        labels = gather_rows(shifted_labels(batch.labels), head.group).flatten()
+        labels = gather_rows(batch.labels if batch.shifted else shifted_labels(batch.labels), head.group).flatten()
         weight = head.model.get_output_embeddings().weight
         w = weight.to_local()
         start = vocab_row_offset(weight.shape[0], head.group)

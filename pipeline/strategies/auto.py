@@ -12,6 +12,7 @@ from pipeline.errors import UserError
 from pipeline.strategies.expert_parallel import degree, expert_parallel_asked
 from pipeline.strategies.memory import GIB, Estimate, Shape, ShapeUnknown, device_bytes
 from pipeline.strategies.registry import estimate, settle, traffic_bytes, workload
+from pipeline.strategies.sequence_parallel import check_degree
 
 AUTO_MARGIN = 0.2
 """--strategy auto takes a whole replica only when its estimate plus this share fits: the estimate's largest error
@@ -55,6 +56,8 @@ def plan_memory(cfg: Config, hf_config, device: str, launch: Launch | None = Non
         chosen, reason = choose(cfg, shape, budget, device, world, local_world, resident_params)
         cfg = replace(cfg, model=replace(m, strategy=chosen))
     cfg = settle(cfg)
+    if m.sequence_parallel > 1:
+        check_degree(m.sequence_parallel, world, cfg.data.seq_length)
     if cfg.model.strategy == "fsdp2":  # a degree the model or mesh cannot take: one line before any work
         shard_ranks = {"NO_SHARD": 1, "HYBRID_SHARD": local_world}.get(cfg.model.sharding, world)
         degree(cfg.model, hf_config, shard_ranks, local_world)

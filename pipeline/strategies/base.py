@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from pipeline.config import Config, ModelConfig
+from pipeline.data.batches import Batch
 from pipeline.distributed.runtime import Dist
 from pipeline.model.checkpointing import checkpoint_kwargs
 from pipeline.model.head import Head
@@ -42,6 +43,7 @@ from pipeline.model.naming import WeightNames
 from pipeline.model.transforms import ModelTransform
 from pipeline.model.weights import load_weights, read_weights
 from pipeline.strategies.memory import Shape, Workload
+from pipeline.strategies.sequence_parallel import SequenceParallel
 from pipeline.strategies.traffic import replicated_bytes, sharded_bytes
 
 
@@ -72,6 +74,9 @@ class Strategy(ABC):
     """Gathered decoder layers at the forward's peak under FULL_SHARD: the one in use and the one prefetched."""
     ADAPTERS = False
     """Whether it trains --adapter lora/dora/qlora (a frozen base beside trainable adapters in one wrapped unit)."""
+    SEQUENCE_PARALLEL = False
+    """Whether it runs --sequence-parallel: gradients averaged over every rank, each rank's loss its own positions'
+    share (pipeline/strategies/sequence_parallel.py)."""
     REPLICATES = False
     """Whether every rank holds every weight whole, as a plain tensor (export_state the same on every rank): the
     export then writes rank 0's own tensors, without DCP's per-rank files."""
@@ -94,6 +99,8 @@ class Strategy(ABC):
         """Every parameter's name and shape in the unwrapped model (tied weights once)."""
         self.buffers: dict[str, torch.Tensor] = {}
         """Every buffer's value (CPU) as transformers initialises it, by its name in the unwrapped model."""
+        self.sequence: SequenceParallel | None = None
+        """--sequence-parallel: this rank's group and the attention split over it (None: off)."""
 
     # ---- facts, read from the config before any model exists
 
@@ -176,6 +183,9 @@ class Strategy(ABC):
         for transform in self.transforms:
             transform.apply(model)
         self.record(model)
+        if self.dist.sequence_parallel > 1:  # after record(): the export's config keeps the family's own kernel
+            self.sequence = SequenceParallel(self.dist.sequence_parallel, self.dist)
+            self.sequence.install(model)
         self.checkpoint_and_compile(model)
         self._model = self.wrap(model)
         self.restore_buffers()
@@ -238,6 +248,15 @@ class Strategy(ABC):
         if self.cfg.compile:
             for layer in decoder_layers(model):
                 layer.compile()
+
+    def split(self, batch: Batch) -> Batch:
+        """This rank's part of a batch of whole sequences: its slice of every row under --sequence-parallel (a
+        collective follows in the forward: the group's ranks must run the same batch), else the batch itself."""
+        return batch if self.sequence is None else self.sequence.split(batch)
+
+    def whole_sequences(self) -> contextlib.AbstractContextManager:
+        """Around forwards of unsplit inputs (greedy sampling): the family's own attention on each rank."""
+        return contextlib.nullcontext() if self.sequence is None else self.sequence.whole()
 
     @abstractmethod
     def wrap(self, model: nn.Module) -> nn.Module:

@@ -63,6 +63,7 @@ class DDP(Strategy):
     LAYOUT = "replicates the whole model on every rank"
     CPU_OFFLOAD = False
     ADAPTERS = True
+    SEQUENCE_PARALLEL = True
     REPLICATES = True
     clock: BucketClock | None = None
 

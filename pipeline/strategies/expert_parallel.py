@@ -29,34 +29,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from pipeline.config import ModelConfig
+from pipeline.distributed.collectives import exchange
 from pipeline.errors import UserError
 from pipeline.model.adapters import wrapper_delta
 from pipeline.model.modeling import fused_experts, meta_model, moe_shape, routing_arguments, untested_family
-
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with its backward (the same exchange, the splits swapped): torch's own differentiable one,
-    torch.distributed.nn.functional.all_to_all_single, warns at every call that it is deprecated in favour of a
-    private module, so this is the public collective with the two lines of autograd around it."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.recv, ctx.send, ctx.group = recv, send, group
-        out = rows.new_empty((sum(recv), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return out, None, None, None
-
-
-def exchange(rows: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """rows[send[0] first rows] to rank 0 of the group, the next send[1] to rank 1, ...; back, recv[i] rows from each
-    rank i, in rank order. Differentiable (the backward sends the gradients back the same way). A collective."""
-    return _AllToAll.apply(rows, recv, send, group)
 
 
 def expert_parallel_asked(cfg: ModelConfig) -> bool:
@@ -73,6 +49,8 @@ def auto_blocked(cfg: ModelConfig) -> str:
         return f"--sharding {cfg.sharding}"
     if cfg.cpu_offload:
         return "--cpu-offload"
+    if cfg.sequence_parallel > 1:
+        return f"--sequence-parallel {cfg.sequence_parallel}"
     return f"--adapter {cfg.adapter}" if cfg.adapter not in ("none", "lora") else ""
 
 

@@ -82,6 +82,7 @@ class FSDP2(Strategy):
 
     VOCAB_PARALLEL = True
     ADAPTERS = True
+    SEQUENCE_PARALLEL = True
 
     @classmethod
     def uses_vocab_parallel(cls, m: ModelConfig) -> bool:

@@ -65,8 +65,26 @@ def check(cfg: Config) -> None:
                             "GPU)")
     if expert_parallel_asked(m):
         _check_expert_parallel(m)
+    if m.sequence_parallel > 1:
+        _check_sequence_parallel(cfg)
     if m.strategy != "auto":
         STRATEGIES[m.strategy].check(cfg)
+
+
+def _check_sequence_parallel(cfg: Config) -> None:
+    """What --sequence-parallel cannot be combined with (its degree against the world, the sequence and the model:
+    sequence_parallel.check_degree and refusal, once those are known)."""
+    m, name = cfg.model, f"--sequence-parallel {cfg.model.sequence_parallel}"
+    if m.strategy != "auto" and not STRATEGIES[m.strategy].SEQUENCE_PARALLEL:
+        raise UserError(f"{name} needs --strategy {_those_that(lambda c: c.SEQUENCE_PARALLEL)}, got --strategy "
+                        f"{m.strategy}")
+    if cfg.objective.objective != "sft":
+        raise UserError(f"{name} trains --objective sft (text and conversations), not {cfg.objective.objective} "
+                        "yet; use --sequence-parallel 1")
+    if expert_parallel_asked(m):
+        raise UserError(f"{name} cannot be combined with --expert-parallel {m.expert_parallel} yet; use one of them")
+    if m.compile:  # the all-to-alls inside each compiled layer are untried
+        raise UserError(f"{name} does not take --compile yet; use one of them")
 
 
 def _check_expert_parallel(m: ModelConfig) -> None:

@@ -95,7 +95,8 @@ def _shares(plan: Plan, caches: list[Blocks]) -> str:
 
 def make_sampler(blocks: Blocks | MixedBlocks | PromptBlocks, cfg: Config, d: Dist) -> BlockSampler:
     """The run's sampler: one permutation of a dataset's blocks, or a mixture's sources drawn by weight."""
-    shape = (cfg.run.seed, d.world_size, d.rank, cfg.train.batch_size, cfg.train.grad_accum)
+    # dealt to the data shares (a sequence-parallel group's ranks share theirs: Dist.data_rank)
+    shape = (cfg.run.seed, d.data_world, d.data_rank, cfg.train.batch_size, cfg.train.grad_accum)
     if isinstance(blocks, MixedBlocks):
         return MixtureSampler(blocks.sizes, [s.weight for s in blocks.sources], *shape)
     return BlockSampler(len(blocks.train), *shape)
@@ -104,7 +105,9 @@ def make_sampler(blocks: Blocks | MixedBlocks | PromptBlocks, cfg: Config, d: Di
 def check_one_batch(blocks: Blocks | MixedBlocks | PromptBlocks, cfg: Config, d: Dist) -> None:
     """Training needs at least one global batch of training blocks, and a mixture a block of each source: one line
     naming what to change."""
-    global_batch = d.world_size * cfg.train.batch_size * cfg.train.grad_accum
+    global_batch = d.data_world * cfg.train.batch_size * cfg.train.grad_accum
+    ranks = f"{d.world_size} processes" if d.sequence_parallel == 1 else \
+        f"{d.data_world} sequence-parallel groups of {d.sequence_parallel}"
     if isinstance(blocks, MixedBlocks):  # a source without blocks would be drawn its share from nothing
         for source, n in zip(blocks.sources, blocks.sizes, strict=True):
             if not n:
@@ -112,12 +115,12 @@ def check_one_batch(blocks: Blocks | MixedBlocks | PromptBlocks, cfg: Config, d:
                                 f"{cfg.data.seq_length} tokens; give it more data, or leave it out of --dataset-name")
     if isinstance(blocks, PromptBlocks) and len(blocks.train) < global_batch:
         raise UserError(f"the dataset gives {len(blocks.train)} training prompts, fewer than one global batch "
-                        f"({d.world_size} processes x batch {cfg.train.batch_size} prompts x grad accum "
+                        f"({ranks} x batch {cfg.train.batch_size} prompts x grad accum "
                         f"{cfg.train.grad_accum} = {global_batch}); use more prompts or a smaller --batch-size, "
                         "--grad-accum or --val-fraction")
     if len(blocks.train) < global_batch:
         raise UserError(f"the dataset gives {len(blocks.train)} training blocks of {cfg.data.seq_length} tokens, "
-                        f"fewer than one global batch ({d.world_size} processes x batch {cfg.train.batch_size} x "
+                        f"fewer than one global batch ({ranks} x batch {cfg.train.batch_size} x "
                         f"grad accum {cfg.train.grad_accum} = {global_batch}); "
                         + (why_none_kept(json.loads((blocks.path / "meta.json").read_text()), cfg.data.seq_length)
                            or "use more data or a smaller --seq-length, --batch-size or --grad-accum"))

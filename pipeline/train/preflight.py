@@ -42,6 +42,7 @@ from pipeline.objectives.build import REFERENCE_OBJECTIVES
 from pipeline.ownership import check_apart, check_not_nested, check_target
 from pipeline.prep.hub import resolve_model_dir
 from pipeline.rl.rewards import Rewards
+from pipeline.strategies import sequence_parallel
 from pipeline.strategies.auto import MemoryPlan, plan_memory
 from pipeline.train.checkpoint import read_state
 from pipeline.train.export import check_replaceable, run_exports
@@ -306,18 +307,25 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
 def check_model_changes(cfg: Config, hf_config) -> None:
     """What the config asks of the model, tried on one meta-device build before any weight is read, each refusal
     one line: a kernel the family refuses, --lora-targets naming no linear layer, --tiled-mlp on a mixture of
-    experts, a balancing-loss coefficient for a family without one (or a dense model)."""
+    experts, a balancing-loss coefficient for a family without one (or a dense model), an attention
+    --sequence-parallel cannot split."""
     m = cfg.model
     if m.attn_implementation == "auto" and m.adapter == "none" and m.tiled_mlp == "off" and \
-            m.router_aux_loss_coef <= 0:
+            m.router_aux_loss_coef <= 0 and m.sequence_parallel == 1:
         return
     model = meta_model(hf_config, attn_implementation=m.attn_implementation)
     if m.adapter != "none":  # reads the model only: before the changes below
         chosen_targets(model, m)
     if m.tiled_mlp == "on":
         TiledMLP().apply(model)
-    if m.router_aux_loss_coef > 0:
-        RouterBalance(m).apply(model)
+    if m.router_aux_loss_coef > 0 or m.sequence_parallel > 1:
+        (router := RouterBalance(m)).apply(model)
+    if m.sequence_parallel > 1:
+        sequence_parallel.refuse(model, m.sequence_parallel)
+        if router.coef:  # transformers' balancing loss is a product of means over the forward's tokens
+            raise UserError(f"--sequence-parallel {m.sequence_parallel}: {model.config.model_type}'s load-balancing "
+                            f"loss (coefficient {router.coef:g}) is defined over whole sequences and each rank would "
+                            "see a slice; use --router-aux-loss-coef 0, or --sequence-parallel 1")
 
 
 def load_sources(cfg: Config) -> list[DataSource]:

@@ -64,6 +64,7 @@ class Trainer:
     """Owns the model, optimizer, schedule, sampler and counters; its state is what a checkpoint holds."""
 
     def __init__(self, cfg: Config, d: Dist, plan: Plan):
+        d = dataclasses.replace(d, sequence_parallel=cfg.model.sequence_parallel)  # the data dealt to its groups
         self.cfg, self.dist, self.plan = cfg, d, plan
         self.run_dir = cfg.run_dir
         self.dtype = compute_dtype(cfg.model.precision, d.device)
@@ -122,10 +123,11 @@ class Trainer:
                                      lambda: memory_breakdown(self.strategy.module, self.optimizer, d.device))
         data = data_line(len(self.blocks.train), len(self.blocks.val), cfg.data.seq_length, self.sampler.global_batch,
                          cfg.grpo.num_generations if self.objective.generates else 0)
-        log.info("model %s: %s parameters (%s trainable%s), %s compute, %s %s; %s; step %d of %d",
+        split = f", each sequence split over {d.sequence_parallel} ranks" if d.sequence_parallel > 1 else ""
+        log.info("model %s: %s parameters (%s trainable%s), %s compute, %s %s%s; %s; step %d of %d",
                  type(self.strategy.module).__name__, f"{self.strategy.num_params:,}",
                  f"{self.strategy.num_trainable:,}", experts_part(self.strategy), self.dtype, cfg.model.strategy,
-                 cfg.model.sharding, data, self.step, self.total_steps)
+                 cfg.model.sharding, split, data, self.step, self.total_steps)
         self.say_transform_warnings()
 
     # ------------------------------------------------------------------------------------------------ state
@@ -365,7 +367,7 @@ class Trainer:
         """One optimizer step (pipeline/train/step.py) over this rank's share of the sampler's next global batch."""
         # the step's targets over every rank and micro-step, from the global permutation: no communication
         idx, train = self.sampler.upcoming(), self.blocks.part("train")
-        make = lambda rows: train.batch(rows, self.dist.device)  # noqa: E731 (the one-line maker train_step takes)
+        make = lambda rows: self.strategy.split(train.batch(rows, self.dist.device))  # noqa: E731 (train_step's maker)
         if self.objective.generates:  # its items are the completions it generates now (a collective); it draws the
             # step's prompts only when it generates (not when it reuses them); what a reward drew from the global
             drawn_from, rng = self.sampler.state_dict(), rng_state()  # generators before a stop is put back too
