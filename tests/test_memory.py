@@ -297,3 +297,58 @@ def test_tiled_mlp_takes_every_layers_mlp_intermediates_out_of_the_estimate_but_
             whole // 2 * shape.layers + whole  # selective: the kept gate and up outputs, and the recomputed layer's
         assert plain.activations - tiled.activations == dropped - one_chunk, flags
         assert (tiled.weights, tiled.logits) == (plain.weights, plain.logits)
+
+
+def test_sequence_parallel_divides_each_ranks_activations_and_logits_by_its_degree():
+    """--sequence-parallel N: a rank holds 1/N of every sequence's positions, so 1/N of the activations and logits
+    at any checkpointing; weights, gradients and copies are the strategy's as before."""
+    shape = Shape.of(LlamaConfig(**LLAMA_1B))
+    for flags in (("activation_checkpointing", False), ("activation_checkpointing", True)):
+        cfg = settle(config_for("m", "strategy", "fsdp2", "batch_size", 2, "seq_length", 32768, *flags))
+        whole = estimate(shape, workload(cfg, "cuda", 8, 8))
+        for n in (2, 4, 8):
+            split = estimate(shape, workload(replace(cfg, model=replace(cfg.model, sequence_parallel=n)), "cuda", 8,
+                                             8))
+            quarter = estimate(shape, workload(replace(cfg, data=replace(cfg.data, seq_length=32768 // n)), "cuda",
+                                               8, 8))
+            assert (split.activations, split.logits) == (quarter.activations, quarter.logits), (flags, n)
+            assert split.activations < whole.activations
+            assert (split.weights, split.gradients, split.copies) == (whole.weights, whole.gradients, whole.copies)
+
+
+def test_the_plan_states_the_longest_sequence_that_fits_and_what_would_lengthen_it(monkeypatch):
+    """MemoryPlan.longest: the run's own longest --seq-length (its estimate fits the budget, one step more does not),
+    and with each of checkpointing, the tiled MLP and sequence parallelism over the most ranks that divide the heads
+    (Llama-3.2-1B: 32 heads, 8 ranks), each longer; none of them where the run has it already."""
+    from pipeline.strategies.auto import longest_sequence
+
+    launched_as(monkeypatch, "8")
+    hf = LlamaConfig(**LLAMA_1B)
+    cfg = config_for("m", "strategy", "fsdp2", "batch_size", 1, "seq_length", 65536, "memory_gb", 40)
+    plan = plan_memory(cfg, hf, "cuda")
+    assert list(plan.longest) == ["", "--activation-checkpointing on", "--tiled-mlp on", "--sequence-parallel 8",
+                                  "--activation-checkpointing on --tiled-mlp on --sequence-parallel 8"]
+    own = plan.longest[""]
+    assert 0 < own < 65536 and own % 256 == 0
+    work = workload(plan.config, "cuda", 8, 8)
+    assert estimate(Shape.of(hf), replace(work, seq_length=own)).total <= 40 * GIB
+    assert estimate(Shape.of(hf), replace(work, seq_length=own + 256)).total > 40 * GIB
+    assert longest_sequence(Shape.of(hf), work, 40 * GIB) == own
+    assert all(n > own for flags, n in plan.longest.items() if flags)
+    assert plan.longest["--activation-checkpointing on --tiled-mlp on --sequence-parallel 8"] == max(
+        plan.longest.values())
+    on = config_for("m", "strategy", "fsdp2", "batch_size", 1, "seq_length", 65536, "memory_gb", 40,
+                    "activation_checkpointing", True, "sequence_parallel", 8)
+    assert list(plan_memory(on, hf, "cuda").longest) == ["", "--tiled-mlp on"]
+    dpo = config_for("m", "strategy", "fsdp2", "memory_gb", 40, "objective", "dpo")
+    assert "--sequence-parallel 8" not in plan_memory(dpo, hf, "cuda").longest
+
+
+def test_an_estimate_above_the_budget_names_the_flags_that_would_fit_the_sequence():
+    from pipeline.train.reports import longer_with
+
+    longest = {"": 10240, "--activation-checkpointing on": 35840, "--tiled-mlp on": 19712,
+               "--sequence-parallel 8": 83712}
+    assert longer_with(longest, 32768) == ("--seq-length 32,768 would fit with --activation-checkpointing on "
+                                           "(35,840); or --sequence-parallel 8 (83,712); ")
+    assert longer_with(longest, 100_000) == longer_with({}, 4096) == ""

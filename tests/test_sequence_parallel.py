@@ -3,6 +3,7 @@ for H/N heads each; every family the project builds computes the unsplit model's
 in one line, real runs at N=2 take the one-process run's steps, and a checkpoint resumes at another degree."""
 
 import json
+import re
 
 import pytest
 from conftest import ROOT, events, preflight_errors, torchrun
@@ -49,21 +50,32 @@ def train(tmp_path, env, name: str, nproc: int, *extra) -> dict[int, tuple[float
     return {e["step"]: (e["loss"], e["grad_norm"]) for e in events(tmp_path / name, "train")}
 
 
-@pytest.mark.parametrize("strategy,extra", [("fsdp2", ()), ("ddp", ("--adapter", "lora"))])
+@pytest.mark.parametrize("strategy,extra", [("fsdp2", ()), ("ddp", ("--adapter", "lora")),
+                                            ("fsdp2", ("--adapter", "dora")), ("ddp", ("--adapter", "qlora"))])
 def test_two_ranks_at_degree_2_take_the_one_process_steps_and_resume_at_degree_1(tmp_path, train_env, strategy,
                                                                                  extra):
     """Packed documents (--document-mask), fp32, 4 steps: two ranks sharing each sequence against one process on the
-    same global batch; then the degree-2 run stopped at step 2 resumes on one process (degree 1) to the same losses."""
-    one = train(tmp_path, train_env, "one", 1, "--strategy", strategy, "--max-steps", 4, *extra)
+    same global batch (losses, gradient norms, validation, greedy samples); then the degree-2 run stopped at step 2
+    resumes on one process (degree 1) to the same losses."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "The river"}\n')
+    sampled = ("--sample-prompts", prompts, "--sample-max-tokens", 8)
+    one = train(tmp_path, train_env, "one", 1, "--strategy", strategy, "--max-steps", 4, *sampled, *extra)
     split = train(tmp_path, train_env, "split", 2, "--strategy", strategy, "--sequence-parallel", 2, "--max-steps", 4,
-                  "--activation-checkpointing", "true", *extra)
+                  "--activation-checkpointing", "true", *sampled, *extra)
     assert sorted(split) == [1, 2, 3, 4]
     for step, figures in one.items():
         assert split[step] == pytest.approx(figures, rel=1e-5, abs=1e-6), step
     evals, want = ({e["step"]: e["loss"] for e in events(tmp_path / run, "eval")} for run in ("split", "one"))
     assert evals.keys() == want.keys() == {0, 2, 4}
     assert all(evals[s] == pytest.approx(want[s], rel=1e-5) for s in want)
-    assert "each sequence split over 2 ranks" in (tmp_path / "split" / "train.log").read_text()
+    # greedy samples decode whole prompts on every rank, with the family's own attention
+    completions = [[e["completion"] for e in events(tmp_path / run, "sample")] for run in ("one", "split")]
+    assert len(completions[0]) == 3 and completions[0] == completions[1]
+    log = (tmp_path / "split" / "train.log").read_text()
+    assert "each sequence split over 2 ranks" in log
+    assert re.search(r"estimated peak memory per rank: .*; the longest sequence that fits it: [\d,]+ tokens at batch 2",
+                     log)
     train(tmp_path, train_env, "resumed", 2, "--strategy", strategy, "--sequence-parallel", 2, "--max-steps", 2,
           *extra)
     resumed = train(tmp_path, train_env, "resumed", 1, "--strategy", strategy, "--max-steps", 4, *extra)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, field, replace
 
 from pipeline.config import Config
 from pipeline.distributed.launch import Launch
@@ -10,7 +11,7 @@ from pipeline.distributed.launch import detect as detect_launch
 from pipeline.distributed.runtime import Dist, gather_objects
 from pipeline.errors import UserError
 from pipeline.strategies.expert_parallel import degree, expert_parallel_asked
-from pipeline.strategies.memory import GIB, Estimate, Shape, ShapeUnknown, device_bytes
+from pipeline.strategies.memory import GIB, Estimate, Shape, ShapeUnknown, Workload, device_bytes
 from pipeline.strategies.registry import estimate, settle, traffic_bytes, workload
 from pipeline.strategies.sequence_parallel import check_degree
 
@@ -32,6 +33,9 @@ class MemoryPlan:
     """Bytes per rank: --memory-gb, or the device's."""
     reason: str
     """Why --strategy auto chose as it did ("" when the strategy was given)."""
+    longest: dict[str, int] = field(default_factory=dict)
+    """The longest --seq-length whose estimate fits the budget under the run's settings (key ""), and under each
+    change that lengthens it (key: the flags); empty where there is no estimate or no block length (GRPO)."""
 
 
 def plan_memory(cfg: Config, hf_config, device: str, launch: Launch | None = None,
@@ -61,8 +65,46 @@ def plan_memory(cfg: Config, hf_config, device: str, launch: Launch | None = Non
     if cfg.model.strategy == "fsdp2":  # a degree the model or mesh cannot take: one line before any work
         shard_ranks = {"NO_SHARD": 1, "HYBRID_SHARD": local_world}.get(cfg.model.sharding, world)
         degree(cfg.model, hf_config, shard_ranks, local_world)
-    return MemoryPlan(cfg, estimate(shape, workload(cfg, device, world, local_world, resident_params)), budget,
-                      reason)
+    work = workload(cfg, device, world, local_world, resident_params)
+    longest = {} if work.generation else longest_sequences(shape, work, budget, split_degree(cfg, hf_config, world))
+    return MemoryPlan(cfg, estimate(shape, work), budget, reason, longest)
+
+
+def longest_sequence(shape: Shape, work: Workload, budget: int) -> int:
+    """The longest sequence, in steps of lcm(256, degree) tokens, whose estimated peak per rank fits budget at the
+    workload's batch (0: not even one step). The estimate grows with the length; found by bisection, no model."""
+    unit = math.lcm(256, work.sequence_parallel)
+    fits = lambda units: estimate(shape, replace(work, seq_length=units * unit)).total <= budget  # noqa: E731
+    low, high = 0, 1 << 16  # 16M tokens at most
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low * unit
+
+
+def split_degree(cfg: Config, hf_config, world: int) -> int:
+    """The --sequence-parallel degree the longest-sequence line offers: the largest that divides the ranks and the
+    attention heads where the run could take it (fsdp2 or ddp, sft), else 1."""
+    heads = getattr(hf_config.get_text_config(), "num_attention_heads", 0) or 0
+    if cfg.objective.objective != "sft" or cfg.model.strategy not in ("fsdp2", "ddp") or not heads:
+        return 1
+    return max(n for n in range(1, world + 1) if world % n == 0 and heads % n == 0)
+
+
+def longest_sequences(shape: Shape, work: Workload, budget: int, degree: int) -> dict[str, int]:
+    """MemoryPlan.longest: the run's own, and with each of activation checkpointing, the tiled MLP and sequence
+    parallelism over the most ranks that divide (degree) where the run has them off, and with all of them."""
+    changes = {}
+    if not work.activation_checkpointing:
+        changes["--activation-checkpointing on"] = {"activation_checkpointing": True, "selective_checkpointing": False}
+    if not work.tiled_mlp and not shape.layer_experts:  # a mixture of experts' MLP is not tiled
+        changes["--tiled-mlp on"] = {"tiled_mlp": True}
+    if work.sequence_parallel == 1 and degree > 1:
+        changes[f"--sequence-parallel {degree}"] = {"sequence_parallel": degree}
+    if len(changes) > 1:
+        changes[" ".join(changes)] = {k: v for change in changes.values() for k, v in change.items()}
+    return {"": longest_sequence(shape, work, budget),
+            **{flags: longest_sequence(shape, replace(work, **change), budget) for flags, change in changes.items()}}
 
 
 def check_agreed(cfg: Config, d: Dist) -> None:

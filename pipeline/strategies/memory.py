@@ -272,6 +272,9 @@ class Workload:
     tiled_mlp: bool = False
     """--tiled-mlp on: no layer keeps its MLP's intermediate activations; one chunk's (about hidden-size tokens per
     sequence) exist at a time, while it is recomputed."""
+    sequence_parallel: int = 1
+    """--sequence-parallel's degree: each rank holds 1/N of every sequence's positions, so of its activations and
+    logits (attention's all-to-all buffers are the size of the q, k, v and output it already counts)."""
 
 
 @dataclass(frozen=True)
@@ -401,7 +404,7 @@ def estimate(shape: Shape, work: Workload, terms: StrategyTerms) -> Estimate:
     shards = terms.shards(work)
     held = 0 if work.cpu_offload else n // shards  # parameters this rank keeps fp32 state for
     gen = work.generation
-    tokens = work.batch_size * work.seq_length if gen is None else gen.scored_tokens(shape)
+    tokens = work.batch_size * work.seq_length // work.sequence_parallel if gen is None else gen.scored_tokens(shape)
     # GRPO scores the completions' positions alone: their logits, not the prompts'
     logit_tokens = tokens if gen is None else gen.completions * (gen.completion + 1)
     layer = layer_activation_bytes(shape, tokens, c)

@@ -30,9 +30,22 @@ def log_plan(plan: Plan, cfg: Config) -> None:
     if mem.estimate is None:
         log.info("estimated peak memory per rank: not available for this model; budget %.2f GiB", mem.budget / GIB)
         return
-    log.info("estimated peak memory per rank: %s; budget %.2f GiB", mem.estimate.describe(), mem.budget / GIB)
+    longest = f"; the longest sequence that fits it: {mem.longest['']:,} tokens at batch {cfg.train.batch_size}" \
+        if mem.longest else ""
+    log.info("estimated peak memory per rank: %s; budget %.2f GiB%s", mem.estimate.describe(), mem.budget / GIB,
+             longest)
     if mem.estimate.total > mem.budget:
-        log.warning("the estimate is above the budget: if a step runs out of memory, %s", out_of_memory_hints(cfg))
+        log.warning("the estimate is above the budget: %sif a step runs out of memory, %s",
+                    longer_with(mem.longest, cfg.data.seq_length), out_of_memory_hints(cfg))
+
+
+def longer_with(longest: dict[str, int], seq_length: int) -> str:
+    """The flags that would fit this --seq-length by the estimate, each with the longest it would then fit ("" where
+    none would, or there is no block length)."""
+    fitting = [f"{flags} ({n:,})" for flags, n in longest.items() if flags and n >= seq_length]
+    if not fitting:
+        return ""
+    return f"--seq-length {seq_length:,} would fit with {'; or '.join(fitting)}; "
 
 
 def data_line(train: int, val: int, seq_length: int, global_batch: int, generations: int) -> str:
