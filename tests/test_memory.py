@@ -342,6 +342,10 @@ def test_the_plan_states_the_longest_sequence_that_fits_and_what_would_lengthen_
     assert list(plan_memory(on, hf, "cuda").longest) == ["", "--tiled-mlp on"]
     dpo = config_for("m", "strategy", "fsdp2", "memory_gb", 40, "objective", "dpo")
     assert "--sequence-parallel 8" not in plan_memory(dpo, hf, "cuda").longest
+    # a family sequence parallelism refuses is offered no degree (OLMo: outside the suite's families)
+    olmo = LlamaConfig(**LLAMA_1B)
+    olmo.model_type = "olmo"
+    assert not any("--sequence-parallel" in flags for flags in plan_memory(cfg, olmo, "cuda").longest)
 
 
 def test_an_estimate_above_the_budget_names_the_flags_that_would_fit_the_sequence():

@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from conftest import ROOT, events, preflight_errors, torchrun
+from conftest import ROOT, events, preflight_errors, run_evaluate, torchrun
 
 REFUSED = {
     "llama4": "--sequence-parallel 2 cannot split Llama4ForCausalLM: its layers without rotary embedding scale "
@@ -76,6 +76,12 @@ def test_two_ranks_at_degree_2_take_the_one_process_steps_and_resume_at_degree_1
     assert "each sequence split over 2 ranks" in log
     assert re.search(r"estimated peak memory per rank: .*; the longest sequence that fits it: [\d,]+ tokens at batch 2",
                      log)
+    if strategy == "fsdp2" and not extra:  # the run's config scores its export on one process, whole sequences
+        out = tmp_path / "eval.json"
+        proc = run_evaluate(train_env["env"], tmp_path / "split" / "hf", "--config", tmp_path / "split" / "config.yaml",
+                            "--out", out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads(out.read_text())["loss"] == pytest.approx(evals[4], rel=1e-5)
     train(tmp_path, train_env, "resumed", 2, "--strategy", strategy, "--sequence-parallel", 2, "--max-steps", 2,
           *extra)
     resumed = train(tmp_path, train_env, "resumed", 1, "--strategy", strategy, "--max-steps", 4, *extra)
@@ -112,3 +118,15 @@ def test_what_it_cannot_run_is_one_line_before_any_worker_starts(tmp_path, train
         "--sequence-parallel 2 does not take --compile yet; use one of them",
         "--sequence-parallel 2 cannot be combined with --expert-parallel 2 yet; use one of them",
     ]
+
+
+def test_a_bidirectional_config_is_refused_its_mask_would_be_causal():
+    """Gemma 3's use_bidirectional_attention and Gemma 4's "all" attend both ways: the mask built is causal."""
+    from pipeline.prep.tiny import family_config
+    from pipeline.strategies.sequence_parallel import refusal
+
+    for family, value in (("gemma3", True), ("gemma4", "all")):
+        config = family_config(family, 512, 0, 1)
+        assert refusal(config, 2, "sdpa") == ""
+        config.use_bidirectional_attention = value
+        assert refusal(config, 2, "sdpa") == "its config makes attention bidirectional", family

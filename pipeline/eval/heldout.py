@@ -41,6 +41,7 @@ def held_out_loss(strategy: Strategy, parts: Sequence[Part], batch_size: int, d:
             dist.all_reduce(sums)
             metrics = objective.read_metrics(reduce=True)
     finally:
+        strategy.forget_split()
         strategy.release()  # the root stays gathered after a forward without backward
         model.train(training)
     per_part = sums.tolist()  # a host sync, once per evaluation

@@ -13,7 +13,7 @@ from pipeline.errors import UserError
 from pipeline.strategies.expert_parallel import degree, expert_parallel_asked
 from pipeline.strategies.memory import GIB, Estimate, Shape, ShapeUnknown, Workload, device_bytes
 from pipeline.strategies.registry import estimate, settle, traffic_bytes, workload
-from pipeline.strategies.sequence_parallel import check_degree
+from pipeline.strategies.sequence_parallel import check_degree, refusal
 
 AUTO_MARGIN = 0.2
 """--strategy auto takes a whole replica only when its estimate plus this share fits: the estimate's largest error
@@ -83,12 +83,16 @@ def longest_sequence(shape: Shape, work: Workload, budget: int) -> int:
 
 
 def split_degree(cfg: Config, hf_config, world: int) -> int:
-    """The --sequence-parallel degree the longest-sequence line offers: the largest that divides the ranks and the
-    attention heads where the run could take it (fsdp2 or ddp, sft), else 1."""
-    heads = getattr(hf_config.get_text_config(), "num_attention_heads", 0) or 0
-    if cfg.objective.objective != "sft" or cfg.model.strategy not in ("fsdp2", "ddp") or not heads:
+    """The --sequence-parallel degree the longest-sequence line offers: the largest that divides the ranks where the
+    run could take it (registry._check_sequence_parallel, sequence_parallel.refusal, a balancing loss), else 1."""
+    m, text = cfg.model, hf_config.get_text_config()
+    balancing = m.router_aux_loss_coef > 0 or (m.router_aux_loss_coef < 0 and getattr(text, "output_router_logits", 0)
+                                               and getattr(text, "router_aux_loss_coef", 0))
+    if cfg.objective.objective != "sft" or m.strategy not in ("fsdp2", "ddp") or m.compile or balancing or \
+            expert_parallel_asked(m):
         return 1
-    return max(n for n in range(1, world + 1) if world % n == 0 and heads % n == 0)
+    kernel = "sdpa" if m.attn_implementation == "auto" else m.attn_implementation  # auto: sdpa or eager, both split
+    return max(n for n in range(1, world + 1) if world % n == 0 and (n == 1 or not refusal(text, n, kernel)))
 
 
 def longest_sequences(shape: Shape, work: Workload, budget: int, degree: int) -> dict[str, int]:

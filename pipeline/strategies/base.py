@@ -254,6 +254,12 @@ class Strategy(ABC):
         collective follows in the forward: the group's ranks must run the same batch), else the batch itself."""
         return batch if self.sequence is None else self.sequence.split(batch)
 
+    def forget_split(self) -> None:
+        """After the last forward (and backward) of split batches: the whole sequence's layout and masks (a packed
+        batch's is batch x seq x seq bytes) freed before the update, an evaluation or a checkpoint."""
+        if self.sequence is not None:
+            self.sequence.layout = None
+
     def whole_sequences(self) -> contextlib.AbstractContextManager:
         """Around forwards of unsplit inputs (greedy sampling): the family's own attention on each rank."""
         return contextlib.nullcontext() if self.sequence is None else self.sequence.whole()

@@ -116,11 +116,16 @@ def _to_sequence(x: torch.Tensor, n: int, group: dist.ProcessGroup) -> torch.Ten
     return got.permute(1, 2, 0, 3, 4).reshape(b, seq // n, n * h, d)
 
 
-def refusal(model: nn.Module, degree: int, kernel: str) -> str:
-    """Why this model's attention cannot be split over degree ranks here ("" when it can)."""
-    config = model.config
+def refusal(config, degree: int, kernel: str) -> str:
+    """Why a model of this config, its attention run by kernel, cannot be split over degree ranks here ("" when it
+    can). The suite's families only: over transformers' whole registry these rules alone let through 14 families that
+    computed another function split (absolute or ALiBi positions from the rank's slice, ...; BENCHMARKS
+    sequence_parallel_families)."""
     if why := untested_family(config):
         return why
+    bidirectional = getattr(config, "use_bidirectional_attention", None)  # Gemma 3's (True), Gemma 4's ("all")
+    if not getattr(config, "is_causal", True) or bidirectional in (True, "all"):  # the mask built here is causal
+        return "its config makes attention bidirectional"
     if kernel not in UNDER:
         return f"its attention kernel is {kernel} (the whole sequence's mask is built for {' or '.join(UNDER)})"
     other = sorted({kind for kind in getattr(config, "layer_types", None) or () if kind not in LAYER_KINDS})
@@ -146,7 +151,7 @@ def check_degree(n: int, world: int, seq: int) -> None:
 
 def refuse(model: nn.Module, degree: int) -> None:
     """refusal(), as the one line a run stops with."""
-    if why := refusal(model, degree, model.config._attn_implementation):
+    if why := refusal(model.config, degree, model.config._attn_implementation):
         raise UserError(f"--sequence-parallel {degree} cannot split {type(model).__name__}: {why}; use "
                         "--sequence-parallel 1")
 

@@ -126,8 +126,10 @@ def resolve(argv: list[str] | None) -> tuple[Config, AdapterFolder | None, argpa
         settings = dict(adapter.settings)
         if cfg.model.adapter == "qlora" and settings["adapter"] == "lora":  # a QLoRA run's: scored on its NF4 base
             settings["adapter"] = "qlora"
-    # no dropout: evaluation runs in eval mode anyway, and the setting is not in the folder
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_dropout=0.0, **settings))
+    # no dropout: evaluation runs in eval mode anyway, and the setting is not in the folder; whole sequences on each
+    # rank (a run's --sequence-parallel is how it trained, not how it is scored)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora_dropout=0.0, sequence_parallel=1,
+                                                             **settings))
     return settle(cfg), adapter, args
 
 

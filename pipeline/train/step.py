@@ -70,6 +70,7 @@ def train_step(strategy: Strategy, objective: Objective, micro: Sequence[np.ndar
                 with timer.phase("backward"):
                     (trained if update.scaler is None else update.scaler.scale(trained)).backward()
             total += loss.detach()
+        strategy.forget_split()
         with timer.phase("update"):
             scale = None
             if update.scaler is not None:  # the gradients back to their true size before they are measured
