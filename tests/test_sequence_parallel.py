@@ -4,6 +4,7 @@ in one line, real runs at N=2 take the one-process run's steps, and a checkpoint
 
 import json
 import re
+import shutil
 
 import pytest
 from conftest import ROOT, events, preflight_errors, run_evaluate, torchrun
@@ -89,12 +90,42 @@ def test_two_ranks_at_degree_2_take_the_one_process_steps_and_resume_at_degree_1
         assert resumed[step] == pytest.approx(one[step], rel=1e-5, abs=1e-6), step
 
 
+@pytest.mark.parametrize("objective,strategy,extra", [("dpo", "fsdp2", ()), ("dpo", "ddp", ("--adapter", "lora")),
+                                                      ("kto", "ddp", ("--adapter", "lora"))])
+def test_preference_objectives_at_degree_2_take_the_one_process_steps(tmp_path, train_env, objective, strategy, extra):
+    """Packed pairs (KTO records) of 128 tokens split over two ranks: each rank scores its positions, the rows'
+    log-probabilities are gathered whole for each answer's sum, and the pair losses, gradient norms and TRL's figures
+    are the one process's at every step; full fine-tuning's reference pass (before training, whole sequences) and an
+    adapter run's adapters-off reference both."""
+    from pipeline.prep.corpus import CorpusConfig, build_dataset
+
+    source = {"dpo": "preferences", "kto": "kto"}[objective]
+    shutil.copytree(ROOT / "examples" / source, tmp_path / "data")
+    build_dataset(CorpusConfig(tmp_path / "data", tmp_path / "pairs", num_proc=1))
+    runs = {}
+    for name, nproc, split in (("one", 1, ()), ("split", 2, ("--sequence-parallel", 2))):
+        proc = torchrun(nproc, ROOT / "fsdp1.py", "-e", name, "-d", tmp_path / "pairs", "-m", "local/tiny",
+                        "--save-dir", tmp_path, "--config", ROOT / "configs" / "demo.yaml", "--seq-length", 128,
+                        "--batch-size", 2, "--max-steps", 4, "--log-freq", 1, "--eval-freq", 4, "--lr", 3e-3,
+                        "--objective", objective, "--precision", "fp32", "--strategy", strategy, *split, *extra,
+                        env=train_env["env"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = {e["step"]: e for e in events(tmp_path / name, "train")}
+        runs[name]["eval"] = events(tmp_path / name, "eval")[-1]
+    assert list(runs["split"]) == [1, 2, 3, 4, "eval"]
+    for step, want in runs["one"].items():
+        got = runs["split"][step]
+        for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen", "kl"):
+            if key in want:
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6, nan_ok=True), (step, key)
+
+
 def test_what_it_cannot_run_is_one_line_before_any_worker_starts(tmp_path, train_env, family_models):
     base = ["-d", train_env["dataset"], "-m", "local/tiny", "--save-dir", tmp_path, "--config",
             ROOT / "configs" / "demo.yaml", "--seq-length", 128]
     got = preflight_errors([
         ["-e", "a", *base, "--sequence-parallel", 2, "--strategy", "fsdp1"],
-        ["-e", "b", *base, "--sequence-parallel", 2, "--objective", "dpo"],
+        ["-e", "b", *base, "--sequence-parallel", 2, "--objective", "grpo"],
         ["-e", "c", *base, "--sequence-parallel", 2],
         ["-e", "c3", *base, "--sequence-parallel", 8],
         ["-e", "d", *base[:-1], 130, "--sequence-parallel", 4],
@@ -105,7 +136,7 @@ def test_what_it_cannot_run_is_one_line_before_any_worker_starts(tmp_path, train
     ], train_env["env"])
     assert got == [
         "--sequence-parallel 2 needs --strategy fsdp2 or ddp, got --strategy fsdp1",
-        "--sequence-parallel 2 trains --objective sft (text and conversations), not dpo yet; use "
+        "--sequence-parallel 2 trains --objective sft, dpo, ipo, simpo, orpo or kto, not grpo yet; use "
         "--sequence-parallel 1",
         "--sequence-parallel 2 must divide the number of ranks (1): each group of 2 consecutive ranks shares one "
         "sequence",

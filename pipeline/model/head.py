@@ -29,6 +29,21 @@ class Head:
     """Run the forward under torch.autocast in this dtype (a strategy whose parameters stay fp32: ddp)."""
     compiled_loss: bool = False
     """The vocabulary-parallel loss's per-chunk math through torch.compile (--compile on, on a GPU)."""
+    sequence_group: dist.ProcessGroup | None = None
+    """--sequence-parallel: the ranks sharing each row, each holding a slice of its positions (None: off)."""
+
+    @property
+    def sequence(self) -> int:
+        """How many ranks share each row (1 without sequence parallelism)."""
+        return 1 if self.sequence_group is None else dist.get_world_size(self.sequence_group)
+
+    def rank_share(self, loss: torch.Tensor) -> torch.Tensor:
+        """What an objective over whole sequences (pairs, examples) returns of its loss over a batch's items (their
+        sum over the step's items): on the vocabulary-parallel path every rank's items already, whose gradients are
+        summed; else this rank's share, scaled by the world size the wrappers average over, and divided among the
+        ranks that share each row (each computed the same items' loss whole, from the row's gathered positions,
+        whose backward sums their gradients: sequence_rows)."""
+        return loss if self.vocab_parallel else loss * self.world_size / self.sequence
 
     def autocasting(self, device: torch.device) -> contextlib.AbstractContextManager:
         return torch.autocast(device.type, self.autocast) if self.autocast else contextlib.nullcontext()

@@ -111,10 +111,7 @@ class KTOObjective(OverPairs):
             kl = self.kl_term(got["rejected"][keep] - ref_kl[keep])
         losses = kto_losses(self.settings, logps, ref, undesirable, kl)
         self._add(logps.detach(), ref, undesirable, kl)
-        loss = losses.sum() / max(float(num_items), 1.0)
-        # as the causal-LM loss: the vocabulary-parallel sum over every rank's examples is already global; this
-        # rank's share is scaled by the world size, which the wrappers average over
-        return loss if self.head.vocab_parallel else loss * self.head.world_size
+        return self.head.rank_share(losses.sum() / max(float(num_items), 1.0))
 
     def _add(self, logps: torch.Tensor, ref: torch.Tensor, undesirable: torch.Tensor, kl: torch.Tensor) -> None:
         rewards = self.settings.beta * (logps - ref)

@@ -111,10 +111,7 @@ class PreferenceObjective(OverPairs):
                            got["rejected_len"][keep], None if ref_c is None else ref_c[keep],
                            None if ref_r is None else ref_r[keep])
         self._add(terms)
-        loss = terms.loss.sum() / max(float(num_items), 1.0)
-        # as the causal-LM loss: the vocabulary-parallel sum over every rank's pairs is already global; this rank's
-        # share is scaled by the world size, which the wrappers average over
-        return loss if self.head.vocab_parallel else loss * self.head.world_size
+        return self.head.rank_share(terms.loss.sum() / max(float(num_items), 1.0))
 
     def _add(self, t: PairTerms) -> None:
         with torch.no_grad():

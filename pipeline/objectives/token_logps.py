@@ -33,13 +33,18 @@ def token_logps(head: Head, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     target, 0 elsewhere, and the next-token labels (IGNORE where none), both [rows, seq]. On the vocabulary-parallel
     path the rows are every rank's (rank 0's first), the same on every rank; else this rank's. A collective on the
     vocabulary-parallel path."""
-    labels = shifted_labels(batch.labels)
+    labels = batch.labels if batch.shifted else shifted_labels(batch.labels)
     if not head.vocab_parallel:
         with head.autocasting(batch.input_ids.device):
             logits = head.model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
         target = labels.clamp(min=0)
         picked = torch.gather(logits.float().log_softmax(-1), -1, target[..., None]).squeeze(-1)
+        if head.sequence_group is not None:  # a slice of each row: the whole rows, as answers() reads them
+            return sequence_rows(picked * (labels != IGNORE), head.sequence_group), \
+                whole_rows(labels, head.sequence_group)
         return picked * (labels != IGNORE), labels
+    if head.sequence_group is not None:  # preflight turns the head off for these under sequence parallelism
+        raise ValueError("the vocabulary-parallel head scores whole rows, not sequence-parallel slices")
     h = trunk(head.model)(input_ids=batch.input_ids, position_ids=batch.position_ids,
                           use_cache=False).last_hidden_state
     every = gather_rows(labels, head.group)
@@ -47,6 +52,39 @@ def token_logps(head: Head, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     start = vocab_row_offset(weight.shape[0], head.group)
     logps = VocabParallelLogps.apply(h.flatten(0, 1), weight.to_local(), every.flatten(), start, head.group)
     return logps.view(every.shape), every
+
+
+class _SequenceRows(torch.autograd.Function):
+    """Each rank's slice of the rows' positions gathered into the whole rows on every rank of the group; backward,
+    the gradients every rank's copy received summed, each rank keeping its slice's (so a loss each rank computes
+    whole, divided among them, back-propagates once per position: Head.rank_share)."""
+
+    @staticmethod
+    def forward(ctx, part: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return whole_rows(part, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        n, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        width = grad.shape[1] // n
+        return grad[:, rank * width:(rank + 1) * width].contiguous(), None
+
+
+def sequence_rows(part: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[rows, seq / n] on each rank of group -> the whole [rows, seq] on each, differentiable (_SequenceRows). A
+    collective."""
+    return _SequenceRows.apply(part, group)
+
+
+def whole_rows(part: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[rows, seq / n] on each rank of group -> [rows, seq], the slices in rank order (sequence order). A
+    collective; no gradient."""
+    parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, part.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
 
 
 class VocabParallelLogps(torch.autograd.Function):

@@ -113,7 +113,8 @@ class DDP(Strategy):
 
     def head(self) -> Head:
         return Head(self.model, False, self.dist.world_size,
-                    autocast=None if self.dtype == torch.float32 else self.dtype)
+                    autocast=None if self.dtype == torch.float32 else self.dtype,
+                    sequence_group=self.sequence and self.sequence.group)
 
     def replica_head(self) -> Head:
         # the module inside the wrapper, whose forward is no collective (the wrapper's first forward without grad

@@ -236,7 +236,8 @@ class FSDP2(Strategy):
         return Head(self.model, self.vocab_parallel, self.dist.world_size,
                     self.mesh.get_group() if self.vocab_parallel else None,
                     # on the CPU the compiled math measured no faster (BENCHMARKS.md fused_loss_cpu)
-                    compiled_loss=self.vocab_parallel and self.cfg.compile and self.dist.device.type == "cuda")
+                    compiled_loss=self.vocab_parallel and self.cfg.compile and self.dist.device.type == "cuda",
+                    sequence_group=self.sequence and self.sequence.group)
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         self.root.set_requires_gradient_sync(enabled)

@@ -78,9 +78,13 @@ def _check_sequence_parallel(cfg: Config) -> None:
     if m.strategy != "auto" and not STRATEGIES[m.strategy].SEQUENCE_PARALLEL:
         raise UserError(f"{name} needs --strategy {_those_that(lambda c: c.SEQUENCE_PARALLEL)}, got --strategy "
                         f"{m.strategy}")
-    if cfg.objective.objective != "sft":
-        raise UserError(f"{name} trains --objective sft (text and conversations), not {cfg.objective.objective} "
-                        "yet; use --sequence-parallel 1")
+    objective = cfg.objective.objective
+    if objective in ("reward", "grpo"):
+        raise UserError(f"{name} trains --objective sft, dpo, ipo, simpo, orpo or kto, not {objective} yet; use "
+                        "--sequence-parallel 1")
+    if objective != "sft" and m.vocab_parallel == "on":
+        raise UserError(f"{name} scores --objective {objective}'s answers through the model's own head: use "
+                        "--vocab-parallel auto or off")
     if expert_parallel_asked(m):
         raise UserError(f"{name} cannot be combined with --expert-parallel {m.expert_parallel} yet; use one of them")
     if m.compile:  # the all-to-alls inside each compiled layer are untried

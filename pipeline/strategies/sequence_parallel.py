@@ -192,7 +192,8 @@ class SequenceParallel:
 
     def split(self, batch: Batch) -> Batch:
         """This rank's slice of every row of the batch: its positions' ids, global position ids and next-token
-        targets; the whole rows' layout kept for the attention's masks."""
+        targets (the flags and reference values stay whole); the whole rows' layout kept for the attention's
+        masks."""
         seq = batch.input_ids.shape[1]
         if seq % self.degree:  # preflight refuses such a --seq-length: a programming error here
             raise ValueError(f"a batch of {seq} positions cannot be split over {self.degree} ranks")
@@ -204,8 +205,10 @@ class SequenceParallel:
         def mine(x: torch.Tensor | None) -> torch.Tensor | None:  # contiguous: the loss views its targets flat
             return None if x is None else x[:, part].contiguous()
 
+        # flags stay whole: an objective over pairs reads each row's answers from them (token_logps gathers the
+        # rows' log-probabilities whole)
         return replace(batch, input_ids=mine(batch.input_ids), labels=mine(shifted_labels(batch.labels)),
-                       position_ids=mine(positions), flags=mine(batch.flags), shifted=True)
+                       position_ids=mine(positions), shifted=True)
 
     def _kernel_for(self, module: nn.Module) -> Callable:
         if self.kernel == "eager":  # each family's own eager function (soft-capping, its own scaling)

@@ -295,6 +295,8 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
         fingerprint["grpo"] = grpo_settings(cfg, rewards)
         if cfg.model.vocab_parallel == "auto":  # GRPO scores its completions through the model's own head
             cfg.model.vocab_parallel = "off"
+    if cfg.model.sequence_parallel > 1 and cfg.objective.objective != "sft" and cfg.model.vocab_parallel == "auto":
+        cfg.model.vocab_parallel = "off"  # answers scored whole from the gathered rows (token_logps)
     check_cache_root(cfg, inputs(cfg, model_dir))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return Plan(model_dir, hf_config, data, tokenizer, spec, fingerprint,

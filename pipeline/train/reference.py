@@ -48,8 +48,12 @@ def with_reference(blocks: Blocks, ref: ReferencePlan, strategy: Strategy, dtype
     folder = reference_folder(blocks.path, ref.weights, dtype)
     splits = {name: blocks.part(name) for name in ("train", "val")}
     off = functools.partial(adapters_disabled, strategy.model) if strategy.freezes_base else contextlib.nullcontext
-    found, how = ensure_reference(strategy.head(), blocks.path, folder, splits, batch_size, strategy.dist,
-                                  lambda: strategy.load_weights(ref.model_dir), off, stop_in_pass)
+    # whole sequences on each rank, dealt over every rank (a pass without gradients keeps no activations: under
+    # --sequence-parallel it is not split)
+    whole = dataclasses.replace(strategy.head(), sequence_group=None)
+    with strategy.whole_sequences():
+        found, how = ensure_reference(whole, blocks.path, folder, splits, batch_size, strategy.dist,
+                                      lambda: strategy.load_weights(ref.model_dir), off, stop_in_pass)
     strategy.release()  # the root stays gathered after forwards without backward
     if strategy.dist.is_main:
         pairs = sum(count_pairs(part.flags) for part in splits.values())
