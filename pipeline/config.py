@@ -219,7 +219,7 @@ class ModelConfig(Section):
     """Split each sequence by position over this many consecutive ranks (DeepSpeed Ulysses): around attention an
     all-to-all gives each rank the whole sequence for 1/N of the heads, so a rank holds 1/N of every other
     activation; the ranks of a group share one batch (the global batch is world / N x batch x grad accum). fsdp2 or
-    ddp; sft and the preference objectives (dpo, ipo, simpo, orpo, kto); 1: off. N must divide the world size, the
+    ddp; sft, the preference objectives (dpo, ipo, simpo, orpo, kto) and reward; 1: off. N must divide the world size, the
     attention heads and --seq-length."""
     tiled_mlp: OnOff = "off"
     """on: each decoder layer's MLP computed over chunks of about hidden-size tokens, each recomputed in backward

@@ -91,7 +91,7 @@ def test_two_ranks_at_degree_2_take_the_one_process_steps_and_resume_at_degree_1
 
 
 @pytest.mark.parametrize("objective,strategy,extra", [("dpo", "fsdp2", ()), ("dpo", "ddp", ("--adapter", "lora")),
-                                                      ("kto", "ddp", ("--adapter", "lora"))])
+                                                      ("kto", "ddp", ("--adapter", "lora")), ("reward", "fsdp2", ())])
 def test_preference_objectives_at_degree_2_take_the_one_process_steps(tmp_path, train_env, objective, strategy, extra):
     """Packed pairs (KTO records) of 128 tokens split over two ranks: each rank scores its positions, the rows'
     log-probabilities are gathered whole for each answer's sum, and the pair losses, gradient norms and TRL's figures
@@ -99,7 +99,7 @@ def test_preference_objectives_at_degree_2_take_the_one_process_steps(tmp_path, 
     adapter run's adapters-off reference both."""
     from pipeline.prep.corpus import CorpusConfig, build_dataset
 
-    source = {"dpo": "preferences", "kto": "kto"}[objective]
+    source = {"dpo": "preferences", "kto": "kto", "reward": "preferences"}[objective]
     shutil.copytree(ROOT / "examples" / source, tmp_path / "data")
     build_dataset(CorpusConfig(tmp_path / "data", tmp_path / "pairs", num_proc=1))
     runs = {}
@@ -115,7 +115,7 @@ def test_preference_objectives_at_degree_2_take_the_one_process_steps(tmp_path, 
     assert list(runs["split"]) == [1, 2, 3, 4, "eval"]
     for step, want in runs["one"].items():
         got = runs["split"][step]
-        for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen", "kl"):
+        for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen", "kl", "accuracy", "margin"):
             if key in want:
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6, nan_ok=True), (step, key)
 
@@ -136,8 +136,8 @@ def test_what_it_cannot_run_is_one_line_before_any_worker_starts(tmp_path, train
     ], train_env["env"])
     assert got == [
         "--sequence-parallel 2 needs --strategy fsdp2 or ddp, got --strategy fsdp1",
-        "--sequence-parallel 2 trains --objective sft, dpo, ipo, simpo, orpo or kto, not grpo yet; use "
-        "--sequence-parallel 1",
+        "--sequence-parallel 2 trains --objective sft, dpo, ipo, simpo, orpo, kto or reward, not grpo yet (its "
+        "generation runs whole sequences); use --sequence-parallel 1",
         "--sequence-parallel 2 must divide the number of ranks (1): each group of 2 consecutive ranks shares one "
         "sequence",
         "--sequence-parallel 8 cannot split LlamaForCausalLM: its 4 attention heads do not divide into 8 groups; use "

@@ -19,6 +19,7 @@ from pipeline.model.head import Head
 from pipeline.model.vocab_parallel import IGNORE
 from pipeline.objectives.objective import HeldOut
 from pipeline.objectives.preference import OverPairs, sequences
+from pipeline.objectives.token_logps import sequence_rows, whole_rows
 
 METRICS = ("accuracy", "margin", "mean_reward", "min_reward", "max_reward")
 
@@ -62,8 +63,14 @@ class RewardObjective(OverPairs):
         with self.head.autocasting(batch.input_ids.device):
             scores = self.head.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                                      use_cache=False).logits
-        scores = scores[..., 0].float().flatten()
-        chosen, rejected, kept = scored_positions(batch.flags, batch.input_ids, batch.labels, self.pad_id)
+        scores, ids, labels = scores[..., 0].float(), batch.input_ids, batch.labels
+        if self.head.sequence_group is not None:  # a slice of each row: the whole rows, as the pairs are read
+            group = self.head.sequence_group
+            scores, ids, labels = sequence_rows(scores, group), whole_rows(ids, group), whole_rows(labels, group)
+            # back to the model-input convention scored_positions reads (a row's first token is never a target)
+            labels = torch.cat([torch.full_like(labels[:, :1], IGNORE), labels[:, :-1]], 1)
+        chosen, rejected, kept = scored_positions(batch.flags, ids, labels, self.pad_id)
+        scores = scores.flatten()
         return scores[chosen[kept]], scores[rejected[kept]]
 
     def __call__(self, batch: Batch, num_items: float) -> torch.Tensor:
@@ -72,8 +79,7 @@ class RewardObjective(OverPairs):
         if self.center:
             losses = losses + self.center * (chosen + rejected) ** 2
         self._add(chosen.detach(), rejected.detach())
-        # this rank's share scaled by the world size, which the wrappers average over (as the causal-LM loss)
-        return losses.sum() / max(float(num_items), 1.0) * self.head.world_size
+        return self.head.rank_share(losses.sum() / max(float(num_items), 1.0))
 
     def _add(self, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
         both = torch.cat([chosen, rejected]).double()

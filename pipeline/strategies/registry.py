@@ -79,9 +79,9 @@ def _check_sequence_parallel(cfg: Config) -> None:
         raise UserError(f"{name} needs --strategy {_those_that(lambda c: c.SEQUENCE_PARALLEL)}, got --strategy "
                         f"{m.strategy}")
     objective = cfg.objective.objective
-    if objective in ("reward", "grpo"):
-        raise UserError(f"{name} trains --objective sft, dpo, ipo, simpo, orpo or kto, not {objective} yet; use "
-                        "--sequence-parallel 1")
+    if objective == "grpo":
+        raise UserError(f"{name} trains --objective sft, dpo, ipo, simpo, orpo, kto or reward, not grpo yet (its "
+                        "generation runs whole sequences); use --sequence-parallel 1")
     if objective != "sft" and m.vocab_parallel == "on":
         raise UserError(f"{name} scores --objective {objective}'s answers through the model's own head: use "
                         "--vocab-parallel auto or off")
