@@ -219,8 +219,8 @@ class ModelConfig(Section):
     """Split each sequence by position over this many consecutive ranks (DeepSpeed Ulysses): around attention an
     all-to-all gives each rank the whole sequence for 1/N of the heads, so a rank holds 1/N of every other
     activation; the ranks of a group share one batch (the global batch is world / N x batch x grad accum). fsdp2 or
-    ddp; sft, the preference objectives (dpo, ipo, simpo, orpo, kto) and reward; 1: off. N must divide the world size, the
-    attention heads and --seq-length."""
+    ddp; sft, the preference objectives (dpo, ipo, simpo, orpo, kto) and reward; 1: off. N must divide the world
+    size, the attention heads and --seq-length."""
     tiled_mlp: OnOff = "off"
     """on: each decoder layer's MLP computed over chunks of about hidden-size tokens, each recomputed in backward
     (ALST's TiledMLP), so its intermediate activations are one chunk's, not the whole sequence's: for long sequences.

@@ -176,14 +176,16 @@ class SequenceParallel:
         self.kernel = model.config._attn_implementation
         from transformers import AttentionInterface
 
-        # one registration per process, pointing at this instance (a process trains one model)
+        # one registration per process, pointing at this instance: a second model installed in the same process would
+        # take it over (its group, layout and kernel) for both; a process trains one model
         AttentionInterface.register(KERNEL, self._attention)
         self.config = model.config
         model.set_attn_implementation(KERNEL)
 
     @contextlib.contextmanager
     def whole(self) -> Iterator[None]:
-        """The family's own attention on each rank's whole input, for what is not split (greedy sampling)."""
+        """The family's own attention on each rank's whole input, for what is not split (greedy sampling, the
+        reference pass). Not re-entrant: it always ends in the split attention."""
         self.config._attn_implementation = self.kernel
         try:
             yield
