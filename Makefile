@@ -174,11 +174,11 @@ lint: $(STAMP)
 clean-demo:
 	rm -rf $(DEMO)
 
-# Everything GPU-only (bench/gpu_check.py) in two halves, each one device call of at most 300 s: HALF=1 (setup,
-# adapters) and HALF=2 (setup, correctness, full_speed); neither: both in one call. On the GPU machine,
-# whose image has torch but lacks some wheels (`make gpu-wheels` here first, and carry .whl), it runs with the
-# image's python; DRY=1 rehearses every part on this machine's CPU with tiny shapes (tests/test_gpu_check.py runs
-# it). PARTS=a,b runs those parts only; GPU_CHECK_ARGS passes more (--workdir, --results).
+# Everything GPU-only (bench/gpu_check.py) in three parts of a window, each one device call of at most 300 s: HALF=1
+# (setup, adapters), HALF=2 (setup, correctness, full_speed, grpo), HALF=3 (setup, long_context); none: all in one
+# call. On the GPU machine, whose image has torch but lacks some wheels (`make gpu-wheels` here first, and carry
+# .whl), it runs with the image's python; DRY=1 rehearses every part on this machine's CPU with tiny shapes
+# (tests/test_gpu_check.py runs it). PARTS=a,b runs those parts only; GPU_CHECK_ARGS passes more (--workdir, --results).
 gpu-check: $(if $(DRY),$(STAMP) $(LM_EVAL_STAMP))
 	$(if $(DRY),$(PY),$(PYTHON)) bench/gpu_check.py $(if $(DRY),--dry) $(if $(HALF),--half $(HALF)) \
 		$(if $(PARTS),--parts $(PARTS)) $(GPU_CHECK_ARGS)

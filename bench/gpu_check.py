@@ -3,6 +3,7 @@
     make gpu-wheels                      # here, before the GPU call: the wheels the GPU image lacks, into .whl/
     make gpu-check HALF=1                # on the GPU (carry .whl): setup, adapters; at most 300 s
     make gpu-check HALF=2                # on the GPU, the next call: setup, correctness, full_speed, grpo; <= 300 s
+    make gpu-check HALF=3                # on the GPU, a third call: setup, long_context; <= 300 s
     make gpu-check                       # both halves in one call (at most 600 s)
     make gpu-check PARTS=adapters        # one part again
     make gpu-check DRY=1                 # the rehearsal: every part on the CPU, tiny shapes, a few steps
@@ -25,6 +26,9 @@ wheels through it).
                  peak memory; the QLoRA goal: 8B in 10 GiB), QLoRA's peak broken down from its profile
     grpo         GRPO with LoRA on Llama-3.2-1B's shape: the generation's tokens/s and each step's split between
                  generating and training (the bundled arithmetic prompts, the digits reward)
+    long_context LoRA on Llama-3.1-8B's shape at batch 1 x 131,072 tokens with activation checkpointing, the tiled
+                 MLP and activation offloading: whether a step fits one GPU, its peak memory and seconds, and the
+                 start line's longest sequence for the card (issue 76's goal: >= 256K on one H200)
 
 Then BENCHMARKS.md's GPU sections (train_speed_gpu, adapters_gpu, gpu_profile, grpo_gpu) are rewritten from the
 results (not in a dry run, whose tables go to its work folder). Exit status: 0 when every part passed, 1 otherwise.
@@ -62,13 +66,16 @@ class Part:
 
 
 PARTS = {"setup": Part(40, 60), "correctness": Part(120, 300), "full_speed": Part(190, 240),
-         "adapters": Part(270, 240), "grpo": Part(60, 120)}
+         "adapters": Part(270, 240), "grpo": Part(60, 120), "long_context": Part(250, 180)}
 """Budgets, 25% or more above what the parts took on an H200. Setup: 11.7-15.1 s, 20.2 s on a fresh machine's
 first imports (2026-11-28, killed at its then 20 s). Correctness: 71.6 s (2026-11-28; the CUDA tests in five groups,
 the slowest 67 s). Full_speed: 150.8 s for three variants, the 1B model built and the dataset kept from the first
 half. Adapters: 226.5 s for three variants with the 8B model and the dataset built (2026-11-28). A half took 240 s
-(1) and 237 s (2) of its 300. GRPO: not yet run on a GPU; its 60 s are what half 2 had left."""
-HALVES = {"1": ("setup", "adapters"), "2": ("setup", "correctness", "full_speed", "grpo")}
+(1) and 237 s (2) of its 300. GRPO: not yet run on a GPU; its 60 s are what half 2 had left. Long context: not yet
+run on a GPU; the 8B model's build (as adapters', about 60 s), the token cache at 131,072 and two steps, each about
+25 s by the FLOPs (attention 5.6e14 per layer at 128K) at 40% of the peak."""
+HALVES = {"1": ("setup", "adapters"), "2": ("setup", "correctness", "full_speed", "grpo"),
+          "3": ("setup", "long_context")}
 """Each half is one device call: at most HALF_S seconds of parts, setup first in each (a fresh machine may come)."""
 HALF_S = 300
 
@@ -113,11 +120,15 @@ class Shapes:
     """8B at batch 1 x 2048 with activation checkpointing: the shape of the 10 GiB QLoRA goal; HF + peft's bf16 base
     beside its activations fits one GPU there too."""
     grpo: Rollouts
+    long_seq: int
+    """The long-context part's sequence length."""
+    long_context: Load
 
 
 GPU = Shapes(2048, 16, Load("llama-3.2-1b", 8, 30, 10), Load("llama-3.1-8b", 1, 15, 5),
-             Rollouts("llama-3.2-1b", 4, 8, 128, 6, 2))
-DRY = Shapes(64, 0, Load("tiny", 2, 10, 5), Load("tiny", 2, 10, 5), Rollouts("tiny", 2, 4, 16, 4, 1))
+             Rollouts("llama-3.2-1b", 4, 8, 128, 6, 2), 131072, Load("llama-3.1-8b", 1, 2, 0))
+DRY = Shapes(64, 0, Load("tiny", 2, 10, 5), Load("tiny", 2, 10, 5), Rollouts("tiny", 2, 4, 16, 4, 1), 512,
+             Load("tiny", 1, 2, 0))
 
 
 class Results:
@@ -468,7 +479,46 @@ def grpo_report(rows: list[dict], command: str) -> str:
     ])
 
 
-RUN = {"setup": setup, "correctness": correctness, "full_speed": full_speed, "adapters": adapters, "grpo": grpo}
+LONG_FLAGS = ["--adapter", "lora", "--lora-rank", 16, "--activation-checkpointing", "on", "--tiled-mlp", "on",
+              "--offload-activations", "on", "--log-freq", 1]
+
+
+def long_context(args, out: Results) -> None:
+    """One LoRA run at batch 1 x long_seq (LONG_FLAGS): its steps' tokens/s, peak memory, and what the start line
+    said of the longest sequence that fits the card; one result line (an error line where it did not fit)."""
+    import train_speed_gpu as tsg
+
+    shapes = DRY if args.dry else GPU
+    load, name = shapes.long_context, "ours-long-context-lora"
+    inputs = tsg.prepare(args.workdir, load.preset, shapes.long_seq, shapes.corpus_mb)
+    run_args = argparse.Namespace(workdir=args.workdir, steps=args.steps or load.steps, discard=load.discard,
+                                  timeout=budget_of(args, out.part), seq=shapes.long_seq)
+    t0 = time.time()
+    r = tsg.run_ours(run_args, name, LONG_FLAGS, inputs, load.batch)
+    out.write(item=name, variant=name, system="ours", batch=load.batch, seq=shapes.long_seq, steps=run_args.steps,
+              preset=load.preset, flags=[str(f) for f in LONG_FLAGS], machine=machine(),
+              wall_s=round(time.time() - t0, 1), **r)
+    if "error" in r:
+        raise SystemExit(f"{name}: {r['error']}")
+
+
+def long_context_report(rows: list[dict], command: str) -> str:
+    """BENCHMARKS.md's long_context_gpu section from the latest long-context row."""
+    import statistics
+
+    r = rows[-1]
+    return "\n".join([
+        f"- Machine: {r['machine']}; command: {command}.",
+        f"- {r['preset']}'s config, random weights, one GPU, batch {r['batch']} x {r['seq']:,} tokens, bf16: "
+        f"fsdp1.py {' '.join(r['flags'][:-2])}.", "",
+        table(["sequence", "tokens/s", "peak GiB alloc", "peak GiB reserved", "loss"],
+              [[f"{r['seq']:,}", f"{statistics.median(r['tokens_per_s']):,.0f}", f"{r['peak_alloc_gib']:.1f}",
+                f"{r['peak_reserved_gib']:.1f}", f"{r['loss']:.4f}"]]),
+    ])
+
+
+RUN = {"setup": setup, "correctness": correctness, "full_speed": full_speed, "adapters": adapters, "grpo": grpo,
+       "long_context": long_context}
 
 
 # ------------------------------------------------------------------------------------------------- the driver
@@ -573,6 +623,8 @@ def write_tables(args, results: list[dict]) -> list[Path]:
         put("gpu_profile", profiles)
     if rollouts := [r for r in results if r["part"] == "grpo" and "variant" in r]:
         put("grpo_gpu", grpo_report(rollouts, command))
+    if long := [r for r in results if r["part"] == "long_context" and "variant" in r and "error" not in r]:
+        put("long_context_gpu", long_context_report(long, command))
     return written
 
 

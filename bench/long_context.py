@@ -73,6 +73,10 @@ def run(system: str, seq: int, steps: int, work: Path, model: Path, data: Path) 
     nproc, flags = SYSTEMS[system]
     runs = work / "runs"
     if flags is None:
+        if not any(json.loads(m.read_text()).get("seq_length") == seq for m in runs.glob("token_cache/*/meta.json")):
+            common.launch(common.torchrun_cmd(1, common.ROOT / "fsdp1.py", "-e", "cache", "--save-dir", runs, "-d",
+                                              data, "-m", model, "--seq-length", seq, "--prepare-only", "true"),
+                          common.bench_env())
         out = work / "hf.json"
         launch = common.launch(common.torchrun_cmd(1, common.BENCH / "hf_worker.py", "--model", model, "--blocks",
                                                    blocks_of(runs, seq), "--out", out, "--batch-size", 1,
@@ -104,22 +108,35 @@ def main() -> None:
                    help="peak resident GB per rank (0: what ours on 1 process needs at the longer --lengths)")
     p.add_argument("--lengths", type=int, nargs=2, default=[8192, 16384], help="the two measured lengths")
     p.add_argument("--copies", type=int, default=8, help="times the bundled corpus is repeated")
+    p.add_argument("--only", nargs="*", default=None, choices=list(SYSTEMS),
+                   help="run these systems' checks again (their measured points and the others' rows kept from the "
+                        "raw results)")
     p.add_argument("--cap", type=int, default=65536, help="the longest length run (a step's time grows with it)")
     p.add_argument("--workdir", type=Path, default=common.ROOT / ".bench" / "long_context")
     args = p.parse_args()
     chosen = "" if args.budget_gb else ": what ours on 1 process needs at the longer length"
     args.workdir.mkdir(parents=True, exist_ok=True)
     model, data = model_dir(args.workdir, args.layers), dataset(args.workdir, args.copies)
-    rows = {}
-    for system in SYSTEMS:  # ours first: the Trainer reads the blocks our runs cached
-        points = [run(system, seq, 2, args.workdir, model, data) for seq in args.lengths]
+    out = common.ROOT / "bench" / "data" / "long_context.json"
+    rows = json.loads(out.read_text())["rows"] if args.only else {}
+    if args.only:
+        args.budget_gb = args.budget_gb or json.loads(out.read_text())["budget_gb"]
+    for system in args.only or SYSTEMS:  # ours first: the Trainer reads the blocks our runs cached
+        kept = rows.get(system, {}).get("points")  # --only: the measured points kept, the check run again
+        points = kept or [run(system, seq, 2, args.workdir, model, data) for seq in args.lengths]
         args.budget_gb = args.budget_gb or points[1]["peak_gb"]
         fit = longest(points, args.budget_gb, args.cap)
-        check = run(system, fit, 1, args.workdir, model, data) if fit > args.lengths[1] else None
+        check = run(system, fit, 1, args.workdir, model, data) if fit not in args.lengths and fit else None
+        # below the measured points the line is least sure (the fixed part weighs most): lengthened while it fits
+        while check and check["peak_gb"] <= args.budget_gb and fit + 1024 < args.lengths[0]:
+            longer = run(system, fit + 1024, 1, args.workdir, model, data)
+            if longer["peak_gb"] > args.budget_gb:
+                break
+            fit, check = fit + 1024, longer
         rows[system] = {"points": points, "longest": fit, "check": check}
         print(system, rows[system], flush=True)
+    rows = {system: rows[system] for system in SYSTEMS}
     raw = {"machine": common.machine(), "layers": args.layers, "budget_gb": args.budget_gb, "rows": rows}
-    out = common.ROOT / "bench" / "data" / "long_context.json"
     out.write_text(json.dumps(raw, indent=2))
     hf = rows["HF Trainer, gradient checkpointing"]["longest"]
     common_len = args.lengths[1]
@@ -134,7 +151,8 @@ def main() -> None:
             f"state); a budget of {args.budget_gb:.2f} GB peak resident per rank (the largest process, sampled every "
             f"20 ms{chosen}), at most {args.cap:,} tokens run. Peaks "
             f"measured at {args.lengths[0]:,} and {common_len:,} tokens, the longest "
-            "length read off the line through them, then run (its peak in the fourth column); tokens/s of the "
+            "length read off the line through them, then run (its peak in the fourth column; below the measured "
+            "lengths, lengthened by 1,024 while it fits); tokens/s of the "
             f"second step at {common_len:,} tokens (per run, over its ranks).", "",
             common.table(["system", f"peak GB at {args.lengths[0]:,} / {common_len:,}", "longest in budget",
                           "peak GB there", "vs HF Trainer", f"tokens/s at {common_len:,}"], table)]

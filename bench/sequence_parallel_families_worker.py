@@ -13,7 +13,6 @@ import torch.distributed as dist
 from all_families import MAX_PARAMS, first_line, tiny_config
 from transformers import AutoModelForCausalLM
 
-from pipeline.data.batches import Batch
 from pipeline.distributed.runtime import init_distributed
 from pipeline.errors import UserError
 from pipeline.model.modeling import cannot_train
@@ -21,27 +20,8 @@ from pipeline.model.vocab_parallel import IGNORE
 from pipeline.strategies import sequence_parallel
 from pipeline.strategies.sequence_parallel import SequenceParallel
 
-SEQ = 40
-"""Documents of 9, 17 and 14 tokens in the first row (a boundary inside each rank's slice and one at the seam), one
-document in the second."""
-
-
-def batch() -> Batch:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 512, (2, SEQ), generator=g)
-    positions = torch.stack([torch.cat([torch.arange(n) for n in (9, 17, 14)]), torch.arange(SEQ)])
-    labels = ids.clone()
-    labels[0, [0, 9, 26]] = IGNORE
-    labels[1, :3] = IGNORE
-    return Batch(ids, labels, positions)
-
-
-def loss_and_grads(model, b: Batch, targets: int) -> tuple[torch.Tensor, dict]:
-    extra = {"shift_labels": b.labels} if b.shifted else {}
-    loss = model(input_ids=b.input_ids, labels=b.labels, position_ids=b.position_ids, use_cache=False,
-                 num_items_in_batch=targets, **extra).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
+from sequence_parallel_families import batch, loss_and_grads  # noqa: E402 (the suite's batch and step, shared)
 
 
 def check(model_type: str, d) -> dict:
@@ -66,7 +46,7 @@ def check(model_type: str, d) -> dict:
         sp.install(split)
     except UserError as refused:
         return {"verdict": "refused", "why": str(refused)}
-    full = batch()
+    full = batch(lowest=3)
     targets = int((full.labels[:, 1:] != IGNORE).sum())
     try:
         want, want_grads = loss_and_grads(plain, full, targets)

@@ -221,6 +221,11 @@ class ModelConfig(Section):
     activation; the ranks of a group share one batch (the global batch is world / N x batch x grad accum). fsdp2 or
     ddp; sft, the preference objectives (dpo, ipo, simpo, orpo, kto) and reward; 1: off. N must divide the world
     size, the attention heads and --seq-length."""
+    offload_activations: OnOff = "off"
+    """on: what autograd saves for backward outside checkpointed regions (under --activation-checkpointing each
+    layer's input, all that stays of the activations) held in pinned host memory and copied back for the backward
+    (torch.autograd.graph.save_on_cpu), so the GPU holds one layer's activations at a time, for a copy each way over
+    PCIe. A GPU's: on a CPU it changes nothing, said in one line."""
     tiled_mlp: OnOff = "off"
     """on: each decoder layer's MLP computed over chunks of about hidden-size tokens, each recomputed in backward
     (ALST's TiledMLP), so its intermediate activations are one chunk's, not the whole sequence's: for long sequences.

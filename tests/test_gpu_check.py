@@ -17,10 +17,11 @@ def test_the_dry_run_passes_every_part_and_writes_its_tables(tmp_path):
     proc = subprocess.run(["make", "-s", "gpu-check", "DRY=1", f"GPU_CHECK_ARGS=--workdir {tmp_path}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("gpu-check: 5 of 5 parts passed")
+    assert proc.stdout.strip().endswith("gpu-check: 6 of 6 parts passed")
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     summary = {r["item"]: r["status"] for r in results if r["part"] == "summary"}
-    assert summary == dict.fromkeys(["setup", "correctness", "full_speed", "adapters", "grpo"], "passed")
+    assert summary == dict.fromkeys(["setup", "correctness", "full_speed", "adapters", "grpo", "long_context"],
+                                    "passed")
     items = {(r["part"], r["item"]): r for r in results if r["part"] != "summary"}
     assert not items[("setup", "imports")]["missing"]
     for case in ("resume fsdp2", "resume qlora"):
@@ -49,6 +50,9 @@ def test_the_dry_run_passes_every_part_and_writes_its_tables(tmp_path):
     assert rollouts["generated_tokens_per_s"] > 0 and 0 < rollouts["generate_s"] < rollouts["step_s"]
     assert 0 < rollouts["mean_completion_tokens"] <= 16
     assert "| fsdp1.py --objective grpo --adapter lora |" in (tmp_path / "grpo_gpu.md").read_text()
+    long = items[("long_context", "ours-long-context-lora")]
+    assert long["seq"] == 512 and min(long["tokens_per_s"]) > 0 and "--offload-activations" in long["flags"]
+    assert "| 512 |" in (tmp_path / "long_context_gpu.md").read_text()
     assert (ROOT / "BENCHMARKS.md").read_text() == before
 
 

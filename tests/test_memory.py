@@ -327,7 +327,8 @@ def test_the_plan_states_the_longest_sequence_that_fits_and_what_would_lengthen_
     cfg = config_for("m", "strategy", "fsdp2", "batch_size", 1, "seq_length", 65536, "memory_gb", 40)
     plan = plan_memory(cfg, hf, "cuda")
     assert list(plan.longest) == ["", "--activation-checkpointing on", "--tiled-mlp on", "--sequence-parallel 8",
-                                  "--activation-checkpointing on --tiled-mlp on --sequence-parallel 8"]
+                                  "--offload-activations on", "--activation-checkpointing on --tiled-mlp on "
+                                  "--sequence-parallel 8 --offload-activations on"]
     own = plan.longest[""]
     assert 0 < own < 65536 and own % 256 == 0
     work = workload(plan.config, "cuda", 8, 8)
@@ -335,11 +336,13 @@ def test_the_plan_states_the_longest_sequence_that_fits_and_what_would_lengthen_
     assert estimate(Shape.of(hf), replace(work, seq_length=own + 256)).total > 40 * GIB
     assert longest_sequence(Shape.of(hf), work, 40 * GIB) == own
     assert all(n > own for flags, n in plan.longest.items() if flags)
-    assert plan.longest["--activation-checkpointing on --tiled-mlp on --sequence-parallel 8"] == max(
-        plan.longest.values())
+    assert plan.longest["--activation-checkpointing on --tiled-mlp on --sequence-parallel 8 --offload-activations "
+                        "on"] == max(plan.longest.values())
     on = config_for("m", "strategy", "fsdp2", "batch_size", 1, "seq_length", 65536, "memory_gb", 40,
                     "activation_checkpointing", True, "sequence_parallel", 8)
-    assert list(plan_memory(on, hf, "cuda").longest) == ["", "--tiled-mlp on"]
+    assert list(plan_memory(on, hf, "cuda").longest) == ["", "--tiled-mlp on", "--offload-activations on",
+                                                         "--tiled-mlp on --offload-activations on"]
+    assert list(plan_memory(on, hf, "cpu").longest) == ["", "--tiled-mlp on"]  # offloading: a GPU's
     dpo = config_for("m", "strategy", "fsdp2", "memory_gb", 40, "objective", "dpo")
     assert "--sequence-parallel 8" not in plan_memory(dpo, hf, "cuda").longest
     # a family sequence parallelism refuses is offered no degree (OLMo: outside the suite's families)
@@ -356,3 +359,18 @@ def test_an_estimate_above_the_budget_names_the_flags_that_would_fit_the_sequenc
     assert longer_with(longest, 32768) == ("--seq-length 32,768 would fit with --activation-checkpointing on "
                                            "(35,840); or --sequence-parallel 8 (83,712); ")
     assert longer_with(longest, 100_000) == longer_with({}, 4096) == ""
+
+
+def test_offloaded_activations_leave_one_layers_on_the_gpu_and_change_nothing_on_a_cpu():
+    """--offload-activations on: with checkpointing the layers' inputs go to host memory (one layer recomputed stays),
+    without it every layer's saved tensors but the one in use; on a CPU the estimate is the same as off."""
+    shape = Shape.of(LlamaConfig(**LLAMA_1B))
+    for checkpointing in (True, False):
+        cfg = settle(config_for("m", "strategy", "fsdp2", "batch_size", 1, "seq_length", 32768,
+                                "activation_checkpointing", checkpointing))
+        on = replace(cfg, model=replace(cfg.model, offload_activations="on"))
+        plain, offloaded = (estimate(shape, workload(c, "cuda", 8, 8)) for c in (cfg, on))
+        per_layer = layer_activation_bytes(shape, 32768, workload(cfg, "cuda", 8, 8).compute_bytes)
+        assert offloaded.activations == per_layer, checkpointing
+        assert plain.activations > offloaded.activations
+        assert estimate(shape, workload(on, "cpu", 8, 8)) == estimate(shape, workload(cfg, "cpu", 8, 8))

@@ -96,8 +96,9 @@ def split_degree(cfg: Config, hf_config, world: int) -> int:
 
 
 def longest_sequences(shape: Shape, work: Workload, budget: int, degree: int) -> dict[str, int]:
-    """MemoryPlan.longest: the run's own, and with each of activation checkpointing, the tiled MLP and sequence
-    parallelism over the most ranks that divide (degree) where the run has them off, and with all of them."""
+    """MemoryPlan.longest: the run's own, and with each of activation checkpointing, the tiled MLP, sequence
+    parallelism over the most ranks that divide (degree) and (on a GPU) activation offloading where the run has them
+    off, and with all of them."""
     changes = {}
     if not work.activation_checkpointing:
         changes["--activation-checkpointing on"] = {"activation_checkpointing": True, "selective_checkpointing": False}
@@ -105,6 +106,8 @@ def longest_sequences(shape: Shape, work: Workload, budget: int, degree: int) ->
         changes["--tiled-mlp on"] = {"tiled_mlp": True}
     if work.sequence_parallel == 1 and degree > 1:
         changes[f"--sequence-parallel {degree}"] = {"sequence_parallel": degree}
+    if not work.offload_activations and work.device == "cuda":
+        changes["--offload-activations on"] = {"offload_activations": True}
     if len(changes) > 1:
         changes[" ".join(changes)] = {k: v for change in changes.values() for k, v in change.items()}
     return {"": longest_sequence(shape, work, budget),

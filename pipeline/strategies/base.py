@@ -276,10 +276,15 @@ class Strategy(ABC):
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
-        """Around a training micro-step's forward: what the transforms watch in it (a router's logits and load)."""
+        """Around a training micro-step's forward: what the transforms watch in it (a router's logits and load), and
+        --offload-activations."""
         with contextlib.ExitStack() as stack:
             for transform in self.transforms:
                 stack.enter_context(transform.recording())
+            if self.cfg.offload_activations == "on" and self.dist.device.type == "cuda":
+                # every tensor saved in the forward (a checkpointed layer's input too: non-reentrant checkpointing
+                # saves it as one) copied to pinned host memory, and back when the backward unpacks it
+                stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=True))
             yield
 
     def auxiliary_loss(self) -> torch.Tensor | None:

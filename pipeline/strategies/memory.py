@@ -272,6 +272,8 @@ class Workload:
     tiled_mlp: bool = False
     """--tiled-mlp on: no layer keeps its MLP's intermediate activations; one chunk's (about hidden-size tokens per
     sequence) exist at a time, while it is recomputed."""
+    offload_activations: bool = False
+    """--offload-activations on a GPU: what the forward saves held in host memory, one layer's on the device."""
     sequence_parallel: int = 1
     """--sequence-parallel's degree: each rank holds 1/N of every sequence's positions, so of its activations and
     logits (attention's all-to-all buffers are the size of the q, k, v and output it already counts)."""
@@ -422,6 +424,8 @@ def estimate(shape: Shape, work: Workload, terms: StrategyTerms) -> Estimate:
         activations = shape.layers * (per_layer - layer + kept) + per_layer + merged
     else:
         activations = shape.layers * (per_layer + merged)
+    if work.offload_activations:  # what is saved waits in host memory: one layer's on the device at a time
+        activations = per_layer + merged
     activations += chunk
     activations += gen.mask_bytes(shape, c) if gen else 0
     logits = logits_bytes(shape, work, logit_tokens, shards)

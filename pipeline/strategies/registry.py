@@ -156,7 +156,7 @@ def workload(cfg: Config, device: str, world_size: int, local_world_size: int, r
                     cfg.train.grad_accum, m.activation_checkpointing, uses_vocab_parallel(m), m.cpu_offload, device,
                     m.adapter, m.lora_rank, m.lora_targets, generation, resident_params * dtype.itemsize,
                     m.selective_checkpointing, planned_degree(m, world_size, local_world_size), m.tiled_mlp == "on",
-                    m.sequence_parallel)
+                    m.offload_activations == "on" and device == "cuda", m.sequence_parallel)
 
 
 def planned_degree(m: ModelConfig, world_size: int, local_world_size: int) -> int:

@@ -79,6 +79,9 @@ class Trainer:
         self.strategy = make_strategy(cfg.model, d, self.dtype, [*transforms_for(cfg.model, self.dtype), *reward])
         if d.is_main:
             log_plan(plan, cfg)
+            if cfg.model.offload_activations == "on" and d.device.type != "cuda":
+                log.warning("--offload-activations on: no effect on the %s (the activations already are in host "
+                            "memory)", d.device.type.upper())
         # what the process holds before the model exists: the estimate covers what comes above it
         self.memory_base = memory_in_use(d.device)
         reset_peak_memory(d.device)

@@ -23,9 +23,11 @@ SEQ = 40
 and one across the ranks' seam at 20), the second is one document; longer than the tiny families' sliding window (8)."""
 
 
-def batch() -> Batch:
+def batch(lowest: int = 0) -> Batch:
+    """The packed batch, its ids from lowest up (bench/sequence_parallel_families_worker.py keeps clear of the
+    registry families' special ids)."""
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 512, (2, SEQ), generator=g)
+    ids = torch.randint(lowest, 512, (2, SEQ), generator=g)
     positions = torch.stack([torch.cat([torch.arange(n) for n in (9, 17, 14)]), torch.arange(SEQ)])
     labels = ids.clone()
     labels[0, [0, 9, 26]] = IGNORE  # each document's first token is no target of the one before
