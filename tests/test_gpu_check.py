@@ -72,7 +72,7 @@ def test_tables_from_a_file_of_several_calls_and_a_bad_budget_is_one_line(tmp_pa
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].endswith(
         "argument --budget: adapter=60: want PART=SECONDS with PART one of setup, correctness, full_speed, adapters, "
-        "grpo")
+        "grpo, long_context")
     both = subprocess.run([*script, "--half", "1", "--parts", "setup"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert (both.returncode, both.stderr.strip()) == (1, "--half and --parts choose the parts both: give one")
