@@ -187,7 +187,8 @@ def test_choices_come_from_the_type_hints_and_are_checked_once():
                                     "vocab_parallel": ("auto", "on", "off"),
                                     "attn_implementation": ("auto", "sdpa", "eager", "flex_attention",
                                                             "flash_attention_2"),
-                                    "adapter": ("none", "lora", "dora", "qlora"), "tiled_mlp": ("on", "off")}
+                                    "adapter": ("none", "lora", "dora", "qlora"), "offload_activations": ("on", "off"),
+                                    "tiled_mlp": ("on", "off")}
     assert choices(RunConfig) == {"async_ckpt": ("auto", "on", "off"), "export_dtype": ("auto", "bf16", "fp16",
                                                                                          "fp32")}
     with pytest.raises(UserError, match=r"^--sharding must be one of auto, FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "
