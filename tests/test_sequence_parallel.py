@@ -52,12 +52,14 @@ def train(tmp_path, env, name: str, nproc: int, *extra) -> dict[int, tuple[float
 
 
 @pytest.mark.parametrize("strategy,extra", [("fsdp2", ()), ("ddp", ("--adapter", "lora")),
-                                            ("fsdp2", ("--adapter", "dora")), ("ddp", ("--adapter", "qlora"))])
+                                            ("fsdp2", ("--adapter", "dora", "--tiled-mlp", "on")),
+                                            ("ddp", ("--adapter", "qlora"))])
 def test_two_ranks_at_degree_2_take_the_one_process_steps_and_resume_at_degree_1(tmp_path, train_env, strategy,
                                                                                  extra):
     """Packed documents (--document-mask), fp32, 4 steps: two ranks sharing each sequence against one process on the
-    same global batch (losses, gradient norms, validation, greedy samples); then the degree-2 run stopped at step 2
-    resumes on one process (degree 1) to the same losses."""
+    same global batch (losses, gradient norms, validation, greedy samples), full fine-tuning and each adapter (DoRA
+    with the tiled MLP); then the degree-2 run stopped at step 2 resumes on one process (degree 1) to the same
+    losses."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "The river"}\n')
     sampled = ("--sample-prompts", prompts, "--sample-max-tokens", 8)
@@ -84,7 +86,7 @@ def test_two_ranks_at_degree_2_take_the_one_process_steps_and_resume_at_degree_1
                             "--out", out)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert json.loads(out.read_text())["loss"] == pytest.approx(evals[4], rel=1e-5)
-    if extra[1:] in (("dora",), ("qlora",)):  # their checkpoints resume as LoRA's, whose case resumes below
+    if extra[1:2] in (("dora",), ("qlora",)):  # their checkpoints resume as LoRA's, whose case resumes below
         return
     train(tmp_path, train_env, "resumed", 2, "--strategy", strategy, "--sequence-parallel", 2, "--max-steps", 2,
           *extra)
