@@ -343,8 +343,12 @@ def test_the_plan_states_the_longest_sequence_that_fits_and_what_would_lengthen_
     assert list(plan_memory(on, hf, "cuda").longest) == ["", "--tiled-mlp on", "--offload-activations on",
                                                          "--tiled-mlp on --offload-activations on"]
     assert list(plan_memory(on, hf, "cpu").longest) == ["", "--tiled-mlp on"]  # offloading: a GPU's
+    # a combination the run would refuse is offered no degree (dpo scores through the model's own head), the same
+    # objective without it is
     dpo = config_for("m", "strategy", "fsdp2", "memory_gb", 40, "objective", "dpo")
-    assert "--sequence-parallel 8" not in plan_memory(dpo, hf, "cuda").longest
+    assert "--sequence-parallel 8" in plan_memory(dpo, hf, "cuda").longest
+    dpo_vocab = config_for("m", "strategy", "fsdp2", "memory_gb", 40, "objective", "dpo", "vocab_parallel", "on")
+    assert "--sequence-parallel 8" not in plan_memory(dpo_vocab, hf, "cuda").longest
     # a family sequence parallelism refuses is offered no degree (OLMo: outside the suite's families)
     olmo = LlamaConfig(**LLAMA_1B)
     olmo.model_type = "olmo"

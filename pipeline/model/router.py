@@ -50,6 +50,22 @@ def aux_loss_function(model: nn.Module) -> Callable | None:
     return getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
 
 
+def config_coef(config) -> float:
+    """The load-balancing coefficient the model config itself trains with: its router_aux_loss_coef where its
+    output_router_logits is set (transformers' forward then adds the term), else 0."""
+    text = config.get_text_config()
+    return float(getattr(text, "router_aux_loss_coef", 0) or 0) if getattr(text, "output_router_logits", False) \
+        else 0.0
+
+
+def balancing_coef(cfg: ModelConfig, config) -> float:
+    """What the training loss scales the family's load-balancing loss by: --router-aux-loss-coef, or where it is -1
+    the model config's own (config_coef); 0 for a dense model."""
+    if not moe_shape(config)[0]:
+        return 0.0
+    return config_coef(config) if cfg.router_aux_loss_coef < 0 else cfg.router_aux_loss_coef
+
+
 def without_router_logits(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A forward pre-hook: output_router_logits=False unless the caller passed it."""
     return args, {"output_router_logits": False, **kwargs}
@@ -86,10 +102,8 @@ class RouterBalance(ModelTransform):
             return
         self.aux_fn = aux_loss_function(model)
         recorder = router_recorder(model)
-        text = model.config.get_text_config()
-        own = float(getattr(text, "router_aux_loss_coef", 0) or 0) if getattr(text, "output_router_logits", False) \
-            else 0.0
-        self.coef = own if self.cfg.router_aux_loss_coef < 0 else self.cfg.router_aux_loss_coef
+        own = config_coef(model.config)
+        self.coef = balancing_coef(self.cfg, model.config)
         if self.coef and (self.aux_fn is None or recorder is None):
             raise UserError(f"--router-aux-loss-coef {self.coef:g}: transformers defines no auxiliary load-balancing "
                             f"loss for {model.config.model_type} (its routers are balanced otherwise); leave it out")

@@ -10,9 +10,10 @@ from pipeline.distributed.launch import Launch
 from pipeline.distributed.launch import detect as detect_launch
 from pipeline.distributed.runtime import Dist, gather_objects
 from pipeline.errors import UserError
+from pipeline.model.router import balancing_coef
 from pipeline.strategies.expert_parallel import degree, expert_parallel_asked
 from pipeline.strategies.memory import GIB, Estimate, Shape, ShapeUnknown, Workload, device_bytes
-from pipeline.strategies.registry import estimate, settle, traffic_bytes, workload
+from pipeline.strategies.registry import check_sequence_parallel, estimate, settle, traffic_bytes, workload
 from pipeline.strategies.sequence_parallel import check_degree, refusal
 
 AUTO_MARGIN = 0.2
@@ -84,12 +85,14 @@ def longest_sequence(shape: Shape, work: Workload, budget: int) -> int:
 
 def split_degree(cfg: Config, hf_config, world: int) -> int:
     """The --sequence-parallel degree the longest-sequence line offers: the largest that divides the ranks where the
-    run could take it (registry._check_sequence_parallel, sequence_parallel.refusal, a balancing loss), else 1."""
+    run could take it (the refusals a run at that degree meets: registry.check_sequence_parallel,
+    sequence_parallel.refusal, preflight's balancing-loss line), else 1."""
     m, text = cfg.model, hf_config.get_text_config()
-    balancing = m.router_aux_loss_coef > 0 or (m.router_aux_loss_coef < 0 and getattr(text, "output_router_logits", 0)
-                                               and getattr(text, "router_aux_loss_coef", 0))
-    if cfg.objective.objective != "sft" or m.strategy not in ("fsdp2", "ddp") or m.compile or balancing or \
-            expert_parallel_asked(m):
+    try:
+        check_sequence_parallel(replace(cfg, model=replace(m, sequence_parallel=2)))
+    except UserError:
+        return 1
+    if balancing_coef(m, hf_config):
         return 1
     kernel = "sdpa" if m.attn_implementation == "auto" else m.attn_implementation  # auto: sdpa or eager, both split
     return max(n for n in range(1, world + 1) if world % n == 0 and (n == 1 or not refusal(text, n, kernel)))

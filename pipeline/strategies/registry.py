@@ -66,14 +66,14 @@ def check(cfg: Config) -> None:
     if expert_parallel_asked(m):
         _check_expert_parallel(m)
     if m.sequence_parallel > 1:
-        _check_sequence_parallel(cfg)
+        check_sequence_parallel(cfg)
     if m.strategy != "auto":
         STRATEGIES[m.strategy].check(cfg)
 
 
-def _check_sequence_parallel(cfg: Config) -> None:
+def check_sequence_parallel(cfg: Config) -> None:
     """What --sequence-parallel cannot be combined with (its degree against the world, the sequence and the model:
-    sequence_parallel.check_degree and refusal, once those are known)."""
+    sequence_parallel.check_degree and refusal, once those are known; auto.split_degree asks it too)."""
     m, name = cfg.model, f"--sequence-parallel {cfg.model.sequence_parallel}"
     if m.strategy != "auto" and not STRATEGIES[m.strategy].SEQUENCE_PARALLEL:
         raise UserError(f"{name} needs --strategy {_those_that(lambda c: c.SEQUENCE_PARALLEL)}, got --strategy "

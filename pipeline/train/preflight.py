@@ -34,7 +34,7 @@ from pipeline.eval.samples import Prompt, read_prompts
 from pipeline.model.adapters import chosen_targets
 from pipeline.model.modeling import cannot_train, meta_model
 from pipeline.model.reward_head import RewardHead, checked_pad_id, is_reward_model, reward_head_layout
-from pipeline.model.router import RouterBalance
+from pipeline.model.router import RouterBalance, balancing_coef
 from pipeline.model.tiled_mlp import TiledMLP
 from pipeline.model.weight_check import WeightCheck, read_line, unchanged_weights, weights_digest
 from pipeline.model.weight_files import read_index
@@ -320,13 +320,13 @@ def check_model_changes(cfg: Config, hf_config) -> None:
         chosen_targets(model, m)
     if m.tiled_mlp == "on":
         TiledMLP().apply(model)
-    if m.router_aux_loss_coef > 0 or m.sequence_parallel > 1:
-        (router := RouterBalance(m)).apply(model)
+    if m.router_aux_loss_coef > 0:
+        RouterBalance(m).apply(model)
     if m.sequence_parallel > 1:
         sequence_parallel.refuse(model, m.sequence_parallel)
-        if router.coef:  # transformers' balancing loss is a product of means over the forward's tokens
+        if coef := balancing_coef(m, model.config):  # transformers' balancing loss: a product of means over tokens
             raise UserError(f"--sequence-parallel {m.sequence_parallel}: {model.config.model_type}'s load-balancing "
-                            f"loss (coefficient {router.coef:g}) is defined over whole sequences and each rank would "
+                            f"loss (coefficient {coef:g}) is defined over whole sequences and each rank would "
                             "see a slice; use --router-aux-loss-coef 0, or --sequence-parallel 1")
 
 
