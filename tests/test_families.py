@@ -172,10 +172,15 @@ def test_moe_counts_the_experts_a_token_is_routed_to():
 # ---- on two ranks, through the user's commands
 
 
+def train_args(env: dict, root: Path, model: str, *extra: object, dataset: str = "dataset") -> list[str]:
+    """fsdp1.py's arguments for a short run of model logging every step, a checkpoint every 2."""
+    return [str(a) for a in ("-d", env[dataset], "-m", model, "--save-dir", root, "--config",
+                             ROOT / "configs" / "demo.yaml", "--log-freq", "1", "--eval-freq", "0", "--ckpt-freq", "2",
+                             "--lr-schedule", "constant", "--warmup-steps", "0", *extra)]
+
+
 def train(env: dict, root: Path, model: str, *extra: object, dataset: str = "dataset", nproc: int = 2):
-    args = ["-d", env[dataset], "-m", model, "--save-dir", root, "--config", ROOT / "configs" / "demo.yaml",
-            "--log-freq", "1", "--eval-freq", "0", "--ckpt-freq", "2", "--lr-schedule", "constant",
-            "--warmup-steps", "0", *extra]
+    args = train_args(env, root, model, *extra, dataset=dataset)
     proc = torchrun(nproc, ROOT / "fsdp1.py", *args, env=env["env"]) if nproc > 1 else \
         run_script("fsdp1.py", *args, env=env["env"])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -63,10 +63,9 @@ def plan_memory(cfg: Config, hf_config, device: str, launch: Launch | None = Non
     cfg = settle(cfg)
     if m.sequence_parallel > 1:
         check_degree(m.sequence_parallel, world, cfg.data.seq_length)
-    if cfg.model.strategy == "fsdp2":  # a degree the model or mesh cannot take: one line before any work
-        shard_ranks = {"NO_SHARD": 1, "HYBRID_SHARD": local_world}.get(cfg.model.sharding, world)
-        degree(cfg.model, hf_config, shard_ranks, local_world)
     work = workload(cfg, device, world, local_world, resident_params)
+    if cfg.model.strategy == "fsdp2":  # a degree the model or mesh cannot take: one line before any work
+        degree(cfg.model, hf_config, work.shard_ranks, local_world)
     longest = {} if work.generation else longest_sequences(shape, work, budget, split_degree(cfg, hf_config, world))
     return MemoryPlan(cfg, estimate(shape, work), budget, reason, longest)
 

@@ -121,9 +121,7 @@ class Strategy(ABC):
     @classmethod
     def shards(cls, work: Workload) -> int:
         """Ranks each parameter is split over."""
-        if work.sharding == "NO_SHARD":
-            return 1
-        return work.local_world_size if work.sharding == "HYBRID_SHARD" else work.world_size
+        return work.shard_ranks
 
     @classmethod
     def gradient_bytes(cls, shape: Shape, work: Workload) -> int:

@@ -11,8 +11,10 @@ forward, on its local experts), so the result is the model's function; no token 
 
 Gradients: each rank's experts receive, through the all-to-all's backward, the gradient of every rank's tokens that
 they served, then are divided as FSDP divides the others (by the world size where FSDP averages; by 1 where the loss
-is already the mean over every rank's tokens, the vocabulary-parallel head's sum mode). FULL_SHARD and SHARD_GRAD_OP
-only: HYBRID_SHARD's replicas would each hold the same experts and need their gradients summed, not built yet.
+is already the mean over every rank's tokens, the vocabulary-parallel head's sum mode). Under HYBRID_SHARD the experts
+are split over each node's shard ranks and replicated across nodes (Replicate() on the replicate dimension, as FSDP
+places the other parameters): tokens never leave their node, and each replica's experts' gradients are summed over the
+replicas (one all-reduce per weight per step) before that division.
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from pipeline.config import ModelConfig
 from pipeline.distributed.collectives import exchange
 from pipeline.errors import UserError
 from pipeline.model.adapters import wrapper_delta
 from pipeline.model.modeling import fused_experts, meta_model, moe_shape, routing_arguments, untested_family
+
+EXPERT_PARALLEL_SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
+"""The shardings whose shard ranks can split the experts (NO_SHARD has one shard rank)."""
 
 
 def expert_parallel_asked(cfg: ModelConfig) -> bool:
@@ -45,13 +50,11 @@ def auto_blocked(cfg: ModelConfig) -> str:
     refused with (registry._check_expert_parallel)."""
     if cfg.strategy != "fsdp2":
         return f"--strategy {cfg.strategy}"
-    if cfg.sharding not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+    if cfg.sharding not in EXPERT_PARALLEL_SHARDINGS:
         return f"--sharding {cfg.sharding}"
     if cfg.cpu_offload:
         return "--cpu-offload"
-    if cfg.sequence_parallel > 1:
-        return f"--sequence-parallel {cfg.sequence_parallel}"
-    return f"--adapter {cfg.adapter}" if cfg.adapter not in ("none", "lora") else ""
+    return f"--sequence-parallel {cfg.sequence_parallel}" if cfg.sequence_parallel > 1 else ""
 
 
 def degree(cfg: ModelConfig, hf_config, shard_ranks: int, node_ranks: int, model: nn.Module | None = None) -> int:
@@ -89,7 +92,8 @@ def auto_off(cfg: ModelConfig, hf_config, shard_ranks: int, node_ranks: int, mod
     if shard_ranks < 2 or experts % shard_ranks:
         return f"{shard_ranks} shard rank(s) do not split the {experts} experts of each layer"
     if shard_ranks > node_ranks:
-        return f"the {shard_ranks} shard ranks span nodes (all-to-all would cross them)"
+        return (f"the {shard_ranks} shard ranks span nodes (all-to-all would cross them; --sharding HYBRID_SHARD "
+                "splits the experts within each node)")
     if why := untested_family(hf_config):
         return f"{why}; --expert-parallel {shard_ranks} splits it"
     return unroutable(model or meta_model(hf_config))
@@ -165,10 +169,13 @@ class ExpertParallel:
     """The experts of one model split over a mesh dimension, and their gradients' reduction."""
 
     def __init__(self, mesh: DeviceMesh, compute_dtype: torch.dtype, divide: float):
-        if mesh.ndim != 1:  # registry._check_expert_parallel refuses HYBRID_SHARD and NO_SHARD before this
-            raise ValueError(f"expert parallelism needs FSDP's 1-D mesh, got {mesh}")
         self.mesh = mesh
-        self.group = mesh.get_group()
+        """FSDP's mesh: (shard,), or (replicate, shard) under HYBRID_SHARD."""
+        self.placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
+        self.group = mesh.get_group(mesh.ndim - 1)
+        """The shard ranks: those that split the experts and trade tokens."""
+        self.replicas = mesh.get_group(0) if mesh.ndim == 2 and mesh.size(0) > 1 else None
+        """The ranks holding the same experts in other replicas (HYBRID_SHARD over nodes), or None."""
         self.n = dist.get_world_size(self.group)
         self.dtype = compute_dtype
         self.divide = divide
@@ -185,7 +192,7 @@ class ExpertParallel:
             wrappers = peft_wrappers(layer, name)
             leaves = []
             for leaf, param in list(module.named_parameters(recurse=False)):
-                sharded = nn.Parameter(distribute_tensor(param, self.mesh, [Shard(0)]), param.requires_grad)
+                sharded = nn.Parameter(distribute_tensor(param, self.mesh, self.placements), param.requires_grad)
                 setattr(module, leaf, sharded)
                 leaves.append(leaf)
                 ignored.add(sharded)
@@ -229,11 +236,20 @@ class ExpertParallel:
         return slots.sum(dim=1).to(hidden_states.dtype)
 
     def reduce_gradients(self) -> None:
-        """The experts' gradients divided as FSDP divides the others' (once per step, after the last backward). No
-        communication: each expert lives on one rank, and its gradient already holds every rank's tokens it
-        served (the all-to-all's backward brought them)."""
-        if self.divide == 1:
-            return
+        """The experts' gradients summed over the replicas and divided as FSDP divides the others' (once per step,
+        after the last backward). Within a replica no communication: each expert lives on one rank of it, and its
+        gradient already holds every shard rank's tokens it served (the all-to-all's backward brought them). Across
+        replicas one all-reduce per weight, every rank in the same order: a collective every rank must reach, so a
+        weight without a gradient contributes zeros rather than skipping it."""
         for param in (module._parameters[leaf] for module, leaves in self.modules for leaf in leaves):
-            if param.grad is not None:
-                (param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad).div_(self.divide)
+            if not param.requires_grad:
+                continue
+            if param.grad is None and self.replicas is not None:
+                param.grad = torch.zeros_like(param)
+            if param.grad is None:
+                continue
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            if self.replicas is not None:
+                dist.all_reduce(grad, group=self.replicas)
+            if self.divide != 1:
+                grad.div_(self.divide)

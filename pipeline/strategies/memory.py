@@ -155,7 +155,7 @@ class Shape:
         pipeline/strategies/expert_parallel.degree decides the run's: the degree named, or under auto (0) the world
         where the family is tested; only where it divides the experts and they can be split."""
         experts = self.experts[0][1] if self.experts else 0
-        n = work.expert_parallel or (work.world_size if self.tested else 1)
+        n = work.expert_parallel or (work.shard_ranks if self.tested else 1)
         return n if n > 1 and experts and experts % n == 0 and self.routable else 1
 
     @property
@@ -277,6 +277,16 @@ class Workload:
     sequence_parallel: int = 1
     """--sequence-parallel's degree: each rank holds 1/N of every sequence's positions, so of its activations and
     logits (attention's all-to-all buffers are the size of the q, k, v and output it already counts)."""
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks a sharded parameter is split over: every rank, one node's under HYBRID_SHARD, none under NO_SHARD."""
+        return shard_ranks(self.sharding, self.world_size, self.local_world_size)
+
+
+def shard_ranks(sharding: str, world_size: int, local_world_size: int) -> int:
+    """Ranks FSDP splits each parameter over under a sharding (build_mesh's last dimension)."""
+    return {"NO_SHARD": 1, "HYBRID_SHARD": local_world_size}.get(sharding, world_size)
 
 
 @dataclass(frozen=True)

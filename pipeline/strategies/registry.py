@@ -98,14 +98,11 @@ def _check_expert_parallel(m: ModelConfig) -> None:
     if m.strategy not in ("fsdp2", "auto"):
         raise UserError(f"{name} needs --strategy fsdp2 (the experts are split over its mesh), got --strategy "
                         f"{m.strategy}")
-    if m.sharding in ("NO_SHARD", "HYBRID_SHARD"):
-        raise UserError(f"{name} needs --sharding FULL_SHARD or SHARD_GRAD_OP (the experts are split over the ranks "
-                        f"FSDP shards over, with no replicas), got {m.sharding}")
+    if m.sharding == "NO_SHARD":
+        raise UserError(f"{name} needs --sharding FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD (the experts are split "
+                        "over the ranks FSDP shards over; NO_SHARD has none)")
     if m.cpu_offload:
         raise UserError(f"{name} cannot be combined with --cpu-offload (a rank's experts stay on its device)")
-    if m.adapter not in ("none", "lora"):
-        raise UserError(f"{name} trains LoRA adapters, not --adapter {m.adapter} yet: use --adapter lora, or "
-                        "--expert-parallel 1")
 
 
 def _check_facts(cfg: Config) -> None:
@@ -164,7 +161,8 @@ def planned_degree(m: ModelConfig, world_size: int, local_world_size: int) -> in
     over nodes keep it off, else 0 (the model's side decided by Shape.split_experts)."""
     if m.expert_parallel != "auto":
         return int(m.expert_parallel)
-    return 1 if auto_blocked(m) or world_size > local_world_size else 0
+    spans_nodes = m.sharding != "HYBRID_SHARD" and world_size > local_world_size  # HYBRID_SHARD shards within a node
+    return 1 if auto_blocked(m) or spans_nodes else 0
 
 
 def estimate(shape: Shape, work: Workload) -> Estimate:
