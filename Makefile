@@ -174,9 +174,9 @@ lint: $(STAMP)
 clean-demo:
 	rm -rf $(DEMO)
 
-# Everything GPU-only (bench/gpu_check.py) in three parts of a window, each one device call of at most 300 s: HALF=1
-# (setup, adapters), HALF=2 (setup, correctness, full_speed, grpo), HALF=3 (setup, long_context); none: all in one
-# call. On the GPU machine, whose image has torch but lacks some wheels (`make gpu-wheels` here first, and carry
+# Everything GPU-only (bench/gpu_check.py) in parts of a window, each one device call of at most 300 s: HALF=1
+# (setup, adapters), HALF=2 (setup, correctness, full_speed, grpo), HALF=3 (setup, long_context), HALF=4 (setup, moe:
+# 2 GPUs); none: all in one call. On the GPU machine, whose image has torch but lacks some wheels (`make gpu-wheels` here first, and carry
 # .whl), it runs with the image's python; DRY=1 rehearses every part on this machine's CPU with tiny shapes
 # (tests/test_gpu_check.py runs it). PARTS=a,b runs those parts only; GPU_CHECK_ARGS passes more (--workdir, --results).
 gpu-check: $(if $(DRY),$(STAMP) $(LM_EVAL_STAMP))

@@ -1,9 +1,10 @@
-"""make gpu-check: everything that only a GPU can check or measure, in two halves that each fit a lent GPU's window.
+"""make gpu-check: everything that only a GPU can check or measure, in halves that each fit a lent GPU's window.
 
     make gpu-wheels                      # here, before the GPU call: the wheels the GPU image lacks, into .whl/
     make gpu-check HALF=1                # on the GPU (carry .whl): setup, adapters; at most 300 s
     make gpu-check HALF=2                # on the GPU, the next call: setup, correctness, full_speed, grpo; <= 300 s
     make gpu-check HALF=3                # on the GPU, a third call: setup, long_context; <= 300 s
+    make gpu-check HALF=4                # on 2 or more GPUs: setup, moe (expert parallelism); <= 300 s
     make gpu-check                       # both halves in one call (at most 600 s)
     make gpu-check PARTS=adapters        # one part again
     make gpu-check DRY=1                 # the rehearsal: every part on the CPU, tiny shapes, a few steps
@@ -29,6 +30,9 @@ wheels through it).
     long_context LoRA on Llama-3.1-8B's shape at batch 1 x 131,072 tokens with activation checkpointing, the tiled
                  MLP and activation offloading: whether a step fits one GPU, its peak memory and seconds, and the
                  start line's longest sequence for the card (issue 76's goal: >= 256K on one H200)
+    moe          fsdp2 on a Qwen3-30B-A3B-shaped slice (bench/moe_speed.py's, 2 layers, bf16) on 2 GPUs with expert
+                 parallelism off and on (tokens/s per GPU, peak memory); with one GPU
+                 only off, and the part says so (NCCL takes one rank per device, expert parallelism needs two)
 
 Then BENCHMARKS.md's GPU sections (train_speed_gpu, adapters_gpu, gpu_profile, grpo_gpu) are rewritten from the
 results (not in a dry run, whose tables go to its work folder). Exit status: 0 when every part passed, 1 otherwise.
@@ -66,16 +70,18 @@ class Part:
 
 
 PARTS = {"setup": Part(40, 60), "correctness": Part(120, 300), "full_speed": Part(190, 240),
-         "adapters": Part(270, 240), "grpo": Part(60, 120), "long_context": Part(250, 180)}
+         "adapters": Part(270, 240), "grpo": Part(60, 120), "long_context": Part(250, 180), "moe": Part(240, 180)}
 """Budgets, 25% or more above what the parts took on an H200. Setup: 11.7-15.1 s, 20.2 s on a fresh machine's
 first imports (2026-11-28, killed at its then 20 s). Correctness: 71.6 s (2026-11-28; the CUDA tests in five groups,
 the slowest 67 s). Full_speed: 150.8 s for three variants, the 1B model built and the dataset kept from the first
 half. Adapters: 226.5 s for three variants with the 8B model and the dataset built (2026-11-28). A half took 240 s
 (1) and 237 s (2) of its 300. GRPO: not yet run on a GPU; its 60 s are what half 2 had left. Long context: not yet
 run on a GPU; the 8B model's build (as adapters', about 60 s), the token cache at 131,072 and two steps, each about
-25 s by the FLOPs (attention 5.6e14 per layer at 128K) at 40% of the peak."""
+25 s by the FLOPs (attention 5.6e14 per layer at 128K) at 40% of the peak. MoE: not yet run on a GPU; the slice's
+random build (1.3B parameters, on the GPU) and two runs of 12 steps, each step's 1.6 GFLOP per token small beside
+the runs' start-up (about 30 s each, as the speed parts')."""
 HALVES = {"1": ("setup", "adapters"), "2": ("setup", "correctness", "full_speed", "grpo"),
-          "3": ("setup", "long_context")}
+          "3": ("setup", "long_context"), "4": ("setup", "moe")}
 """Each half is one device call: at most HALF_S seconds of parts, setup first in each (a fresh machine may come)."""
 HALF_S = 300
 
@@ -123,12 +129,19 @@ class Shapes:
     long_seq: int
     """The long-context part's sequence length."""
     long_context: Load
+    moe: Load
+    """The slice's layer count in place of a preset (bench/moe_speed.SLICE)."""
+    moe_slice: dict
+    """SLICE's fields overridden (a dry run's smaller experts)."""
 
 
 GPU = Shapes(2048, 16, Load("llama-3.2-1b", 8, 30, 10), Load("llama-3.1-8b", 1, 15, 5),
-             Rollouts("llama-3.2-1b", 4, 8, 128, 6, 2), 131072, Load("llama-3.1-8b", 1, 2, 0))
+             Rollouts("llama-3.2-1b", 4, 8, 128, 6, 2), 131072, Load("llama-3.1-8b", 1, 2, 0),
+             Load("2", 4, 12, 4), {})
 DRY = Shapes(64, 0, Load("tiny", 2, 10, 5), Load("tiny", 2, 10, 5), Rollouts("tiny", 2, 4, 16, 4, 1), 512,
-             Load("tiny", 1, 2, 0))
+             Load("tiny", 1, 2, 0), Load("1", 2, 4, 1),
+             {"hidden_size": 256, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64})
 
 
 class Results:
@@ -517,8 +530,65 @@ def long_context_report(rows: list[dict], command: str) -> str:
     ])
 
 
+MOE_VARIANTS = {"ours-moe": ["--expert-parallel", "1"], "ours-moe-ep": ["--expert-parallel", "2"]}
+MOE_FLAGS = ["--strategy", "fsdp2", "--log-freq", 1]
+
+
+def moe(args, out: Results) -> None:
+    """The slice under fsdp2 with expert parallelism off and on over 2 ranks (one GPU each; 2 CPU processes in a dry
+    run): a result line each, and one saying why the second was not run where the machine has one GPU."""
+    import torch
+    import train_speed_gpu as tsg
+    from moe_speed import build
+
+    shapes = DRY if args.dry else GPU
+    load, ranks = shapes.moe, 2 if args.dry else min(2, torch.cuda.device_count())
+    layers = int(load.preset)
+    model = build(args.workdir / f"qwen3-30b-a3b-slice-{layers}{'-dry' if args.dry else ''}", layers,
+                  "cpu" if args.dry else "cuda", **shapes.moe_slice, **({} if args.dry else {"dtype": "bfloat16"}))
+    inputs = tsg.prepare(args.workdir, load.preset, shapes.seq, shapes.corpus_mb, model)
+    run_args = argparse.Namespace(workdir=args.workdir, steps=args.steps or load.steps, discard=load.discard,
+                                  timeout=budget_of(args, out.part), seq=shapes.seq)
+    errors = []
+    for name, degree in MOE_VARIANTS.items():
+        flags = [*MOE_FLAGS, *(["--precision", "fp32"] if args.dry else []), *degree]
+        common = dict(item=name, variant=name, system="ours", batch=load.batch, seq=shapes.seq, ranks=ranks,
+                      layers=layers, flags=[str(f) for f in flags], machine=machine())
+        if degree[-1] != "1" and ranks < 2:
+            out.write(**common, skipped="one GPU: NCCL takes one rank per device, expert parallelism needs two")
+            continue
+        t0 = time.time()
+        r = tsg.run_ours(run_args, name, flags, inputs, load.batch, nproc=ranks)
+        out.write(**common, steps=run_args.steps, wall_s=round(time.time() - t0, 1), **r)
+        if "error" in r:
+            errors.append(f"{name}: {r['error']}")
+    if errors:
+        raise SystemExit("; ".join(errors))
+
+
+def moe_report(rows: list[dict], command: str) -> str:
+    """BENCHMARKS.md's moe_gpu section from the latest row of each variant."""
+    import statistics
+
+    latest = {r["variant"]: r for r in rows}
+    first = next(iter(latest.values()))
+    body = [[r["variant"], str(r["ranks"]), "not run: " + r["skipped"]] if "skipped" in r else
+            [r["variant"], str(r["ranks"]), f"{statistics.median(r['tokens_per_s']) / r['ranks']:,.0f}",
+             f"{r['peak_alloc_gib']:.1f}", f"{dict(r['losses'])[r['steps']]:.4f}"]
+            for r in latest.values()]
+    return "\n".join([
+        f"- Machine: {first['machine']}; command: {command}.",
+        f"- Qwen3-30B-A3B's shape (bench/moe_speed.py's slice; {first['layers']} layer(s)), batch {first['batch']} x "
+        f"{first['seq']:,} per rank: fsdp1.py {' '.join(first['flags'][:-2])}"
+        f"{'' if '--precision' in first['flags'] else ' (bf16, the default on a GPU)'} with --expert-parallel 1 or 2; "
+        "the loss of both at the same step (equal: the same function).",
+        "",
+        table(["variant", "GPUs", "tokens/s per GPU", "peak GiB alloc", f"loss at step {first['steps']}"], body),
+    ])
+
+
 RUN = {"setup": setup, "correctness": correctness, "full_speed": full_speed, "adapters": adapters, "grpo": grpo,
-       "long_context": long_context}
+       "long_context": long_context, "moe": moe}
 
 
 # ------------------------------------------------------------------------------------------------- the driver
@@ -625,6 +695,8 @@ def write_tables(args, results: list[dict]) -> list[Path]:
         put("grpo_gpu", grpo_report(rollouts, command))
     if long := [r for r in results if r["part"] == "long_context" and "variant" in r and "error" not in r]:
         put("long_context_gpu", long_context_report(long, command))
+    if experts := [r for r in results if r["part"] == "moe" and "variant" in r and "error" not in r]:
+        put("moe_gpu", moe_report(experts, command))
     return written
 
 

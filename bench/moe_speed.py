@@ -33,7 +33,8 @@ SLICE = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768
 SYSTEMS = {"fsdp2": ("--expert-parallel", "1"), "fsdp2 + expert parallelism": ("--expert-parallel", "2")}
 
 
-def build(out: Path, layers: int) -> Path:
+def build(out: Path, layers: int, device: str = "cpu", **overrides: object) -> Path:
+    """OUT: the slice with `layers` layers (and SLICE's fields overridden), random weights, built once."""
     from transformers import Qwen3MoeConfig
 
     from pipeline.prep.tiny import DEFAULT_CORPUS, corpus_texts, save_random, train_tokenizer
@@ -41,9 +42,9 @@ def build(out: Path, layers: int) -> Path:
     if (out / "config.json").exists():
         return out
     tokenizer = train_tokenizer(corpus_texts(DEFAULT_CORPUS), 1024)
-    config = Qwen3MoeConfig(**SLICE, num_hidden_layers=layers, vocab_size=len(tokenizer),
+    config = Qwen3MoeConfig(**{**SLICE, **overrides}, num_hidden_layers=layers, vocab_size=len(tokenizer),
                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    return save_random(out, config, tokenizer, 0)
+    return save_random(out, config, tokenizer, 0, device)
 
 
 class Loopback:

@@ -76,10 +76,11 @@ class Inputs:
     """train.npy of the token cache, which the HF worker reads too."""
 
 
-def prepare(work: Path, preset: str = "llama-3.2-1b", seq: int = SEQ, corpus_mb: int = 16) -> Inputs:
-    """A preset-shaped model ("tiny": pipeline.tiny's 2-layer model, for rehearsals on CPU), a dataset of real text
-    (this machine's Python sources, corpus_mb MB; 0: the bundled demo corpus) and its token cache at seq as
-    fsdp1.py's defaults key it, once each."""
+def prepare(work: Path, preset: str = "llama-3.2-1b", seq: int = SEQ, corpus_mb: int = 16,
+            model: Path | None = None) -> Inputs:
+    """A preset-shaped model ("tiny": pipeline.tiny's 2-layer model, for rehearsals on CPU; or the model folder
+    given), a dataset of real text (this machine's Python sources, corpus_mb MB; 0: the bundled demo corpus) and its
+    token cache at seq as fsdp1.py's defaults key it, once each."""
     from data_prep import gather
     from datasets import load_from_disk
     from transformers import AutoTokenizer
@@ -88,7 +89,7 @@ def prepare(work: Path, preset: str = "llama-3.2-1b", seq: int = SEQ, corpus_mb:
     from pipeline.data.token_cache import build_blocks, token_cache_dir
     from pipeline.prep.corpus import CorpusConfig, build_dataset
 
-    model = preset_model(work, preset)
+    model = model or preset_model(work, preset)
     data = work / "dataset"
     if not data.exists():
         raw = work / "raw"
@@ -156,12 +157,13 @@ def kept_profile(run: Path, workdir: Path, name: str) -> dict | None:
     return json.loads(summary.read_text())
 
 
-def run_ours(args, name: str, flags: list, inputs: Inputs, batch: int, profile: bool = False) -> dict:
-    """fsdp1.py until it has logged args.steps steps (and, with profile, profiled the PROFILED steps after them)."""
+def run_ours(args, name: str, flags: list, inputs: Inputs, batch: int, profile: bool = False, nproc: int = 1) -> dict:
+    """fsdp1.py on nproc ranks until it has logged args.steps steps (and, with profile, profiled the PROFILED steps
+    after them)."""
     runs = args.workdir / "runs"
     metrics = runs / name / "metrics.jsonl"
     profiling = ["--profile-from", args.steps + 1, "--profile-steps", PROFILED] if profile else []
-    cmd = torchrun_cmd(1, ROOT / "fsdp1.py", "-e", name, "--save-dir", runs, "-d", inputs.data, "-m", inputs.model,
+    cmd = torchrun_cmd(nproc, ROOT / "fsdp1.py", "-e", name, "--save-dir", runs, "-d", inputs.data, "-m", inputs.model,
                        "-b", batch, "--seq-length", args.seq, *OURS_FLAGS, *flags, *profiling)
     shutil.rmtree(runs / name, ignore_errors=True)
     started = time.time()
@@ -186,6 +188,7 @@ def run_ours(args, name: str, flags: list, inputs: Inputs, batch: int, profile: 
             "peak_reserved_gib": max(e["mem_gb"].get("peak_reserved") or 0 for e in train),
             "time_ms": {k: statistics.median(e["time_ms"][k] for e in steady) for k in steady[0]["time_ms"]},
             "first_window_end_s": round(first["time"] - started, 1), "loss": train[-1]["loss"],
+            "losses": [[e["step"], e["loss"]] for e in train],
             "checkpoints": [{k: e[k] for k in ("step", "seconds", "stall_seconds", "bytes")}
                             for e in events if e["event"] == "checkpoint"],
             **({"profile": profiled} if profiled else {})}

@@ -17,10 +17,10 @@ def test_the_dry_run_passes_every_part_and_writes_its_tables(tmp_path):
     proc = subprocess.run(["make", "-s", "gpu-check", "DRY=1", f"GPU_CHECK_ARGS=--workdir {tmp_path}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("gpu-check: 6 of 6 parts passed")
+    assert proc.stdout.strip().endswith("gpu-check: 7 of 7 parts passed")
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     summary = {r["item"]: r["status"] for r in results if r["part"] == "summary"}
-    assert summary == dict.fromkeys(["setup", "correctness", "full_speed", "adapters", "grpo", "long_context"],
+    assert summary == dict.fromkeys(["setup", "correctness", "full_speed", "adapters", "grpo", "long_context", "moe"],
                                     "passed")
     items = {(r["part"], r["item"]): r for r in results if r["part"] != "summary"}
     assert not items[("setup", "imports")]["missing"]
@@ -53,6 +53,12 @@ def test_the_dry_run_passes_every_part_and_writes_its_tables(tmp_path):
     long = items[("long_context", "ours-long-context-lora")]
     assert long["seq"] == 512 and min(long["tokens_per_s"]) > 0 and "--offload-activations" in long["flags"]
     assert "| 512 |" in (tmp_path / "long_context_gpu.md").read_text()
+    # expert parallelism off and on over 2 ranks: the same losses, both rows in the table
+    off, on = items[("moe", "ours-moe")], items[("moe", "ours-moe-ep")]
+    assert off["ranks"] == on["ranks"] == 2 and min(on["tokens_per_s"]) > 0
+    assert dict(off["losses"])[4] == dict(on["losses"])[4]
+    moe = (tmp_path / "moe_gpu.md").read_text()
+    assert "| ours-moe | 2 |" in moe and "| ours-moe-ep | 2 |" in moe
     assert (ROOT / "BENCHMARKS.md").read_text() == before
 
 
@@ -72,7 +78,7 @@ def test_tables_from_a_file_of_several_calls_and_a_bad_budget_is_one_line(tmp_pa
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].endswith(
         "argument --budget: adapter=60: want PART=SECONDS with PART one of setup, correctness, full_speed, adapters, "
-        "grpo, long_context")
+        "grpo, long_context, moe")
     both = subprocess.run([*script, "--half", "1", "--parts", "setup"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert (both.returncode, both.stderr.strip()) == (1, "--half and --parts choose the parts both: give one")
