@@ -72,6 +72,15 @@ def test_the_trainer_reaches_the_model_only_through_the_strategy():
         assert private not in source, private
 
 
+def test_the_strategies_import_no_objective_and_no_online_rl():
+    """Strategies and the memory estimate sit below the objectives: what they count of an objective comes to them as
+    a workload, never by reaching up into objectives/ or rl/."""
+    edges = graph()
+    up = {name: sorted(m for m in deps if m.startswith(("pipeline.rl", "pipeline.objectives", "pipeline.train")))
+          for name, deps in edges.items() if name.startswith(("pipeline.strategies", "pipeline.model"))}
+    assert {name: deps for name, deps in up.items() if deps} == {}
+
+
 def test_no_module_imports_a_private_module_of_a_dependency():
     """A private module (a dotted path with a part starting with "_") may move in any release: pipeline/ reaches its
     dependencies through their public API only."""

@@ -30,8 +30,9 @@ def test_packed_rows_score_every_family_as_plain_rows_do(kernel):
     where the family has no sdpa) and with eager."""
     from transformers import AutoModelForCausalLM
 
+    from pipeline.model.packed_rows import packing_refusal
     from pipeline.prep.tiny import FAMILIES, family_config
-    from pipeline.rl.packing import model_config, pack, packing_refusal, row_entropy, token_logps
+    from pipeline.rl.packing import model_config, pack, row_entropy, token_logps
 
     group, width = 3, 4
     refused = {}
@@ -72,7 +73,7 @@ def test_packed_rows_are_chosen_where_they_cost_less():
     the row's attention over 33,792 positions costs more than the prompt saved)."""
     from transformers import LlamaConfig
 
-    from pipeline.rl.packing import Costs
+    from pipeline.model.packed_rows import Costs
 
     small = Costs.of(LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                  num_attention_heads=9, num_key_value_heads=3))

@@ -14,6 +14,7 @@ from pipeline.config import Config, ObjectiveConfig
 from pipeline.distributed.runtime import Dist
 from pipeline.model.adapters import adapters_disabled
 from pipeline.model.head import Head
+from pipeline.model.packed_rows import Costs, packing_refusal
 from pipeline.model.reward_head import RewardHead
 from pipeline.objectives.causal_lm import CausalLMLoss
 from pipeline.objectives.grpo import GRPOObjective, KLReference
@@ -23,7 +24,7 @@ from pipeline.objectives.preference import PreferenceObjective, Reference
 from pipeline.objectives.preference_losses import PreferenceSettings
 from pipeline.objectives.reference import adapters_off
 from pipeline.objectives.reward import RewardObjective
-from pipeline.rl.packing import Costs, model_config, packing_refusal
+from pipeline.rl.packing import model_config
 from pipeline.rl.prompts import PromptBlocks
 from pipeline.rl.rewards import Rewards
 from pipeline.rl.rollout import Roller

@@ -27,6 +27,7 @@ from pipeline.config_grpo import GRPOConfig
 from pipeline.data.batches import Batch
 from pipeline.distributed.runtime import Dist
 from pipeline.model.head import Head
+from pipeline.model.packed_rows import Costs
 from pipeline.objectives.grpo_losses import (
     GRPOLossSettings,
     StepCounts,
@@ -40,7 +41,7 @@ from pipeline.objectives.grpo_losses import (
 from pipeline.objectives.objective import HeldOut
 from pipeline.rl.figures import Figures
 from pipeline.rl.generation import Sampling, seeded
-from pipeline.rl.packing import Costs, pack, row_entropy, token_logps
+from pipeline.rl.packing import pack, row_entropy, token_logps
 from pipeline.rl.rewards import RewardState
 from pipeline.rl.rollout import Roller, Rollout
 from pipeline.rl.target_logps import target_logps

@@ -23,8 +23,8 @@ import psutil
 import torch
 
 from pipeline.model.nf4 import NF4_BYTES_PER_PARAM
+from pipeline.model.packed_rows import Costs, packed_span
 from pipeline.model.vocab_parallel import chunk_elements
-from pipeline.rl.packing import Costs, packed_span
 
 GIB = 1024**3
 STATE_BYTES_PER_PARAM = 16
@@ -77,7 +77,7 @@ class Shape:
     tested: bool = False
     """Whether the family is one the suite trains (--expert-parallel auto splits only those)."""
     packs_to: int = 0
-    """The longest prompt plus completion GRPO may score in packed rows (pipeline/rl/packing.py; 0: never)."""
+    """The longest prompt plus completion GRPO may score in packed rows (pipeline/model/packed_rows.py; 0: never)."""
     costs: Costs | None = None
     """What a position and a pair of positions cost, to tell where packed rows are chosen (with packs_to)."""
 

@@ -12,8 +12,8 @@ from pipeline.config import VOCAB_PARALLEL_SHARDINGS, Config, ModelConfig
 from pipeline.config_base import flag
 from pipeline.distributed.runtime import Dist, compute_dtype
 from pipeline.errors import UserError
+from pipeline.model.packed_rows import PACKABLE_KERNELS
 from pipeline.model.transforms import ModelTransform
-from pipeline.rl.packing import PACKABLE_KERNELS
 from pipeline.strategies.base import Strategy
 from pipeline.strategies.ddp import DDP
 from pipeline.strategies.expert_parallel import auto_blocked, expert_parallel_asked
