@@ -38,7 +38,7 @@ from pipeline.objectives.grpo_losses import (
     token_terms,
     zero_std_groups,
 )
-from pipeline.objectives.objective import HeldOut
+from pipeline.objectives.objective import HeldOut, Prepared, StepSource
 from pipeline.rl.figures import Figures
 from pipeline.rl.generation import Sampling, seeded
 from pipeline.rl.packing import pack, row_entropy, token_logps
@@ -66,6 +66,7 @@ class GRPOObjective:
     counted = "completions"
     shown = (("reward", "reward"), ("completions/mean_length", "len"), ("completions/clipped_ratio", "clipped"))
     generates = True
+    phase = "generate"
 
     def __init__(self, head: Head, g: GRPOConfig, roller: Roller, d: Dist, seed: int, release: Callable[[], None],
                  gathered: Callable[[], contextlib.AbstractContextManager],
@@ -117,18 +118,19 @@ class GRPOObjective:
 
     # ------------------------------------------------------------------------------------------ a step's rollouts
 
-    def prepare(self, draw: Callable[[], list[Batch]], step: int) -> tuple[int, int]:
+    def prepare(self, source: StepSource, step: int) -> Prepared:
         """The step's rollouts: every --num-iterations steps new ones, G completions per prompt of each micro-batch
-        draw() gives, scored, with their advantages (with a KL penalty, the reference's log-probabilities; with more
-        than one iteration, the generating policy's); between, the same ones again. Returns (micro-batches, their
-        completions over every rank). A collective."""
+        the source draws (drawn only then), scored, with their advantages (with a KL penalty, the reference's
+        log-probabilities; with more than one iteration, the generating policy's); between, the same ones again. The
+        micro-steps train on them in order (the batches are its, not the sampler's), a mean over their completions
+        over every rank. A collective."""
         if step % self.g.num_iterations == 0 or not self.cycle:
-            self._generate(draw(), step)
+            self._generate([source.make(rows) for rows in source.draw()], step)
         self.rollouts = list(self.cycle)
         for r in self.rollouts:
             self._rollout_figures(r)
         self.last_samples = self._samples(self.rollouts[0])
-        return len(self.cycle), self.counts.sequences
+        return Prepared(range(len(self.cycle)), lambda i: None, self.counts.sequences)
 
     def _generate(self, batches: list[Batch], step: int) -> None:
         model = self.head.model

@@ -27,7 +27,7 @@ from pipeline.eval.samples import complete, stop_ids
 from pipeline.model.registry import transforms_for
 from pipeline.model.reward_head import pad_id
 from pipeline.objectives.build import make_grpo, make_objective
-from pipeline.objectives.objective import HeldOut
+from pipeline.objectives.objective import HeldOut, StepSource
 from pipeline.objectives.reference import precomputed
 from pipeline.signals import Interrupted, Stopped, StopRequest, agreed_stop
 from pipeline.strategies.memory import GIB
@@ -368,24 +368,23 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         """One optimizer step (pipeline/train/step.py) over this rank's share of the sampler's next global batch."""
-        # the step's targets over every rank and micro-step, from the global permutation: no communication
-        idx, train = self.sampler.upcoming(), self.blocks.part("train")
-        make = lambda rows: self.strategy.split(train.batch(rows, self.dist.device))  # noqa: E731 (train_step's maker)
-        if self.objective.generates:  # its items are the completions it generates now (a collective); it draws the
-            # step's prompts only when it generates (not when it reuses them); what a reward drew from the global
-            drawn_from, rng = self.sampler.state_dict(), rng_state()  # generators before a stop is put back too
+        train = self.blocks.part("train")
+        source = StepSource(train, self.sampler.upcoming, self.sampler.next_step,
+                            lambda rows: self.strategy.split(train.batch(rows, self.dist.device)))
+        if not self.objective.generates:
+            prepared = self.objective.prepare(source, self.step)
+        else:  # its items are the completions it generates now (a collective) from the prompts it draws; a stop
+            # inside puts back the sampler and what a reward drew from the global generators, so that the step's
+            # checkpoint draws the same prompts again on resume
+            drawn_from, rng = self.sampler.state_dict(), rng_state()
             try:
-                with self.timer.phase("generate"):
-                    n, items = self.objective.prepare(lambda: [make(rows) for rows in self.sampler.next_step()],
-                                                      self.step)
-            except Stopped:  # the step's checkpoint then draws the same prompts again on resume
+                with self.timer.phase(self.objective.phase):
+                    prepared = self.objective.prepare(source, self.step)
+            except Stopped:
                 self.sampler.load_state_dict(drawn_from)
                 set_rng_state(rng)
                 raise
-            # it trains on its prepared rollouts in order: the micro-steps' batches are its, not the sampler's
-            return train_step(self.strategy, self.objective, range(n), lambda i: None, items, self.update, self.timer)
-        items = self.objective.items(train.blocks[idx], train.flags_at(idx))
-        return train_step(self.strategy, self.objective, self.sampler.next_step(), make, items, self.update,
+        return train_step(self.strategy, self.objective, prepared.keys, prepared.make, prepared.items, self.update,
                           self.timer)
 
     def log_window(self, telemetry: Telemetry, window: Window) -> None:
