@@ -53,11 +53,11 @@ from pipeline.eval.adapter_folder import (
 )
 from pipeline.eval.harness import Tasks, check_tasks, run_tasks
 from pipeline.eval.heldout import held_out_loss
-from pipeline.eval.samples import stop_ids
 from pipeline.fsutil import sha256_file, write_text_atomic
 from pipeline.model.registry import transforms_for
-from pipeline.model.reward_head import is_reward_model, pad_id
-from pipeline.objectives.build import REFERENCE_OBJECTIVES, make_grpo, make_objective
+from pipeline.model.reward_head import is_reward_model
+from pipeline.objectives.build import REFERENCE_OBJECTIVES
+from pipeline.objectives.kinds import Inputs, kind_of
 from pipeline.objectives.objective import HeldOut
 from pipeline.objectives.reference import none as no_reference
 from pipeline.objectives.reference import precomputed
@@ -271,10 +271,9 @@ def evaluate(cfg: Config, plan: Plan, adapter: AdapterFolder | None, split: str,
     if adapter is not None:
         load_adapter(strategy, adapter)
     parts = [blocks.part("val"), *([blocks.part("train")] if split == "all" else [])]
-    objective = make_grpo(cfg, head, blocks, plan.rewards, plan.tokenizer, stop_ids(plan.tokenizer, plan.model_dir),
-                          pad_id(plan.tokenizer), d, strategy.release, strategy.gathered, dtype,
-                          replica=strategy.replica_head()) if plan.rewards else \
-        make_objective(cfg.objective, head, reference, plan.reward_head)
+    objective = kind_of(cfg).build(Inputs(cfg, strategy, head, blocks, dtype, plan.tokenizer, plan.model_dir,
+                                          plan.hf_config, reference=reference, reward_head=plan.reward_head,
+                                          rewards=plan.rewards, training=False))
     result = held_out_loss(strategy, parts, cfg.train.batch_size, d, objective)
     if result is None:
         raise UserError(f"the {split} blocks of {cfg.data.dataset_name} hold no token the loss counts (--train-on "

@@ -25,8 +25,7 @@ from pipeline.errors import UserError
 from pipeline.eval.heldout import held_out_loss
 from pipeline.eval.samples import complete, stop_ids
 from pipeline.model.registry import transforms_for
-from pipeline.model.reward_head import pad_id
-from pipeline.objectives.build import make_grpo, make_objective
+from pipeline.objectives.kinds import Inputs, kind_of
 from pipeline.objectives.objective import HeldOut, StepSource
 from pipeline.objectives.reference import precomputed
 from pipeline.signals import Interrupted, Stopped, StopRequest, agreed_stop
@@ -38,7 +37,7 @@ from pipeline.train.export import described, export_run, run_exports
 from pipeline.train.optim import build_optimizer, build_scheduler, rescale_lr
 from pipeline.train.preflight import Plan
 from pipeline.train.profiling import StepProfiler, memory_breakdown
-from pipeline.train.reference import frozen_copy, with_reference
+from pipeline.train.reference import with_reference
 from pipeline.train.reports import data_line, experts_part, log_mixture, log_plan, log_profile, log_samples
 from pipeline.train.step import StepResult, Update, Window, train_step
 from pipeline.train.telemetry import (
@@ -72,9 +71,10 @@ class Trainer:
         self.blocks = prepare_blocks(cfg, plan, d)
         check_one_batch(self.blocks, cfg, d)
         self.sampler = make_sampler(self.blocks, cfg, d)
-        # GRPO trains each generation --num-iterations times (1 for any other objective): an epoch takes that many
+        # an objective may train each draw more than once (GRPO's --num-iterations): an epoch takes that many
+        kind = kind_of(cfg)
         self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.sampler.steps_per_epoch * \
-            cfg.grpo.num_iterations
+            kind.iterations(cfg)
         reward = [plan.reward_head] if plan.reward_head else []
         self.strategy = make_strategy(cfg.model, d, self.dtype, [*transforms_for(cfg.model, self.dtype), *reward])
         if d.is_main:
@@ -89,15 +89,12 @@ class Trainer:
         if plan.reference is not None:  # before the checkpoint or base fills the model: the pass loads the reference
             self.blocks = with_reference(self.blocks, plan.reference, self.strategy, self.dtype, cfg.train.batch_size)
         head = self.strategy.head()
-        self.stops = stop_ids(plan.tokenizer, plan.model_dir) if plan.prompts or plan.rewards else set()
-        frozen = frozen_copy(cfg, plan, d, self.dtype)  # GRPO's KL reference under full fine-tuning, if one
-        if plan.rewards:
-            self.objective = make_grpo(cfg, head, self.blocks, plan.rewards, plan.tokenizer, self.stops,
-                                       pad_id(plan.tokenizer), d, self.strategy.release, self.strategy.gathered,
-                                       self.dtype, frozen, self.total_steps, replica=self.strategy.replica_head())
-        else:
-            self.objective = make_objective(cfg.objective, head, plan.reference and precomputed(head),
-                                            plan.reward_head)
+        self.stops = stop_ids(plan.tokenizer, plan.model_dir) if plan.prompts else set()
+        self.objective = kind.build(Inputs(cfg, self.strategy, head, self.blocks, self.dtype, plan.tokenizer,
+                                           plan.model_dir, plan.hf_config,
+                                           reference=plan.reference and precomputed(head),
+                                           reward_head=plan.reward_head, rewards=plan.rewards,
+                                           max_steps=self.total_steps))
         self.optimizer = build_optimizer(self.strategy.param_groups(cfg.optim.weight_decay), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.step, self.samples_seen, self.best_val = 0, 0, math.inf
