@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipeline.config_base import Section, flag, in_range, require
-from pipeline.config_grpo import GRPOConfig
+from pipeline.config_grpo import GRPOConfig, Rollouts
 from pipeline.data.sources import parse_sources
 from pipeline.train.trackers import check_report_to
 
@@ -431,6 +431,17 @@ class ObjectiveConfig(Section):
     def preference(self) -> bool:
         return self.objective not in ("sft", "grpo")
 
+    @property
+    def generates(self) -> bool:
+        """Whether it trains on completions it generates (online RL), not on the token cache's blocks."""
+        return self.objective == "grpo"
+
+    @property
+    def scores_answers(self) -> bool:
+        """Whether its loss reads the model's log-probabilities of whole answers (any objective but sft's next-token
+        loss), through the model's own head."""
+        return self.objective != "sft"
+
 
 @dataclass
 class Config:
@@ -441,6 +452,12 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+
+    @property
+    def rollouts(self) -> Rollouts | None:
+        """What the objective generates per prompt, where it generates (its micro-batch is then a batch of prompts
+        times their completions); None for an objective over blocks."""
+        return self.grpo.rollouts(self.model.adapter) if self.objective.generates else None
 
     @property
     def run_dir(self) -> Path:

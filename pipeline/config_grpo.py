@@ -18,6 +18,21 @@ MAX_LENGTH = 1 << 20
 """The longest prompt or completion, in tokens: beyond it a cache or a mask would not fit any accelerator."""
 
 
+@dataclass(frozen=True)
+class Rollouts:
+    """What a run that generates makes per prompt, as the memory estimate counts it (pipeline/strategies/memory.py's
+    Generation)."""
+
+    group: int
+    """Completions per prompt."""
+    prompt: int
+    """The longest prompt, in tokens."""
+    completion: int
+    """The longest completion, in tokens."""
+    reference: bool
+    """A frozen copy of the base resident beside the policy."""
+
+
 @dataclass
 class GRPOConfig(Section):
     reward: str = ""
@@ -69,6 +84,11 @@ class GRPOConfig(Section):
     log_completions: int = 2
     """grpo: completions (with their prompt and rewards) logged at each log line, to the samples log and
     TensorBoard's text tab; 0: none."""
+
+    def rollouts(self, adapter: str) -> Rollouts:
+        """Its rollouts' shape; with --adapter the reference is the base with the adapters off, not a copy."""
+        return Rollouts(self.num_generations, self.max_prompt_length, self.max_completion_length,
+                        self.grpo_beta > 0 and adapter == "none")
 
     def check(self) -> None:
         in_range(self.reward_timeout, 0, 1e6, "reward_timeout")

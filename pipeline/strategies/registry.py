@@ -79,10 +79,10 @@ def check_sequence_parallel(cfg: Config) -> None:
         raise UserError(f"{name} needs --strategy {_those_that(lambda c: c.SEQUENCE_PARALLEL)}, got --strategy "
                         f"{m.strategy}")
     objective = cfg.objective.objective
-    if objective == "grpo":
-        raise UserError(f"{name} trains --objective sft, dpo, ipo, simpo, orpo, kto or reward, not grpo yet (its "
-                        "generation runs whole sequences); use --sequence-parallel 1")
-    if objective != "sft" and m.vocab_parallel == "on":
+    if cfg.objective.generates:
+        raise UserError(f"{name} trains --objective sft, dpo, ipo, simpo, orpo, kto or reward, not {objective} yet "
+                        "(its generation runs whole sequences); use --sequence-parallel 1")
+    if cfg.objective.scores_answers and m.vocab_parallel == "on":
         raise UserError(f"{name} scores --objective {objective}'s answers through the model's own head: use "
                         "--vocab-parallel auto or off")
     if expert_parallel_asked(m):
@@ -141,14 +141,13 @@ def uses_vocab_parallel(m: ModelConfig) -> bool:
 def workload(cfg: Config, device: str, world_size: int, local_world_size: int, resident_params: int = 0) -> Workload:
     """The workload of a settled config (its strategy and sharding chosen) on this launch; resident_params: other
     models' parameters held whole in the compute dtype on every rank (GRPO's reward models)."""
-    m, g = cfg.model, cfg.grpo
+    m, r = cfg.model, cfg.rollouts
     dtype = compute_dtype(m.precision, torch.device(device))
     batch, seq, generation = cfg.train.batch_size, cfg.data.seq_length, None
-    if cfg.objective.objective == "grpo":  # a micro-batch of B prompts is B x G completions
-        generation = Generation(batch * g.num_generations, g.max_prompt_length, g.max_completion_length,
-                                reference=g.grpo_beta > 0 and m.adapter == "none", group=g.num_generations,
+    if r is not None:  # a micro-batch of B prompts is B x G completions
+        generation = Generation(batch * r.group, r.prompt, r.completion, reference=r.reference, group=r.group,
                                 packable=m.attn_implementation in ("auto", *PACKABLE_KERNELS))
-        batch, seq = generation.completions, g.max_prompt_length + g.max_completion_length
+        batch, seq = generation.completions, r.prompt + r.completion
     return Workload(m.strategy, m.sharding, world_size, local_world_size, dtype.itemsize, batch, seq,
                     cfg.train.grad_accum, m.activation_checkpointing, uses_vocab_parallel(m), m.cpu_offload, device,
                     m.adapter, m.lora_rank, m.lora_targets, generation, resident_params * dtype.itemsize,
