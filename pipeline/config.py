@@ -432,6 +432,11 @@ class ObjectiveConfig(Section):
         return self.objective not in ("sft", "grpo")
 
     @property
+    def unpairs(self) -> bool:
+        """Whether it reads each answer of a pair as a record of its own (KTO), beside unpaired records."""
+        return self.objective == "kto"
+
+    @property
     def generates(self) -> bool:
         """Whether it trains on completions it generates (online RL), not on the token cache's blocks."""
         return self.objective == "grpo"

@@ -59,13 +59,14 @@ from pipeline.model.reward_head import is_reward_model
 from pipeline.objectives.build import REFERENCE_OBJECTIVES
 from pipeline.objectives.kinds import Inputs, kind_of
 from pipeline.objectives.objective import HeldOut
+from pipeline.objectives.plans import plan_reference
 from pipeline.objectives.reference import none as no_reference
 from pipeline.objectives.reference import precomputed
 from pipeline.prep.hub import resolve_model_dir
 from pipeline.strategies.auto import check_agreed
 from pipeline.strategies.registry import make_strategy, settle
 from pipeline.train.blocks import prepare_blocks
-from pipeline.train.preflight import Plan, check_base_weights, plan_reference, resolve_inputs
+from pipeline.train.preflight import Plan, check_base_weights, resolve_inputs
 from pipeline.train.reference import with_reference
 from pipeline.train.telemetry import finite_or_text
 
@@ -263,7 +264,9 @@ def evaluate(cfg: Config, plan: Plan, adapter: AdapterFolder | None, split: str,
     strategy.build(plan.hf_config)
     head, reference = strategy.head(), None
     if cfg.objective.reference_model:  # before the model's own weights: the pass loads the reference's
-        blocks = with_reference(blocks, plan_reference(cfg, plan), strategy, dtype, cfg.train.batch_size)
+        ref = plan_reference(cfg, plan.model_dir, plan.hf_config, plan.tokenizer,
+                             lambda: check_base_weights(cfg, plan.model_dir))
+        blocks = with_reference(blocks, ref, strategy, dtype, cfg.train.batch_size)
         reference = precomputed(head)
     elif adapter is None:
         reference = no_reference(head)

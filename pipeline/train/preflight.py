@@ -6,7 +6,6 @@ resolves (the model folder, its config, the dataset, the run's fingerprint) is t
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import Config, ModelConfig, ObjectiveConfig
+from pipeline.config import Config, ModelConfig
 from pipeline.data.dataset import (
     BlockSpec,
     conversation_rows,
@@ -33,12 +32,14 @@ from pipeline.errors import UserError
 from pipeline.eval.samples import Prompt, read_prompts
 from pipeline.model.adapters import chosen_targets
 from pipeline.model.modeling import cannot_train, meta_model
-from pipeline.model.reward_head import RewardHead, checked_pad_id, is_reward_model, reward_head_layout
+from pipeline.model.reward_head import RewardHead
 from pipeline.model.router import RouterBalance, balancing_coef
 from pipeline.model.tiled_mlp import TiledMLP
 from pipeline.model.weight_check import WeightCheck, read_line, unchanged_weights, weights_digest
 from pipeline.model.weight_files import read_index
-from pipeline.objectives.build import REFERENCE_OBJECTIVES
+from pipeline.objectives import plans as objective_plans
+from pipeline.objectives.plans import ReferencePlan, plan_reference
+from pipeline.objectives.plans import changed as objective_changed
 from pipeline.ownership import check_apart, check_not_nested, check_target
 from pipeline.prep.hub import resolve_model_dir
 from pipeline.rl.rewards import Rewards
@@ -46,23 +47,7 @@ from pipeline.strategies import sequence_parallel
 from pipeline.strategies.auto import MemoryPlan, plan_memory
 from pipeline.train.checkpoint import read_state
 from pipeline.train.export import check_replaceable, run_exports
-from pipeline.train.grpo_plan import (
-    check_prompts,
-    check_reward_columns,
-    grpo_changed,
-    grpo_settings,
-    plan_rewards,
-)
 from pipeline.train.trackers import check_installed
-
-
-@dataclass(frozen=True)
-class ReferencePlan:
-    model_dir: Path
-    name: str
-    """As the user named it (--model-name or --reference-model)."""
-    weights: str
-    """Its weights' digest (weight_check.weights_digest): the key of its log-probabilities beside the token cache."""
 
 
 @dataclass
@@ -123,18 +108,7 @@ def run_fingerprint(cfg: Config, model_dir: Path, hf_config, data: list[DataSour
         "dataset": dataset,
         **spec.key(),
         **({"adapter": adapter_settings(cfg.model)} if cfg.model.adapter != "none" else {}),
-        **({"objective": objective_settings(cfg.objective)} if cfg.objective.preference else {}),
     }
-
-
-def objective_settings(o: ObjectiveConfig) -> dict:
-    """A preference run's objective as its fingerprint holds it. An SFT run's fingerprint has no such field, so runs
-    from before preference objectives still resume; reference_model only where given and an objective's own fields
-    (KTO's weights) only under it, so runs from before those existed still resume."""
-    if o.objective == "reward":  # the preference objectives' settings play no part in it
-        return {"objective": o.objective, "center_rewards_coefficient": o.center_rewards_coefficient}
-    return {k: v for k, v in dataclasses.asdict(o).items()
-            if (k != "reference_model" or v) and o.ONLY.get(k, o.objective) == o.objective}
 
 
 def adapter_settings(m: ModelConfig) -> dict:
@@ -160,8 +134,8 @@ def check_fingerprint(run_dir: Path, saved: dict, current: dict, older: dict | N
                                 f"{current['model_name']} with weights {saved[key][:16]}..., and the weights there "
                                 f"now are {current[key][:16]}... (another model, or changed ones); restore the base "
                                 "it was trained on, or pass --no-resume to train new adapters on this one")
-            if key == "grpo" and saved.get(key) and current.get(key):
-                raise UserError(grpo_changed(run_dir, saved[key], current[key]))
+            if line := objective_changed(run_dir, key, saved, current):
+                raise UserError(line)
             raise UserError(f"refusing to resume {run_dir}: {key} was {saved.get(key)!r} and is now "
                             f"{current.get(key)!r}; rerun with the original value, or pass --no-resume to start a "
                             "new run beside it")
@@ -197,72 +171,6 @@ def check_base_weights(cfg: Config, model_dir: Path) -> WeightCheck:
     return check
 
 
-def check_objective(cfg: Config, pairs: int, unpaired: int) -> None:
-    """The objective fits the data: pairs train with a preference objective (SFT on them would train the prompts
-    alone), unpaired records with kto (any other would read a labelled completion as a pair or as an answer to
-    imitate), text and conversations with sft."""
-    objective, data = cfg.objective.objective, cfg.data.dataset_name
-    if unpaired and objective != "kto":
-        raise UserError(f"{data} holds {unpaired:,} unpaired preference records (a prompt, one completion and its "
-                        "label): train them with --objective kto")
-    if pairs and objective == "sft":
-        raise UserError(f"{data} holds {pairs:,} preference pairs (chosen and rejected answers): train them with "
-                        "--objective dpo, ipo, simpo, orpo or kto")
-    if not pairs and not unpaired and objective == "kto":
-        raise UserError(f"--objective kto trains on labelled completions and {data} holds none (DATA-HF reads "
-                        "records with a prompt, a completion and a true/false label, and pairs, as KTO's records)")
-    if not pairs and objective not in ("sft", "kto", "grpo"):
-        raise UserError(f"--objective {objective} trains on preference pairs and {data} holds none (DATA-HF reads "
-                        "records with chosen and rejected answers as pairs)")
-
-
-def check_reward(cfg: Config, hf_config) -> tuple[str, str]:
-    """A reward model neither generates nor answers lm-eval's tasks; its family must have a sequence-classification
-    class that reads it (reward_head_layout). One line each, before any weight is read."""
-    if cfg.model.strategy == "manual":  # its own flat shards take no parameter a transform initialises
-        raise UserError("--objective reward trains under --strategy ddp, fsdp2 or fsdp1 (auto picks among them), not "
-                        "manual")
-    for given, name in ((cfg.train.sample_prompts, "--sample-prompts"), (cfg.train.lm_eval_tasks, "--lm-eval-tasks")):
-        if given:
-            raise UserError(f"{name}: a reward model scores text and does not generate; drop it (its validation "
-                            "gives the held-out accuracy)")
-    return reward_head_layout(hf_config)
-
-
-def plan_reference(cfg: Config, plan: Plan, base: WeightCheck | None = None) -> ReferencePlan | None:
-    """The reference whose log-probabilities a pass computes before training: --reference-model, or the base under
-    full fine-tuning (an adapter run's reference is its base with the adapters off: None). A reference of another
-    vocabulary or other tensors than the policy's is one line, before any weight is read. base: the base weights'
-    check where preflight has made it already."""
-    o, model_dir = cfg.objective, plan.model_dir
-    if o.objective not in REFERENCE_OBJECTIVES or (cfg.model.adapter != "none" and not o.reference_model):
-        return None
-    if not o.reference_model:
-        base = base or check_base_weights(cfg, model_dir)
-        return ReferencePlan(model_dir, cfg.model.model_name, weights_digest(base))
-    from transformers import AutoConfig, AutoTokenizer
-
-    ref_dir = resolve_model_dir(o.reference_model, "--reference-model")
-    ref_config = AutoConfig.from_pretrained(ref_dir)
-    if is_reward_model(ref_config):  # run as a causal LM, its head would be missing (or a tied embedding)
-        raise UserError(f"--reference-model {o.reference_model} is a reward model ({ref_config.architectures[0]}): a "
-                        "reference gives log-probabilities, which a reward model has no head for")
-    mine, theirs = getattr(plan.hf_config, "vocab_size", None), getattr(ref_config, "vocab_size", None)
-    if mine != theirs or AutoTokenizer.from_pretrained(ref_dir).get_vocab() != plan.tokenizer.get_vocab():
-        raise UserError(f"--reference-model {o.reference_model} has another vocabulary than {cfg.model.model_name} "
-                        f"(vocab_size {theirs} vs {mine}, or other tokens): a reference scores the policy's tokens, "
-                        "so it must share its tokenizer")
-    policy, ref = read_index(model_dir), read_index(ref_dir)
-    for name, entry in policy.items():
-        if name not in ref or list(ref[name].shape) != list(entry.shape):
-            found = "missing" if name not in ref else f"of shape {list(ref[name].shape)}"
-            raise UserError(f"--reference-model {o.reference_model} does not fit {cfg.model.model_name}'s "
-                            f"architecture: its tensor {name} is {found}, not of shape {list(entry.shape)}; the "
-                            "reference is run in the policy's model, so it must be the same architecture")
-    check = unchanged_weights(ref_dir, o.reference_model)
-    return ReferencePlan(ref_dir, o.reference_model, weights_digest(check))
-
-
 def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
     """The model, its tokenizer and the dataset as the config names them, the blocks' spec and the run's fingerprint,
     with every cheap check of them; no run folder is read. Identical on every rank. What pipeline.evaluate plans
@@ -277,10 +185,7 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
                         f"(max_position_embeddings {limit})")
     if why := cannot_train(hf_config):
         raise UserError(f"--model-name {cfg.model.model_name}: {why}")
-    if is_reward_model(hf_config) and cfg.objective.objective != "reward":
-        raise UserError(f"--model-name {cfg.model.model_name} is a reward model ({hf_config.architectures[0]}): it "
-                        "trains further with --objective reward only (it has no language-model head)")
-    layout = check_reward(cfg, hf_config) if cfg.objective.objective == "reward" else None
+    layout = objective_plans.check_model(cfg, hf_config)
     check_model_changes(cfg, hf_config)
     data = load_sources(cfg)
     chats = any(bool(conversation_rows(d.dataset).any()) for d in data)
@@ -288,22 +193,19 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
     spec = BlockSpec(cfg.data.seq_length, cfg.data.val_fraction, cfg.run.seed, chats, cfg.data.train_on,
                      cfg.data.chat_date, cfg.data.chat_template and tokenizer.chat_template, cfg.data.document_mask,
                      cfg.data.allow_special_tokens_in_data, pairs=cfg.objective.preference,
-                     kto=cfg.objective.objective == "kto", train_reasoning=cfg.data.train_on_reasoning)
-    fingerprint = run_fingerprint(cfg, model_dir, hf_config, data, spec)
-    if rewards := plan_rewards(cfg, hf_config):
-        check_reward_columns(rewards, data)
-        fingerprint["grpo"] = grpo_settings(cfg, rewards)
-        if cfg.model.vocab_parallel == "auto":  # GRPO scores its completions through the model's own head
-            cfg.model.vocab_parallel = "off"
-    if cfg.model.sequence_parallel > 1 and cfg.objective.objective != "sft" and cfg.model.vocab_parallel == "auto":
-        cfg.model.vocab_parallel = "off"  # answers scored whole from the gathered rows (token_logps)
+                     kto=cfg.objective.unpairs, train_reasoning=cfg.data.train_on_reasoning)
+    objective = objective_plans.resolve(cfg, hf_config, tokenizer, data, layout)
+    fingerprint = {**run_fingerprint(cfg, model_dir, hf_config, data, spec), **objective.fingerprint}
+    # answers scored through the model's own head: completions generated (their log-probabilities per token), or
+    # answers whose rows sequence parallelism splits (scored whole from the gathered rows: token_logps)
+    if cfg.model.vocab_parallel == "auto" and (cfg.objective.generates or (
+            cfg.model.sequence_parallel > 1 and cfg.objective.scores_answers)):
+        cfg.model.vocab_parallel = "off"
     check_cache_root(cfg, inputs(cfg, model_dir))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return Plan(model_dir, hf_config, data, tokenizer, spec, fingerprint,
-                plan_memory(cfg, hf_config, device, launch, rewards.model_params if rewards else 0),
-                reward_head=RewardHead(layout, checked_pad_id(tokenizer, hf_config, cfg.model.model_name),
-                                      is_reward_model(hf_config)) if layout else None,
-                rewards=rewards)
+                plan_memory(cfg, hf_config, device, launch, objective.resident_params),
+                reward_head=objective.reward_head, rewards=objective.rewards)
 
 
 def check_model_changes(cfg: Config, hf_config) -> None:
@@ -347,8 +249,7 @@ def load_sources(cfg: Config) -> list[DataSource]:
         raise UserError(f"--dataset-name {cfg.data.dataset_name} mixes datasets for a preference objective or of "
                         "preference pairs: a mixture trains text and conversations with --objective sft; train pairs "
                         "from one dataset")
-    check_objective(cfg, pairs, unpaired)
-    check_prompts(cfg, sum(prompt_rows(d.dataset) for d in data))
+    objective_plans.check_data(cfg, pairs, unpaired, sum(prompt_rows(d.dataset) for d in data))
     return data
 
 
@@ -426,7 +327,8 @@ def preflight(cfg: Config, launch: Launch | None = None) -> Plan:
         check = check_base_weights(cfg, plan.model_dir)
         if cfg.model.adapter != "none":  # the adapters are trained on these weights: a resume must find them again
             plan.fingerprint["base_weights"] = weights_digest(check)
-    plan.reference = plan_reference(cfg, plan, check)
+    plan.reference = plan_reference(cfg, plan.model_dir, plan.hf_config, plan.tokenizer,
+                                    lambda: check or check_base_weights(cfg, plan.model_dir))
     if plan.reference is not None:  # a resume against another reference would compare with other log-probabilities
         plan.fingerprint["reference_weights"] = plan.reference.weights
     if state and not cfg.run.no_resume:

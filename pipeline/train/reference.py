@@ -15,10 +15,10 @@ import torch.distributed as dist
 from pipeline.data.pair_tokens import count_pairs
 from pipeline.data.token_cache import Blocks
 from pipeline.model.adapters import adapters_disabled
+from pipeline.objectives.plans import ReferencePlan
 from pipeline.objectives.reference_pass import ensure_reference, reference_folder
 from pipeline.signals import Interrupted, StopRequest, agreed_stop
 from pipeline.strategies.base import Strategy
-from pipeline.train.preflight import ReferencePlan
 from pipeline.train.telemetry import log
 
 

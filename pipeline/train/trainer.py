@@ -122,7 +122,7 @@ class Trainer:
         self.profiler = StepProfiler(first, cfg.train.profile_steps, self.run_dir / "profile", d.device,
                                      lambda: memory_breakdown(self.strategy.module, self.optimizer, d.device))
         data = data_line(len(self.blocks.train), len(self.blocks.val), cfg.data.seq_length, self.sampler.global_batch,
-                         cfg.grpo.num_generations if self.objective.generates else 0)
+                         cfg.rollouts.group if cfg.rollouts else 0)
         split = f", each sequence split over {d.sequence_parallel} ranks" if d.sequence_parallel > 1 else ""
         log.info("model %s: %s parameters (%s trainable%s), %s compute, %s %s%s; %s; step %d of %d",
                  type(self.strategy.module).__name__, f"{self.strategy.num_params:,}",

@@ -1,6 +1,6 @@
-"""Preflight's part for online RL: a prompts dataset trains with --objective grpo and nothing else, GRPO's flags are
-given only with it, its rewards load (the user's code runs here, once per process, before any heavy work), and what
-defines a GRPO run goes into its fingerprint."""
+"""Preflight's part for online RL (pipeline/objectives/plans.py calls it): a prompts dataset trains with --objective
+grpo and nothing else, GRPO's flags are given only with it, its rewards load (the user's code runs here, once per
+process, before any heavy work), and what defines a GRPO run goes into its fingerprint."""
 
 from __future__ import annotations
 
