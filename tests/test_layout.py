@@ -81,6 +81,30 @@ def test_the_strategies_import_no_objective_and_no_online_rl():
     assert {name: deps for name, deps in up.items() if deps} == {}
 
 
+def test_the_trainer_preflight_the_strategies_and_evaluate_name_no_objective():
+    """Every objective is a component (pipeline/objectives/kinds.py, plans.py): the modules that run any of them hold
+    no objective's name in their code (docstrings and comments may name one as an example), and every objective the
+    config offers has its component."""
+    from typing import get_args
+
+    from pipeline.config import Objective
+    from pipeline.objectives.kinds import KINDS
+
+    names = set(get_args(Objective))
+    assert set(KINDS) == names
+    files = [PACKAGE / "train" / "trainer.py", PACKAGE / "train" / "preflight.py", PACKAGE / "tools" / "evaluate.py",
+             *sorted((PACKAGE / "strategies").glob("*.py"))]
+    for path in files:
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef) and node.body
+                      and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+        named = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                 and id(node) not in docstrings and node.value in names}
+        attributes = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in names}
+        assert not named and not attributes, (path.name, named, attributes)
+
+
 def test_no_module_imports_a_private_module_of_a_dependency():
     """A private module (a dotted path with a part starting with "_") may move in any release: pipeline/ reaches its
     dependencies through their public API only."""

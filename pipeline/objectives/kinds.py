@@ -1,11 +1,13 @@
 """Each objective as one component (torchtitan's way): what the trainer and pipeline.evaluate need of it, behind one
 interface, so that neither names an objective. `kind_of(cfg)` gives the run's: how many optimizer steps each draw of
-the sampler trains, and `build(...)`, the objective the trainer calls on each micro-batch. What preflight checks of
-an objective and keeps in the fingerprint is pipeline/objectives/plans.py's; what the memory estimate counts comes
-from the config's own description of the workload (pipeline/config.py, Config.rollouts)."""
+the sampler trains, `build(...)`, the objective the trainer calls on each micro-batch, and the figures and table
+rows pipeline.evaluate reports of its held-out loss. What preflight checks of an objective and keeps in the
+fingerprint is pipeline/objectives/plans.py's; what the memory estimate counts comes from the config's own
+description of the workload (pipeline/config.py, Config.rollouts)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,9 +17,9 @@ from pipeline.config import Config
 from pipeline.eval.samples import stop_ids
 from pipeline.model.head import Head
 from pipeline.model.reward_head import RewardHead, pad_id
-from pipeline.objectives.build import make_grpo, make_objective
+from pipeline.objectives.build import REFERENCE_OBJECTIVES, make_grpo, make_objective
 from pipeline.objectives.kl_reference import frozen_copy
-from pipeline.objectives.objective import Objective
+from pipeline.objectives.objective import HeldOut, Objective
 from pipeline.objectives.preference import Reference
 from pipeline.rl.rewards import Rewards
 from pipeline.strategies.base import Strategy
@@ -50,7 +52,7 @@ class Inputs:
 
 
 class Kind:
-    """An objective over the token cache's blocks: the causal-LM loss, a preference objective, KTO, a reward model."""
+    """The causal-LM loss (sft), and what every objective over the token cache's blocks shares."""
 
     def iterations(self, cfg: Config) -> int:
         """Optimizer steps trained on each draw of the sampler."""
@@ -58,6 +60,67 @@ class Kind:
 
     def build(self, inputs: Inputs) -> Objective:
         return make_objective(inputs.cfg.objective, inputs.head, inputs.reference, inputs.reward_head)
+
+    def figures(self, cfg: Config, result: HeldOut) -> dict:
+        """pipeline.evaluate's report of the held-out result, beside the loss and the data it was measured on."""
+        return {"ppl": result.ppl, "tokens": result.tokens}
+
+    def rows(self, report: dict, model: str, data: str) -> dict[str, str]:
+        """The report as pipeline.evaluate's table shows it. data: the dataset, split and blocks, to be closed by
+        what was counted in them."""
+        return {"model": model, "dataset": data + f"{report['tokens']:,} target tokens)",
+                "loss": shown(report["loss"], ".5f"), "ppl": shown(report["ppl"], ".3f")}
+
+
+class Pairs(Kind):
+    """A preference objective over pairs (dpo, ipo, simpo, orpo): the loss, the preference accuracy and the mean
+    margin of the rewards, against the reference where it has one."""
+
+    def figures(self, cfg: Config, result: HeldOut) -> dict:
+        return {**self.settings(cfg), "pairs": result.tokens,
+                "preference_accuracy": result.metrics["rewards/accuracies"],
+                "mean_margin": result.metrics["rewards/margins"], **result.metrics}
+
+    @staticmethod
+    def settings(cfg: Config) -> dict:
+        o = cfg.objective
+        reference = o.reference_model or ("the base, adapter off" if cfg.model.adapter != "none" else None)
+        return {"objective": o.objective, "pref_beta": o.pref_beta,
+                "reference": reference if o.objective in REFERENCE_OBJECTIVES else None}
+
+    def rows(self, report: dict, model: str, data: str) -> dict[str, str]:
+        items = "pairs" if "pairs" in report else "examples"
+        return {"model": model, "dataset": data + f"{report[items]:,} {items})", **self.reference_row(report),
+                f"{report['objective']} loss": shown(report["loss"], ".5f"),
+                **({"accuracy": format(report["preference_accuracy"], ".4f")} if items == "pairs" else {}),
+                "margin": format(report["mean_margin"], ".4f") if math.isfinite(report["mean_margin"]) else
+                "undefined (the examples hold desirable or undesirable completions only)",
+                **({"kl": format(report["kl"], ".4f")} if "kl" in report else {})}
+
+    @staticmethod
+    def reference_row(report: dict) -> dict[str, str]:
+        return {"reference": report["reference"] or "none (the model's own log-probabilities)"}
+
+
+class Unpaired(Pairs):
+    """KTO: no pairs, so no accuracy; the margin of the two labels' rewards."""
+
+    def figures(self, cfg: Config, result: HeldOut) -> dict:
+        return {**self.settings(cfg), "examples": result.tokens, "mean_margin": result.metrics["rewards/margins"],
+                **result.metrics}
+
+
+class RewardModel(Pairs):
+    """A reward model: its own rewards' accuracy and margin, no reference and no beta."""
+
+    def figures(self, cfg: Config, result: HeldOut) -> dict:
+        return {**self.settings(cfg), "reference": None, "pref_beta": None, "pairs": result.tokens,
+                "preference_accuracy": result.metrics["accuracy"], "mean_margin": result.metrics["margin"],
+                **result.metrics}
+
+    @staticmethod
+    def reference_row(report: dict) -> dict[str, str]:
+        return {}
 
 
 class Online(Kind):
@@ -78,10 +141,33 @@ class Online(Kind):
                          s.gathered, inputs.dtype, frozen, inputs.max_steps, replica=s.replica_head())
 
 
-KINDS: dict[str, Kind] = {"grpo": Online()}
-"""--objective -> its component, where it is not an offline objective over blocks (Kind)."""
+    def figures(self, cfg: Config, result: HeldOut) -> dict:
+        """Greedy completions' rewards, as the run's validation."""
+        return {"objective": cfg.objective.objective, "reward_functions": cfg.grpo.reward, "prompts": result.tokens,
+                "mean_reward": result.metrics["reward"], **result.metrics}
+
+    def rows(self, report: dict, model: str, data: str) -> dict[str, str]:
+        return {"model": model, "dataset": f"{report['dataset']} ({report['split']}: {report['prompts']:,} prompts, "
+                f"greedy completions)", "rewards": report["reward_functions"],
+                "mean reward": format(report["mean_reward"], ".4f"),
+                "mean length": format(report["completions/mean_length"], ".2f")}
+
+
+KINDS: dict[str, Kind] = {"sft": Kind(), **dict.fromkeys(("dpo", "ipo", "simpo", "orpo"), Pairs()), "kto": Unpaired(),
+                          "reward": RewardModel(), "grpo": Online()}
+"""--objective -> its component."""
 
 
 def kind_of(cfg: Config) -> Kind:
-    return KINDS.get(cfg.objective.objective, Kind())
+    return KINDS[cfg.objective.objective]
+
+
+def kind_of_report(report: dict) -> Kind:
+    """The kind whose figures a pipeline.evaluate report holds (the causal-LM loss's name none)."""
+    return KINDS[report.get("objective", "sft")]
+
+
+def shown(value: float | str, spec: str) -> str:
+    """A figure of a report as the table shows it: "nan" and "inf" (JSON's text for them) as they are."""
+    return value if isinstance(value, str) else format(value, spec)
 

@@ -155,3 +155,40 @@ def plan_reference(cfg: Config, model_dir: Path, hf_config, tokenizer, base: Cal
                             "reference is run in the policy's model, so it must be the same architecture")
     check = unchanged_weights(ref_dir, o.reference_model)
     return ReferencePlan(ref_dir, o.reference_model, weights_digest(check))
+
+
+def held_out_objective(cfg: Config, reference: str | None, pairs: int, unpaired: int, prompts: int,
+                       reward_model: Callable[[], bool]) -> Config:
+    """pipeline.evaluate's objective for a dataset of these records: pairs are scored by a preference objective (dpo
+    unless another is given: the next-token loss of both answers would say nothing of the preference), or by a
+    reward model's own loss; unpaired records by kto, with --reference as its reference model; prompts by GRPO's
+    rewards of greedy completions; anything else by the causal-LM loss. reward_model: whether the model is one
+    (asked only where it decides)."""
+    if prompts:  # the mean reward of greedy completions, as GRPO validates
+        if reference:
+            raise UserError("--reference is for a dataset of preference pairs; prompts are scored by --reward")
+        if not cfg.grpo.reward:
+            raise UserError(f"{cfg.data.dataset_name} holds prompts: their completions are scored by --reward "
+                            "FILE.py:FUNCTION[:WEIGHT] (or a built-in; --config RUN/config.yaml gives the run's)")
+        return dataclasses.replace(cfg, objective=dataclasses.replace(cfg.objective, objective="grpo"))
+    if reference and not pairs and not unpaired:
+        raise UserError("--reference is for a dataset of preference pairs: the rewards of their answers are measured "
+                        "against it")
+    reward = reward_model()
+    if cfg.objective.objective == "reward" and not reward:  # its score would be drawn at random, not read
+        raise UserError(f"{cfg.model.model_name} is not a reward model (a run of --objective reward exports one to "
+                        "RUN/hf): its rewards would come from a score drawn at random")
+    if reward:
+        if not pairs:  # a reward model scores pairs alone: the next-token loss of its score would be no figure
+            raise UserError(f"{cfg.model.model_name} is a reward model: it is evaluated on preference pairs (-d "
+                            "PAIRS), its figures the accuracy and margins of its rewards")
+        if reference:
+            raise UserError("--reference is for --objective dpo, ipo or kto: a reward model is scored alone")
+    if not pairs and not unpaired:
+        return cfg
+    objective = "reward" if reward else "kto" if unpaired else \
+        cfg.objective.objective if cfg.objective.preference else "dpo"
+    if reference and objective not in REFERENCE_OBJECTIVES:
+        raise UserError(f"--reference is for --objective dpo, ipo or kto, not {objective}, which has no reference")
+    return dataclasses.replace(cfg, objective=dataclasses.replace(cfg.objective, objective=objective,
+                                                                  reference_model=reference or ""))

@@ -25,7 +25,6 @@ import gc
 import hashlib
 import json
 import logging
-import math
 import os
 import sys
 from collections.abc import Iterator
@@ -56,10 +55,9 @@ from pipeline.eval.heldout import held_out_loss
 from pipeline.fsutil import sha256_file, write_text_atomic
 from pipeline.model.registry import transforms_for
 from pipeline.model.reward_head import is_reward_model
-from pipeline.objectives.build import REFERENCE_OBJECTIVES
-from pipeline.objectives.kinds import Inputs, kind_of
+from pipeline.objectives.kinds import Inputs, kind_of, kind_of_report
 from pipeline.objectives.objective import HeldOut
-from pipeline.objectives.plans import plan_reference
+from pipeline.objectives.plans import held_out_objective, plan_reference
 from pipeline.objectives.reference import none as no_reference
 from pipeline.objectives.reference import precomputed
 from pipeline.prep.hub import resolve_model_dir
@@ -142,39 +140,11 @@ def reward_model(model: str) -> bool:
 
 
 def scored_as(cfg: Config, reference: str | None) -> Config:
-    """Pairs are scored by a preference objective (dpo unless another is given: the next-token loss of both answers
-    would say nothing of the preference), unpaired records by kto, with --reference as its reference model; anything
-    else by the causal-LM loss."""
+    """cfg with the objective that scores its dataset (pipeline/objectives/plans.held_out_objective)."""
     ds = load_text_dataset(cfg.data.dataset_name) if cfg.data.dataset_name else None
     pairs, unpaired = preference_rows(ds) if ds is not None else (0, 0)
-    if ds is not None and prompt_rows(ds):  # prompts: the mean reward of greedy completions, as GRPO validates
-        if reference:
-            raise UserError("--reference is for a dataset of preference pairs; prompts are scored by --reward")
-        if not cfg.grpo.reward:
-            raise UserError(f"{cfg.data.dataset_name} holds prompts: their completions are scored by --reward "
-                            "FILE.py:FUNCTION[:WEIGHT] (or a built-in; --config RUN/config.yaml gives the run's)")
-        return dataclasses.replace(cfg, objective=dataclasses.replace(cfg.objective, objective="grpo"))
-    if reference and not pairs and not unpaired:
-        raise UserError("--reference is for a dataset of preference pairs: the rewards of their answers are measured "
-                        "against it")
-    reward = reward_model(cfg.model.model_name)
-    if cfg.objective.objective == "reward" and not reward:  # its score would be drawn at random, not read
-        raise UserError(f"{cfg.model.model_name} is not a reward model (a run of --objective reward exports one to "
-                        "RUN/hf): its rewards would come from a score drawn at random")
-    if reward:
-        if not pairs:  # a reward model scores pairs alone: the next-token loss of its score would be no figure
-            raise UserError(f"{cfg.model.model_name} is a reward model: it is evaluated on preference pairs (-d "
-                            "PAIRS), its figures the accuracy and margins of its rewards")
-        if reference:
-            raise UserError("--reference is for --objective dpo, ipo or kto: a reward model is scored alone")
-    if not pairs and not unpaired:
-        return cfg
-    objective = "reward" if reward else "kto" if unpaired else \
-        cfg.objective.objective if cfg.objective.preference else "dpo"
-    if reference and objective not in REFERENCE_OBJECTIVES:
-        raise UserError(f"--reference is for --objective dpo, ipo or kto, not {objective}, which has no reference")
-    return dataclasses.replace(cfg, objective=dataclasses.replace(cfg.objective, objective=objective,
-                                                                  reference_model=reference or ""))
+    prompts = prompt_rows(ds) if ds is not None else 0
+    return held_out_objective(cfg, reference, pairs, unpaired, prompts, lambda: reward_model(cfg.model.model_name))
 
 
 def check_out(out: Path | None) -> None:
@@ -296,52 +266,17 @@ def identity(cfg: Config, adapter: AdapterFolder | None, args: argparse.Namespac
 
 
 def held_out_figures(cfg: Config, args: argparse.Namespace, result: HeldOut) -> dict:
-    """The held-out loss and the data it was measured on; for pairs, the objective's figures instead of the
-    perplexity."""
+    """The held-out loss and the data it was measured on, and the objective's figures (the perplexity of the
+    causal-LM loss, a preference objective's accuracy and margin, GRPO's rewards); a loss or perplexity that is not
+    finite as text ("nan", "inf"), which JSON has no number for."""
     data = {"dataset": cfg.data.dataset_name, "split": args.split, "seq_length": cfg.data.seq_length,
-            "loss": finite_or_text(result.loss), "blocks": result.blocks}
-    if cfg.objective.objective == "grpo":  # greedy completions' rewards, as the run's validation
-        return {**data, "objective": "grpo", "reward_functions": cfg.grpo.reward, "prompts": result.tokens,
-                "mean_reward": result.metrics["reward"], **result.metrics}
-    if not cfg.objective.preference:
-        return {**data, "ppl": finite_or_text(result.ppl), "tokens": result.tokens}
-    reference = cfg.objective.reference_model or ("the base, adapter off" if cfg.model.adapter != "none" else None)
-    data.update(objective=cfg.objective.objective, pref_beta=cfg.objective.pref_beta,
-                reference=reference if cfg.objective.objective in REFERENCE_OBJECTIVES else None)
-    if cfg.objective.objective == "kto":  # no pairs, so no accuracy: the margin of the two labels' rewards
-        return {**data, "examples": result.tokens, "mean_margin": result.metrics["rewards/margins"], **result.metrics}
-    if cfg.objective.objective == "reward":  # the model's own rewards: no reference, no beta
-        data.update(reference=None, pref_beta=None)
-        return {**data, "pairs": result.tokens, "preference_accuracy": result.metrics["accuracy"],
-                "mean_margin": result.metrics["margin"], **result.metrics}
-    return {**data, "pairs": result.tokens, "preference_accuracy": result.metrics["rewards/accuracies"],
-            "mean_margin": result.metrics["rewards/margins"], **result.metrics}
+            "loss": result.loss, "blocks": result.blocks, **kind_of(cfg).figures(cfg, result)}
+    return {k: finite_or_text(v) if k in ("loss", "ppl") else v for k, v in data.items()}
 
 
 def table(report: dict) -> str:
     model = report["base_model"] + (f" + adapter {report['adapter']}" if report["adapter"] else "")
     cut = f"{report['dataset']} ({report['split']}: {report['blocks']:,} blocks of {report['seq_length']} tokens, "
-    if report.get("objective") == "grpo":
-        rows = {"model": model, "dataset": f"{report['dataset']} ({report['split']}: {report['prompts']:,} prompts, "
-                f"greedy completions)", "rewards": report["reward_functions"],
-                "mean reward": format(report["mean_reward"], ".4f"),
-                "mean length": format(report["completions/mean_length"], ".2f")}
-    elif "objective" not in report:
-        rows = {"model": model, "dataset": cut + f"{report['tokens']:,} target tokens)",
-                "loss": _figure(report["loss"], ".5f"), "ppl": _figure(report["ppl"], ".3f")}
-    else:
-        items = "pairs" if "pairs" in report else "examples"
-        rows = {"model": model, "dataset": cut + f"{report[items]:,} {items})",
-                **({"reference": report["reference"] or "none (the model's own log-probabilities)"}
-                   if report["objective"] != "reward" else {}),
-                f"{report['objective']} loss": _figure(report["loss"], ".5f"),
-                **({"accuracy": format(report["preference_accuracy"], ".4f")} if items == "pairs" else {}),
-                "margin": format(report["mean_margin"], ".4f") if math.isfinite(report["mean_margin"]) else
-                "undefined (the examples hold desirable or undesirable completions only)",
-                **({"kl": format(report["kl"], ".4f")} if "kl" in report else {})}
+    rows = kind_of_report(report).rows(report, model, cut)
     width = max(map(len, rows)) + 1
     return "\n".join(f"{k:<{width}} {v}" for k, v in rows.items())
-
-
-def _figure(value: float | str, spec: str) -> str:
-    return value if isinstance(value, str) else format(value, spec)
