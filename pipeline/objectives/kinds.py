@@ -1,9 +1,12 @@
-"""Each objective as one component (torchtitan's way): what the trainer and pipeline.evaluate need of it, behind one
-interface, so that neither names an objective. `kind_of(cfg)` gives the run's: how many optimizer steps each draw of
-the sampler trains, `build(...)`, the objective the trainer calls on each micro-batch, and the figures and table
-rows pipeline.evaluate reports of its held-out loss. What preflight checks of an objective and keeps in the
-fingerprint is pipeline/objectives/plans.py's; what the memory estimate counts comes from the config's own
-description of the workload (pipeline/config.py, Config.rollouts)."""
+"""Each objective as one component (torchtitan's way): what preflight, the trainer and pipeline.evaluate need of it,
+behind one interface, so that none of them names an objective. `kind_of(cfg)` gives the run's: what it checks of the
+model and resolves before any heavy work (its fingerprint fields, a reward model's head, GRPO's rewards) and the
+resume guard's line when one of those changed; what it reads (the token cache's blocks, or prompts); how many
+optimizer steps each draw of the sampler trains; `build(...)`, the objective the trainer calls on each micro-batch;
+and the figures and table rows pipeline.evaluate reports of its held-out loss. That the data's records fit the
+objective is checked across them (pipeline/objectives/plans.check_data); what the memory estimate counts comes from
+the config's own description of the workload (pipeline/config.py, Config.rollouts), since the strategies sit below
+the objectives."""
 
 from __future__ import annotations
 
@@ -16,10 +19,12 @@ import torch
 from pipeline.config import Config
 from pipeline.eval.samples import stop_ids
 from pipeline.model.head import Head
-from pipeline.model.reward_head import RewardHead, pad_id
+from pipeline.model.reward_head import RewardHead, checked_pad_id, is_reward_model, pad_id
 from pipeline.objectives.build import REFERENCE_OBJECTIVES, make_grpo, make_objective
+from pipeline.objectives.grpo_plan import check_reward_columns, grpo_changed, grpo_settings, plan_rewards
 from pipeline.objectives.kl_reference import frozen_copy
 from pipeline.objectives.objective import HeldOut, Objective
+from pipeline.objectives.plans import ObjectivePlan, check_reward, objective_settings, refuse_reward_model
 from pipeline.objectives.preference import Reference
 from pipeline.rl.rewards import Rewards
 from pipeline.strategies.base import Strategy
@@ -54,6 +59,28 @@ class Inputs:
 class Kind:
     """The causal-LM loss (sft), and what every objective over the token cache's blocks shares."""
 
+    reads = "blocks"
+    """What the sampler draws: the token cache's blocks, or "prompts" (pipeline/rl/prompts.py)."""
+
+    def check_model(self, cfg: Config, hf_config) -> tuple[str, str] | None:
+        """The model fits the objective, one line each before any weight is read; a reward head's layout where the
+        objective trains one."""
+        refuse_reward_model(cfg, hf_config)
+        return None
+
+    def fingerprint(self, cfg: Config) -> dict:
+        """Its fields of the run's fingerprint (none for sft: runs from before objectives existed resume)."""
+        return {}
+
+    def resolve(self, cfg: Config, hf_config, tokenizer, data: list, layout: tuple[str, str] | None
+                ) -> ObjectivePlan:
+        """What preflight resolves of it: its fingerprint fields, and what it loads now. layout: check_model's."""
+        return ObjectivePlan(self.fingerprint(cfg))
+
+    def changed(self, run_dir: Path, key: str, saved: dict, current: dict) -> str | None:
+        """The resume guard's line for one of its fingerprint fields that changed; None for the generic line."""
+        return None
+
     def iterations(self, cfg: Config) -> int:
         """Optimizer steps trained on each draw of the sampler."""
         return 1
@@ -75,6 +102,9 @@ class Kind:
 class Pairs(Kind):
     """A preference objective over pairs (dpo, ipo, simpo, orpo): the loss, the preference accuracy and the mean
     margin of the rewards, against the reference where it has one."""
+
+    def fingerprint(self, cfg: Config) -> dict:
+        return {"objective": objective_settings(cfg.objective)}
 
     def figures(self, cfg: Config, result: HeldOut) -> dict:
         return {**self.settings(cfg), "pairs": result.tokens,
@@ -111,7 +141,17 @@ class Unpaired(Pairs):
 
 
 class RewardModel(Pairs):
-    """A reward model: its own rewards' accuracy and margin, no reference and no beta."""
+    """A reward model: its family's sequence-classification head on the model, trained on pairs; its own rewards'
+    accuracy and margin, no reference and no beta."""
+
+    def check_model(self, cfg: Config, hf_config) -> tuple[str, str] | None:
+        return check_reward(cfg, hf_config)
+
+    def resolve(self, cfg: Config, hf_config, tokenizer, data: list, layout: tuple[str, str] | None
+                ) -> ObjectivePlan:
+        head = RewardHead(layout, checked_pad_id(tokenizer, hf_config, cfg.model.model_name),
+                          is_reward_model(hf_config))
+        return ObjectivePlan(self.fingerprint(cfg), reward_head=head)
 
     def figures(self, cfg: Config, result: HeldOut) -> dict:
         return {**self.settings(cfg), "reference": None, "pref_beta": None, "pairs": result.tokens,
@@ -126,6 +166,21 @@ class RewardModel(Pairs):
 class Online(Kind):
     """GRPO: completions generated from prompts and scored by rewards, each generation trained --num-iterations
     times."""
+
+    reads = "prompts"
+
+    def resolve(self, cfg: Config, hf_config, tokenizer, data: list, layout: tuple[str, str] | None
+                ) -> ObjectivePlan:
+        """Its rewards, loaded (the user's code runs here) and told the prompts' columns; their identity and the
+        generation and loss settings in the fingerprint."""
+        rewards = plan_rewards(cfg, hf_config)
+        check_reward_columns(rewards, data)
+        return ObjectivePlan({"grpo": grpo_settings(cfg, rewards)}, rewards=rewards)
+
+    def changed(self, run_dir: Path, key: str, saved: dict, current: dict) -> str | None:
+        if key == "grpo" and saved.get(key) and current.get(key):
+            return grpo_changed(run_dir, saved[key], current[key])
+        return None
 
     def iterations(self, cfg: Config) -> int:
         return cfg.grpo.num_iterations

@@ -1,6 +1,6 @@
-"""Preflight's part for the objective (pipeline/train/preflight.py calls it, naming none): the data fits it, the model
-fits it, what it resolves before any heavy work (a reward model's head, GRPO's rewards, a preference objective's
-reference), and what of it the run's fingerprint holds."""
+"""What preflight checks and resolves of the objectives, for their components (pipeline/objectives/kinds.py): the
+data fits the objective, a reward model trains as one, a preference objective's reference and settings, and which
+objective pipeline.evaluate scores a dataset with."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 from pipeline.config import Config, ObjectiveConfig
 from pipeline.errors import UserError
-from pipeline.model.reward_head import RewardHead, checked_pad_id, is_reward_model, reward_head_layout
+from pipeline.model.reward_head import RewardHead, is_reward_model, reward_head_layout
 from pipeline.model.weight_check import WeightCheck, unchanged_weights, weights_digest
 from pipeline.model.weight_files import read_index
 from pipeline.objectives.build import REFERENCE_OBJECTIVES
-from pipeline.objectives.grpo_plan import check_prompts, check_reward_columns, grpo_changed, grpo_settings, plan_rewards
+from pipeline.objectives.grpo_plan import check_prompts
 from pipeline.prep.hub import resolve_model_dir
 from pipeline.rl.rewards import Rewards
 
@@ -37,39 +37,17 @@ class ObjectivePlan:
         return self.rewards.model_params if self.rewards else 0
 
 
-def check_model(cfg: Config, hf_config) -> tuple[str, str] | None:
-    """The model fits the objective: a reward model trains as one and nothing else. The reward head's layout where
-    the run trains one (one line each, before any weight is read)."""
-    if is_reward_model(hf_config) and cfg.objective.objective != "reward":
-        raise UserError(f"--model-name {cfg.model.model_name} is a reward model ({hf_config.architectures[0]}): it "
-                        "trains further with --objective reward only (it has no language-model head)")
-    return check_reward(cfg, hf_config) if cfg.objective.objective == "reward" else None
-
-
 def check_data(cfg: Config, pairs: int, unpaired: int, prompts: int) -> None:
     """The objective fits the data's records (pairs, unpaired labelled completions, prompts alone): one line."""
     check_objective(cfg, pairs, unpaired)
     check_prompts(cfg, prompts)
 
 
-def resolve(cfg: Config, hf_config, tokenizer, data: list, layout: tuple[str, str] | None) -> ObjectivePlan:
-    """The objective's fingerprint fields and what it loads now: GRPO's rewards (the user's code, told the prompts'
-    columns), a reward model's head. layout: check_model's."""
-    fingerprint = {"objective": objective_settings(cfg.objective)} if cfg.objective.preference else {}
-    rewards = plan_rewards(cfg, hf_config)
-    if rewards:
-        check_reward_columns(rewards, data)
-        fingerprint["grpo"] = grpo_settings(cfg, rewards)
-    head = RewardHead(layout, checked_pad_id(tokenizer, hf_config, cfg.model.model_name),
-                      is_reward_model(hf_config)) if layout else None
-    return ObjectivePlan(fingerprint, head, rewards)
-
-
-def changed(run_dir: Path, key: str, saved: dict, current: dict) -> str | None:
-    """The resume guard's line for an objective's fingerprint field that changed; None for the generic line."""
-    if key == "grpo" and saved.get(key) and current.get(key):
-        return grpo_changed(run_dir, saved[key], current[key])
-    return None
+def refuse_reward_model(cfg: Config, hf_config) -> None:
+    """A reward model trains further as one and as nothing else (it has no language-model head)."""
+    if is_reward_model(hf_config):
+        raise UserError(f"--model-name {cfg.model.model_name} is a reward model ({hf_config.architectures[0]}): it "
+                        "trains further with --objective reward only (it has no language-model head)")
 
 
 @dataclass(frozen=True)

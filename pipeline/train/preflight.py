@@ -37,9 +37,8 @@ from pipeline.model.router import RouterBalance, balancing_coef
 from pipeline.model.tiled_mlp import TiledMLP
 from pipeline.model.weight_check import WeightCheck, read_line, unchanged_weights, weights_digest
 from pipeline.model.weight_files import read_index
-from pipeline.objectives import plans as objective_plans
-from pipeline.objectives.plans import ReferencePlan, plan_reference
-from pipeline.objectives.plans import changed as objective_changed
+from pipeline.objectives.kinds import Kind, kind_of
+from pipeline.objectives.plans import ReferencePlan, check_data, plan_reference
 from pipeline.ownership import check_apart, check_not_nested, check_target
 from pipeline.prep.hub import resolve_model_dir
 from pipeline.rl.rewards import Rewards
@@ -118,11 +117,13 @@ def adapter_settings(m: ModelConfig) -> dict:
             "lora_dropout": m.lora_dropout, "lora_targets": m.lora_targets}
 
 
-def check_fingerprint(run_dir: Path, saved: dict, current: dict, older: dict | None = None) -> None:
+def check_fingerprint(run_dir: Path, saved: dict, current: dict, older: dict | None = None,
+                      kind: Kind | None = None) -> None:
     """The resume guard: every field of either fingerprint must be unchanged, or the rerun would silently train
     something else. older: a field's value as an earlier version of this code computed it for the same input,
-    also accepted (the run's next checkpoint records the current one)."""
-    older = older or {}
+    also accepted (the run's next checkpoint records the current one). kind: the run's objective, which words the
+    line for a field of its own."""
+    older, kind = older or {}, kind or Kind()
     for key in [*current, *(k for k in saved if k not in current)]:
         if saved.get(key) not in (current.get(key), older.get(key, current.get(key))):
             if key == "reference_weights":
@@ -134,7 +135,7 @@ def check_fingerprint(run_dir: Path, saved: dict, current: dict, older: dict | N
                                 f"{current['model_name']} with weights {saved[key][:16]}..., and the weights there "
                                 f"now are {current[key][:16]}... (another model, or changed ones); restore the base "
                                 "it was trained on, or pass --no-resume to train new adapters on this one")
-            if line := objective_changed(run_dir, key, saved, current):
+            if line := kind.changed(run_dir, key, saved, current):
                 raise UserError(line)
             raise UserError(f"refusing to resume {run_dir}: {key} was {saved.get(key)!r} and is now "
                             f"{current.get(key)!r}; rerun with the original value, or pass --no-resume to start a "
@@ -185,7 +186,8 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
                         f"(max_position_embeddings {limit})")
     if why := cannot_train(hf_config):
         raise UserError(f"--model-name {cfg.model.model_name}: {why}")
-    layout = objective_plans.check_model(cfg, hf_config)
+    kind = kind_of(cfg)
+    layout = kind.check_model(cfg, hf_config)
     check_model_changes(cfg, hf_config)
     data = load_sources(cfg)
     chats = any(bool(conversation_rows(d.dataset).any()) for d in data)
@@ -194,7 +196,7 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
                      cfg.data.chat_date, cfg.data.chat_template and tokenizer.chat_template, cfg.data.document_mask,
                      cfg.data.allow_special_tokens_in_data, pairs=cfg.objective.preference,
                      kto=cfg.objective.unpairs, train_reasoning=cfg.data.train_on_reasoning)
-    objective = objective_plans.resolve(cfg, hf_config, tokenizer, data, layout)
+    objective = kind.resolve(cfg, hf_config, tokenizer, data, layout)
     fingerprint = {**run_fingerprint(cfg, model_dir, hf_config, data, spec), **objective.fingerprint}
     # answers scored through the model's own head: completions generated (their log-probabilities per token), or
     # answers whose rows sequence parallelism splits (scored whole from the gathered rows: token_logps)
@@ -249,7 +251,7 @@ def load_sources(cfg: Config) -> list[DataSource]:
         raise UserError(f"--dataset-name {cfg.data.dataset_name} mixes datasets for a preference objective or of "
                         "preference pairs: a mixture trains text and conversations with --objective sft; train pairs "
                         "from one dataset")
-    objective_plans.check_data(cfg, pairs, unpaired, sum(prompt_rows(d.dataset) for d in data))
+    check_data(cfg, pairs, unpaired, sum(prompt_rows(d.dataset) for d in data))
     return data
 
 
@@ -334,5 +336,6 @@ def preflight(cfg: Config, launch: Launch | None = None) -> Plan:
     if state and not cfg.run.no_resume:
         # runs from before a field existed resume: their dataset by sizes, adapter runs without base_weights
         older = {"dataset": size_fingerprint(plan.data[0].dataset)} if not plan.mixture else {}
-        check_fingerprint(cfg.run_dir, state["fingerprint"], plan.fingerprint, {**older, "base_weights": None})
+        check_fingerprint(cfg.run_dir, state["fingerprint"], plan.fingerprint, {**older, "base_weights": None},
+                          kind_of(cfg))
     return plan
