@@ -213,8 +213,9 @@ class ModelConfig(Section):
     """A mixture of experts under fsdp2: each layer's routed experts split by expert over the ranks FSDP shards over
     (E/N whole experts per rank, never gathered), tokens sent to their experts' ranks and back by all-to-all; the
     value is that number of ranks. 1: off (the experts sharded and gathered as every other weight); auto: on where
-    the shard ranks divide the experts and sit on one node, under FULL_SHARD or SHARD_GRAD_OP without adapters or
-    CPU offload (measured: 5.5x fsdp2's tokens/s on Qwen3-30B-A3B's shape, BENCHMARKS.md section 31)."""
+    the shard ranks divide the experts and sit on one node (FULL_SHARD or SHARD_GRAD_OP on one node; HYBRID_SHARD's
+    node-local shard ranks over any number of nodes, the experts replicated across them), without CPU offload or
+    sequence parallelism (measured: 5.5x fsdp2's tokens/s on Qwen3-30B-A3B's shape, BENCHMARKS.md section 31)."""
     sequence_parallel: int = 1
     """Split each sequence by position over this many consecutive ranks (DeepSpeed Ulysses): around attention an
     all-to-all gives each rank the whole sequence for 1/N of the heads, so a rank holds 1/N of every other

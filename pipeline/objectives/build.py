@@ -1,5 +1,5 @@
-"""The run's objective from its config: the causal-LM loss (sft), a preference objective or KTO with its
-reference."""
+"""The objectives' constructors from their settings, which their components call (pipeline/objectives/kinds.py):
+a preference objective or KTO with its reference, a reward model's loss, GRPO with its rollouts' maker."""
 
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ from pipeline.model.adapters import adapters_disabled
 from pipeline.model.head import Head
 from pipeline.model.packed_rows import Costs, packing_refusal
 from pipeline.model.reward_head import RewardHead
-from pipeline.objectives.causal_lm import CausalLMLoss
 from pipeline.objectives.grpo import GRPOObjective, KLReference
 from pipeline.objectives.kto import KTOObjective, KTOSettings
-from pipeline.objectives.objective import Objective
 from pipeline.objectives.preference import PreferenceObjective, Reference
 from pipeline.objectives.preference_losses import PreferenceSettings
 from pipeline.objectives.reference import adapters_off
@@ -36,23 +34,28 @@ REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
 training (full fine-tuning, --reference-model)."""
 
 
-def make_objective(o: ObjectiveConfig, head: Head, reference: Reference | None = None,
-                   reward_head: RewardHead | None = None) -> Objective:
-    """What the trainer calls on each micro-batch, blind to which: (batch, items of the step) -> loss. reference:
-    DPO's, IPO's and KTO's, when not the base with the adapters off (reference.precomputed, reference.none).
-    reward_head: a reward model's (its pad token is where the rewards are read up to)."""
-    if o.objective == "reward":
-        return RewardObjective(head, reward_head.pad_token_id, o.center_rewards_coefficient)
-    if not o.preference:
-        return CausalLMLoss(head)
+def base_reference(head: Head, reference: Reference | None) -> Reference:
+    """A reference objective's reference: the one given (reference.precomputed, reference.none), else the base with
+    the adapters off."""
     off: Callable[[], contextlib.AbstractContextManager] = functools.partial(adapters_disabled, head.model)
-    if o.objective == "kto":
-        return KTOObjective(head, KTOSettings(o.pref_beta, o.kto_desirable_weight, o.kto_undesirable_weight),
-                            reference or adapters_off(head, off))
+    return reference or adapters_off(head, off)
+
+
+def make_preference(o: ObjectiveConfig, head: Head, reference: Reference | None) -> PreferenceObjective:
+    """dpo, ipo (against a reference), simpo or orpo (none)."""
     settings = PreferenceSettings(o.objective, o.pref_beta, o.pref_label_smoothing, o.simpo_gamma, o.orpo_lambda)
-    if o.objective not in REFERENCE_OBJECTIVES:
-        return PreferenceObjective(head, settings, None)
-    return PreferenceObjective(head, settings, reference or adapters_off(head, off))
+    return PreferenceObjective(head, settings, base_reference(head, reference)
+                               if o.objective in REFERENCE_OBJECTIVES else None)
+
+
+def make_kto(o: ObjectiveConfig, head: Head, reference: Reference | None) -> KTOObjective:
+    return KTOObjective(head, KTOSettings(o.pref_beta, o.kto_desirable_weight, o.kto_undesirable_weight),
+                        base_reference(head, reference))
+
+
+def make_reward(o: ObjectiveConfig, head: Head, reward_head: RewardHead) -> RewardObjective:
+    """A reward model's loss; reward_head: its pad token is where the rewards are read up to."""
+    return RewardObjective(head, reward_head.pad_token_id, o.center_rewards_coefficient)
 
 
 def make_grpo(cfg: Config, head: Head, blocks: PromptBlocks, rewards: Rewards, tokenizer, stops: set[int], pad_id: int,

@@ -36,11 +36,8 @@ def check_prompts(cfg: Config, prompts: int) -> None:
         raise UserError(f"{flag(given[0])} is for --objective grpo, not {objective}")
 
 
-def plan_rewards(cfg: Config, hf_config: object) -> Rewards | None:
-    """The rewards of a GRPO run, loaded; and the settings GRPO cannot take, refused in one line. None for another
-    objective."""
-    if cfg.objective.objective != "grpo":
-        return None
+def plan_rewards(cfg: Config, hf_config: object) -> Rewards:
+    """The rewards of a GRPO run, loaded; and the settings GRPO cannot take, refused in one line."""
     limit = getattr(hf_config, "max_position_embeddings", None)
     longest = cfg.grpo.max_prompt_length + cfg.grpo.max_completion_length
     if limit is not None and longest > limit:  # as --seq-length past it is refused: positions the model never saw

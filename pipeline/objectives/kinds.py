@@ -1,9 +1,9 @@
 """Each objective as one component (torchtitan's way): what preflight, the trainer and pipeline.evaluate need of it,
 behind one interface, so that none of them names an objective. `kind_of(cfg)` gives the run's: what it checks of the
-model and resolves before any heavy work (its fingerprint fields, a reward model's head, GRPO's rewards) and the
-resume guard's line when one of those changed; what it reads (the token cache's blocks, or prompts); how many
-optimizer steps each draw of the sampler trains; `build(...)`, the objective the trainer calls on each micro-batch;
-and the figures and table rows pipeline.evaluate reports of its held-out loss. That the data's records fit the
+model and resolves before any heavy work (its fingerprint fields, GRPO's rewards, a reward model's head) and the
+resume guard's line when one of those changed; how many optimizer steps each draw of the sampler trains;
+`build(...)`, the objective the trainer calls on each micro-batch; and the figures and table rows pipeline.evaluate
+reports of its held-out loss. That the data's records fit the
 objective is checked across them (pipeline/objectives/plans.check_data); what the memory estimate counts comes from
 the config's own description of the workload (pipeline/config.py, Config.rollouts), since the strategies sit below
 the objectives."""
@@ -20,7 +20,8 @@ from pipeline.config import Config
 from pipeline.eval.samples import stop_ids
 from pipeline.model.head import Head
 from pipeline.model.reward_head import RewardHead, checked_pad_id, is_reward_model, pad_id
-from pipeline.objectives.build import REFERENCE_OBJECTIVES, make_grpo, make_objective
+from pipeline.objectives.build import REFERENCE_OBJECTIVES, make_grpo, make_kto, make_preference, make_reward
+from pipeline.objectives.causal_lm import CausalLMLoss
 from pipeline.objectives.grpo_plan import check_reward_columns, grpo_changed, grpo_settings, plan_rewards
 from pipeline.objectives.kl_reference import frozen_copy
 from pipeline.objectives.objective import HeldOut, Objective
@@ -59,9 +60,6 @@ class Inputs:
 class Kind:
     """The causal-LM loss (sft), and what every objective over the token cache's blocks shares."""
 
-    reads = "blocks"
-    """What the sampler draws: the token cache's blocks, or "prompts" (pipeline/rl/prompts.py)."""
-
     def check_model(self, cfg: Config, hf_config) -> tuple[str, str] | None:
         """The model fits the objective, one line each before any weight is read; a reward head's layout where the
         objective trains one."""
@@ -81,12 +79,18 @@ class Kind:
         """The resume guard's line for one of its fingerprint fields that changed; None for the generic line."""
         return None
 
+    def reward_head(self, cfg: Config, hf_config, tokenizer, layout: tuple[str, str] | None) -> RewardHead | None:
+        """The transform that makes the model a reward model, where the objective trains one (its pad token checked
+        against the embedding: one line); layout: check_model's."""
+        return None
+
     def iterations(self, cfg: Config) -> int:
         """Optimizer steps trained on each draw of the sampler."""
         return 1
 
     def build(self, inputs: Inputs) -> Objective:
-        return make_objective(inputs.cfg.objective, inputs.head, inputs.reference, inputs.reward_head)
+        """What the trainer calls on each micro-batch, blind to which: (batch, items of the step) -> loss."""
+        return CausalLMLoss(inputs.head)
 
     def figures(self, cfg: Config, result: HeldOut) -> dict:
         """pipeline.evaluate's report of the held-out result, beside the loss and the data it was measured on."""
@@ -105,6 +109,9 @@ class Pairs(Kind):
 
     def fingerprint(self, cfg: Config) -> dict:
         return {"objective": objective_settings(cfg.objective)}
+
+    def build(self, inputs: Inputs) -> Objective:
+        return make_preference(inputs.cfg.objective, inputs.head, inputs.reference)
 
     def figures(self, cfg: Config, result: HeldOut) -> dict:
         return {**self.settings(cfg), "pairs": result.tokens,
@@ -135,6 +142,9 @@ class Pairs(Kind):
 class Unpaired(Pairs):
     """KTO: no pairs, so no accuracy; the margin of the two labels' rewards."""
 
+    def build(self, inputs: Inputs) -> Objective:
+        return make_kto(inputs.cfg.objective, inputs.head, inputs.reference)
+
     def figures(self, cfg: Config, result: HeldOut) -> dict:
         return {**self.settings(cfg), "examples": result.tokens, "mean_margin": result.metrics["rewards/margins"],
                 **result.metrics}
@@ -147,11 +157,12 @@ class RewardModel(Pairs):
     def check_model(self, cfg: Config, hf_config) -> tuple[str, str] | None:
         return check_reward(cfg, hf_config)
 
-    def resolve(self, cfg: Config, hf_config, tokenizer, data: list, layout: tuple[str, str] | None
-                ) -> ObjectivePlan:
-        head = RewardHead(layout, checked_pad_id(tokenizer, hf_config, cfg.model.model_name),
+    def reward_head(self, cfg: Config, hf_config, tokenizer, layout: tuple[str, str] | None) -> RewardHead | None:
+        return RewardHead(layout, checked_pad_id(tokenizer, hf_config, cfg.model.model_name),
                           is_reward_model(hf_config))
-        return ObjectivePlan(self.fingerprint(cfg), reward_head=head)
+
+    def build(self, inputs: Inputs) -> Objective:
+        return make_reward(inputs.cfg.objective, inputs.head, inputs.reward_head)
 
     def figures(self, cfg: Config, result: HeldOut) -> dict:
         return {**self.settings(cfg), "reference": None, "pref_beta": None, "pairs": result.tokens,
@@ -166,8 +177,6 @@ class RewardModel(Pairs):
 class Online(Kind):
     """GRPO: completions generated from prompts and scored by rewards, each generation trained --num-iterations
     times."""
-
-    reads = "prompts"
 
     def resolve(self, cfg: Config, hf_config, tokenizer, data: list, layout: tuple[str, str] | None
                 ) -> ObjectivePlan:
@@ -195,7 +204,6 @@ class Online(Kind):
                          stop_ids(inputs.tokenizer, inputs.model_dir), pad_id(inputs.tokenizer), s.dist, s.release,
                          s.gathered, inputs.dtype, frozen, inputs.max_steps, replica=s.replica_head())
 
-
     def figures(self, cfg: Config, result: HeldOut) -> dict:
         """Greedy completions' rewards, as the run's validation."""
         return {"objective": cfg.objective.objective, "reward_functions": cfg.grpo.reward, "prompts": result.tokens,
@@ -214,6 +222,7 @@ KINDS: dict[str, Kind] = {"sft": Kind(), **dict.fromkeys(("dpo", "ipo", "simpo",
 
 
 def kind_of(cfg: Config) -> Kind:
+    """The run's objective's component."""
     return KINDS[cfg.objective.objective]
 
 
@@ -225,4 +234,3 @@ def kind_of_report(report: dict) -> Kind:
 def shown(value: float | str, spec: str) -> str:
     """A figure of a report as the table shows it: "nan" and "inf" (JSON's text for them) as they are."""
     return value if isinstance(value, str) else format(value, spec)
-

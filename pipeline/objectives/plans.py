@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pipeline.config import Config, ObjectiveConfig
 from pipeline.errors import UserError
-from pipeline.model.reward_head import RewardHead, is_reward_model, reward_head_layout
+from pipeline.model.reward_head import is_reward_model, reward_head_layout
 from pipeline.model.weight_check import WeightCheck, unchanged_weights, weights_digest
 from pipeline.model.weight_files import read_index
 from pipeline.objectives.build import REFERENCE_OBJECTIVES
@@ -26,8 +26,6 @@ class ObjectivePlan:
 
     fingerprint: dict
     """The objective's fields of the run's fingerprint (none for sft, so runs from before objectives resume)."""
-    reward_head: RewardHead | None = None
-    """reward: the transform that makes the model a reward model (pipeline/model/reward_head.py)."""
     rewards: Rewards | None = None
     """grpo: the reward functions, loaded (pipeline/rl/rewards.py)."""
 

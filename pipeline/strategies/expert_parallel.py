@@ -244,6 +244,8 @@ class ExpertParallel:
         for param in (module._parameters[leaf] for module, leaves in self.modules for leaf in leaves):
             if not param.requires_grad:
                 continue
+            # every rank's experts have a gradient (_forward's zero term sees to it where no token came); a missing one
+            # is zeros rather than skipped, which would leave the other replicas in an all-reduce of their own
             if param.grad is None and self.replicas is not None:
                 param.grad = torch.zeros_like(param)
             if param.grad is None:

@@ -188,9 +188,9 @@ class FSDP2(Strategy):
 
     def _expert_parallel(self, model: nn.Module) -> set[nn.Parameter]:
         """--expert-parallel: the routed experts split by expert over the shard ranks and left out of FSDP
-        (pipeline/strategies/expert_parallel.py); the parameters FSDP must ignore. Their gradients are divided as
-        FSDP divides the others: by the world size, or by 1 where the vocabulary-parallel loss is already the mean
-        over every rank's tokens."""
+        (pipeline/strategies/expert_parallel.py); the parameters FSDP must ignore. Their gradients are summed over
+        HYBRID_SHARD's replicas and divided as FSDP divides the others: by the world size, or by 1 where the
+        vocabulary-parallel loss is already the mean over every rank's tokens."""
         n = degree(self.cfg, model.config, self.mesh.size(-1), self.dist.local_world_size, model)
         if n == 1:
             if self.cfg.expert_parallel == "auto" and moe_shape(model.config)[0] and self.dist.is_main:
@@ -206,8 +206,9 @@ class FSDP2(Strategy):
         return ignored
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        # after the step's last backward and before the norm (once per step): the experts' gradients divided as
-        # FSDP divides the others'; no collective
+        # after the step's last backward and before the norm (once per step): the experts' gradients summed over
+        # HYBRID_SHARD's replicas (an all-reduce per weight every rank reaches; none without replicas) and divided as
+        # FSDP divides the others
         if self.experts is not None:
             self.experts.reduce_gradients()
         return super().clip_grad_norm(max_norm)

@@ -152,8 +152,8 @@ class Shape:
 
     def split_experts(self, work: Workload) -> int:
         """Ranks each layer's routed experts are split over by expert parallelism (1: not split), as
-        pipeline/strategies/expert_parallel.degree decides the run's: the degree named, or under auto (0) the world
-        where the family is tested; only where it divides the experts and they can be split."""
+        pipeline/strategies/expert_parallel.degree decides the run's: the degree named, or under auto (0) the shard
+        ranks where the family is tested; only where it divides the experts and they can be split."""
         experts = self.experts[0][1] if self.experts else 0
         n = work.expert_parallel or (work.shard_ranks if self.tested else 1)
         return n if n > 1 and experts and experts % n == 0 and self.routable else 1

@@ -16,11 +16,11 @@ from pipeline.model.packed_rows import PACKABLE_KERNELS
 from pipeline.model.transforms import ModelTransform
 from pipeline.strategies.base import Strategy
 from pipeline.strategies.ddp import DDP
-from pipeline.strategies.expert_parallel import auto_blocked, expert_parallel_asked
+from pipeline.strategies.expert_parallel import EXPERT_PARALLEL_SHARDINGS, auto_blocked, expert_parallel_asked
 from pipeline.strategies.fsdp1 import FSDP1
 from pipeline.strategies.fsdp2 import FSDP2
 from pipeline.strategies.manual import ManualZeRO3
-from pipeline.strategies.memory import Estimate, Generation, Shape, Workload
+from pipeline.strategies.memory import Estimate, Generation, Shape, Workload, shard_ranks
 from pipeline.strategies.memory import estimate as estimate_with
 
 STRATEGIES: dict[str, type[Strategy]] = {"fsdp2": FSDP2, "fsdp1": FSDP1, "ddp": DDP, "manual": ManualZeRO3}
@@ -98,7 +98,7 @@ def _check_expert_parallel(m: ModelConfig) -> None:
     if m.strategy not in ("fsdp2", "auto"):
         raise UserError(f"{name} needs --strategy fsdp2 (the experts are split over its mesh), got --strategy "
                         f"{m.strategy}")
-    if m.sharding == "NO_SHARD":
+    if m.sharding not in (*EXPERT_PARALLEL_SHARDINGS, "auto"):
         raise UserError(f"{name} needs --sharding FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD (the experts are split "
                         "over the ranks FSDP shards over; NO_SHARD has none)")
     if m.cpu_offload:
@@ -160,8 +160,7 @@ def planned_degree(m: ModelConfig, world_size: int, local_world_size: int) -> in
     over nodes keep it off, else 0 (the model's side decided by Shape.split_experts)."""
     if m.expert_parallel != "auto":
         return int(m.expert_parallel)
-    spans_nodes = m.sharding != "HYBRID_SHARD" and world_size > local_world_size  # HYBRID_SHARD shards within a node
-    return 1 if auto_blocked(m) or spans_nodes else 0
+    return 1 if auto_blocked(m) or shard_ranks(m.sharding, world_size, local_world_size) > local_world_size else 0
 
 
 def estimate(shape: Shape, work: Workload) -> Estimate:

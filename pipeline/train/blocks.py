@@ -27,7 +27,6 @@ from pipeline.distributed.launch import Launch
 from pipeline.distributed.runtime import Dist, gather_objects
 from pipeline.errors import UserError
 from pipeline.model.reward_head import pad_id
-from pipeline.objectives.kinds import kind_of
 from pipeline.objectives.kto import KTOSettings, balance_advice
 from pipeline.rl.prompts import PromptBlocks, build_prompt_blocks
 from pipeline.signals import Interrupted, StopRequest
@@ -58,7 +57,7 @@ def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks | MixedBlocks | P
     """Every rank memory-maps the token caches its node's first rank built (or found): one dataset's blocks, or a
     mixture's sources' as one. An objective that reads prompts (GRPO) has them tokenized by every rank instead
     (pipeline/rl/prompts.py)."""
-    if kind_of(cfg).reads == "prompts":
+    if cfg.objective.generates:
         return prompt_blocks(cfg, plan, d)
     caches = []
     for source, (status, path) in zip(plan.data, ensure_blocks(cfg, plan, d.is_local_main), strict=True):

@@ -205,9 +205,9 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
         cfg.model.vocab_parallel = "off"
     check_cache_root(cfg, inputs(cfg, model_dir))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return Plan(model_dir, hf_config, data, tokenizer, spec, fingerprint,
-                plan_memory(cfg, hf_config, device, launch, objective.resident_params),
-                reward_head=objective.reward_head, rewards=objective.rewards)
+    memory = plan_memory(cfg, hf_config, device, launch, objective.resident_params)
+    return Plan(model_dir, hf_config, data, tokenizer, spec, fingerprint, memory,
+                reward_head=kind.reward_head(cfg, hf_config, tokenizer, layout), rewards=objective.rewards)
 
 
 def check_model_changes(cfg: Config, hf_config) -> None:

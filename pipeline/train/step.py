@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -46,11 +45,11 @@ class Update:
     """fp16: the loss scaling (Strategy.grad_scaler); its scale halves after an overflowing step."""
 
 
-def train_step(strategy: Strategy, objective: Objective, micro: Sequence[np.ndarray],
-               make_batch: Callable[[np.ndarray], Batch], targets: int, update: Update, timer: PhaseTimer
-               ) -> StepResult:
-    """One optimizer step over the micro-batches micro (each made by make_batch), applied only when the loss and
-    gradient norm are finite on every rank. Collectives inside: every rank calls it."""
+def train_step(strategy: Strategy, objective: Objective, micro: Sequence, make_batch: Callable[[object], Batch | None],
+               targets: float, update: Update, timer: PhaseTimer) -> StepResult:
+    """One optimizer step over the micro-batches micro (each made by make_batch: a batch of the sampler's rows, or
+    None where the objective made its own in prepare()), applied only when the loss and gradient norm are finite on
+    every rank. Collectives inside: every rank calls it."""
     strategy.comm_seconds()  # time_ms.comm counts this step's collectives, not evaluation's or a save's
     total = torch.zeros((), device=strategy.dist.device)
     with timer.phase("total"):

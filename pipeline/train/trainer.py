@@ -7,6 +7,7 @@ distributes the model, a checkpoint (or, on a fresh start, the base weights) fil
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
@@ -368,19 +369,18 @@ class Trainer:
         train = self.blocks.part("train")
         source = StepSource(train, self.sampler.upcoming, self.sampler.next_step,
                             lambda rows: self.strategy.split(train.batch(rows, self.dist.device)))
-        if not self.objective.generates:
-            prepared = self.objective.prepare(source, self.step)
-        else:  # its items are the completions it generates now (a collective) from the prompts it draws; a stop
-            # inside puts back the sampler and what a reward drew from the global generators, so that the step's
-            # checkpoint draws the same prompts again on resume
-            drawn_from, rng = self.sampler.state_dict(), rng_state()
-            try:
-                with self.timer.phase(self.objective.phase):
-                    prepared = self.objective.prepare(source, self.step)
-            except Stopped:
-                self.sampler.load_state_dict(drawn_from)
-                set_rng_state(rng)
-                raise
+        # an objective that generates makes its items now (a collective) from the prompts it draws; a stop inside
+        # puts back the sampler and what a reward drew from the global generators, so that the step's checkpoint
+        # draws the same prompts again on resume (an offline objective's prepare draws nothing a stop interrupts)
+        drawn_from = (self.sampler.state_dict(), rng_state()) if self.objective.generates else None
+        try:
+            with self.timer.phase(self.objective.phase) if self.objective.phase else contextlib.nullcontext():
+                prepared = self.objective.prepare(source, self.step)
+        except Stopped:
+            if drawn_from is not None:
+                self.sampler.load_state_dict(drawn_from[0])
+                set_rng_state(drawn_from[1])
+            raise
         return train_step(self.strategy, self.objective, prepared.keys, prepared.make, prepared.items, self.update,
                           self.timer)
 
