@@ -84,6 +84,17 @@ class GRPOConfig(Section):
     log_completions: int = 2
     """grpo: completions (with their prompt and rewards) logged at each log line, to the samples log and
     TensorBoard's text tab; 0: none."""
+    tools: str = ""
+    """grpo: FILE.py[:NAME,...], plain functions with type hints and a docstring (TRL's rule; every public function
+    of the file unless named) offered to the model through the chat template's tools; its calls (JSON between
+    <tool_call> tags) run in the training process and their results go back to it as tool turns, which the loss
+    leaves out, until a turn calls no tool (pipeline/rl/episodes.py)."""
+    max_tool_calling_iterations: int = 0
+    """grpo, --tools: turns that call tools per episode at most (TRL's max_tool_calling_iterations); 0: no limit but
+    --max-completion-length, which bounds the whole episode."""
+    tool_timeout: float = 60.0
+    """grpo, --tools: seconds one call may run before it is stopped and answered with a timeout message (counted;
+    the episode goes on); 0: no limit. A stop signal interrupts a tool at once either way."""
 
     def rollouts(self, adapter: str) -> Rollouts:
         """Its rollouts' shape; with --adapter the reference is the base with the adapters off, not a copy."""
@@ -106,6 +117,12 @@ class GRPOConfig(Section):
         in_range(self.grpo_beta, 0, 1e3, "grpo_beta")
         in_range(self.log_completions, 0, 1000, "log_completions")
         in_range(self.num_iterations, 1, 1024, "num_iterations")
+        in_range(self.max_tool_calling_iterations, 0, MAX_LENGTH, "max_tool_calling_iterations")
+        in_range(self.tool_timeout, 0, 1e6, "tool_timeout")
+        require(self.tool_timeout == 0 or self.tool_timeout >= 1e-3,
+                f"--tool-timeout must be 0 (no limit) or at least 0.001 s, got {self.tool_timeout!r}")
+        require(self.tools or (self.max_tool_calling_iterations == 0 and self.tool_timeout == 60.0),
+                "--max-tool-calling-iterations and --tool-timeout are for --tools")
 
     @property
     def clip_high(self) -> float:

@@ -22,10 +22,12 @@ from pipeline.objectives.preference import PreferenceObjective, Reference
 from pipeline.objectives.preference_losses import PreferenceSettings
 from pipeline.objectives.reference import adapters_off
 from pipeline.objectives.reward import RewardObjective
+from pipeline.rl.episodes import Turns
 from pipeline.rl.packing import model_config
 from pipeline.rl.prompts import PromptBlocks
 from pipeline.rl.rewards import Rewards
 from pipeline.rl.rollout import Roller
+from pipeline.rl.tools import Tools
 
 log = logging.getLogger("pipeline")
 
@@ -61,16 +63,20 @@ def make_reward(o: ObjectiveConfig, head: Head, reward_head: RewardHead) -> Rewa
 def make_grpo(cfg: Config, head: Head, blocks: PromptBlocks, rewards: Rewards, tokenizer, stops: set[int], pad_id: int,
               d: Dist, release: Callable[[], None], gathered: Callable[[], contextlib.AbstractContextManager],
               dtype: torch.dtype, frozen: KLReference | None = None, max_steps: int = 0,
-              replica: Head | None = None) -> GRPOObjective:
+              replica: Head | None = None, tools: Tools | None = None) -> GRPOObjective:
     """GRPO over the run's prompts: the rollouts' maker (its reward models placed on this rank's device in dtype),
     and, where a KL penalty asks for one, the reference: the base with the adapters off, or under full fine-tuning
     the frozen copy given. max_steps: the run's, as reward functions see it in trainer_state. replica: the strategy's
-    head whose forward is no collective (Strategy.replica_head), which generation then runs through."""
+    head whose forward is no collective (Strategy.replica_head), which generation then runs through. tools: --tools,
+    whose calls continue each completion through tool turns."""
     rewards.place(d.device, dtype)
     reference = frozen
     if cfg.grpo.grpo_beta and cfg.model.adapter != "none":
         reference = KLReference(head, functools.partial(adapters_disabled, head.model))
-    roller = Roller(replica or head, blocks.prompts, rewards, tokenizer, stops, pad_id, collective=replica is None)
+    turns = Turns(tools, tokenizer, cfg.data.chat_date, cfg.grpo.max_tool_calling_iterations, stops, pad_id) \
+        if tools else None
+    roller = Roller(replica or head, blocks.prompts, rewards, tokenizer, stops, pad_id, collective=replica is None,
+                    turns=turns)
     config = model_config(head.model)
     refusal = packing_refusal(config, cfg.grpo.max_prompt_length + cfg.grpo.max_completion_length)
     if refusal and d.is_main:

@@ -62,6 +62,10 @@ class KLReference:
     running: Callable[[], contextlib.AbstractContextManager]
 
 
+TOOL_FIGURES = ("tools/call_frequency", "tools/failure_frequency", "tools/parse_failure_frequency",
+                "tools/timeout_frequency", "episodes/mean_turns", "episodes/mean_length")
+"""With --tools: TRL's names where TRL has the figure (calls per completion, failures per call), ours beside them."""
+
 class GRPOObjective:
     counted = "completions"
     shown = (("reward", "reward"), ("completions/mean_length", "len"), ("completions/clipped_ratio", "clipped"))
@@ -112,7 +116,8 @@ class GRPOObjective:
     def _figures(self, names: list[str]) -> Figures:
         means = ["reward", *(f"rewards/{n}/mean" for n in names), "frac_reward_zero_std",
                  "completions/mean_length", "completions/clipped_ratio", "clip_ratio/low_mean",
-                 "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy", *(["kl"] if self.g.grpo_beta else [])]
+                 "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy", *(["kl"] if self.g.grpo_beta else []),
+                 *(TOOL_FIGURES if self.g.tools else ())]
         return Figures(means, ["reward_std", *(f"rewards/{n}/std" for n in names)], peaks=["completions/max_length"],
                        troughs=["completions/min_length"])
 
@@ -202,6 +207,22 @@ class GRPOObjective:
         for name in ("completions/mean_length", "completions/max_length", "completions/min_length"):
             f.add(name, lengths)
         f.add("completions/clipped_ratio", r.clipped.float())
+        if r.episodes:
+            self._episode_figures(r.episodes)
+
+    def _episode_figures(self, e: dict[str, torch.Tensor]) -> None:
+        """TRL's tool figures (calls per completion; failed calls per call), and the episodes' own: parse failures
+        and timeouts per completion, the model's turns and the episode's length in tokens."""
+        f = self.figures
+        f.add("tools/call_frequency", e["calls"])
+        calls = int(e["calls"].sum())
+        # one value per call (1: failed), so that the window's mean is failures over calls, as TRL divides them
+        f.add("tools/failure_frequency", torch.cat([torch.ones(int(e["failures"].sum())),
+                                                     torch.zeros(calls - int(e["failures"].sum()))]))
+        f.add("tools/parse_failure_frequency", e["parse_failures"])
+        f.add("tools/timeout_frequency", e["timeouts"])
+        f.add("episodes/mean_turns", e["turns"])
+        f.add("episodes/mean_length", e["length"])
 
     def _samples(self, r: Rollout) -> list[dict]:
         n = min(self.g.log_completions, len(r.texts))
@@ -322,12 +343,13 @@ class GRPOObjective:
         return micro_loss(terms.loss, mask, self.settings, self.counts)
 
     def _loss_mask(self, r: Rollout) -> torch.Tensor:
-        """The tokens that train: the completions' own, those of completions cut at --max-completion-length left
-        out under --mask-truncated-completions (TRL zeroes their completion mask: no loss, nor a count in dapo's
-        denominator)."""
+        """The tokens that train: the completions' own (an episode's tool turns, which the template wrote, left out),
+        those of completions cut at --max-completion-length left out under --mask-truncated-completions (TRL zeroes
+        their completion mask: no loss, nor a count in dapo's denominator)."""
+        mask = r.completion_mask if r.tool_mask is None else r.completion_mask * r.tool_mask
         if not self.g.mask_truncated_completions:
-            return r.completion_mask
-        return r.completion_mask * (~r.clipped).to(r.completion_mask.device)[:, None]
+            return mask
+        return mask * (~r.clipped).to(mask.device)[:, None]
 
     def _validate(self, batch: Batch) -> torch.Tensor:
         with self.gathered():

@@ -9,15 +9,17 @@ from pathlib import Path
 
 from pipeline.config import Config
 from pipeline.config_base import flag
+from pipeline.data.chat_render import render
 from pipeline.errors import UserError
 from pipeline.rl.prompts import prompt_columns
 from pipeline.rl.rewards import Rewards
+from pipeline.rl.tools import Tools
 
 GENERATION = ("num_generations", "max_prompt_length", "long_prompts", "max_completion_length", "temperature", "top_p",
               "top_k", "scale_rewards", "loss_type", "importance_sampling_level", "mask_truncated_completions",
-              "epsilon", "epsilon_high", "grpo_beta", "num_iterations")
+              "epsilon", "epsilon_high", "grpo_beta", "num_iterations", "max_tool_calling_iterations")
 """The settings that decide a GRPO run's completions and loss: changed on resume, the run would be another."""
-LATER = {"importance_sampling_level": "token", "mask_truncated_completions": False}
+LATER = {"importance_sampling_level": "token", "mask_truncated_completions": False, "max_tool_calling_iterations": 0}
 """Settings added after GRPO runs existed, with their defaults: in the fingerprint only away from them, so that a run
 checkpointed before they were added resumes."""
 
@@ -65,12 +67,35 @@ def check_reward_columns(rewards: Rewards, data: list) -> None:
     rewards.check_columns(held, rows, ", ".join(s.source.path for s in data))
 
 
-def grpo_settings(cfg: Config, rewards: Rewards) -> dict:
-    """A GRPO run's fingerprint field: its generation and loss settings, and each reward's identity (file content
-    hash, function, weight)."""
+def grpo_settings(cfg: Config, rewards: Rewards, tools: Tools | None = None) -> dict:
+    """A GRPO run's fingerprint field: its generation and loss settings, each reward's identity (file content hash,
+    function, weight), and its tools' (file, functions, content hash) where it has some."""
     values = dataclasses.asdict(cfg.grpo)
-    return {"rewards": rewards.identity,
+    return {"rewards": rewards.identity, **({"tools": tools.identity} if tools else {}),
             **{k: values[k] for k in GENERATION if k not in LATER or values[k] != LATER[k]}}
+
+
+def plan_tools(cfg: Config, tokenizer, data: list) -> Tools | None:
+    """--tools loaded (the user's file imported here, before any heavy work), and what they need: prompts as
+    conversations (a text prompt has no template to offer tools through) and a chat template that renders tools."""
+    if not cfg.grpo.tools:
+        return None
+    if not tokenizer.chat_template:
+        raise UserError(f"--tools offers tools through the chat template, and {cfg.model.model_name} has none; use "
+                        "its Instruct version, or pass --chat-template FILE.jinja")
+    text = sum(bool(columns) and not messages for source in data
+               for messages, columns in zip(source.dataset["messages"], source.dataset["columns"], strict=True))
+    if text:
+        raise UserError(f"--tools: {text:,} prompts of {cfg.data.dataset_name} are plain text, which no chat template "
+                        "renders with tools; give them as conversations ({\"prompt\": [{\"role\": \"user\", "
+                        "\"content\": ...}]})")
+    tools = Tools(cfg.grpo.tools, cfg.grpo.tool_timeout)
+    probe, date = [{"role": "user", "content": "?"}], cfg.data.chat_date
+    if render(tokenizer, probe, date, tools=tools.schemas) == render(tokenizer, probe, date):
+        raise UserError(f"--tools: the chat template of {cfg.model.model_name} renders no tools (a prompt reads the "
+                        "same with them and without), so the model would never see them; use a template that does "
+                        "(the model's Instruct version's, or --chat-template FILE.jinja)")
+    return tools
 
 
 def grpo_changed(run_dir: Path, saved: dict, current: dict) -> str:

@@ -22,12 +22,13 @@ from pipeline.model.head import Head
 from pipeline.model.reward_head import RewardHead, checked_pad_id, is_reward_model, pad_id
 from pipeline.objectives.build import REFERENCE_OBJECTIVES, make_grpo, make_kto, make_preference, make_reward
 from pipeline.objectives.causal_lm import CausalLMLoss
-from pipeline.objectives.grpo_plan import check_reward_columns, grpo_changed, grpo_settings, plan_rewards
+from pipeline.objectives.grpo_plan import check_reward_columns, grpo_changed, grpo_settings, plan_rewards, plan_tools
 from pipeline.objectives.kl_reference import frozen_copy
 from pipeline.objectives.objective import HeldOut, Objective
 from pipeline.objectives.plans import ObjectivePlan, check_reward, objective_settings, refuse_reward_model
 from pipeline.objectives.preference import Reference
 from pipeline.rl.rewards import Rewards
+from pipeline.rl.tools import Tools
 from pipeline.strategies.base import Strategy
 
 
@@ -51,6 +52,8 @@ class Inputs:
     reward_head: RewardHead | None = None
     rewards: Rewards | None = None
     """Online RL's reward functions, loaded by preflight."""
+    tools: Tools | None = None
+    """Online RL's tools (--tools), loaded by preflight."""
     max_steps: int = 0
     """The run's steps, as an objective's user code sees them (GRPO's rewards: trainer_state); 0 in an evaluation."""
     training: bool = True
@@ -184,7 +187,8 @@ class Online(Kind):
         generation and loss settings in the fingerprint."""
         rewards = plan_rewards(cfg, hf_config)
         check_reward_columns(rewards, data)
-        return ObjectivePlan({"grpo": grpo_settings(cfg, rewards)}, rewards=rewards)
+        tools = plan_tools(cfg, tokenizer, data)
+        return ObjectivePlan({"grpo": grpo_settings(cfg, rewards, tools)}, rewards=rewards, tools=tools)
 
     def changed(self, run_dir: Path, key: str, saved: dict, current: dict) -> str | None:
         if key == "grpo" and saved.get(key) and current.get(key):
@@ -202,7 +206,8 @@ class Online(Kind):
             else None
         return make_grpo(cfg, inputs.head, inputs.blocks, inputs.rewards, inputs.tokenizer,
                          stop_ids(inputs.tokenizer, inputs.model_dir), pad_id(inputs.tokenizer), s.dist, s.release,
-                         s.gathered, inputs.dtype, frozen, inputs.max_steps, replica=s.replica_head())
+                         s.gathered, inputs.dtype, frozen, inputs.max_steps, replica=s.replica_head(),
+                         tools=inputs.tools)
 
     def figures(self, cfg: Config, result: HeldOut) -> dict:
         """Greedy completions' rewards, as the run's validation."""

@@ -18,6 +18,7 @@ from pipeline.objectives.build import REFERENCE_OBJECTIVES
 from pipeline.objectives.grpo_plan import check_prompts
 from pipeline.prep.hub import resolve_model_dir
 from pipeline.rl.rewards import Rewards
+from pipeline.rl.tools import Tools
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class ObjectivePlan:
     """The objective's fields of the run's fingerprint (none for sft, so runs from before objectives resume)."""
     rewards: Rewards | None = None
     """grpo: the reward functions, loaded (pipeline/rl/rewards.py)."""
+    tools: Tools | None = None
+    """grpo --tools: the functions offered to the model, loaded (pipeline/rl/tools.py)."""
 
     @property
     def resident_params(self) -> int:

@@ -117,19 +117,22 @@ def prefilled(row: PromptRow) -> bool:
     return not isinstance(row.prompt, str) and row.prompt[-1]["role"] == "assistant"
 
 
-def tokenized(tokenizer, row: PromptRow, chat_date: str) -> list[int]:
+def tokenized(tokenizer, row: PromptRow, chat_date: str, tools: list[dict] | None = None) -> list[int]:
+    """The prompt's ids: a text as it is; a conversation rendered by the chat template with the run's tools (--tools'
+    schemas), else the row's own."""
     if isinstance(row.prompt, str):
         return tokenizer(row.prompt, add_special_tokens=False)["input_ids"]
     go_on = prefilled(row)
-    text = render(tokenizer, row.prompt, chat_date, tools=row.columns.get("tools"), add_generation_prompt=not go_on,
-                  continue_final_message=go_on)
+    text = render(tokenizer, row.prompt, chat_date, tools=tools or row.columns.get("tools"),
+                  add_generation_prompt=not go_on, continue_final_message=go_on)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def build_prompt_blocks(ds, tokenizer, g: GRPOConfig, chat_date: str, val_fraction: float, seed: int,
-                        pad_id: int) -> PromptBlocks:
+                        pad_id: int, tools: list[dict] | None = None) -> PromptBlocks:
     """The prompts of ds as blocks: each cut from the left to --max-prompt-length (or dropped, --long-prompts drop),
-    left-padded to the longest kept, split by the seeded permutation blocks use."""
+    left-padded to the longest kept, split by the seeded permutation blocks use. tools: --tools' schemas, which every
+    conversation is rendered with."""
     prompts = prompt_rows_of(ds)
     if any(not isinstance(p.prompt, str) for p in prompts) and not tokenizer.chat_template:
         raise UserError("the dataset holds conversational prompts but the model has no chat template to render them; "
@@ -137,7 +140,7 @@ def build_prompt_blocks(ds, tokenizer, g: GRPOConfig, chat_date: str, val_fracti
     kept, index = [], []
     counts = dict.fromkeys(("kept", "cut", "dropped", "prompt_tokens_cut", "prefilled", "empty"), 0)
     for i, row in enumerate(prompts):
-        ids = tokenized(tokenizer, row, chat_date)
+        ids = tokenized(tokenizer, row, chat_date, tools)
         if not ids:  # nothing to condition on (a text prompt of no token): skipped by reason, counted
             counts["empty"] += 1
             continue

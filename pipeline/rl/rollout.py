@@ -1,5 +1,6 @@
-"""A micro-batch's rollout: its prompts, each repeated G times and completed by the policy, the completions decoded
-and scored by the rewards. What the loss needs of it is kept on the device; the texts only for the samples log."""
+"""A micro-batch's rollout: its prompts, each repeated G times and completed by the policy (with --tools, each
+completion an episode continued through tool turns: pipeline/rl/episodes.py), the completions decoded and scored by
+the rewards. What the loss needs of it is kept on the device; the texts only for the samples log."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import torch
 
 from pipeline.data.batches import Batch
+from pipeline.rl.episodes import Episode, Turns
 from pipeline.rl.generation import Sampling, generate
 from pipeline.rl.prompts import PromptRow
 from pipeline.rl.rewards import Rewards, RewardState
@@ -40,10 +42,16 @@ class Rollout:
     """The generating policy's log-probabilities (--num-iterations > 1; None: on-policy)."""
     extra: dict[str, list] = field(default_factory=dict)
     """The reward functions' log_extra columns, one value per row (None for a padding row)."""
+    tool_mask: torch.Tensor | None = None
+    """[rows, C] with --tools: 1 where the model wrote the token, 0 where a tool turn's rendering did (no loss)."""
+    episodes: dict[str, torch.Tensor] = field(default_factory=dict)
+    """With --tools, per row: calls, failures, parse_failures, timeouts, turns, and length (every token of the
+    episode)."""
 
     @property
     def lengths(self) -> torch.Tensor:
-        return self.completion_mask.sum(-1)
+        """The model's tokens of each completion (an episode's tool turns left out, as TRL counts them)."""
+        return (self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask).sum(-1)
 
 
 @dataclass
@@ -59,6 +67,8 @@ class Roller:
     collective: bool = True
     """The head's forward is a collective (every rank steps its generation until all are done); False over a whole
     replica (Strategy.replica_head), where each rank stops when its own rows are."""
+    turns: Turns | None = None
+    """--tools: what continues each completion through tool turns (None: one turn)."""
 
     def roll(self, batch: Batch, group: int, sampling: Sampling, generator: torch.Generator | None,
              state: RewardState | None = None) -> Rollout:
@@ -72,12 +82,19 @@ class Roller:
                                      self.collective, repeats=group)
         lengths = cmask.sum(-1).tolist()  # a host sync per micro-batch: the texts are decoded on the CPU
         token_lists = [c[:n] for c, n in zip(completion.tolist(), lengths, strict=True)]
+        episodes = None
+        if self.turns is not None:
+            starts = [ids[i][mask[i].bool()].tolist() for i in range(len(rows))]
+            episodes = self.turns.continue_all(self.head, starts, token_lists, sampling, generator, self.collective)
+            token_lists = [e.ids for e in episodes]
+            completion, cmask = padded([e.ids for e in episodes], self.pad_id, completion.device)
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in token_lists]
         valid = rows >= 0
         chosen = [self.prompts[r] if r >= 0 else self.prompts[0] for r in rows]
         prompts = [p.prompt for p in chosen]
-        completions = [t if isinstance(p, str) else [{"role": "assistant", "content": t}]
-                       for t, p in zip(texts, prompts, strict=True)]
+        completions = [e.messages for e in episodes] if episodes else [
+            t if isinstance(p, str) else [{"role": "assistant", "content": t}] for t, p in zip(texts, prompts,
+                                                                                                 strict=True)]
         keep = np.flatnonzero(valid)
         rewards = torch.zeros(len(rows))
         per = torch.full((len(rows), len(self.rewards.functions)), torch.nan)
@@ -98,5 +115,27 @@ class Roller:
             raise Stopped(where)
         # what generate kept of each row ends at its first stop token: one that reached the limit without one
         clipped = torch.tensor([len(t) >= sampling.max_tokens and t[-1] not in self.stops for t in token_lists])
-        return Rollout(ids, mask, completion, cmask, rewards, per, torch.from_numpy(valid), clipped, prompts, texts,
-                       extra=extra)
+        rollout = Rollout(ids, mask, completion, cmask, rewards, per, torch.from_numpy(valid), clipped, prompts,
+                          texts, extra=extra)
+        if episodes:
+            rollout.tool_mask = padded([e.model for e in episodes], 0, completion.device)[0]
+            rollout.episodes = episode_counts(episodes)
+        return rollout
+
+
+def padded(rows: list[list[int]], fill: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows right-padded with fill to the longest ([rows, C]), and the mask of their real positions."""
+    width = max(map(len, rows))
+    out = torch.full((len(rows), width), fill, dtype=torch.long)
+    real = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        out[r, :len(row)] = torch.tensor(row, dtype=torch.long)
+        real[r, :len(row)] = 1
+    return out.to(device), real.to(device)
+
+
+def episode_counts(episodes: list[Episode]) -> dict[str, torch.Tensor]:
+    """Each episode's counts, by name, one value per row."""
+    names = ("calls", "failures", "parse_failures", "timeouts", "turns")
+    counts = {name: torch.tensor([float(getattr(e, name)) for e in episodes]) for name in names}
+    return {**counts, "length": torch.tensor([float(len(e.ids)) for e in episodes])}

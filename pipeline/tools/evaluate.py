@@ -246,7 +246,7 @@ def evaluate(cfg: Config, plan: Plan, adapter: AdapterFolder | None, split: str,
     parts = [blocks.part("val"), *([blocks.part("train")] if split == "all" else [])]
     objective = kind_of(cfg).build(Inputs(cfg, strategy, head, blocks, dtype, plan.tokenizer, plan.model_dir,
                                           plan.hf_config, reference=reference, reward_head=plan.reward_head,
-                                          rewards=plan.rewards, training=False))
+                                          rewards=plan.rewards, tools=plan.tools, training=False))
     result = held_out_loss(strategy, parts, cfg.train.batch_size, d, objective)
     if result is None:
         raise UserError(f"the {split} blocks of {cfg.data.dataset_name} hold no token the loss counts (--train-on "

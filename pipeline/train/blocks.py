@@ -75,7 +75,8 @@ def prepare_blocks(cfg: Config, plan: Plan, d: Dist) -> Blocks | MixedBlocks | P
 
 def prompt_blocks(cfg: Config, plan: Plan, d: Dist) -> PromptBlocks:
     blocks = build_prompt_blocks(plan.data[0].dataset, plan.tokenizer, cfg.grpo, cfg.data.chat_date,
-                                 cfg.data.val_fraction, cfg.run.seed, pad_id(plan.tokenizer))
+                                 cfg.data.val_fraction, cfg.run.seed, pad_id(plan.tokenizer),
+                                 plan.tools.schemas if plan.tools else None)
     if d.is_main:
         counts = blocks.counts
         log.info("prompts: %d kept (%d train, %d validation), %d cut from the left to --max-prompt-length %d "

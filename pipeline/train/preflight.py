@@ -42,6 +42,7 @@ from pipeline.objectives.plans import ReferencePlan, check_data, plan_reference
 from pipeline.ownership import check_apart, check_not_nested, check_target
 from pipeline.prep.hub import resolve_model_dir
 from pipeline.rl.rewards import Rewards
+from pipeline.rl.tools import Tools
 from pipeline.strategies import sequence_parallel
 from pipeline.strategies.auto import MemoryPlan, plan_memory
 from pipeline.train.checkpoint import read_state
@@ -82,6 +83,8 @@ class Plan:
     """reward: the transform that makes the model a reward model (pipeline/model/reward_head.py)."""
     rewards: Rewards | None = None
     """grpo: the reward functions, loaded (pipeline/rl/rewards.py)."""
+    tools: Tools | None = None
+    """grpo --tools: the functions offered to the model, loaded (pipeline/rl/tools.py)."""
 
     @property
     def mixture(self) -> bool:
@@ -207,7 +210,8 @@ def resolve_inputs(cfg: Config, launch: Launch | None = None) -> Plan:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     memory = plan_memory(cfg, hf_config, device, launch, objective.resident_params)
     return Plan(model_dir, hf_config, data, tokenizer, spec, fingerprint, memory,
-                reward_head=kind.reward_head(cfg, hf_config, tokenizer, layout), rewards=objective.rewards)
+                reward_head=kind.reward_head(cfg, hf_config, tokenizer, layout), rewards=objective.rewards,
+                tools=objective.tools)
 
 
 def check_model_changes(cfg: Config, hf_config) -> None:

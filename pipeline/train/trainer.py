@@ -94,7 +94,7 @@ class Trainer:
         self.objective = kind.build(Inputs(cfg, self.strategy, head, self.blocks, self.dtype, plan.tokenizer,
                                            plan.model_dir, plan.hf_config,
                                            reference=plan.reference and precomputed(head),
-                                           reward_head=plan.reward_head, rewards=plan.rewards,
+                                           reward_head=plan.reward_head, rewards=plan.rewards, tools=plan.tools,
                                            max_steps=self.total_steps))
         self.optimizer = build_optimizer(self.strategy.param_groups(cfg.optim.weight_decay), cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)

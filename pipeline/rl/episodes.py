@@ -1,0 +1,177 @@
+"""Multi-turn rollouts (--tools): each completion continued through tool turns. The model's turn is parsed for tool
+calls; the calls run (pipeline/rl/tools.py) and their results are rendered as the chat template renders tool turns,
+appended to the row, and the model generates its next turn after them; until a turn calls no tool, the episode
+reaches --max-completion-length, or --max-tool-calling-iterations turns have called tools. The tokens the template
+added for the tool turns are the episode's but not the model's: their mask is 0, so no loss reads them.
+
+The suffix of a tool turn is computed as TRL computes it (a short conversation that ends in an assistant turn
+calling the tool, rendered with and without the tool messages; the difference), so the episode's tokens are the
+prompt's, the model's, and the template's own rendering of each tool turn.
+
+Hazards: under a sharding strategy each forward is a collective, so every rank runs the same number of tool
+iterations and each generation with the same token budget (both all-reduced; a rank whose rows are all done
+generates one row it then drops)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from pipeline.data.chat_render import render
+from pipeline.errors import UserError
+from pipeline.rl.generation import Sampling, generate
+from pipeline.rl.tools import Result, Tools
+
+
+@dataclass
+class Episode:
+    """One row's completion continued through its tool turns."""
+
+    ids: list[int]
+    """Every token after the prompt: the model's and the template's tool turns."""
+    model: list[int]
+    """1 where the model wrote the token, 0 where a tool turn's rendering did."""
+    messages: list[dict] = field(default_factory=list)
+    """The assistant and tool turns, as TRL passes completions to rewards."""
+    calls: int = 0
+    failures: int = 0
+    """Calls that raised, named no tool, took other arguments, or timed out (counted in calls)."""
+    parse_failures: int = 0
+    """Turns whose tool call did not parse (answered with the error, counted apart from calls)."""
+    timeouts: int = 0
+    turns: int = 1
+    """The model's turns."""
+
+
+@dataclass(frozen=True)
+class Turns:
+    """What continues episodes: the tools, the template's rendering and the generation's settings."""
+
+    tools: Tools
+    tokenizer: object
+    chat_date: str
+    max_iterations: int
+    """Tool-calling turns at most (0: only --max-completion-length bounds the episode)."""
+    stops: set[int]
+    pad_id: int
+
+    def continue_all(self, head, prompts: list[list[int]], first: list[list[int]], sampling: Sampling,
+                     generator: torch.Generator | None, collective: bool) -> list[Episode]:
+        """Each row's episode from the prompt's ids (unpadded) and its first turn's (through its stop token). A
+        collective where generation is one: every rank calls it, with the same sampling."""
+        episodes = [Episode(list(ids), [1] * len(ids), [self._assistant(ids)]) for ids in first]
+        pending = [i for i, e in enumerate(episodes) if self._wants_tools(e)]
+        iteration = 0
+        while self._agreed(bool(pending), collective) and (not self.max_iterations or iteration < self.max_iterations):
+            rows, suffixes = [], []
+            for i in pending:
+                suffix = self._answer(episodes[i], sampling.max_tokens)
+                if suffix is not None:
+                    rows.append(i)
+                    suffixes.append(suffix)
+            budget = self._agreed_budget(max((sampling.max_tokens - len(episodes[i].ids) - len(s)
+                                              for i, s in zip(rows, suffixes, strict=True)), default=0), collective)
+            if budget <= 0:
+                break
+            inputs = [prompts[i] + episodes[i].ids + s for i, s in zip(rows, suffixes, strict=True)]
+            turns = self._generate(head, inputs or [prompts[0]], sampling, budget, generator, collective)
+            for i, suffix, ids in zip(rows, suffixes, turns, strict=False):
+                room = sampling.max_tokens - len(episodes[i].ids) - len(suffix)
+                ids = ids[:room]
+                e = episodes[i]
+                e.ids += suffix + ids
+                e.model += [0] * len(suffix) + [1] * len(ids)
+                e.messages.append(self._assistant(ids))
+                e.turns += 1
+            pending = [i for i in rows if self._wants_tools(episodes[i]) and len(episodes[i].ids) < sampling.max_tokens]
+            iteration += 1
+        return episodes
+
+    def _assistant(self, ids: list[int]) -> dict:
+        """The model's turn as a message: its text, and its calls where they parse."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        parsed = self.tools.parse(text)
+        message = {"role": "assistant", "content": text}
+        if parsed.calls:
+            message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                     for c in parsed.calls]
+        return message
+
+    def _wants_tools(self, e: Episode) -> bool:
+        last = e.messages[-1]
+        return bool(last.get("tool_calls")) or bool(self.tools.parse(last["content"]).error)
+
+    def _answer(self, e: Episode, limit: int) -> list[int] | None:
+        """The tool turns answering the episode's last turn, run and rendered; None where they would not fit the
+        episode's length (the episode then ends as it is, as TRL rolls such results back)."""
+        parsed = self.tools.parse(e.messages[-1]["content"])
+        if parsed.error:
+            results = [Result("tool_call", f"error: {parsed.error}", "parse")]
+        else:
+            results = [self.tools.run(c) for c in parsed.calls]
+        messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+        suffix = self._suffix(messages)
+        if len(e.ids) + len(suffix) >= limit:
+            return None
+        e.messages.extend(messages)
+        e.parse_failures += sum(r.outcome == "parse" for r in results)
+        e.calls += sum(r.outcome != "parse" for r in results)
+        e.failures += sum(r.outcome in ("error", "timeout") for r in results)
+        e.timeouts += sum(r.outcome == "timeout" for r in results)
+        return suffix
+
+    def _suffix(self, messages: list[dict]) -> list[int]:
+        """The template's tokens for tool turns after an assistant turn that called the tool, up to the next
+        assistant header: a short conversation (as TRL's _get_tool_suffix_ids builds it) rendered with the tool turns
+        and the generation prompt, from the end of its assistant turn on. The end is found in that same rendering (a
+        template may render a turn otherwise when it is the last one: Qwen 3 adds an empty <think> block), by
+        counting the end-of-turn tokens of the conversation before the assistant turn."""
+        call = [{"type": "function", "function": {"name": messages[0]["name"], "arguments": {}}}]
+        user = [{"role": "user", "content": "dummy"}]
+        head = [*user, {"role": "assistant", "content": "", "tool_calls": call}]
+        before = sum(t in self.stops for t in self._ids(render(self.tokenizer, user, self.chat_date)))
+        full = self._ids(render(self.tokenizer, head + messages, self.chat_date, add_generation_prompt=True))
+        ends = [i for i, t in enumerate(full) if t in self.stops]
+        if len(ends) <= before:
+            raise UserError("the chat template ends no assistant turn with a stop token (its EOS or an end-of-turn "
+                            "token the model's generation_config lists), so a tool turn cannot be placed after one")
+        return full[ends[before] + 1:]
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _generate(self, head, inputs: list[list[int]], sampling: Sampling, budget: int,
+                  generator: torch.Generator | None, collective: bool) -> list[list[int]]:
+        """The next turn of each row (left-padded inputs), through its first stop token."""
+        width = max(map(len, inputs))
+        device = next(head.model.parameters()).device
+        ids = torch.full((len(inputs), width), self.pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros((len(inputs), width), dtype=torch.long, device=device)
+        for r, row in enumerate(inputs):
+            ids[r, width - len(row):] = torch.tensor(row, device=device)
+            mask[r, width - len(row):] = 1
+        turn = Sampling(budget, sampling.temperature, sampling.top_p, sampling.top_k, sampling.greedy)
+        completion, cmask = generate(head, ids, mask, turn, self.stops, self.pad_id, generator, collective)
+        lengths = cmask.sum(-1).tolist()
+        return [c[:n] for c, n in zip(completion.tolist(), lengths, strict=True)]
+
+    @staticmethod
+    def _agreed(mine: bool, collective: bool) -> bool:
+        """Whether any rank has an episode to continue (every rank, where generation is a collective)."""
+        if not (collective and dist.is_initialized() and dist.get_world_size() > 1):
+            return mine
+        flag = torch.tensor([float(mine)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # CPU tensor: gloo on the host, the same on every rank
+        return bool(flag.item())
+
+    @staticmethod
+    def _agreed_budget(mine: int, collective: bool) -> int:
+        """The next turn's token budget, the largest over the ranks where generation is a collective (every rank
+        steps the same tokens; each row is cut to its own room after)."""
+        if not (collective and dist.is_initialized() and dist.get_world_size() > 1):
+            return mine
+        budget = torch.tensor([float(mine)])
+        dist.all_reduce(budget, op=dist.ReduceOp.MAX)
+        return int(budget.item())

@@ -1,0 +1,144 @@
+"""The user's tools (--tools FILE.py[:NAME,...]): plain Python functions with type hints and a docstring, offered to
+the model through the chat template's tools (their JSON schema as transformers' get_json_schema derives it, TRL's
+rule, so a TRL user's tool file runs unchanged), and the model's calls of them parsed and run.
+
+A call is the model's to get right: one that does not parse, names no tool, passes arguments the function does not
+take, raises, or runs past --tool-timeout is answered with an error message as the tool's result (counted), and the
+episode goes on. SystemExit or a stop signal inside a tool is the run's (one line; a stop).
+
+Hazards: the time limit is user_code's watchdog signal to the main thread (a tool on another thread has none); a tool
+that hangs in C code holding the GIL cannot be stopped."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import UserError
+from pipeline.rl import user_code
+from pipeline.signals import SignalInUserCode, Stopped, StopRequest
+
+CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+"""A call as Hermes-style templates (Qwen 2.5 and 3, and the templates that copy them) ask for it: JSON between
+tags, {"name": ..., "arguments": {...}}."""
+
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    arguments: dict
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """What the model's turn asked for: its calls, or why they could not be read."""
+
+    calls: list[Call]
+    error: str = ""
+    """Why a call did not parse ("" when every one did): answered to the model, counted."""
+
+
+@dataclass(frozen=True)
+class Result:
+    name: str
+    content: str
+    outcome: str
+    """ok, error (the tool raised, or the call was wrong) or timeout."""
+
+
+class Tools:
+    """The functions of --tools, loaded once per process, with their schemas and identity."""
+
+    def __init__(self, spec: str, timeout: float) -> None:
+        self.spec, self.timeout = spec, timeout
+        cut = spec.rfind(".py:")  # FILE.py:NAME,NAME (a path may hold ':' of its own)
+        path, names = (spec[:cut + 3], spec[cut + 4:]) if cut >= 0 else (spec, "")
+        path, names = Path(path), [n.strip() for n in names.split(",") if n.strip()]
+        try:
+            source = path.read_bytes()
+        except OSError as exc:
+            raise UserError(f"--tools {spec}: the file cannot be read ({exc.strerror or exc})") from None
+        module_name = f"_tools_{hashlib.sha256(source).hexdigest()[:16]}"
+        module, _ = user_code.import_file(path, module_name, f"--tools {path}")
+        self.functions = self._chosen(module, names, path)
+        self.schemas = [self._schema(name, fn) for name, fn in self.functions.items()]
+        self.identity = f"{path}:{','.join(self.functions)}:{hashlib.sha256(source).hexdigest()[:16]}"
+
+    def _chosen(self, module, names: list[str], path: Path) -> dict[str, Callable]:
+        """The functions named, or every public function the file defines."""
+        if not names:
+            names = [n for n, obj in vars(module).items() if inspect.isfunction(obj) and not n.startswith("_")
+                     and obj.__module__ == module.__name__]
+            if not names:
+                raise UserError(f"--tools {self.spec}: the file defines no public function to offer as a tool")
+        chosen = {}
+        for name in names:
+            fn = getattr(module, name, None)
+            if not callable(fn):
+                raise UserError(f"--tools {self.spec}: {path} defines no function {name}")
+            if inspect.iscoroutinefunction(fn):
+                raise UserError(f"--tools {self.spec}: {name} is async, and tools are called as plain functions here "
+                                "yet; give a plain def")
+            chosen[name] = fn
+        return chosen
+
+    def _schema(self, name: str, fn: Callable) -> dict:
+        from transformers.utils import get_json_schema
+
+        try:
+            return get_json_schema(fn)
+        except Exception as exc:  # transformers' TypeHintParsingException, DocstringParsingException
+            raise UserError(f"--tools {self.spec}: {name} cannot be offered as a tool: {exc} (a tool needs a type "
+                            "hint on every argument and a docstring with an Args: section describing each, as "
+                            "transformers' get_json_schema reads them)") from None
+
+    # ------------------------------------------------------------------------------------------- the model's calls
+
+    @staticmethod
+    def parse(text: str) -> Parsed:
+        """The calls in the text of the model's turn."""
+        calls = []
+        for body in CALL.findall(text):
+            try:
+                call = json.loads(body)
+            except json.JSONDecodeError as exc:
+                return Parsed(calls, f"the tool call is not JSON ({exc.msg} at character {exc.pos})")
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return Parsed(calls, 'a tool call must be a JSON object with a "name" and "arguments"')
+            arguments = call.get("arguments", {})
+            if isinstance(arguments, str):  # some models write the arguments as a JSON string
+                try:
+                    arguments = json.loads(arguments)
+                except json.JSONDecodeError:
+                    return Parsed(calls, f"the arguments of {call['name']} are not a JSON object")
+            if not isinstance(arguments, dict):
+                return Parsed(calls, f"the arguments of {call['name']} are not a JSON object")
+            calls.append(Call(call["name"], arguments))
+        if not calls and "<tool_call>" in text:
+            return Parsed(calls, "a <tool_call> tag is not closed by </tool_call>")
+        return Parsed(calls)
+
+    def run(self, call: Call) -> Result:
+        """The tool's answer to the call, as text: its return value (str() of it), or the error the model made or
+        met. A stop signal interrupts it (Stopped); SystemExit from it is one line."""
+        fn = self.functions.get(call.name)
+        if fn is None:
+            return Result(call.name, f"error: there is no tool {call.name!r}; the tools are "
+                          f"{', '.join(self.functions)}", "error")
+        try:
+            with user_code.time_limit(self.timeout), StopRequest.interrupting():
+                value = fn(**call.arguments)
+        except SignalInUserCode:
+            raise Stopped(f"in the tool {call.name}") from None
+        except user_code.TimedOut:
+            return Result(call.name, f"error: {call.name} did not return within {self.timeout:g} s", "timeout")
+        except (SystemExit, KeyboardInterrupt) as exc:
+            raise UserError(user_code.exit_line(f"--tools {self.spec}: {call.name}", exc)) from None
+        except Exception as exc:  # the tool's own failure, or arguments it does not take: the model's to read
+            return Result(call.name, f"error: {type(exc).__name__}: {exc}", "error")
+        return Result(call.name, str(value), "ok")  # as TRL gives a tool's value to the template
