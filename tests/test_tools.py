@@ -228,3 +228,31 @@ def test_grpo_with_tools_runs_episodes_of_tool_turns_on_two_ranks(chatml_model, 
     shown = [s["completion"] for s in events(tmp_path / "runs" / "agent", "sample")]
     assert any("<tool_response>" in c and c.split("<tool_response>")[1].strip().split()[0] in VALUES.values()
                for c in shown), shown
+
+
+def test_the_tool_turns_of_an_episode_have_no_loss_and_no_gradient():
+    """The loss mask of a rollout with tool turns (GRPOObjective._loss_mask) leaves them out, so every loss type's
+    gradient on their log-probabilities is exactly 0, the model's tokens around them keep theirs, and dapo's count
+    is the model's tokens alone."""
+    from types import SimpleNamespace
+
+    from pipeline.config_grpo import GRPOConfig
+    from pipeline.objectives.grpo import GRPOObjective
+    from pipeline.objectives.grpo_losses import GRPOLossSettings, StepCounts, micro_loss, token_terms
+    from pipeline.rl.rollout import Rollout
+
+    # two completions: the first a model turn (3), a tool turn (2) and a model turn (2); the second one turn (4)
+    tool_mask = torch.tensor([[1, 1, 1, 0, 0, 1, 1], [1, 1, 1, 1, 0, 0, 0]])
+    real = torch.tensor([[1] * 7, [1, 1, 1, 1, 0, 0, 0]])
+    r = Rollout(torch.zeros(2, 1), torch.ones(2, 1), torch.zeros(2, 7, dtype=torch.long), real, torch.zeros(2),
+                torch.zeros(2, 1), torch.ones(2, dtype=torch.bool), torch.zeros(2, dtype=torch.bool), [], [],
+                tool_mask=tool_mask)
+    assert r.lengths.tolist() == [5, 4]  # the model's tokens, as TRL counts them
+    for loss_type in ("dapo", "dr_grpo", "grpo", "bnpo"):
+        mask = GRPOObjective._loss_mask(SimpleNamespace(g=GRPOConfig(loss_type=loss_type)), r).float()
+        assert mask.tolist() == (real * tool_mask).float().tolist()
+        logps = torch.randn(2, 7, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        settings = GRPOLossSettings(loss_type, 0.2, 0.2, 0.0, 7)
+        terms = token_terms(logps, logps.detach(), torch.tensor([1.0, -1.0]), settings, None, mask)
+        micro_loss(terms.loss, mask, settings, StepCounts(int(mask.sum()), 2, 1, 1)).backward()
+        assert (logps.grad[mask == 0] == 0).all() and (logps.grad[mask == 1] != 0).all(), loss_type
