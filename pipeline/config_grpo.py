@@ -121,7 +121,7 @@ class GRPOConfig(Section):
         in_range(self.tool_timeout, 0, 1e6, "tool_timeout")
         require(self.tool_timeout == 0 or self.tool_timeout >= 1e-3,
                 f"--tool-timeout must be 0 (no limit) or at least 0.001 s, got {self.tool_timeout!r}")
-        require(self.tools or (self.max_tool_calling_iterations == 0 and self.tool_timeout == 60.0),
+        require(self.tools or not {"max_tool_calling_iterations", "tool_timeout"} & set(self.given()),
                 "--max-tool-calling-iterations and --tool-timeout are for --tools")
 
     @property

@@ -70,7 +70,7 @@ def test_a_tool_file_offers_its_public_functions_with_their_schemas_and_its_mist
         "parameters": {"type": "object", "properties": {"key": {"type": "string", "description": "the key to look up"}},
                        "required": ["key"]}, "return": {"type": "string"}}}
     named = Tools(f"{tool_file}:lookup", 5)
-    assert list(named.functions) == ["lookup"] and named.identity.startswith(f"{tool_file}:lookup:")
+    assert list(named.functions) == ["lookup"] and named.identity.startswith("tools.py:lookup:")
     bad = tool_file.parent / "bad.py"
     bad.write_text("def undocumented(x: int) -> int:\n    return x\n")
     with pytest.raises(UserError, match=rf"^--tools {bad}: undocumented cannot be offered as a tool: .*a tool needs a "
@@ -90,6 +90,8 @@ def test_the_models_calls_parse_and_run_and_every_failure_is_its_answer(tool_fil
     assert parsed.calls == [Call("lookup", {"key": "a"}), Call("lookup", {"key": "b"})] and not parsed.error
     assert [tools.run(c).content for c in parsed.calls] == ["17", "42"]
     assert tools.parse("no call at all") == tools.parse("") and not tools.parse("plain").calls
+    drafted = '<think>maybe <tool_call>{"name": "lookup", "arguments": {"key": "b"}}</tool_call></think>'
+    assert tools.parse(drafted + text).calls == parsed.calls  # a call drafted while reasoning is not made
     assert tools.parse("<tool_call>{name: lookup}</tool_call>").error.startswith("the tool call is not JSON")
     assert tools.parse('<tool_call>{"name": "lookup"').error == "a <tool_call> tag is not closed by </tool_call>"
     assert tools.parse('<tool_call>["lookup"]</tool_call>').error.startswith("a tool call must be a JSON object")
@@ -144,7 +146,8 @@ def test_an_episode_is_the_templates_rendering_of_its_conversation_and_its_tool_
     first = expected[len(prompt):]
     first = first[:first.index(end) + 1]
     head = Head(model, False, 1)
-    (episode,) = turns.continue_all(head, [prompt], [first], Sampling(256), torch.Generator().manual_seed(0), False)
+    (episode,) = turns.continue_all(head, [prompt], [first], Sampling(256), torch.Generator().manual_seed(0), False,
+                                    torch.device("cpu"))
     assert prompt + episode.ids[:len(expected) - len(prompt)] == expected  # the template's own tokens, to the turn
     tool_turn = len(expected) - len(prompt) - len(first)
     assert episode.model[:len(first)] == [1] * len(first)

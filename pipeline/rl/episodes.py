@@ -8,12 +8,18 @@ The suffix of a tool turn is computed as TRL computes it (a short conversation t
 calling the tool, rendered with and without the tool messages; the difference), so the episode's tokens are the
 prompt's, the model's, and the template's own rendering of each tool turn.
 
-Hazards: under a sharding strategy each forward is a collective, so every rank runs the same number of tool
-iterations and each generation with the same token budget (both all-reduced; a rank whose rows are all done
-generates one row it then drops)."""
+Hazards:
+- Under a sharding strategy each forward is a collective, so every rank runs the same number of tool iterations and
+  each generation with the same token budget (both all-reduced; a rank whose rows are all done generates one row it
+  then drops). A stop signal rides on the same all-reduce, so every rank stops at the same turn; over a replica the
+  rollout's caller agrees after.
+- Every other rank waits in that all-reduce while a rank's tools run, one call after another: rows x calls x
+  --tool-timeout must stay within the process group's timeout (--collective-timeout)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +29,7 @@ from pipeline.data.chat_render import render
 from pipeline.errors import UserError
 from pipeline.rl.generation import Sampling, generate
 from pipeline.rl.tools import Result, Tools
+from pipeline.signals import Stopped, StopRequest
 
 
 @dataclass
@@ -58,34 +65,37 @@ class Turns:
     pad_id: int
 
     def continue_all(self, head, prompts: list[list[int]], first: list[list[int]], sampling: Sampling,
-                     generator: torch.Generator | None, collective: bool) -> list[Episode]:
+                     generator: torch.Generator | None, collective: bool, device: torch.device) -> list[Episode]:
         """Each row's episode from the prompt's ids (unpadded) and its first turn's (through its stop token). A
-        collective where generation is one: every rank calls it, with the same sampling."""
+        collective where generation is one: every rank calls it, with the same sampling; a stop signal is then
+        Stopped on every rank at the same turn."""
         episodes = [Episode(list(ids), [1] * len(ids), [self._assistant(ids)]) for ids in first]
-        pending = [i for i, e in enumerate(episodes) if self._wants_tools(e)]
+        limit = sampling.max_tokens
+        pending = [i for i, e in enumerate(episodes) if self._wants_tools(e) and len(e.ids) < limit]
         iteration = 0
         while self._agreed(bool(pending), collective) and (not self.max_iterations or iteration < self.max_iterations):
             rows, suffixes = [], []
             for i in pending:
-                suffix = self._answer(episodes[i], sampling.max_tokens)
+                suffix = self._answer(episodes[i], limit)
                 if suffix is not None:
                     rows.append(i)
                     suffixes.append(suffix)
-            budget = self._agreed_budget(max((sampling.max_tokens - len(episodes[i].ids) - len(s)
-                                              for i, s in zip(rows, suffixes, strict=True)), default=0), collective)
+            rooms = [limit - len(episodes[i].ids) - len(s) for i, s in zip(rows, suffixes, strict=True)]
+            budget = self._agreed_budget(max(rooms, default=0), collective)
             if budget <= 0:
                 break
             inputs = [prompts[i] + episodes[i].ids + s for i, s in zip(rows, suffixes, strict=True)]
-            turns = self._generate(head, inputs or [prompts[0]], sampling, budget, generator, collective)
-            for i, suffix, ids in zip(rows, suffixes, turns, strict=False):
-                room = sampling.max_tokens - len(episodes[i].ids) - len(suffix)
-                ids = ids[:room]
+            turns = self._generate(head, inputs or [prompts[0]], rooms or [budget],
+                                   dataclasses.replace(sampling, max_tokens=budget), generator, collective, device)
+            # a rank with no row to continue generated one it drops here (strict=False: turns has it, rows not)
+            for i, suffix, room, ids in zip(rows, suffixes, rooms, turns, strict=False):
+                ids = ids[:room]  # a row that reached its room has padding after it
                 e = episodes[i]
                 e.ids += suffix + ids
                 e.model += [0] * len(suffix) + [1] * len(ids)
                 e.messages.append(self._assistant(ids))
                 e.turns += 1
-            pending = [i for i in rows if self._wants_tools(episodes[i]) and len(episodes[i].ids) < sampling.max_tokens]
+            pending = [i for i in rows if self._wants_tools(episodes[i]) and len(episodes[i].ids) < limit]
             iteration += 1
         return episodes
 
@@ -104,13 +114,19 @@ class Turns:
         return bool(last.get("tool_calls")) or bool(self.tools.parse(last["content"]).error)
 
     def _answer(self, e: Episode, limit: int) -> list[int] | None:
-        """The tool turns answering the episode's last turn, run and rendered; None where they would not fit the
-        episode's length (the episode then ends as it is, as TRL rolls such results back)."""
+        """The tool turns answering the episode's last turn, run and rendered (the calls that parsed, then the error
+        of the one that did not); None where they would not fit the episode's length (the episode then ends as it
+        is, as TRL rolls such results back), or where a stop signal came (no more tools run; the ranks agree on it
+        after)."""
         parsed = self.tools.parse(e.messages[-1]["content"])
-        if parsed.error:
-            results = [Result("tool_call", f"error: {parsed.error}", "parse")]
-        else:
+        if StopRequest.signum:
+            return None
+        try:
             results = [self.tools.run(c) for c in parsed.calls]
+        except Stopped:
+            return None
+        if parsed.error:
+            results.append(Result("tool_call", f"error: {parsed.error}", "parse"))
         messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
         suffix = self._suffix(messages)
         if len(e.ids) + len(suffix) >= limit:
@@ -131,7 +147,7 @@ class Turns:
         call = [{"type": "function", "function": {"name": messages[0]["name"], "arguments": {}}}]
         user = [{"role": "user", "content": "dummy"}]
         head = [*user, {"role": "assistant", "content": "", "tool_calls": call}]
-        before = sum(t in self.stops for t in self._ids(render(self.tokenizer, user, self.chat_date)))
+        before = self._ends_before
         full = self._ids(render(self.tokenizer, head + messages, self.chat_date, add_generation_prompt=True))
         ends = [i for i, t in enumerate(full) if t in self.stops]
         if len(ends) <= before:
@@ -142,29 +158,38 @@ class Turns:
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _generate(self, head, inputs: list[list[int]], sampling: Sampling, budget: int,
-                  generator: torch.Generator | None, collective: bool) -> list[list[int]]:
-        """The next turn of each row (left-padded inputs), through its first stop token."""
+    @functools.cached_property
+    def _ends_before(self) -> int:
+        """The end-of-turn tokens of a one-user-turn conversation, before the assistant turn _suffix places."""
+        user = [{"role": "user", "content": "dummy"}]
+        return sum(t in self.stops for t in self._ids(render(self.tokenizer, user, self.chat_date)))
+
+    def _generate(self, head, inputs: list[list[int]], rooms: list[int], sampling: Sampling,
+                  generator: torch.Generator | None, collective: bool, device: torch.device) -> list[list[int]]:
+        """The next turn of each row (left-padded inputs), through its first stop token, at most its room."""
         width = max(map(len, inputs))
-        device = next(head.model.parameters()).device
         ids = torch.full((len(inputs), width), self.pad_id, dtype=torch.long, device=device)
         mask = torch.zeros((len(inputs), width), dtype=torch.long, device=device)
         for r, row in enumerate(inputs):
             ids[r, width - len(row):] = torch.tensor(row, device=device)
             mask[r, width - len(row):] = 1
-        turn = Sampling(budget, sampling.temperature, sampling.top_p, sampling.top_k, sampling.greedy)
-        completion, cmask = generate(head, ids, mask, turn, self.stops, self.pad_id, generator, collective)
+        completion, cmask = generate(head, ids, mask, sampling, self.stops, self.pad_id, generator, collective,
+                                     limits=torch.tensor(rooms, device=device))
         lengths = cmask.sum(-1).tolist()
         return [c[:n] for c, n in zip(completion.tolist(), lengths, strict=True)]
 
     @staticmethod
     def _agreed(mine: bool, collective: bool) -> bool:
-        """Whether any rank has an episode to continue (every rank, where generation is a collective)."""
+        """Whether any rank has an episode to continue (every rank, where generation is a collective), and a stop
+        signal on any rank: then Stopped on every rank alike. Over a replica, this rank's own (a signal ends its
+        turns; the rollout's caller agrees with the others after)."""
         if not (collective and dist.is_initialized() and dist.get_world_size() > 1):
-            return mine
-        flag = torch.tensor([float(mine)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # CPU tensor: gloo on the host, the same on every rank
-        return bool(flag.item())
+            return mine and not StopRequest.signum
+        flags = torch.tensor([float(mine), float(StopRequest.signum != 0)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # CPU tensor: gloo on the host, the same on every rank
+        if flags[1]:
+            raise Stopped("during tool calls")
+        return bool(flags[0])
 
     @staticmethod
     def _agreed_budget(mine: int, collective: bool) -> int:

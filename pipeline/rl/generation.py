@@ -76,12 +76,14 @@ def pick(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -
 @torch.no_grad()
 def generate(head: Head, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s: Sampling, stops: set[int],
              pad_id: int, generator: torch.Generator | None, collective: bool = True,
-             repeats: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+             repeats: int = 1, limits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(completion ids [rows, C], mask [rows, C]) for left-padded prompts [rows, P]: each row's tokens up to and
     including its first stop token (TRL's completion mask), C the longest row's length (at most s.max_tokens).
     collective: the head's forward is one, so every rank calls this and steps until every rank's rows are done (C is
     then the longest over the ranks); else this rank steps until its own are. repeats: each prompt comes
-    that many times in a row (a GRPO group): its forward runs once, its cache and logits copied to its rows."""
+    that many times in a row (a GRPO group): its forward runs once, its cache and logits copied to its rows. limits:
+    each row's own most tokens (an episode's room left), below s.max_tokens; a row that reaches it is fed padding,
+    and its mask runs to the end (the caller cuts it at its limit)."""
     from transformers import DynamicCache
 
     rows, device = prompt_ids.shape[0], prompt_ids.device
@@ -100,6 +102,8 @@ def generate(head: Head, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, s:
         token = torch.where(done, pad_id, pick(logits, s, generator))
         out.append(token)
         done |= torch.isin(token, stop) if stop is not None else torch.zeros_like(done)
+        if limits is not None:
+            done |= limits <= i + 1
         if i == s.max_tokens - 1 or _all_done(done, collective):
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)

@@ -85,7 +85,8 @@ class Roller:
         episodes = None
         if self.turns is not None:
             starts = [ids[i][mask[i].bool()].tolist() for i in range(len(rows))]
-            episodes = self.turns.continue_all(self.head, starts, token_lists, sampling, generator, self.collective)
+            episodes = self.turns.continue_all(self.head, starts, token_lists, sampling, generator, self.collective,
+                                               completion.device)
             token_lists = [e.ids for e in episodes]
             completion, cmask = padded([e.ids for e in episodes], self.pad_id, completion.device)
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in token_lists]

@@ -24,6 +24,9 @@ from pipeline.rl import user_code
 from pipeline.signals import SignalInUserCode, Stopped, StopRequest
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+THINKING = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
+"""A reasoning span (Qwen 3, DeepSeek-R1): a call drafted in it is thought, not made (as transformers' parsers read
+the content alone)."""
 """A call as Hermes-style templates (Qwen 2.5 and 3, and the templates that copy them) ask for it: JSON between
 tags, {"name": ..., "arguments": {...}}."""
 
@@ -67,7 +70,8 @@ class Tools:
         module, _ = user_code.import_file(path, module_name, f"--tools {path}")
         self.functions = self._chosen(module, names, path)
         self.schemas = [self._schema(name, fn) for name, fn in self.functions.items()]
-        self.identity = f"{path}:{','.join(self.functions)}:{hashlib.sha256(source).hexdigest()[:16]}"
+        # the file's name, not its path: a rerun from another folder names the same file otherwise
+        self.identity = f"{path.name}:{','.join(self.functions)}:{hashlib.sha256(source).hexdigest()[:16]}"
 
     def _chosen(self, module, names: list[str], path: Path) -> dict[str, Callable]:
         """The functions named, or every public function the file defines."""
@@ -101,7 +105,8 @@ class Tools:
 
     @staticmethod
     def parse(text: str) -> Parsed:
-        """The calls in the text of the model's turn."""
+        """The calls in the text of the model's turn, outside its reasoning."""
+        text = THINKING.sub("", text)
         calls = []
         for body in CALL.findall(text):
             try:
