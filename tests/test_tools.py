@@ -259,3 +259,29 @@ def test_the_tool_turns_of_an_episode_have_no_loss_and_no_gradient():
         terms = token_terms(logps, logps.detach(), torch.tensor([1.0, -1.0]), settings, None, mask)
         micro_loss(terms.loss, mask, settings, StepCounts(int(mask.sum()), 2, 1, 1)).backward()
         assert (logps.grad[mask == 0] == 0).all() and (logps.grad[mask == 1] != 0).all(), loss_type
+
+
+def test_the_bundled_example_offers_its_tools_and_its_prompts_render_with_them(chatml_model, tmp_path):
+    """examples/tools: its tools load with their schemas, DATA-HF reads its prompts as conversations, and each
+    prompt renders with the tools' schemas before it (the prompt blocks the run builds)."""
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+
+    from pipeline.config_grpo import GRPOConfig
+    from pipeline.prep.corpus import CorpusConfig, build_dataset
+    from pipeline.rl.prompts import build_prompt_blocks
+
+    tools = Tools(str(ROOT / "examples" / "tools" / "tools.py"), 60)
+    assert [s["function"]["name"] for s in tools.schemas] == ["add", "multiply"]
+    build_dataset(CorpusConfig(ROOT / "examples" / "tools" / "prompts", tmp_path / "ds", num_proc=1))
+    tok = AutoTokenizer.from_pretrained(chatml_model)
+    # the tiny vocabulary spends about 600 tokens on the two schemas (a real model's about 200)
+    blocks = build_prompt_blocks(load_from_disk(str(tmp_path / "ds")), tok, GRPOConfig(max_prompt_length=2048),
+                                 "26 Jul 2024", 0.0, 0, tok.eos_token_id, tools.schemas)
+    assert blocks.counts["kept"] == 24
+    part = blocks.part("train")
+    first = tok.decode(part.blocks[0][part.mask[0].astype(bool)])
+    assert first.index('"name": "add"') < first.index("<|im_start|>user") and "Use the tools." in first
+    with pytest.raises(UserError, match=r"^--tools: 24 prompts are longer than --max-prompt-length 8, and cutting "):
+        build_prompt_blocks(load_from_disk(str(tmp_path / "ds")), tok, GRPOConfig(max_prompt_length=8),
+                            "26 Jul 2024", 0.0, 0, tok.eos_token_id, tools.schemas)
