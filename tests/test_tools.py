@@ -3,12 +3,15 @@ calls parsed and run (a failure is the model's answer, never the run's end), and
 tool turns whose tokens are the template's rendering of the conversation and train nothing."""
 
 import json
+import re
+import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, events, losses, preflight_errors, run_script, torchrun
+from conftest import ROOT, events, losses, preflight_errors, run_script, start_python, torchrun, with_root
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from pipeline.errors import UserError
@@ -164,6 +167,25 @@ LOOKUP = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"key": {"type": "string", "description": "the key to look up"}},
                    "required": ["key"]}, "return": {"type": "string"}}}
 VALUES = {"a": "17", "b": "42"}
+PREEMPTING = """
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def lookup(key: str) -> str:
+    \"\"\"The value stored under a key.
+
+    Args:
+        key: the key to look up
+    \"\"\"
+    if os.environ["RANK"] == "0":
+        Path(os.environ["TOOL_MARK"]).write_text(repr(time.time()))
+        os.kill(os.getppid(), signal.SIGTERM)  # a scheduler's preemption, to the launcher, which passes it on
+        time.sleep(60)
+    return {"a": "17", "b": "42"}.get(key, "unknown")
+"""
 REWARD = """
 def right(prompts, completions, completion_ids, answer, **columns):
     return [float(answer in c[-1]["content"]) for c, answer in zip(completions, answer)]
@@ -174,7 +196,8 @@ def test_grpo_with_tools_runs_episodes_of_tool_turns_on_two_ranks(chatml_model, 
     """The tiny model taught by SFT to call lookup and answer with its result (a minute of the chat trainer on 64
     such conversations), then GRPO with --tools under fsdp2 on 2 ranks (each forward a collective: the ranks agree
     on every tool turn): its completions call the tool, read its answer and end; the episodes' figures are logged
-    under TRL's names and ours, and the samples show whole episodes."""
+    under TRL's names and ours, and the samples show whole episodes. A preemption while a tool runs stops every rank
+    at once, in one line. The preflight refusals of --tools, each one line."""
     from pipeline.prep.corpus import CorpusConfig, build_dataset
 
     for folder in ("chats", "prompts"):
@@ -231,6 +254,23 @@ def test_grpo_with_tools_runs_episodes_of_tool_turns_on_two_ranks(chatml_model, 
     shown = [s["completion"] for s in events(tmp_path / "runs" / "agent", "sample")]
     assert any("<tool_response>" in c and c.split("<tool_response>")[1].strip().split()[0] in VALUES.values()
                for c in shown), shown
+    # a preemption while rank 0's tool runs (and would run for a minute): the tool is interrupted at once, rank 1,
+    # waiting in the turn's all-reduce, hears of it there, and the run stops in one line, exit 128 + SIGTERM
+    (tmp_path / "preempting.py").write_text(PREEMPTING)
+    mark = tmp_path / "called"
+    with open(tmp_path / "p.log", "w") as out:
+        argv = ["fsdp1.py", "--nproc-per-node", "2", "-e", "p", "-d", tmp_path / "prompts-ds", "-m",
+                tmp_path / "runs" / "sft" / "hf", *common, "--objective", "grpo", "--strategy", "fsdp2",
+                "--num-generations", 2, "-b", 2, "--max-completion-length", 256, "--max-steps", 2,
+                "--reward", f"{tmp_path / 'rewards.py'}:right", "--tools", tmp_path / "preempting.py"]
+        proc = start_python([str(a) for a in argv], with_root({**train_env["env"], "TOOL_MARK": str(mark)}),
+                            offline=True, stdout=out, stderr=subprocess.STDOUT)
+        code = proc.wait(timeout=300)
+    said = (tmp_path / "p.log").read_text()
+    assert (code, "Traceback" in said) == (128 + signal.SIGTERM, False), said[-3000:]
+    assert time.time() - float(mark.read_text()) < 60
+    assert re.search(r"stopped by signal (during tool calls|during generation|during the rollouts) at step \d+",
+                     said), said[-3000:]
 
 
 def test_the_tool_turns_of_an_episode_have_no_loss_and_no_gradient():
