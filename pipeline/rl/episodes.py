@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from pipeline.data.chat_render import render
 from pipeline.errors import UserError
-from pipeline.rl.generation import Sampling, generate
-from pipeline.rl.tools import Result, Tools
+from pipeline.rl.generation import Sampling, generate, padded
+from pipeline.rl.tools import Parsed, Result, Tools
 from pipeline.signals import Stopped, StopRequest
 
 
@@ -50,6 +50,8 @@ class Episode:
     timeouts: int = 0
     turns: int = 1
     """The model's turns."""
+    parsed: Parsed | None = None
+    """The calls of the model's last turn, parsed once (what _wants_tools and _answer read)."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,9 @@ class Turns:
         """Each row's episode from the prompt's ids (unpadded) and its first turn's (through its stop token). A
         collective where generation is one: every rank calls it, with the same sampling; a stop signal is then
         Stopped on every rank at the same turn."""
-        episodes = [Episode(list(ids), [1] * len(ids), [self._assistant(ids)]) for ids in first]
+        episodes = [Episode(list(ids), [1] * len(ids)) for ids in first]
+        for e, ids in zip(episodes, first, strict=True):
+            self._turn(e, ids)
         limit = sampling.max_tokens
         pending = [i for i, e in enumerate(episodes) if self._wants_tools(e) and len(e.ids) < limit]
         iteration = 0
@@ -93,32 +97,32 @@ class Turns:
                 e = episodes[i]
                 e.ids += suffix + ids
                 e.model += [0] * len(suffix) + [1] * len(ids)
-                e.messages.append(self._assistant(ids))
+                self._turn(e, ids)
                 e.turns += 1
             pending = [i for i in rows if self._wants_tools(episodes[i]) and len(episodes[i].ids) < limit]
             iteration += 1
         return episodes
 
-    def _assistant(self, ids: list[int]) -> dict:
-        """The model's turn as a message: its text, and its calls where they parse."""
+    def _turn(self, e: Episode, ids: list[int]) -> None:
+        """The model's turn added to the episode's messages: its text, and its calls where they parse (kept parsed)."""
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        parsed = self.tools.parse(text)
+        e.parsed = self.tools.parse(text)
         message = {"role": "assistant", "content": text}
-        if parsed.calls:
+        if e.parsed.calls:
             message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                                     for c in parsed.calls]
-        return message
+                                     for c in e.parsed.calls]
+        e.messages.append(message)
 
-    def _wants_tools(self, e: Episode) -> bool:
-        last = e.messages[-1]
-        return bool(last.get("tool_calls")) or bool(self.tools.parse(last["content"]).error)
+    @staticmethod
+    def _wants_tools(e: Episode) -> bool:
+        return bool(e.parsed.calls or e.parsed.error)
 
     def _answer(self, e: Episode, limit: int) -> list[int] | None:
         """The tool turns answering the episode's last turn, run and rendered (the calls that parsed, then the error
         of the one that did not); None where they would not fit the episode's length (the episode then ends as it
         is, as TRL rolls such results back), or where a stop signal came (no more tools run; the ranks agree on it
         after)."""
-        parsed = self.tools.parse(e.messages[-1]["content"])
+        parsed = e.parsed
         if StopRequest.signum:
             return None
         try:
@@ -167,12 +171,7 @@ class Turns:
     def _generate(self, head, inputs: list[list[int]], rooms: list[int], sampling: Sampling,
                   generator: torch.Generator | None, collective: bool, device: torch.device) -> list[list[int]]:
         """The next turn of each row (left-padded inputs), through its first stop token, at most its room."""
-        width = max(map(len, inputs))
-        ids = torch.full((len(inputs), width), self.pad_id, dtype=torch.long, device=device)
-        mask = torch.zeros((len(inputs), width), dtype=torch.long, device=device)
-        for r, row in enumerate(inputs):
-            ids[r, width - len(row):] = torch.tensor(row, device=device)
-            mask[r, width - len(row):] = 1
+        ids, mask = padded(inputs, self.pad_id, device, left=True)
         completion, cmask = generate(head, ids, mask, sampling, self.stops, self.pad_id, generator, collective,
                                      limits=torch.tensor(rooms, device=device))
         lengths = cmask.sum(-1).tolist()

@@ -140,3 +140,17 @@ def _through_first_stop(completion: torch.Tensor, stop: torch.Tensor | None) -> 
     hit = torch.isin(completion, stop).long()
     before = hit.cumsum(-1) - hit  # stops strictly before this position
     return (before == 0).long()
+
+
+def padded(rows: list[list[int]], fill: int, device: torch.device, left: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows padded with fill to the longest ([rows, C]): after them, or before them with left (prompts, which
+    generation continues at the last column); and the mask of their real positions."""
+    width = max(map(len, rows))
+    out = torch.full((len(rows), width), fill, dtype=torch.long)
+    real = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        where = slice(width - len(row), width) if left else slice(0, len(row))
+        out[r, where] = torch.tensor(row, dtype=torch.long)
+        real[r, where] = 1
+    return out.to(device), real.to(device)

@@ -11,7 +11,7 @@ import torch
 
 from pipeline.data.batches import Batch
 from pipeline.rl.episodes import Episode, Turns
-from pipeline.rl.generation import Sampling, generate
+from pipeline.rl.generation import Sampling, generate, padded
 from pipeline.rl.prompts import PromptRow
 from pipeline.rl.rewards import Rewards, RewardState
 from pipeline.signals import Stopped, StopRequest, agreed_stop
@@ -84,7 +84,8 @@ class Roller:
         token_lists = [c[:n] for c, n in zip(completion.tolist(), lengths, strict=True)]
         episodes = None
         if self.turns is not None:
-            starts = [ids[i][mask[i].bool()].tolist() for i in range(len(rows))]
+            starts = [[t for t, m in zip(r, k, strict=True) if m] for r, k in zip(ids.tolist(), mask.tolist(),
+                                                                                   strict=True)]
             episodes = self.turns.continue_all(self.head, starts, token_lists, sampling, generator, self.collective,
                                                completion.device)
             token_lists = [e.ids for e in episodes]
@@ -122,17 +123,6 @@ class Roller:
             rollout.tool_mask = padded([e.model for e in episodes], 0, completion.device)[0]
             rollout.episodes = episode_counts(episodes)
         return rollout
-
-
-def padded(rows: list[list[int]], fill: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows right-padded with fill to the longest ([rows, C]), and the mask of their real positions."""
-    width = max(map(len, rows))
-    out = torch.full((len(rows), width), fill, dtype=torch.long)
-    real = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, row in enumerate(rows):
-        out[r, :len(row)] = torch.tensor(row, dtype=torch.long)
-        real[r, :len(row)] = 1
-    return out.to(device), real.to(device)
 
 
 def episode_counts(episodes: list[Episode]) -> dict[str, torch.Tensor]:
