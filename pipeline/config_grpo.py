@@ -89,12 +89,18 @@ class GRPOConfig(Section):
     of the file unless named) offered to the model through the chat template's tools; its calls (JSON between
     <tool_call> tags) run in the training process and their results go back to it as tool turns, which the loss
     leaves out, until a turn calls no tool (pipeline/rl/episodes.py)."""
+    environment: str = ""
+    """grpo: FILE.py:CLASS, TRL's environment_factory: one instance per rollout, reset(**row) with the prompt row's
+    columns before it (an observation it returns is appended to the prompt), its public methods the model's tools
+    beside --tools', get_reward() (optional) a reward of its own beside --reward's, which get the instances as
+    `environments` (pipeline/rl/environments.py)."""
     max_tool_calling_iterations: int = 0
-    """grpo, --tools: turns that call tools per episode at most (TRL's max_tool_calling_iterations); 0: no limit but
-    --max-completion-length, which bounds the whole episode."""
+    """grpo, --tools or --environment: turns that call tools per episode at most (TRL's
+    max_tool_calling_iterations); 0: no limit but --max-completion-length, which bounds the whole episode."""
     tool_timeout: float = 60.0
-    """grpo, --tools: seconds one call may run before it is stopped and answered with a timeout message (counted;
-    the episode goes on); 0: no limit. A stop signal interrupts a tool at once either way."""
+    """grpo, --tools or --environment: seconds one tool call may run before it is stopped and answered with a
+    timeout message (counted; the episode goes on), and an environment's constructor or reset() before the run stops
+    in one line; 0: no limit. A stop signal interrupts either at once."""
 
     def rollouts(self, adapter: str) -> Rollouts:
         """Its rollouts' shape; with --adapter the reference is the base with the adapters off, not a copy."""
@@ -121,8 +127,8 @@ class GRPOConfig(Section):
         in_range(self.tool_timeout, 0, 1e6, "tool_timeout")
         require(self.tool_timeout == 0 or self.tool_timeout >= 1e-3,
                 f"--tool-timeout must be 0 (no limit) or at least 0.001 s, got {self.tool_timeout!r}")
-        require(self.tools or not {"max_tool_calling_iterations", "tool_timeout"} & set(self.given()),
-                "--max-tool-calling-iterations and --tool-timeout are for --tools")
+        require(self.tools or self.environment or not {"max_tool_calling_iterations", "tool_timeout"} & set(
+            self.given()), "--max-tool-calling-iterations and --tool-timeout are for --tools or --environment")
 
     @property
     def clip_high(self) -> float:

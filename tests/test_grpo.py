@@ -147,7 +147,7 @@ def test_rewards_are_weighted_abstentions_left_out_and_a_bad_one_stops_in_one_li
                                         "got inf"),
                        ("accuracy,accuracy:2", "--reward names accuracy twice; each reward's metrics are named by its "
                                                "function, so give each once (with a weight: NAME:2)"),
-                       (f"{tmp_path}/none.py:f", f"--reward {tmp_path}/none.py:f: the file cannot be read (No such "
+                       (f"{tmp_path}/none.py:f", f"--reward {tmp_path}/none.py: the file cannot be read (No such "
                                                  "file or directory)")):
         with pytest.raises(UserError) as caught:
             Rewards(spec)

@@ -91,24 +91,191 @@ def test_the_models_calls_parse_and_run_and_every_failure_is_its_answer(tool_fil
            '<tool_call>{"name": "lookup", "arguments": "{\\"key\\": \\"b\\"}"}</tool_call>'
     parsed = tools.parse(text)
     assert parsed.calls == [Call("lookup", {"key": "a"}), Call("lookup", {"key": "b"})] and not parsed.error
-    assert [tools.run(c).content for c in parsed.calls] == ["17", "42"]
+    run = lambda call: tools.run_all([(call, tools.table())])[0]  # noqa: E731
+    assert [r.content for r in tools.run_all([(c, tools.table()) for c in parsed.calls])] == ["17", "42"]
     assert tools.parse("no call at all") == tools.parse("") and not tools.parse("plain").calls
     drafted = '<think>maybe <tool_call>{"name": "lookup", "arguments": {"key": "b"}}</tool_call></think>'
     assert tools.parse(drafted + text).calls == parsed.calls  # a call drafted while reasoning is not made
     assert tools.parse("<tool_call>{name: lookup}</tool_call>").error.startswith("the tool call is not JSON")
     assert tools.parse('<tool_call>{"name": "lookup"').error == "a <tool_call> tag is not closed by </tool_call>"
     assert tools.parse('<tool_call>["lookup"]</tool_call>').error.startswith("a tool call must be a JSON object")
-    answers = [tools.run(Call("broken", {"x": 3})), tools.run(Call("nothing", {})),
-               tools.run(Call("lookup", {"wrong": 1}))]
+    answers = [run(Call("broken", {"x": 3})), run(Call("nothing", {})), run(Call("lookup", {"wrong": 1}))]
     assert [(a.outcome, a.content) for a in answers[:2]] == [
         ("error", "error: ValueError: no luck with 3"),
         ("error", "error: there is no tool 'nothing'; the tools are lookup, broken, slow")]
     assert answers[2].outcome == "error" and answers[2].content.startswith("error: TypeError: ")
     start = time.monotonic()
-    late = tools.run(Call("slow", {"seconds": 30}))
+    late = run(Call("slow", {"seconds": 30}))
     assert (late.outcome, late.content) == ("timeout", "error: slow did not return within 0.3 s")
     assert time.monotonic() - start < 5
-    assert tools.run(Call("slow", {"seconds": 0})).content == "woke"  # the limit is disarmed after a call
+    assert run(Call("slow", {"seconds": 0})).content == "woke"  # the limit is disarmed after a call
+
+
+ASYNC_TOOLS = '''
+import asyncio
+
+
+async def wait(seconds: float) -> str:
+    """Waits.
+
+    Args:
+        seconds: how long
+    """
+    await asyncio.sleep(seconds)
+    return f"waited {seconds:g}"
+
+
+async def fails(x: int) -> int:
+    """Fails.
+
+    Args:
+        x: anything
+    """
+    raise ValueError(f"no luck with {x}")
+'''
+
+
+def test_async_tools_are_awaited_together_each_under_its_own_time_limit(tool_file, tmp_path):
+    """TRL's async tools: the calls of every episode awaited together (three half-second waits take about half a
+    second), in the calls' order among the plain tools' results; one past --tool-timeout is answered as a timeout,
+    one that raises as an error, and neither holds the others up."""
+    (tmp_path / "async_tools.py").write_text(ASYNC_TOOLS)
+    tools, plain = Tools(str(tmp_path / "async_tools.py"), 0.3), Tools(f"{tool_file}:lookup", 5)
+    table = {**tools.table(), **plain.table()}
+    calls = [Call("wait", {"seconds": 0.2}), Call("lookup", {"key": "a"}), Call("wait", {"seconds": 0.25}),
+             Call("fails", {"x": 3}), Call("wait", {"seconds": 30}), Call("wait", {"seconds": 0.2})]
+    start = time.monotonic()
+    results = tools.run_all([(c, table) for c in calls])
+    assert time.monotonic() - start < 1.5  # together: 0.3 s for all, not 30.65 s one after another
+    assert [(r.outcome, r.content) for r in results] == [
+        ("ok", "waited 0.2"), ("ok", "17"), ("ok", "waited 0.25"), ("error", "error: ValueError: no luck with 3"),
+        ("timeout", "error: wait did not return within 0.3 s"), ("ok", "waited 0.2")]
+
+
+ENVIRONMENT = '''
+VALUES = {"a": "17", "b": "42"}
+
+
+class Keys:
+    """The key a prompt asks about is the environment's: its reward is whether the model looked that key up."""
+
+    def __init__(self):
+        self.key, self.asked = None, []
+
+    def reset(self, key, **row):
+        self.key, self.asked = key, []
+
+    def lookup(self, key: str) -> str:
+        """The value stored under a key.
+
+        Args:
+            key: the key to look up
+        """
+        self.asked.append(key)
+        return VALUES.get(key, "unknown")
+
+    def get_reward(self) -> float:
+        return float(self.asked[:1] == [self.key])
+
+    @property
+    def state(self):
+        raise RuntimeError("a property is never read to find the tools")
+
+
+class Told(Keys):
+    def reset(self, key, **row):
+        super().reset(key)
+        return f" (the key is {key})"
+
+
+class Broken(Keys):
+    def reset(self, key, **row):
+        return {"wrong": 1}[key]
+
+
+class Counted(Keys):
+    def reset(self, key, **row):
+        return 3
+
+
+class NoReset:
+    def lookup(self, key: str) -> str:
+        """The value.
+
+        Args:
+            key: the key
+        """
+        return key
+
+
+class Quiet:
+    def reset(self, **row):
+        return None
+
+
+def seen(prompts, completions, completion_ids, environments, key, **columns):
+    return [float(type(e).__name__ == "Keys" and e.key == k) for e, k in zip(environments, key)]
+'''
+
+
+def test_an_environment_gives_each_rollout_an_instance_whose_methods_are_tools_and_whose_reward_is_one(tmp_path,
+                                                                                                      tool_file):
+    """--environment FILE.py:CLASS, TRL's environment_factory: instances made once and reset with the row (its
+    observation appended to the prompt's last message), the public methods its tools (bound to each rollout's
+    instance; properties never read), get_reward() a reward named by the class beside --reward's functions, which
+    get the instances as `environments`. Its mistakes, each one line."""
+    from pipeline.rl.environments import Environment
+    from pipeline.rl.prompts import PromptRow, with_observation
+    from pipeline.rl.rewards import Rewards
+
+    path = tmp_path / "env.py"
+    path.write_text(ENVIRONMENT)
+    env = Environment(f"{path}:Keys", 5)
+    assert (env.methods, env.rewarded, env.name) == (["lookup"], True, "Keys")
+    assert env.identity.startswith("env.py:Keys:")
+    tools = Tools("", 5, env)
+    assert tools.schemas == [LOOKUP] and tools.identity == ""
+    a, b = env.instances(2)
+    assert env.instances(1) == [a] and len(env.pool) == 2  # made once, reused
+    question = [{"role": "user", "content": "What is stored under a?"}]
+    assert env.reset(a, {"prompt": question, "key": "a"}) is None
+    env.reset(b, {"prompt": question, "key": "a"})
+    results = tools.run_all([(Call("lookup", {"key": "a"}), tools.table(a)), (Call("lookup", {"key": "b"}),
+                                                                              tools.table(b))])
+    assert [r.content for r in results] == ["17", "42"] and (a.asked, b.asked) == (["a"], ["b"])
+    rewards = Rewards(f"{path}:seen", environment=env)  # no --reward needed where the environment scores
+    assert rewards.names == ["seen", "Keys"] and rewards.identity[1].endswith(f":Keys:1.0:{env.identity}")
+    _, per = rewards.score([question] * 2, [[{"role": "assistant", "content": ""}]] * 2, [[1], [1]],
+                           [{"key": "a"}, {"key": "a"}], environments=[a, b])
+    assert per.tolist() == [[1.0, 1.0], [1.0, 0.0]]  # seen got the instances; b looked up the wrong key
+    told = Environment(f"{path}:Told", 5)
+    observation = told.reset(told.instances(1)[0], {"prompt": question, "key": "a"})
+    assert with_observation(PromptRow(question, {}), observation).prompt == [
+        {"role": "user", "content": "What is stored under a? (the key is a)"}]
+    assert with_observation(PromptRow("Go:", {}), " now").prompt == "Go: now"
+    broken, counted = Environment(f"{path}:Broken", 5), Environment(f"{path}:Counted", 5)
+    mistakes = [lambda: Environment(f"{path}:Nope", 5), lambda: Environment(f"{path}:NoReset", 5),
+                lambda: Environment(str(path), 5), lambda: Tools(f"{tool_file}:lookup", 5, env),
+                lambda: broken.reset(broken.instances(1)[0], {"prompt": question, "key": "a"}),
+                lambda: counted.reset(counted.instances(1)[0], {"prompt": question, "key": "a"}),
+                lambda: Rewards("", environment=Environment(f"{path}:Quiet", 5))]
+    said = []
+    for mistake in mistakes:
+        with pytest.raises(UserError) as caught:
+            mistake()
+        said.append(str(caught.value))
+    assert said == [
+        f"--environment {path}:Nope: {path} defines no class Nope",
+        f"--environment {path}:NoReset: NoReset has no reset method; TRL's contract is reset(self, **row) -> str | "
+        "None, called before each rollout with its prompt row",
+        f"--environment {path}: give the file and the class, FILE.py:CLASS (TRL's environment_factory)",
+        f"--tools {tool_file}:lookup and --environment {path}:Keys both offer a tool lookup; the model calls a tool by "
+        "its name, so rename one",
+        f"--environment {path}:Broken: reset raised KeyError: 'a' on the prompt 'What is stored under a?'",
+        f"--environment {path}:Counted: reset returned a int on the prompt 'What is stored under a?'; it returns the "
+        "observation appended to the prompt (a string) or None",
+        "--objective grpo needs at least one --reward (FILE.py:FUNCTION[:WEIGHT] or a built-in: accuracy, "
+        "think_format), or an --environment whose class has get_reward()"]
 
 
 @pytest.fixture(scope="module")
@@ -192,16 +359,15 @@ def right(prompts, completions, completion_ids, answer, **columns):
 """
 
 
-def test_grpo_with_tools_runs_episodes_of_tool_turns_on_two_ranks(chatml_model, tool_file, train_env, tmp_path):
+@pytest.fixture(scope="module")
+def taught(chatml_model, train_env, tmp_path_factory) -> Path:
     """The tiny model taught by SFT to call lookup and answer with its result (a minute of the chat trainer on 64
-    such conversations), then GRPO with --tools under fsdp2 on 2 ranks (each forward a collective: the ranks agree
-    on every tool turn): its completions call the tool, read its answer and end; the episodes' figures are logged
-    under TRL's names and ours, and the samples show whole episodes. A preemption while a tool runs stops every rank
-    at once, in one line. The preflight refusals of --tools, each one line."""
+    such conversations), its chats and prompts datasets (each prompt's key and answer its columns) beside it."""
     from pipeline.prep.corpus import CorpusConfig, build_dataset
 
-    for folder in ("chats", "prompts"):
-        (tmp_path / folder).mkdir()
+    folder = tmp_path_factory.mktemp("taught")
+    for name in ("chats", "prompts"):
+        (folder / name).mkdir()
     keys = "ab" * 32
     chats = [{"messages": [
         {"role": "user", "content": f"What is stored under {k}?"},
@@ -209,21 +375,38 @@ def test_grpo_with_tools_runs_episodes_of_tool_turns_on_two_ranks(chatml_model, 
             "name": "lookup", "arguments": {"key": k}}}]},
         {"role": "tool", "name": "lookup", "content": VALUES[k]},
         {"role": "assistant", "content": VALUES[k]}], "tools": [LOOKUP]} for k in keys]
-    prompts = [{"prompt": [{"role": "user", "content": f"What is stored under {k}?"}], "answer": VALUES[k]}
+    prompts = [{"prompt": [{"role": "user", "content": f"What is stored under {k}?"}], "answer": VALUES[k], "key": k}
                for k in keys]
-    for folder, rows in (("chats", chats), ("prompts", prompts)):
-        (tmp_path / folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        build_dataset(CorpusConfig(tmp_path / folder, tmp_path / f"{folder}-ds", num_proc=1))
-    (tmp_path / "rewards.py").write_text(REWARD)
+    for name, rows in (("chats", chats), ("prompts", prompts)):
+        (folder / name / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        build_dataset(CorpusConfig(folder / name, folder / f"{name}-ds", num_proc=1))
+    (folder / "rewards.py").write_text(REWARD)
+    sft = run_script("fsdp1.py", "-e", "sft", "-d", folder / "chats-ds", "-m", chatml_model, "--save-dir",
+                     folder / "runs", "--config", ROOT / "configs" / "demo.yaml", "--log-freq", 1, "--eval-freq", 0,
+                     "--ckpt-freq", 0, "--max-steps", 100, "--lr", 1e-2, "-b", 8, "--seq-length", 1024,
+                     env=train_env["env"])
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    assert losses(folder / "runs" / "sft")[100] < 0.1
+    return folder
+
+
+def test_grpo_with_tools_runs_episodes_of_tool_turns_on_two_ranks(chatml_model, taught, tool_file, train_env,
+                                                                  tmp_path):
+    """The taught model under GRPO with --tools under fsdp2 on 2 ranks (each forward a collective: the ranks agree
+    on every tool turn): its completions call the tool, read its answer and end; the episodes' figures are logged
+    under TRL's names and ours, and the samples show whole episodes. A preemption while a tool runs stops every rank
+    at once, in one line. The preflight refusals of --tools, each one line."""
+    from pipeline.prep.corpus import CorpusConfig, build_dataset
+
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "rows.jsonl").write_text('{"prompt": "What is stored under a?", "answer": "17"}\n' * 4)
     build_dataset(CorpusConfig(tmp_path / "text", tmp_path / "text-ds", num_proc=1))
     grpo = ["-e", "r", "--save-dir", tmp_path / "runs", "--config", ROOT / "configs" / "demo.yaml", "--objective",
-            "grpo", "--reward", f"{tmp_path / 'rewards.py'}:right"]
+            "grpo", "--reward", f"{taught / 'rewards.py'}:right"]
     assert preflight_errors([[*grpo, "-m", chatml_model, "-d", tmp_path / "text-ds", "--tools", tool_file],
-                             [*grpo, "-m", "local/tiny", "-d", tmp_path / "prompts-ds", "--tools", tool_file],
-                             [*grpo, "-m", chatml_model, "-d", tmp_path / "prompts-ds", "--tools", f"{tool_file}:nope"],
-                             [*grpo, "-m", chatml_model, "-d", tmp_path / "prompts-ds", "--tool-timeout", 5]],
+                             [*grpo, "-m", "local/tiny", "-d", taught / "prompts-ds", "--tools", tool_file],
+                             [*grpo, "-m", chatml_model, "-d", taught / "prompts-ds", "--tools", f"{tool_file}:nope"],
+                             [*grpo, "-m", chatml_model, "-d", taught / "prompts-ds", "--tool-timeout", 5]],
                             train_env["env"]) == [
         f"--tools: 4 prompts of {tmp_path / 'text-ds'} are plain text, which no chat template renders with tools; "
         'give them as conversations ({"prompt": [{"role": "user", "content": ...}]})',
@@ -231,17 +414,13 @@ def test_grpo_with_tools_runs_episodes_of_tool_turns_on_two_ranks(chatml_model, 
         "the model would never see them; use a template that does (the model's Instruct version's, or --chat-template "
         "FILE.jinja)",
         f"--tools {tool_file}:nope: {tool_file} defines no function nope",
-        "--max-tool-calling-iterations and --tool-timeout are for --tools"]
+        "--max-tool-calling-iterations and --tool-timeout are for --tools or --environment"]
     common = ["--save-dir", tmp_path / "runs", "--config", ROOT / "configs" / "demo.yaml", "--log-freq", 1,
               "--eval-freq", 0, "--ckpt-freq", 0]
-    sft = run_script("fsdp1.py", "-e", "sft", "-d", tmp_path / "chats-ds", "-m", chatml_model, *common,
-                     "--max-steps", 100, "--lr", 1e-2, "-b", 8, "--seq-length", 1024, env=train_env["env"])
-    assert sft.returncode == 0, sft.stderr[-3000:]
-    assert losses(tmp_path / "runs" / "sft")[100] < 0.1
-    proc = torchrun(2, ROOT / "fsdp1.py", "-e", "agent", "-d", tmp_path / "prompts-ds", "-m",
-                    tmp_path / "runs" / "sft" / "hf", *common, "--objective", "grpo", "--strategy", "fsdp2",
+    proc = torchrun(2, ROOT / "fsdp1.py", "-e", "agent", "-d", taught / "prompts-ds", "-m",
+                    taught / "runs" / "sft" / "hf", *common, "--objective", "grpo", "--strategy", "fsdp2",
                     "--num-generations", 2, "-b", 2, "--max-completion-length", 256, "--max-steps", 2,
-                    "--reward", f"{tmp_path / 'rewards.py'}:right", "--tools", f"{tool_file}:lookup",
+                    "--reward", f"{taught / 'rewards.py'}:right", "--tools", f"{tool_file}:lookup",
                     env=train_env["env"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     train = events(tmp_path / "runs" / "agent", "train")
@@ -259,10 +438,10 @@ def test_grpo_with_tools_runs_episodes_of_tool_turns_on_two_ranks(chatml_model, 
     (tmp_path / "preempting.py").write_text(PREEMPTING)
     mark = tmp_path / "called"
     with open(tmp_path / "p.log", "w") as out:
-        argv = ["fsdp1.py", "--nproc-per-node", "2", "-e", "p", "-d", tmp_path / "prompts-ds", "-m",
-                tmp_path / "runs" / "sft" / "hf", *common, "--objective", "grpo", "--strategy", "fsdp2",
+        argv = ["fsdp1.py", "--nproc-per-node", "2", "-e", "p", "-d", taught / "prompts-ds", "-m",
+                taught / "runs" / "sft" / "hf", *common, "--objective", "grpo", "--strategy", "fsdp2",
                 "--num-generations", 2, "-b", 2, "--max-completion-length", 256, "--max-steps", 2,
-                "--reward", f"{tmp_path / 'rewards.py'}:right", "--tools", tmp_path / "preempting.py"]
+                "--reward", f"{taught / 'rewards.py'}:right", "--tools", tmp_path / "preempting.py"]
         proc = start_python([str(a) for a in argv], with_root({**train_env["env"], "TOOL_MARK": str(mark)}),
                             offline=True, stdout=out, stderr=subprocess.STDOUT)
         code = proc.wait(timeout=300)
@@ -325,3 +504,44 @@ def test_the_bundled_example_offers_its_tools_and_its_prompts_render_with_them(c
     with pytest.raises(UserError, match=r"^--tools: 24 prompts are longer than --max-prompt-length 8, and cutting "):
         build_prompt_blocks(load_from_disk(str(tmp_path / "ds")), tok, GRPOConfig(max_prompt_length=8),
                             "26 Jul 2024", 0.0, 0, tok.eos_token_id, tools.schemas)
+
+
+def test_grpo_with_an_environment_scores_by_it_and_a_killed_run_resumes_its_episodes_bitwise(taught, train_env,
+                                                                                            tmp_path):
+    """The taught model under GRPO with --environment (the lookup tool a method of each rollout's instance, which
+    knows the row's key; its get_reward, whether the model looked that key up, a reward beside --reward's): the
+    episodes call it and both rewards are logged. Killed (SIGKILL) once step 2's checkpoint is complete, the rerun
+    makes fresh instances and repeats the uninterrupted run's step 3 bit for bit: loss, rewards, and the episodes
+    with their tool results."""
+    from conftest import kill_tree, wait_for
+
+    (tmp_path / "env.py").write_text(ENVIRONMENT)
+    args = ["-d", taught / "prompts-ds", "-m", taught / "runs" / "sft" / "hf", "--save-dir", tmp_path / "runs",
+            "--config", ROOT / "configs" / "demo.yaml", "--log-freq", 1, "--eval-freq", 0, "--ckpt-freq", 2,
+            "--objective", "grpo", "--num-generations", 2, "-b", 2, "--max-completion-length", 128,
+            "--warmup-steps", 0, "--lr-schedule", "constant", "--lr", 1e-4,
+            "--reward", f"{taught / 'rewards.py'}:right", "--environment", f"{tmp_path / 'env.py'}:Keys"]
+    whole = run_script("fsdp1.py", "-e", "whole", *args, "--max-steps", 3, env=train_env["env"])
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    train = events(tmp_path / "runs" / "whole", "train")
+    assert len(train) == 3 and all(e["tools/call_frequency"] >= 0.5 for e in train)
+    assert {"rewards/Keys/mean", "rewards/right/mean"} <= set(train[0])
+    assert max(e["rewards/Keys/mean"] for e in train) > 0  # some episodes looked the row's key up
+    samples = events(tmp_path / "runs" / "whole", "sample")
+    again = tmp_path / "runs" / "again"
+    proc = start_python(["fsdp1.py", *map(str, ["-e", "again", *args, "--max-steps", 40])],
+                        with_root(train_env["env"]), offline=True, stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL)
+    wait_for(lambda: any(e["step"] == 2 for e in events(again, "checkpoint")), proc)
+    kill_tree(proc)
+    assert proc.wait() == -signal.SIGKILL
+    rerun = run_script("fsdp1.py", "-e", "again", *args, "--max-steps", 3, env=train_env["env"])
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    resumed = events(again, "resume")
+    assert resumed[0]["from_step"] == 2
+    after = [e for e in events(again, "train") if e["time"] > resumed[0]["time"]]
+    keys = ("loss", "grad_norm", "reward", "rewards/Keys/mean", "rewards/right/mean", "tools/call_frequency",
+            "episodes/mean_length")
+    assert [[e[k] for k in keys] for e in after] == [[e[k] for k in keys] for e in train[2:]]
+    retold = [s["completion"] for s in events(again, "sample") if s["time"] >= resumed[0]["time"]]
+    assert retold == [s["completion"] for s in samples if s["step"] == 3]

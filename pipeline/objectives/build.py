@@ -24,7 +24,7 @@ from pipeline.objectives.reference import adapters_off
 from pipeline.objectives.reward import RewardObjective
 from pipeline.rl.episodes import Turns
 from pipeline.rl.packing import model_config
-from pipeline.rl.prompts import PromptBlocks
+from pipeline.rl.prompts import PromptBlocks, observed_ids
 from pipeline.rl.rewards import Rewards
 from pipeline.rl.rollout import Roller
 from pipeline.rl.tools import Tools
@@ -74,11 +74,16 @@ def make_grpo(cfg: Config, head: Head, blocks: PromptBlocks, rewards: Rewards, t
     if cfg.grpo.grpo_beta and cfg.model.adapter != "none":
         reference = KLReference(head, functools.partial(adapters_disabled, head.model))
     turns = Turns(tools, tokenizer, cfg.data.chat_date, cfg.grpo.max_tool_calling_iterations, stops, pad_id) \
-        if tools else None
+        if tools and tools.schemas else None
+    environment = tools.environment if tools else None
+    observed = functools.partial(observed_ids, tokenizer, chat_date=cfg.data.chat_date,
+                                 tools=tools.schemas if tools else None, limit=cfg.grpo.max_prompt_length)
     roller = Roller(replica or head, blocks.prompts, rewards, tokenizer, stops, pad_id, collective=replica is None,
-                    turns=turns)
+                    turns=turns, environment=environment, observed=observed)
     config = model_config(head.model)
-    refusal = packing_refusal(config, cfg.grpo.max_prompt_length + cfg.grpo.max_completion_length)
+    # an environment's observation may differ between the rollouts of one prompt: packed rows hold it once
+    refusal = "each rollout's prompt is its environment's (--environment)" if environment else packing_refusal(
+        config, cfg.grpo.max_prompt_length + cfg.grpo.max_completion_length)
     if refusal and d.is_main:
         log.info("GRPO scores each completion in a row of its own (not its group's completions after one copy of "
                  "the prompt): %s", refusal)

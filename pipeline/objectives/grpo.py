@@ -117,7 +117,7 @@ class GRPOObjective:
         means = ["reward", *(f"rewards/{n}/mean" for n in names), "frac_reward_zero_std",
                  "completions/mean_length", "completions/clipped_ratio", "clip_ratio/low_mean",
                  "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy", *(["kl"] if self.g.grpo_beta else []),
-                 *(TOOL_FIGURES if self.g.tools else ())]
+                 *(TOOL_FIGURES if self.roller.turns is not None else ())]
         return Figures(means, ["reward_std", *(f"rewards/{n}/std" for n in names)], peaks=["completions/max_length"],
                        troughs=["completions/min_length"])
 

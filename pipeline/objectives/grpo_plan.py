@@ -11,6 +11,7 @@ from pipeline.config import Config
 from pipeline.config_base import flag
 from pipeline.data.chat_render import render
 from pipeline.errors import UserError
+from pipeline.rl.environments import Environment
 from pipeline.rl.prompts import prompt_columns
 from pipeline.rl.rewards import Rewards
 from pipeline.rl.tools import Tools
@@ -38,8 +39,9 @@ def check_prompts(cfg: Config, prompts: int) -> None:
         raise UserError(f"{flag(given[0])} is for --objective grpo, not {objective}")
 
 
-def plan_rewards(cfg: Config, hf_config: object) -> Rewards:
-    """The rewards of a GRPO run, loaded; and the settings GRPO cannot take, refused in one line."""
+def plan_rewards(cfg: Config, hf_config: object, environment: Environment | None = None) -> Rewards:
+    """The rewards of a GRPO run (with the environment's get_reward where it has one), loaded; and the settings GRPO
+    cannot take, refused in one line."""
     limit = getattr(hf_config, "max_position_embeddings", None)
     longest = cfg.grpo.max_prompt_length + cfg.grpo.max_completion_length
     if limit is not None and longest > limit:  # as --seq-length past it is refused: positions the model never saw
@@ -51,7 +53,7 @@ def plan_rewards(cfg: Config, hf_config: object) -> Rewards:
                         "--vocab-parallel auto or off")
     if cfg.train.sample_prompts:
         raise UserError("--sample-prompts: a GRPO run logs its own completions (--log-completions); drop it")
-    return Rewards(cfg.grpo.reward, cfg.data.chat_date, cfg.grpo.reward_timeout)
+    return Rewards(cfg.grpo.reward, cfg.data.chat_date, cfg.grpo.reward_timeout, environment)
 
 
 def check_reward_columns(rewards: Rewards, data: list) -> None:
@@ -69,30 +71,38 @@ def check_reward_columns(rewards: Rewards, data: list) -> None:
 
 def grpo_settings(cfg: Config, rewards: Rewards, tools: Tools | None = None) -> dict:
     """A GRPO run's fingerprint field: its generation and loss settings, each reward's identity (file content hash,
-    function, weight), and its tools' (file, functions, content hash) where it has some."""
+    function, weight), its tools' (file, functions, content hash) and its environment's (file, class, content hash)
+    where it has them."""
     values = dataclasses.asdict(cfg.grpo)
-    return {"rewards": rewards.identity, **({"tools": tools.identity} if tools else {}),
+    environment = tools.environment if tools else None
+    return {"rewards": rewards.identity, **({"tools": tools.identity} if tools and tools.identity else {}),
+            **({"environment": environment.identity} if environment else {}),
             **{k: values[k] for k in GENERATION if k not in LATER or values[k] != LATER[k]}}
 
 
-def plan_tools(cfg: Config, tokenizer, data: list) -> Tools | None:
-    """--tools loaded (the user's file imported here, before any heavy work), and what they need: prompts as
-    conversations (a text prompt has no template to offer tools through) and a chat template that renders tools."""
-    if not cfg.grpo.tools:
+def plan_tools(cfg: Config, tokenizer, data: list, environment: Environment | None = None) -> Tools | None:
+    """--tools loaded (the user's file imported here, before any heavy work) with the environment's methods, and what
+    they need: prompts as conversations (a text prompt has no template to offer tools through) and a chat template
+    that renders tools. An environment without a tool of its own, and no --tools, needs neither (its rollouts are
+    one turn)."""
+    if not cfg.grpo.tools and environment is None:
         return None
+    tools = Tools(cfg.grpo.tools, cfg.grpo.tool_timeout, environment)
+    if not tools.schemas:
+        return tools
+    given = "--tools" if cfg.grpo.tools else "--environment"
     if not tokenizer.chat_template:
-        raise UserError(f"--tools offers tools through the chat template, and {cfg.model.model_name} has none; use "
+        raise UserError(f"{given} offers tools through the chat template, and {cfg.model.model_name} has none; use "
                         "its Instruct version, or pass --chat-template FILE.jinja")
     text = sum(bool(columns) and not messages for source in data
                for messages, columns in zip(source.dataset["messages"], source.dataset["columns"], strict=True))
     if text:
-        raise UserError(f"--tools: {text:,} prompts of {cfg.data.dataset_name} are plain text, which no chat template "
+        raise UserError(f"{given}: {text:,} prompts of {cfg.data.dataset_name} are plain text, which no chat template "
                         "renders with tools; give them as conversations ({\"prompt\": [{\"role\": \"user\", "
                         "\"content\": ...}]})")
-    tools = Tools(cfg.grpo.tools, cfg.grpo.tool_timeout)
     probe, date = [{"role": "user", "content": "?"}], cfg.data.chat_date
     if render(tokenizer, probe, date, tools=tools.schemas) == render(tokenizer, probe, date):
-        raise UserError(f"--tools: the chat template of {cfg.model.model_name} renders no tools (a prompt reads the "
+        raise UserError(f"{given}: the chat template of {cfg.model.model_name} renders no tools (a prompt reads the "
                         "same with them and without), so the model would never see them; use a template that does "
                         "(the model's Instruct version's, or --chat-template FILE.jinja)")
     return tools

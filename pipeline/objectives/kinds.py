@@ -27,6 +27,7 @@ from pipeline.objectives.kl_reference import frozen_copy
 from pipeline.objectives.objective import HeldOut, Objective
 from pipeline.objectives.plans import ObjectivePlan, check_reward, objective_settings, refuse_reward_model
 from pipeline.objectives.preference import Reference
+from pipeline.rl.environments import Environment
 from pipeline.rl.rewards import Rewards
 from pipeline.rl.tools import Tools
 from pipeline.strategies.base import Strategy
@@ -185,9 +186,10 @@ class Online(Kind):
                 ) -> ObjectivePlan:
         """Its rewards, loaded (the user's code runs here) and told the prompts' columns; their identity and the
         generation and loss settings in the fingerprint."""
-        rewards = plan_rewards(cfg, hf_config)
+        environment = Environment(cfg.grpo.environment, cfg.grpo.tool_timeout) if cfg.grpo.environment else None
+        rewards = plan_rewards(cfg, hf_config, environment)
         check_reward_columns(rewards, data)
-        tools = plan_tools(cfg, tokenizer, data)
+        tools = plan_tools(cfg, tokenizer, data, environment)
         return ObjectivePlan({"grpo": grpo_settings(cfg, rewards, tools)}, rewards=rewards, tools=tools)
 
     def changed(self, run_dir: Path, key: str, saved: dict, current: dict) -> str | None:

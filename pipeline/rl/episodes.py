@@ -52,6 +52,8 @@ class Episode:
     """The model's turns."""
     parsed: Parsed | None = None
     """The calls of the model's last turn, parsed once (what _wants_tools and _answer read)."""
+    table: dict = field(default_factory=dict)
+    """The tools this episode calls (Tools.table: --tools' functions, its environment instance's methods)."""
 
 
 @dataclass(frozen=True)
@@ -67,20 +69,24 @@ class Turns:
     pad_id: int
 
     def continue_all(self, head, prompts: list[list[int]], first: list[list[int]], sampling: Sampling,
-                     generator: torch.Generator | None, collective: bool, device: torch.device) -> list[Episode]:
-        """Each row's episode from the prompt's ids (unpadded) and its first turn's (through its stop token). A
-        collective where generation is one: every rank calls it, with the same sampling; a stop signal is then
-        Stopped on every rank at the same turn."""
-        episodes = [Episode(list(ids), [1] * len(ids)) for ids in first]
+                     generator: torch.Generator | None, collective: bool, device: torch.device,
+                     environments: list | None = None) -> list[Episode]:
+        """Each row's episode from the prompt's ids (unpadded) and its first turn's (through its stop token), its
+        tools those of its environment instance where it has one. A collective where generation is one: every rank
+        calls it, with the same sampling; a stop signal is then Stopped on every rank at the same turn."""
+        instances = environments or [None] * len(first)
+        episodes = [Episode(list(ids), [1] * len(ids), table=self.tools.table(env))
+                    for ids, env in zip(first, instances, strict=True)]
         for e, ids in zip(episodes, first, strict=True):
             self._turn(e, ids)
         limit = sampling.max_tokens
         pending = [i for i, e in enumerate(episodes) if self._wants_tools(e) and len(e.ids) < limit]
         iteration = 0
         while self._agreed(bool(pending), collective) and (not self.max_iterations or iteration < self.max_iterations):
+            answers = self._results([episodes[i] for i in pending])
             rows, suffixes = [], []
-            for i in pending:
-                suffix = self._answer(episodes[i], limit)
+            for i, results in zip(pending, answers, strict=True):
+                suffix = self._answer(episodes[i], results, limit)
                 if suffix is not None:
                     rows.append(i)
                     suffixes.append(suffix)
@@ -117,20 +123,31 @@ class Turns:
     def _wants_tools(e: Episode) -> bool:
         return bool(e.parsed.calls or e.parsed.error)
 
-    def _answer(self, e: Episode, limit: int) -> list[int] | None:
-        """The tool turns answering the episode's last turn, run and rendered (the calls that parsed, then the error
-        of the one that did not); None where they would not fit the episode's length (the episode then ends as it
-        is, as TRL rolls such results back), or where a stop signal came (no more tools run; the ranks agree on it
-        after)."""
-        parsed = e.parsed
-        if StopRequest.signum:
-            return None
+    def _results(self, episodes: list[Episode]) -> list[list[Result] | None]:
+        """The results of the calls of each episode's last turn (the calls that parsed, then the error of the one
+        that did not), the async tools of every episode awaited together; None for every episode where a stop signal
+        came (no more tools run; the ranks agree on it after)."""
+        calls = [(c, e.table) for e in episodes for c in e.parsed.calls]
         try:
-            results = [self.tools.run(c) for c in parsed.calls]
+            if StopRequest.signum:
+                raise Stopped("during tool calls")
+            flat = iter(self.tools.run_all(calls))
         except Stopped:
+            return [None] * len(episodes)
+        out = []
+        for e in episodes:
+            results = [next(flat) for _ in e.parsed.calls]
+            if e.parsed.error:
+                results.append(Result("tool_call", f"error: {e.parsed.error}", "parse"))
+            out.append(results)
+        return out
+
+    def _answer(self, e: Episode, results: list[Result] | None, limit: int) -> list[int] | None:
+        """The tool turns answering the episode's last turn with the results, rendered; None where they would not
+        fit the episode's length (the episode then ends as it is, as TRL rolls such results back), or where a stop
+        signal came (results None)."""
+        if results is None:
             return None
-        if parsed.error:
-            results.append(Result("tool_call", f"error: {parsed.error}", "parse"))
         messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
         suffix = self._suffix(messages)
         if len(e.ids) + len(suffix) >= limit:

@@ -128,6 +128,26 @@ def tokenized(tokenizer, row: PromptRow, chat_date: str, tools: list[dict] | Non
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def with_observation(row: PromptRow, observation: str) -> PromptRow:
+    """The row with an environment's observation (reset()'s) appended to its prompt's last message, as TRL appends
+    it (a text prompt: to its text)."""
+    if isinstance(row.prompt, str):
+        return PromptRow(row.prompt + observation, row.columns)
+    last = row.prompt[-1]
+    return PromptRow([*row.prompt[:-1], {**last, "content": (last.get("content") or "") + observation}], row.columns)
+
+
+def observed_ids(tokenizer, row: PromptRow, chat_date: str, tools: list[dict] | None, limit: int) -> list[int]:
+    """The ids of a prompt an environment's observation lengthened: past --max-prompt-length is one line (cutting it
+    would cut the tools the template puts first, and the run's memory plan holds prompts of that length at most)."""
+    ids = tokenized(tokenizer, row, chat_date, tools)
+    if len(ids) > limit:
+        raise UserError(f"--environment: the observation reset() returned makes the prompt {len(ids):,} tokens, "
+                        f"above --max-prompt-length {limit} (prompt {str(row.prompt)[-80:]!r}); raise "
+                        "--max-prompt-length, or return a shorter observation")
+    return ids
+
+
 def build_prompt_blocks(ds, tokenizer, g: GRPOConfig, chat_date: str, val_fraction: float, seed: int,
                         pad_id: int, tools: list[dict] | None = None) -> PromptBlocks:
     """The prompts of ds as blocks: each cut from the left to --max-prompt-length (or dropped, --long-prompts drop),

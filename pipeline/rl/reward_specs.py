@@ -3,11 +3,8 @@ id) and loaded, each with the identity the run's fingerprint holds (its file's c
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,10 +96,6 @@ def _weight(entry: str, text: str | None) -> float:
     return weight
 
 
-HELPERS: dict[str, list[Path]] = {}
-"""The modules each reward file's import brought in from its own folder (or below it), by its module name."""
-
-
 def load(spec: RewardSpec, chat_date: str) -> tuple[RewardFn, str]:
     """The function and the SHA-256 of its file and of the modules its import brought in from its own folder (the
     built-ins: their name; a reward model: its weights' digest), loaded as a module of its own."""
@@ -111,47 +104,11 @@ def load(spec: RewardSpec, chat_date: str) -> tuple[RewardFn, str]:
         return fn, fn.digest
     if not spec.path:
         return BUILT_IN[spec.name], "built-in"
-    path = Path(spec.path)
-    try:
-        source = path.read_bytes()
-    except OSError as exc:
-        raise UserError(f"--reward {spec.path}:{spec.name}: the file cannot be read ({exc.strerror or exc})") from None
-    module_name = f"_reward_{hashlib.sha256(source).hexdigest()[:16]}"
-    module = sys.modules.get(module_name)
-    if module is None:
-        module, added = user_code.import_file(path, module_name, f"--reward {spec.path}")
-        HELPERS[module_name] = _helpers(path, added)
+    module, digest = user_code.load_file(Path(spec.path), "reward", f"--reward {spec.path}")
     fn = getattr(module, spec.name, None)
     if not callable(fn):
         raise UserError(f"--reward {spec.path}:{spec.name}: the file defines no function {spec.name}")
-    return fn, _digest(path, source, HELPERS.get(module_name, []))
-
-
-def _helpers(path: Path, modules: list[object]) -> list[Path]:
-    """The files of the modules a reward file's import brought in from its folder or below it."""
-    folder = path.resolve().parent
-    found = set()
-    for module in modules:
-        file = getattr(module, "__file__", None)
-        if file and os.path.isabs(file) and file.endswith(".py"):
-            where = Path(file).resolve()
-            if where.is_relative_to(folder) and where != path.resolve() and where.is_file():
-                found.add(where)
-    return sorted(found)
-
-
-def _digest(path: Path, source: bytes, helpers: list[Path]) -> str:
-    """The file's content hash with its helpers' (as they are now): an edited helper module beside a reward file
-    changes its identity as an edit of the file does."""
-    digest = hashlib.sha256(source)
-    folder = path.resolve().parent
-    for where in helpers:
-        try:
-            digest.update(where.relative_to(folder).as_posix().encode() + b"\0" + where.read_bytes())
-        except OSError as exc:
-            raise UserError(f"--reward {path}: its helper module {where} cannot be read ({exc.strerror or exc})"
-                            ) from None
-    return digest.hexdigest()[:16]
+    return fn, digest
 
 
 def named(spec: RewardSpec) -> str:

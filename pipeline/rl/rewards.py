@@ -23,6 +23,7 @@ import torch
 from pipeline.errors import UserError
 from pipeline.rl import user_code
 from pipeline.rl.builtin_rewards import BUILT_IN, RewardFn, text_of
+from pipeline.rl.environments import Environment
 from pipeline.rl.reward_model import RewardModelFn
 from pipeline.rl.reward_specs import RewardSpec, load, named, parse_rewards
 from pipeline.signals import Stopped, StopRequest
@@ -47,11 +48,15 @@ std, and every advantage, is a number (a reward of 1e20 made the std inf and eve
 class Rewards:
     """The run's reward functions, loaded, and their weighted sum over a batch of completions."""
 
-    def __init__(self, text: str, chat_date: str = "", timeout: float = 0):
+    def __init__(self, text: str, chat_date: str = "", timeout: float = 0, environment: Environment | None = None):
         self.specs = parse_rewards(text)
-        if not self.specs:
+        rewarded = environment is not None and environment.rewarded
+        if rewarded and environment.name in self.names:
+            raise UserError(f"--reward names {environment.name}, which is also the name of --environment's reward "
+                            "(its class's get_reward); rename the function")
+        if not self.specs and not rewarded:
             raise UserError("--objective grpo needs at least one --reward (FILE.py:FUNCTION[:WEIGHT] or a built-in: "
-                            f"{', '.join(BUILT_IN)})")
+                            f"{', '.join(BUILT_IN)}), or an --environment whose class has get_reward()")
         if not any(s.weight for s in self.specs):
             raise UserError(f"every --reward has weight 0 ({', '.join(named(s) for s in self.specs)}): every "
                             "completion would get reward 0 and advantage 0, so nothing would train; give at least "
@@ -62,6 +67,9 @@ class Rewards:
         """Every column of the run's prompt rows (check_columns): each function gets them all, None where a row
         has none, as TRL passes a dataset's columns."""
         loaded = [load(spec, chat_date) for spec in self.specs]
+        if rewarded:  # TRL's: a reward of its own, weight 1, named by the class
+            self.specs.append(RewardSpec(environment.name, 1.0, environment.path))
+            loaded.append((environment.reward_function(), environment.identity))
         self.functions = [fn for fn, _ in loaded]
         self.identity = [spec.identity(digest) for spec, (_, digest) in zip(self.specs, loaded, strict=True)]
         """What the run's fingerprint holds: a reward changed on resume is refused in one line."""
@@ -96,18 +104,21 @@ class Rewards:
                             f"{', '.join(self.columns) or 'none'}); add answers, or use another reward")
 
     def score(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: list[dict],
-              state: RewardState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              state: RewardState | None = None, environments: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(rewards [n], per function [n, F] with NaN where one abstained): the weighted sum of the values given, NaN
         where every function abstained (TRL leaves such a completion out of its group's mean and std). `async def`
         functions are awaited together first, then the others called in turn. Any function that raises or returns a
         wrong count, NaN, inf or a non-number stops the run in one line naming it and the prompt. state: TRL's
-        trainer_state argument (None: not passed)."""
+        trainer_state argument (None: not passed). environments: each completion's --environment instance (TRL's
+        `environments` argument; None: not passed)."""
         # a column named as one of the functions' own arguments cannot reach them (TRL's signature takes them first)
-        own = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
+        own = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra", "environments")
         keys = dict.fromkeys([*self.columns, *(k for row in columns for k in row)])
         kwargs = {key: [row.get(key) for row in columns] for key in keys if key not in own}
         if state is not None:  # for rewards shaped by training progress, as TRL passes it
             kwargs["trainer_state"] = state
+        if environments is not None:
+            kwargs["environments"] = environments
         self.extra = {}
         per = torch.full((len(completions), len(self.functions)), math.nan, dtype=torch.float32)
         args = [{**kwargs, "log_metric": functools.partial(self._log_metric, spec),
@@ -156,9 +167,9 @@ class Rewards:
               kwargs: dict) -> object:
         """What a plain function returned, under user_code's guards; what it raised, one line naming the prompt."""
         try:
-            values = user_code.call(f"reward {named(spec)}", fn, prompts=prompts, completions=completions,
-                                    completion_ids=ids, timeout=self.timeout, late=_late(prompts, completions),
-                                    **kwargs)
+            bound = functools.partial(fn, prompts=prompts, completions=completions, completion_ids=ids, **kwargs)
+            values = user_code.call(f"reward {named(spec)}", bound, timeout=self.timeout,
+                                    late=_late(prompts, completions))
         except (UserError, Stopped):  # a logger's own one line (a bad metric or column), a time limit, a stop
             raise
         except Exception as exc:  # the user's code: named, with the prompt it failed on
@@ -239,9 +250,11 @@ def _failing(fn: RewardFn, prompts: list, completions: list, ids: list, kwargs: 
         if timeout and left <= 0:
             break
         try:
-            user_code.call("a reward", fn, prompts=prompts[i:i + 1], completions=completions[i:i + 1],
-                           completion_ids=ids[i:i + 1], timeout=max(left, 1e-3) if timeout else 0,
-                           **{k: v[i:i + 1] if isinstance(v, list) else v for k, v in kwargs.items()} | quiet)
+            alone = {k: v[i:i + 1] if isinstance(v, list) else v for k, v in kwargs.items()} | quiet
+            user_code.call("a reward", functools.partial(fn, prompts=prompts[i:i + 1],
+                                                         completions=completions[i:i + 1],
+                                                         completion_ids=ids[i:i + 1], **alone),
+                           timeout=max(left, 1e-3) if timeout else 0)
         except (UserError, Stopped):  # timed out or stopped meanwhile: the batch's first is named
             break
         except Exception:  # the one that fails alone is the one to name

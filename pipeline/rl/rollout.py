@@ -4,15 +4,17 @@ the rewards. What the loss needs of it is kept on the device; the texts only for
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from pipeline.data.batches import Batch
+from pipeline.rl.environments import Environment
 from pipeline.rl.episodes import Episode, Turns
 from pipeline.rl.generation import Sampling, generate, padded
-from pipeline.rl.prompts import PromptRow
+from pipeline.rl.prompts import PromptRow, with_observation
 from pipeline.rl.rewards import Rewards, RewardState
 from pipeline.signals import Stopped, StopRequest, agreed_stop
 
@@ -69,6 +71,10 @@ class Roller:
     replica (Strategy.replica_head), where each rank stops when its own rows are."""
     turns: Turns | None = None
     """--tools: what continues each completion through tool turns (None: one turn)."""
+    environment: Environment | None = None
+    """--environment: one instance per rollout, reset with its prompt row before generation."""
+    observed: Callable[[PromptRow], list[int]] | None = None
+    """With an environment: a prompt row's ids once reset()'s observation is appended (prompts.observed_ids)."""
 
     def roll(self, batch: Batch, group: int, sampling: Sampling, generator: torch.Generator | None,
              state: RewardState | None = None) -> Rollout:
@@ -78,8 +84,12 @@ class Roller:
         cut short by one has nothing to give)."""
         rows = np.repeat(batch.rows, group)
         ids, mask = batch.input_ids.repeat_interleave(group, 0), batch.flags.repeat_interleave(group, 0)
+        chosen = [self.prompts[r] if r >= 0 else self.prompts[0] for r in rows]
+        instances, shared = None, group
+        if self.environment is not None:
+            instances, chosen, ids, mask, shared = self._reset(chosen, ids, mask, group)
         completion, cmask = generate(self.head, ids, mask, sampling, self.stops, self.pad_id, generator,
-                                     self.collective, repeats=group)
+                                     self.collective, repeats=shared)
         lengths = cmask.sum(-1).tolist()  # a host sync per micro-batch: the texts are decoded on the CPU
         token_lists = [c[:n] for c, n in zip(completion.tolist(), lengths, strict=True)]
         episodes = None
@@ -87,12 +97,11 @@ class Roller:
             starts = [[t for t, m in zip(r, k, strict=True) if m] for r, k in zip(ids.tolist(), mask.tolist(),
                                                                                    strict=True)]
             episodes = self.turns.continue_all(self.head, starts, token_lists, sampling, generator, self.collective,
-                                               completion.device)
+                                               completion.device, instances)
             token_lists = [e.ids for e in episodes]
             completion, cmask = padded([e.ids for e in episodes], self.pad_id, completion.device)
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in token_lists]
         valid = rows >= 0
-        chosen = [self.prompts[r] if r >= 0 else self.prompts[0] for r in rows]
         prompts = [p.prompt for p in chosen]
         completions = [e.messages for e in episodes] if episodes else [
             t if isinstance(p, str) else [{"role": "assistant", "content": t}] for t, p in zip(texts, prompts,
@@ -105,7 +114,8 @@ class Roller:
         try:
             if len(keep) and not StopRequest.signum:  # (a signal over a replica ends its generation early)
                 r, p = self.rewards.score([prompts[i] for i in keep], [completions[i] for i in keep],
-                                          [token_lists[i] for i in keep], [chosen[i].columns for i in keep], state)
+                                          [token_lists[i] for i in keep], [chosen[i].columns for i in keep], state,
+                                          [instances[i] for i in keep] if instances else None)
                 rewards[keep], per[keep] = r, p
                 for column, values in self.rewards.extra.items():
                     extra[column] = [None] * len(rows)
@@ -123,6 +133,21 @@ class Roller:
             rollout.tool_mask = padded([e.model for e in episodes], 0, completion.device)[0]
             rollout.episodes = episode_counts(episodes)
         return rollout
+
+    def _reset(self, chosen: list[PromptRow], ids: torch.Tensor, mask: torch.Tensor, group: int
+               ) -> tuple[list, list[PromptRow], torch.Tensor, torch.Tensor, int]:
+        """Each rollout's environment instance reset with its prompt row (TRL's reset(**row): the columns and the
+        prompt), and the prompts its observations lengthened, tokenized again: (instances, rows, ids, mask, the
+        rollouts that share one prompt: the group where every instance observed alike, else 1)."""
+        instances = self.environment.instances(len(chosen))
+        seen = [self.environment.reset(env, {**row.columns, "prompt": row.prompt})
+                for env, row in zip(instances, chosen, strict=True)]
+        if all(o is None for o in seen):
+            return instances, chosen, ids, mask, group
+        chosen = [row if o is None else with_observation(row, o) for row, o in zip(chosen, seen, strict=True)]
+        ids, mask = padded([self.observed(row) for row in chosen], self.pad_id, ids.device, left=True)
+        alike = all(seen[i] == seen[i - i % group] for i in range(len(seen)))
+        return instances, chosen, ids, mask, group if alike else 1
 
 
 def episode_counts(episodes: list[Episode]) -> dict[str, torch.Tensor]:

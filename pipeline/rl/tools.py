@@ -11,16 +11,17 @@ that hangs in C code holding the GIL cannot be stopped."""
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import inspect
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import UserError
 from pipeline.rl import user_code
+from pipeline.rl.environments import Environment
 from pipeline.signals import SignalInUserCode, Stopped, StopRequest
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -55,23 +56,35 @@ class Result:
 
 
 class Tools:
-    """The functions of --tools, loaded once per process, with their schemas and identity."""
+    """The tools of a run, loaded once per process: the functions of --tools and the methods of --environment (bound
+    to each rollout's instance), with their schemas and identity."""
 
-    def __init__(self, spec: str, timeout: float) -> None:
-        self.spec, self.timeout = spec, timeout
-        cut = spec.rfind(".py:")  # FILE.py:NAME,NAME (a path may hold ':' of its own)
-        path, names = (spec[:cut + 3], spec[cut + 4:]) if cut >= 0 else (spec, "")
-        path, names = Path(path), [n.strip() for n in names.split(",") if n.strip()]
-        try:
-            source = path.read_bytes()
-        except OSError as exc:
-            raise UserError(f"--tools {spec}: the file cannot be read ({exc.strerror or exc})") from None
-        module_name = f"_tools_{hashlib.sha256(source).hexdigest()[:16]}"
-        module, _ = user_code.import_file(path, module_name, f"--tools {path}")
-        self.functions = self._chosen(module, names, path)
-        self.schemas = [self._schema(name, fn) for name, fn in self.functions.items()]
-        # the file's name, not its path: a rerun from another folder names the same file otherwise
-        self.identity = f"{path.name}:{','.join(self.functions)}:{hashlib.sha256(source).hexdigest()[:16]}"
+    def __init__(self, spec: str, timeout: float, environment: Environment | None = None) -> None:
+        self.spec, self.timeout, self.environment = spec, timeout, environment
+        self.functions: dict[str, Callable] = {}
+        """The functions of --tools (none without it)."""
+        self.identity = ""
+        """--tools' file name, functions and content hash ("" without it): the run's fingerprint holds it."""
+        if spec:
+            cut = spec.rfind(".py:")  # FILE.py:NAME,NAME (a path may hold ':' of its own)
+            path, names = (spec[:cut + 3], spec[cut + 4:]) if cut >= 0 else (spec, "")
+            path, names = Path(path), [n.strip() for n in names.split(",") if n.strip()]
+            module, digest = user_code.load_file(path, "tools", f"--tools {spec}")
+            self.functions = self._chosen(module, names, path)
+            # the file's name, not its path: a rerun from another folder names the same file otherwise
+            self.identity = f"{path.name}:{','.join(self.functions)}:{digest}"
+        methods = environment.methods if environment else []
+        if twice := sorted(set(methods) & set(self.functions)):
+            raise UserError(f"--tools {spec} and --environment {environment.spec} both offer a tool {twice[0]}; the "
+                            "model calls a tool by its name, so rename one")
+        self.schemas = [self._schema(name, fn) for name, fn in self.functions.items()] + [
+            self._schema(name, getattr(environment.pool[0], name), f"--environment {environment.spec}")
+            for name in methods]
+
+    def table(self, instance: object | None = None) -> dict[str, Callable]:
+        """The tools one rollout calls: --tools' functions and its environment instance's methods."""
+        methods = self.environment.methods if self.environment else []
+        return {**self.functions, **{name: getattr(instance, name) for name in methods}}
 
     def _chosen(self, module, names: list[str], path: Path) -> dict[str, Callable]:
         """The functions named, or every public function the file defines."""
@@ -85,21 +98,18 @@ class Tools:
             fn = getattr(module, name, None)
             if not callable(fn):
                 raise UserError(f"--tools {self.spec}: {path} defines no function {name}")
-            if inspect.iscoroutinefunction(fn):
-                raise UserError(f"--tools {self.spec}: {name} is async, and tools are called as plain functions here "
-                                "yet; give a plain def")
             chosen[name] = fn
         return chosen
 
-    def _schema(self, name: str, fn: Callable) -> dict:
+    def _schema(self, name: str, fn: Callable, what: str = "") -> dict:
         from transformers.utils import get_json_schema
 
         try:
             return get_json_schema(fn)
         except Exception as exc:  # transformers' TypeHintParsingException, DocstringParsingException
-            raise UserError(f"--tools {self.spec}: {name} cannot be offered as a tool: {exc} (a tool needs a type "
-                            "hint on every argument and a docstring with an Args: section describing each, as "
-                            "transformers' get_json_schema reads them)") from None
+            raise UserError(f"{what or f'--tools {self.spec}'}: {name} cannot be offered as a tool: {exc} (a tool "
+                            "needs a type hint on every argument and a docstring with an Args: section describing "
+                            "each, as transformers' get_json_schema reads them)") from None
 
     # ------------------------------------------------------------------------------------------- the model's calls
 
@@ -128,22 +138,65 @@ class Tools:
             return Parsed(calls, "a <tool_call> tag is not closed by </tool_call>")
         return Parsed(calls)
 
-    def run(self, call: Call) -> Result:
-        """The tool's answer to the call, as text: its return value (str() of it), or the error the model made or
-        met. A stop signal interrupts it (Stopped); SystemExit from it is one line."""
-        fn = self.functions.get(call.name)
-        if fn is None:
-            return Result(call.name, f"error: there is no tool {call.name!r}; the tools are "
-                          f"{', '.join(self.functions)}", "error")
+    def run_all(self, calls: list[tuple[Call, dict[str, Callable]]]) -> list[Result]:
+        """Each call's answer, as text, from the table of tools it was made with (Tools.table): the tool's return
+        value (str() of it), or the error the model made or met. Plain functions run in turn, each under
+        --tool-timeout; `async def` ones (TRL's async tools) are awaited together, each under its own --tool-timeout.
+        A stop signal interrupts them (Stopped); SystemExit from one is one line."""
+        results: list[Result | None] = [None] * len(calls)
+        waiting = []
+        for i, (call, table) in enumerate(calls):
+            fn = table.get(call.name)
+            if fn is None:
+                results[i] = Result(call.name, f"error: there is no tool {call.name!r}; the tools are "
+                                    f"{', '.join(table)}", "error")
+            elif inspect.iscoroutinefunction(fn):
+                waiting.append(i)
+            else:
+                results[i] = self._run(call, fn)
+        for i, result in zip(waiting, self._awaited([calls[i] for i in waiting]), strict=True):
+            results[i] = result
+        return results
+
+    def _run(self, call: Call, fn: Callable) -> Result:
         try:
             with user_code.time_limit(self.timeout), StopRequest.interrupting():
                 value = fn(**call.arguments)
         except SignalInUserCode:
             raise Stopped(f"in the tool {call.name}") from None
         except user_code.TimedOut:
-            return Result(call.name, f"error: {call.name} did not return within {self.timeout:g} s", "timeout")
+            return self._late(call)
         except (SystemExit, KeyboardInterrupt) as exc:
-            raise UserError(user_code.exit_line(f"--tools {self.spec}: {call.name}", exc)) from None
+            raise UserError(user_code.exit_line(f"the tool {call.name}", exc)) from None
         except Exception as exc:  # the tool's own failure, or arguments it does not take: the model's to read
             return Result(call.name, f"error: {type(exc).__name__}: {exc}", "error")
         return Result(call.name, str(value), "ok")  # as TRL gives a tool's value to the template
+
+    def _awaited(self, calls: list[tuple[Call, dict[str, Callable]]]) -> list[Result]:
+        """The async tools' answers, awaited together on the process's event loop (user_code.await_all)."""
+        if not calls:
+            return []
+
+        def maker(call: Call, fn: Callable) -> Callable[[], Awaitable]:
+            return lambda: asyncio.wait_for(fn(**call.arguments), self.timeout or None)
+
+        names = ", ".join(dict.fromkeys(c.name for c, _ in calls))
+        outcomes = user_code.await_all(f"the tools {names}", [maker(c, t[c.name]) for c, t in calls])
+        results = []
+        for (call, _), (raised, value) in zip(calls, outcomes, strict=True):
+            if not raised:
+                results.append(Result(call.name, str(value), "ok"))
+            elif isinstance(value, TimeoutError):
+                results.append(self._late(call))
+            elif isinstance(value, (SystemExit, KeyboardInterrupt)):
+                raise UserError(user_code.exit_line(f"the tool {call.name}", value))
+            elif StopRequest.signum:  # a stop it turned into an error of its own: a stop still
+                raise Stopped(f"in the tool {call.name}")
+            elif isinstance(value, Exception):
+                results.append(Result(call.name, f"error: {type(value).__name__}: {value}", "error"))
+            else:  # asyncio.CancelledError and the like: the run's, not the model's
+                raise UserError(f"the tool {call.name} raised {type(value).__name__}: {value}")
+        return results
+
+    def _late(self, call: Call) -> Result:
+        return Result(call.name, f"error: {call.name} did not return within {self.timeout:g} s", "timeout")

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import hashlib
 import importlib.util
+import os
 import signal
 import sys
 import threading
@@ -57,18 +60,20 @@ def time_limit(seconds: float) -> Iterator[None]:
         _deadline.clear()
 
 
-def call(what: str, fn: Callable, *args: object, timeout: float = 0, late: str = "", **kwargs: object) -> object:
-    """fn(*args, **kwargs), the user's: a stop signal interrupts it (Stopped, "in WHAT"); past timeout seconds, one
-    line naming WHAT and what `late` says of where it was (e.g. the prompt); SystemExit and KeyboardInterrupt it
-    raises, one line naming WHAT (a run that did not finish never exits 0). Its other exceptions are the caller's."""
+def call(what: str, fn: Callable, timeout: float = 0, late: str = "", limit: str = "--reward-timeout") -> object:
+    """fn(), the user's (its arguments bound by the caller, e.g. functools.partial: a column of the user's data may
+    be named as any of these parameters): a stop signal interrupts it (Stopped, "in WHAT"); past timeout seconds, one
+    line naming WHAT, what `late` says of where it was (e.g. the prompt) and the flag that sets the limit; SystemExit
+    and KeyboardInterrupt it raises, one line naming WHAT (a run that did not finish never exits 0). Its other
+    exceptions are the caller's."""
     try:
         with time_limit(timeout), StopRequest.interrupting():
-            return fn(*args, **kwargs)
+            return fn()
     except SignalInUserCode:
         raise Stopped(f"in {what}") from None
     except TimedOut:
         raise UserError(f"{what} did not return within {timeout:g} s{late}; make it faster, or raise "
-                        "--reward-timeout (0: no limit)") from None
+                        f"{limit} (0: no limit)") from None
     except (SystemExit, KeyboardInterrupt) as exc:
         if isinstance(exc, KeyboardInterrupt) and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             raise  # Ctrl-C in a process that takes it the Python way (no stop handler): the user's, not the code's
@@ -139,7 +144,7 @@ def import_file(path: Path, module_name: str, what: str) -> tuple[ModuleType, li
     sys.modules[module_name] = module
     argv, sys.argv = sys.argv, [str(path)]
     try:
-        call(what, loader.loader.exec_module, module)
+        call(what, functools.partial(loader.loader.exec_module, module))
     except BaseException as exc:
         sys.modules.pop(module_name, None)
         if isinstance(exc, (UserError, Stopped)) or not isinstance(exc, Exception):
@@ -149,3 +154,49 @@ def import_file(path: Path, module_name: str, what: str) -> tuple[ModuleType, li
     finally:
         sys.argv = argv
     return module, [sys.modules[name] for name in set(sys.modules) - before - {module_name}]
+
+
+HELPERS: dict[str, list[Path]] = {}
+"""The modules each user file's import brought in from its own folder (or below it), by its module name."""
+
+
+def load_file(path: Path, prefix: str, what: str) -> tuple[ModuleType, str]:
+    """The user's file (a reward, tools, an environment) imported once per process as a module named by its content
+    hash, and its identity: the SHA-256 of its content and of the modules its import brought in from its own folder
+    (an edited helper module beside the file changes it as an edit of the file does). what: its flag and file, which
+    every message names."""
+    try:
+        source = path.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{what}: the file cannot be read ({exc.strerror or exc})") from None
+    module_name = f"_{prefix}_{hashlib.sha256(source).hexdigest()[:16]}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        module, added = import_file(path, module_name, what)
+        HELPERS[module_name] = _helpers(path, added)
+    return module, _digest(path, source, HELPERS.get(module_name, []), what)
+
+
+def _helpers(path: Path, modules: list[ModuleType]) -> list[Path]:
+    """The files of the modules a user file's import brought in from its folder or below it."""
+    folder = path.resolve().parent
+    found = set()
+    for module in modules:
+        file = getattr(module, "__file__", None)
+        if file and os.path.isabs(file) and file.endswith(".py"):
+            where = Path(file).resolve()
+            if where.is_relative_to(folder) and where != path.resolve() and where.is_file():
+                found.add(where)
+    return sorted(found)
+
+
+def _digest(path: Path, source: bytes, helpers: list[Path], what: str) -> str:
+    """The file's content hash with its helpers' (as they are now)."""
+    digest = hashlib.sha256(source)
+    folder = path.resolve().parent
+    for where in helpers:
+        try:
+            digest.update(where.relative_to(folder).as_posix().encode() + b"\0" + where.read_bytes())
+        except OSError as exc:
+            raise UserError(f"{what}: its helper module {where} cannot be read ({exc.strerror or exc})") from None
+    return digest.hexdigest()[:16]
