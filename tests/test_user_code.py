@@ -214,7 +214,7 @@ def test_rewards_come_back_as_trl_takes_them_and_values_float32_cannot_hold_are_
     """numpy arrays, tensors and numpy scalars are rewards (TRL's _calculate_rewards takes them); -1e39, finite in
     Python, is -inf in the float32 advantages: refused naming the completion; a column some rows lack is None for
     them, and one no row of the batch has is still passed (every prompt column of the run, as TRL passes a
-    dataset's)."""
+    dataset's), whatever its name."""
     path = reward_file(tmp_path)
     for name in ("as_numpy", "as_tensor", "numpy_scalars"):
         total, per = Rewards(f"{path}:{name}").score(["p", "q"], ["a", "bb"], [[1], [2, 3]], [{}, {}])
@@ -228,6 +228,9 @@ def test_rewards_come_back_as_trl_takes_them_and_values_float32_cannot_hold_are_
     assert torch.isnan(total).all()  # no row of this batch has an answer: the function was called, and abstained
     total, _ = answers.score(["p", "q"], ["a", "b"], [[1], [2]], [{"answer": "3"}, {}])
     assert total[0] == 3 and torch.isnan(total[1])
+    # columns named as the guard's own parameters (fn, timeout, late, what) reach the function as any other
+    named = [{"answer": "4", "fn": 1, "timeout": 2, "late": 3, "what": 4}]
+    assert answers.score(["p"], ["a"], [[1]], named)[0].tolist() == [4.0]
     with pytest.raises(UserError) as caught:
         Rewards("accuracy,think_format").check_columns({"question": 5}, 5, "data/prompts")
     assert str(caught.value) == (
