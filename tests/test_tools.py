@@ -481,17 +481,27 @@ def test_the_tool_turns_of_an_episode_have_no_loss_and_no_gradient():
 
 
 def test_the_bundled_example_offers_its_tools_and_its_prompts_render_with_them(chatml_model, tmp_path):
-    """examples/tools: its tools load with their schemas, DATA-HF reads its prompts as conversations, and each
-    prompt renders with the tools' schemas before it (the prompt blocks the run builds)."""
+    """examples/tools: its tools load with their schemas, and its environment offers the same tools as methods and
+    rewards a rollout whose tools computed the answer; DATA-HF reads its prompts as conversations, and each prompt
+    renders with the tools' schemas before it (the prompt blocks the run builds)."""
     from datasets import load_from_disk
     from transformers import AutoTokenizer
 
     from pipeline.config_grpo import GRPOConfig
     from pipeline.prep.corpus import CorpusConfig, build_dataset
+    from pipeline.rl.environments import Environment
     from pipeline.rl.prompts import build_prompt_blocks
 
     tools = Tools(str(ROOT / "examples" / "tools" / "tools.py"), 60)
     assert [s["function"]["name"] for s in tools.schemas] == ["add", "multiply"]
+    calculator = Environment(f"{ROOT / 'examples' / 'tools' / 'environment.py'}:Calculator", 60)
+    assert Tools("", 60, calculator).schemas == tools.schemas  # the same tools, as methods
+    (instance,) = calculator.instances(1)
+    calculator.reset(instance, {"prompt": [], "answer": "122"})
+    instance.multiply(a=59, b=63)
+    assert instance.get_reward() == 0.0
+    instance.add(a=59, b=63)
+    assert instance.get_reward() == 1.0
     build_dataset(CorpusConfig(ROOT / "examples" / "tools" / "prompts", tmp_path / "ds", num_proc=1))
     tok = AutoTokenizer.from_pretrained(chatml_model)
     # the tiny vocabulary spends about 600 tokens on the two schemas (a real model's about 200)

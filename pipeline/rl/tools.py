@@ -1,13 +1,15 @@
-"""The user's tools (--tools FILE.py[:NAME,...]): plain Python functions with type hints and a docstring, offered to
-the model through the chat template's tools (their JSON schema as transformers' get_json_schema derives it, TRL's
-rule, so a TRL user's tool file runs unchanged), and the model's calls of them parsed and run.
+"""The user's tools (--tools FILE.py[:NAME,...], and --environment's methods): plain Python functions with type hints
+and a docstring, offered to the model through the chat template's tools (their JSON schema as transformers'
+get_json_schema derives it, TRL's rule, so a TRL user's tool file runs unchanged), and the model's calls of them parsed
+and run: plain ones in turn, `async def` ones awaited together on the process's event loop.
 
 A call is the model's to get right: one that does not parse, names no tool, passes arguments the function does not
 take, raises, or runs past --tool-timeout is answered with an error message as the tool's result (counted), and the
 episode goes on. SystemExit or a stop signal inside a tool is the run's (one line; a stop).
 
-Hazards: the time limit is user_code's watchdog signal to the main thread (a tool on another thread has none); a tool
-that hangs in C code holding the GIL cannot be stopped."""
+Hazards: a plain tool's time limit is user_code's watchdog signal to the main thread (a tool on another thread has
+none), an async tool's asyncio's (one that never awaits cannot be stopped by it); a tool that hangs in C code holding
+the GIL cannot be stopped."""
 
 from __future__ import annotations
 
