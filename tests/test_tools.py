@@ -18,7 +18,8 @@ from pipeline.errors import UserError
 from pipeline.model.head import Head
 from pipeline.rl.episodes import Turns
 from pipeline.rl.generation import Sampling
-from pipeline.rl.tools import Call, Tools
+from pipeline.rl.tool_calls import Call, Tagged
+from pipeline.rl.tools import Tools
 
 TOOLS = '''
 import time
@@ -86,19 +87,19 @@ def test_a_tool_file_offers_its_public_functions_with_their_schemas_and_its_mist
 
 
 def test_the_models_calls_parse_and_run_and_every_failure_is_its_answer(tool_file):
-    tools = Tools(str(tool_file), 0.3)
+    tools, reader = Tools(str(tool_file), 0.3), Tagged()
     text = 'Let me see.<tool_call>\n{"name": "lookup", "arguments": {"key": "a"}}\n</tool_call>' \
            '<tool_call>{"name": "lookup", "arguments": "{\\"key\\": \\"b\\"}"}</tool_call>'
-    parsed = tools.parse(text)
+    parsed = reader.parse(text)
     assert parsed.calls == [Call("lookup", {"key": "a"}), Call("lookup", {"key": "b"})] and not parsed.error
     run = lambda call: tools.run_all([(call, tools.table())])[0]  # noqa: E731
     assert [r.content for r in tools.run_all([(c, tools.table()) for c in parsed.calls])] == ["17", "42"]
-    assert tools.parse("no call at all") == tools.parse("") and not tools.parse("plain").calls
+    assert reader.parse("no call at all") == reader.parse("") and not reader.parse("plain").calls
     drafted = '<think>maybe <tool_call>{"name": "lookup", "arguments": {"key": "b"}}</tool_call></think>'
-    assert tools.parse(drafted + text).calls == parsed.calls  # a call drafted while reasoning is not made
-    assert tools.parse("<tool_call>{name: lookup}</tool_call>").error.startswith("the tool call is not JSON")
-    assert tools.parse('<tool_call>{"name": "lookup"').error == "a <tool_call> tag is not closed by </tool_call>"
-    assert tools.parse('<tool_call>["lookup"]</tool_call>').error.startswith("a tool call must be a JSON object")
+    assert reader.parse(drafted + text).calls == parsed.calls  # a call drafted while reasoning is not made
+    assert reader.parse("<tool_call>{name: lookup}</tool_call>").error.startswith("the tool call is not JSON")
+    assert reader.parse('<tool_call>{"name": "lookup"').error == "a <tool_call> tag is not closed by </tool_call>"
+    assert reader.parse('<tool_call>["lookup"]</tool_call>').error.startswith("a tool call must be a JSON object")
     answers = [run(Call("broken", {"x": 3})), run(Call("nothing", {})), run(Call("lookup", {"wrong": 1}))]
     assert [(a.outcome, a.content) for a in answers[:2]] == [
         ("error", "error: ValueError: no luck with 3"),
@@ -294,15 +295,24 @@ def chatml_model(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.parametrize(("template", "end_token"), [("qwen3.jinja", "<|im_end|>"), ("llama3_1.jinja", "<|eot_id|>")])
 def test_an_episode_is_the_templates_rendering_of_its_conversation_and_its_tool_turns_are_not_the_models(
-        chatml_model, tool_file):
+        chatml_model, tool_file, template, end_token):
+    """Qwen 3's template (calls as <tool_call> JSON; its last assistant turn rendered otherwise) and Llama 3.1's (a
+    bare JSON call, tool results as ipython turns): the episode's tokens are the template's rendering of the whole
+    conversation, and its calls are read back as the template writes them."""
     from transformers import AutoTokenizer
 
+    from pipeline.rl.tool_calls import call_reader
+
     tok = AutoTokenizer.from_pretrained(chatml_model)
+    tok.chat_template = (ROOT / "examples" / "templates" / template).read_text()
     model = AutoModelForCausalLM.from_pretrained(chatml_model).eval()
     tools = Tools(f"{tool_file}:lookup", 5)
-    end = tok.convert_tokens_to_ids("<|im_end|>")
-    turns = Turns(tools, tok, "26 Jul 2024", 1, {end, tok.eos_token_id}, tok.eos_token_id)
+    end = tok.convert_tokens_to_ids(end_token)
+    reader = call_reader(tok, "26 Jul 2024", tools.schemas, "m")
+    assert reader.name == {"qwen3.jinja": "<tool_call> JSON", "llama3_1.jinja": "Llama 3's JSON"}[template]
+    turns = Turns(tools, reader, tok, "26 Jul 2024", 1, {end, tok.eos_token_id}, tok.eos_token_id)
     user = [{"role": "user", "content": "What is stored under a?"}]
     call = {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "lookup", "arguments": {"key": "a"}}}]}
@@ -327,6 +337,58 @@ def test_an_episode_is_the_templates_rendering_of_its_conversation_and_its_tool_
     assert episode.messages[1] == {"role": "tool", "name": "lookup", "content": "17"}
     assert (episode.calls, episode.failures, episode.turns) == (1, 0, 2)
     assert "17" in tok.decode(episode.ids)
+
+
+CALLS = [Call("lookup", {"key": "a"}), Call("lookup", {"key": "ключ \"q\" <b>"}),
+         Call("plan", {"steps": [1, 2.5, None], "options": {"deep": True}}), Call("noargs", {})]
+"""Calls whose arguments exercise JSON: quotes and markup in a string, non-ASCII, lists, nesting, none at all."""
+UNREADABLE = """{% if tools %}TOOLS {% endif %}{%- for m in messages %}{{ m.role }}: {% if m.tool_calls %}\
+{% for c in m.tool_calls %}CALL {{ c.function.name }}({{ c.function.arguments | items | list }}){% endfor %}\
+{% else %}{{ m.content }}{% endif %}<|im_end|>{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"""
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"}, "start_anchor": "<|im_start|>assistant\n",
+    "fields": {"reasoning_content": {"open": "<think>", "close_pattern": r"</think>\s*", "content": "text"},
+               "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True,
+                              "content": "json", "transform": {"type": "function", "function": "{content}"}},
+               "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"}}}
+"""A response_template as a model may ship one in its tokenizer_config.json (transformers' response parsing): Qwen 3's
+turn, its calls as JSON between tags."""
+
+
+def test_every_bundled_templates_calls_are_read_back_exactly_as_it_writes_them(chatml_model):
+    """For each chat template the project bundles, and for a tokenizer that ships a response_template, the reader
+    call_reader picks reads back every call as the template renders it (name and arguments exactly); a template that
+    writes calls in a form no reader reads is one line."""
+    from transformers import AutoTokenizer
+
+    from pipeline.rl.tool_calls import call_reader
+
+    tok = AutoTokenizer.from_pretrained(chatml_model)
+    user = [{"role": "user", "content": "?"}]
+    chosen = {}
+    cases = [(path.name, path.read_text(), None) for path in sorted((ROOT / "examples" / "templates").glob("*.jinja"))]
+    cases.append(("qwen3.jinja + response_template", (ROOT / "examples" / "templates" / "qwen3.jinja").read_text(),
+                  RESPONSE_TEMPLATE))
+    for name, template, response in cases:
+        tok.chat_template, tok.response_template = template, response
+        reader = chosen[name] = call_reader(tok, "26 Jul 2024", [LOOKUP], "m")
+        for call in CALLS:
+            turn = {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": call.name, "arguments": call.arguments}}]}
+            before = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+            whole = tok.apply_chat_template([*user, turn], tokenize=False)
+            assert reader.parse(whole[len(before):], before).calls == [call], (name, call)
+    assert {n: r.name for n, r in chosen.items()} == {
+        "llama3_1.jinja": "Llama 3's JSON", "qwen3.jinja": "<tool_call> JSON", "qwen3_marked.jinja": "<tool_call> JSON",
+        "qwen3.jinja + response_template": "the tokenizer's response_template"}
+    tok.chat_template, tok.response_template = UNREADABLE, None
+    with pytest.raises(UserError) as caught:
+        call_reader(tok, "26 Jul 2024", [LOOKUP], "m")
+    assert str(caught.value) == (
+        "--tools: the chat template of m writes a tool call as \"CALL probe_tool([('probe_key', 'probe value'), "
+        "('probe_count', 3)])<|im_end|>\", which none of <tool_call> JSON, Llama 3's JSON reads back; give the "
+        "tokenizer a response_template (transformers' response parsing) in its tokenizer_config.json, or use a "
+        "template that writes <tool_call> JSON (--chat-template FILE.jinja)")
 
 
 LOOKUP = {"type": "function", "function": {

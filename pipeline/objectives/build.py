@@ -27,6 +27,7 @@ from pipeline.rl.packing import model_config
 from pipeline.rl.prompts import PromptBlocks, observed_ids
 from pipeline.rl.rewards import Rewards
 from pipeline.rl.rollout import Roller
+from pipeline.rl.tool_calls import call_reader
 from pipeline.rl.tools import Tools
 
 log = logging.getLogger("pipeline")
@@ -73,8 +74,11 @@ def make_grpo(cfg: Config, head: Head, blocks: PromptBlocks, rewards: Rewards, t
     reference = frozen
     if cfg.grpo.grpo_beta and cfg.model.adapter != "none":
         reference = KLReference(head, functools.partial(adapters_disabled, head.model))
-    turns = Turns(tools, tokenizer, cfg.data.chat_date, cfg.grpo.max_tool_calling_iterations, stops, pad_id) \
-        if tools and tools.schemas else None
+    turns = None
+    if tools and tools.schemas:
+        reader = call_reader(tokenizer, cfg.data.chat_date, tools.schemas, cfg.model.model_name)
+        turns = Turns(tools, reader, tokenizer, cfg.data.chat_date, cfg.grpo.max_tool_calling_iterations, stops,
+                      pad_id)
     environment = tools.environment if tools else None
     observed = functools.partial(observed_ids, tokenizer, chat_date=cfg.data.chat_date,
                                  tools=tools.schemas if tools else None, limit=cfg.grpo.max_prompt_length)

@@ -14,6 +14,7 @@ from pipeline.errors import UserError
 from pipeline.rl.environments import Environment
 from pipeline.rl.prompts import prompt_columns
 from pipeline.rl.rewards import Rewards
+from pipeline.rl.tool_calls import call_reader
 from pipeline.rl.tools import Tools
 
 GENERATION = ("num_generations", "max_prompt_length", "long_prompts", "max_completion_length", "temperature", "top_p",
@@ -105,6 +106,7 @@ def plan_tools(cfg: Config, tokenizer, data: list, environment: Environment | No
         raise UserError(f"{given}: the chat template of {cfg.model.model_name} renders no tools (a prompt reads the "
                         "same with them and without), so the model would never see them; use a template that does "
                         "(the model's Instruct version's, or --chat-template FILE.jinja)")
+    call_reader(tokenizer, date, tools.schemas, cfg.model.model_name, given)  # the calls read back as written
     return tools
 
 

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from pipeline.data.chat_render import render
 from pipeline.errors import UserError
 from pipeline.rl.generation import Sampling, generate, padded
-from pipeline.rl.tools import Parsed, Result, Tools
+from pipeline.rl.tool_calls import CallReader, Parsed
+from pipeline.rl.tools import Result, Tools
 from pipeline.signals import Stopped, StopRequest
 
 
@@ -61,6 +62,8 @@ class Turns:
     """What continues episodes: the tools, the template's rendering and the generation's settings."""
 
     tools: Tools
+    reader: CallReader
+    """How the model's calls are read back (tool_calls.call_reader: as its chat template writes them)."""
     tokenizer: object
     chat_date: str
     max_iterations: int
@@ -77,8 +80,8 @@ class Turns:
         instances = environments or [None] * len(first)
         episodes = [Episode(list(ids), [1] * len(ids), table=self.tools.table(env))
                     for ids, env in zip(first, instances, strict=True)]
-        for e, ids in zip(episodes, first, strict=True):
-            self._turn(e, ids)
+        for e, prompt, ids in zip(episodes, prompts, first, strict=True):
+            self._turn(e, prompt, ids)
         limit = sampling.max_tokens
         pending = [i for i, e in enumerate(episodes) if self._wants_tools(e) and len(e.ids) < limit]
         iteration = 0
@@ -103,16 +106,19 @@ class Turns:
                 e = episodes[i]
                 e.ids += suffix + ids
                 e.model += [0] * len(suffix) + [1] * len(ids)
-                self._turn(e, ids)
+                self._turn(e, prompts[i], ids)
                 e.turns += 1
             pending = [i for i in rows if self._wants_tools(episodes[i]) and len(episodes[i].ids) < limit]
             iteration += 1
         return episodes
 
-    def _turn(self, e: Episode, ids: list[int]) -> None:
-        """The model's turn added to the episode's messages: its text, and its calls where they parse (kept parsed)."""
+    def _turn(self, e: Episode, prompt: list[int], ids: list[int]) -> None:
+        """The model's turn (the episode's last ids) added to its messages: its text, and its calls where they parse
+        (kept parsed). They are read from the turn's text with its special tokens (a template may write a call with
+        them), after the text the turn continues."""
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        e.parsed = self.tools.parse(text)
+        before = self.tokenizer.decode(prompt + e.ids[:len(e.ids) - len(ids)], skip_special_tokens=False)
+        e.parsed = self.reader.parse(self.tokenizer.decode(ids, skip_special_tokens=False), before)
         message = {"role": "assistant", "content": text}
         if e.parsed.calls:
             message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
-import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,29 +22,8 @@ from pathlib import Path
 from pipeline.errors import UserError
 from pipeline.rl import user_code
 from pipeline.rl.environments import Environment
+from pipeline.rl.tool_calls import Call
 from pipeline.signals import SignalInUserCode, Stopped, StopRequest
-
-CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-THINKING = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
-"""A reasoning span (Qwen 3, DeepSeek-R1): a call drafted in it is thought, not made (as transformers' parsers read
-the content alone)."""
-"""A call as Hermes-style templates (Qwen 2.5 and 3, and the templates that copy them) ask for it: JSON between
-tags, {"name": ..., "arguments": {...}}."""
-
-
-@dataclass(frozen=True)
-class Call:
-    name: str
-    arguments: dict
-
-
-@dataclass(frozen=True)
-class Parsed:
-    """What the model's turn asked for: its calls, or why they could not be read."""
-
-    calls: list[Call]
-    error: str = ""
-    """Why a call did not parse ("" when every one did): answered to the model, counted."""
 
 
 @dataclass(frozen=True)
@@ -112,33 +89,6 @@ class Tools:
             raise UserError(f"{what or f'--tools {self.spec}'}: {name} cannot be offered as a tool: {exc} (a tool "
                             "needs a type hint on every argument and a docstring with an Args: section describing "
                             "each, as transformers' get_json_schema reads them)") from None
-
-    # ------------------------------------------------------------------------------------------- the model's calls
-
-    @staticmethod
-    def parse(text: str) -> Parsed:
-        """The calls in the text of the model's turn, outside its reasoning."""
-        text = THINKING.sub("", text)
-        calls = []
-        for body in CALL.findall(text):
-            try:
-                call = json.loads(body)
-            except json.JSONDecodeError as exc:
-                return Parsed(calls, f"the tool call is not JSON ({exc.msg} at character {exc.pos})")
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                return Parsed(calls, 'a tool call must be a JSON object with a "name" and "arguments"')
-            arguments = call.get("arguments", {})
-            if isinstance(arguments, str):  # some models write the arguments as a JSON string
-                try:
-                    arguments = json.loads(arguments)
-                except json.JSONDecodeError:
-                    return Parsed(calls, f"the arguments of {call['name']} are not a JSON object")
-            if not isinstance(arguments, dict):
-                return Parsed(calls, f"the arguments of {call['name']} are not a JSON object")
-            calls.append(Call(call["name"], arguments))
-        if not calls and "<tool_call>" in text:
-            return Parsed(calls, "a <tool_call> tag is not closed by </tool_call>")
-        return Parsed(calls)
 
     def run_all(self, calls: list[tuple[Call, dict[str, Callable]]]) -> list[Result]:
         """Each call's answer, as text, from the table of tools it was made with (Tools.table): the tool's return
