@@ -617,3 +617,61 @@ def test_grpo_with_an_environment_scores_by_it_and_a_killed_run_resumes_its_epis
     assert [[e[k] for k in keys] for e in after] == [[e[k] for k in keys] for e in train[2:]]
     retold = [s["completion"] for s in events(again, "sample") if s["time"] >= resumed[0]["time"]]
     assert retold == [s["completion"] for s in samples if s["step"] == 3]
+
+
+RANKS = '''
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import pipeline.rl.episodes as episodes
+from pipeline.model.head import Head
+from pipeline.rl.generation import Sampling
+from pipeline.rl.tool_calls import Tagged
+from pipeline.rl.tools import Tools
+
+model_dir, tool_file, out, collective = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+tok = AutoTokenizer.from_pretrained(model_dir)
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+end = tok.convert_tokens_to_ids("<|im_end|>")
+turns = episodes.Turns(Tools(f"{tool_file}:lookup", 5), Tagged(), tok, "26 Jul 2024", 0, {end, tok.eos_token_id},
+                       tok.eos_token_id)
+rows = []
+generate = episodes.generate
+def counted(head, ids, *args, **kwargs):
+    rows.append(ids.shape[0])
+    return generate(head, ids, *args, **kwargs)
+episodes.generate = counted
+ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+prompt = ids(tok.apply_chat_template([{"role": "user", "content": "What is stored under a?"}],
+                                     tools=turns.tools.schemas, tokenize=False, add_generation_prompt=True))
+# rank 0's first turn calls the tool, rank 1's answers: rank 1 has no episode to continue
+first = '<tool_call>\\n{"name": "lookup", "arguments": {"key": "a"}}\\n</tool_call><|im_end|>' if rank == 0 \\
+    else "17<|im_end|>"
+(e,) = turns.continue_all(Head(model, False, 1), [prompt], [ids(first)], Sampling(256),
+                          torch.Generator().manual_seed(rank), collective, torch.device("cpu"))
+json.dump({"ids": e.ids, "turns": e.turns, "calls": e.calls, "generated_rows": rows},
+          open(f"{out}-{rank}.json", "w"))
+dist.destroy_process_group()
+'''
+
+
+def test_a_rank_with_no_episode_to_continue_steps_with_the_others_and_changes_nothing(chatml_model, tool_file,
+                                                                                      train_env, tmp_path):
+    """Collective generation on 2 ranks where only rank 0's row calls a tool: rank 1, with nothing to continue,
+    generates one row it drops (every rank steps the same forwards), and rank 0's episode is the one it makes
+    alone, token for token."""
+    (tmp_path / "ranks.py").write_text(RANKS)
+    for collective, out in (("1", tmp_path / "together"), ("0", tmp_path / "alone")):
+        proc = torchrun(2, tmp_path / "ranks.py", chatml_model, tool_file, out, collective, env=train_env["env"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    together = [json.loads((tmp_path / f"together-{r}.json").read_text()) for r in range(2)]
+    alone = [json.loads((tmp_path / f"alone-{r}.json").read_text()) for r in range(2)]
+    assert [(r["turns"], r["calls"], r["generated_rows"]) for r in together] == [(2, 1, [1]), (1, 0, [1])]
+    assert [(r["turns"], r["generated_rows"]) for r in alone] == [(2, [1]), (1, [])]
+    assert together[0]["ids"] == alone[0]["ids"] and together[1]["ids"] == alone[1]["ids"]
