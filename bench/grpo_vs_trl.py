@@ -133,11 +133,29 @@ def rows_of(batch: dict, rows: slice) -> dict:
     return {k: v if k == "num_items_in_batch" else v[rows] for k, v in batch.items()}
 
 
+def with_tool_turns(batch: dict) -> dict:
+    """The batch as multi-turn episodes: in each completion longer than 6 tokens, positions 3 to 5 are a tool turn's
+    (TRL's tool_mask 0: the template wrote them), and num_items_in_batch counts the model's tokens alone, as TRL's
+    _generate_and_score_completions counts them."""
+    import torch
+
+    tool = torch.ones_like(batch["completion_mask"])
+    tool[batch["completion_mask"].sum(1) > 6, 3:6] = 0
+    return {**batch, "tool_mask": tool, "num_items_in_batch": (batch["completion_mask"] * tool).sum()}
+
+
+def loss_mask(batch: dict):
+    """The tokens that train: the completions' own, less the tool turns' where the batch has some (TRL's rule)."""
+    mask = batch["completion_mask"]
+    return mask * batch["tool_mask"] if "tool_mask" in batch else mask
+
+
 def one_case(model_dir: Path, work: Path, batch: dict, loss_type: str, beta: float, kl_correction: bool, world: int,
              micro: int, level: str = "token") -> dict:
     """TRL's and our loss and gradient for one optimizer step of `world` ranks x `micro` micro-steps over the batch
     (rank r's micro-step k holds the (r * micro + k)-th slice); level: TRL's importance_sampling_level (sequence:
-    GSPO)."""
+    GSPO). A batch with a tool_mask trains the model's tokens alone, TRL's through its _compute_loss, ours through
+    the same mask (GRPOObjective._loss_mask's)."""
     import torch
 
     from pipeline.objectives.grpo_losses import GRPOLossSettings, StepCounts, masked_mean, micro_loss, token_terms
@@ -170,13 +188,13 @@ def one_case(model_dir: Path, work: Path, batch: dict, loss_type: str, beta: flo
     s = GRPOLossSettings(loss_type=loss_type, epsilon=0.2, epsilon_high=0.2, beta=beta,
                          kl_ratio_correction=kl_correction, max_completion_length=MAX_LEN,
                          sequence_level=level == "sequence")
-    counts = StepCounts(tokens=int(batch["completion_mask"].sum()), sequences=n, micro_steps=micro, world_size=world)
+    counts = StepCounts(tokens=int(loss_mask(batch).sum()), sequences=n, micro_steps=micro, world_size=world)
     ours = torch.tensor(0.0)
     mine = {}
     for rank in slices:
         for rows in rank:
             part = rows_of(batch, rows)
-            mask = part["completion_mask"]
+            mask = loss_mask(part)
             terms = token_terms(our_logps(model, part), part["old_per_token_logps"], part["advantages"], s,
                                 part.get("ref_per_token_logps"), mask)
             loss = micro_loss(terms.loss, mask, s, counts) / world
@@ -190,7 +208,7 @@ def one_case(model_dir: Path, work: Path, batch: dict, loss_type: str, beta: flo
     grad_diff = max(float((our_grads[k] - trl_grads[k]).abs().max()) for k in trl_grads)
     grad_size = max(float(g.abs().max()) for g in trl_grads.values())
     return {"loss_type": loss_type, "level": level, "beta": beta, "kl_correction": kl_correction, "world": world,
-            "micro": micro,
+            "micro": micro, "tools": "tool_mask" in batch,
             "trl": theirs.item(), "ours": ours.item(), "loss_diff": abs(theirs.item() - ours.item()),
             "grad_diff": grad_diff, "grad_size": grad_size, "params": len(trl_grads),
             "metric_diffs": {k: abs(metrics[k] - mine[k]) for k in metrics if mine.get(k) is not None},
@@ -223,11 +241,16 @@ def main() -> None:
                for beta, correction in ((0.0, True), (0.04, True), (0.04, False))]
     results += [one_case(model_dir, work, batch, loss_type, beta, True, world, micro, "sequence")  # GSPO
                 for world, micro in ((1, 1), (2, 2)) for loss_type in ("grpo", "dapo") for beta in (0.0, 0.04)]
+    episodes = with_tool_turns(batch)  # multi-turn: the tool turns' tokens train nothing
+    results += [one_case(model_dir, work, episodes, loss_type, beta, True, world, micro)
+                for world, micro in ((1, 1), (2, 2)) for loss_type in ("dapo", "dr_grpo", "grpo", "bnpo")
+                for beta in (0.0, 0.04)]
     rows = []
     for r in results:
         metrics = max(r["metric_diffs"].values()) if r["world"] == 1 else None
         kl = "-" if not r["beta"] else "k3 x ratio" if r["kl_correction"] else "k3"
-        rows.append([f"{r['world']} x {r['micro']}", r["loss_type"], r["level"], r["beta"], kl,
+        rows.append([f"{r['world']} x {r['micro']}", r["loss_type"], r["level"],
+                     "model's (tool turns masked)" if r["tools"] else "all", r["beta"], kl,
                      f"{r['trl']:.7f}", f"{r['ours']:.7f}", f"{r['loss_diff']:.1e}",
                      f"{r['grad_diff']:.1e} (of {r['grad_size']:.1e})",
                      "-" if metrics is None else f"{metrics:.1e}"])
@@ -252,11 +275,13 @@ def main() -> None:
         "StepCounts, alike. KL term: k3 x ratio is TRL 1.16's default (use_bias_correction_kl; ours "
         "kl_ratio_correction), k3 the plain one. Ratio: per token (TRL's default), or per sequence (GSPO, TRL's "
         "importance_sampling_level=\"sequence\"; ours --importance-sampling-level sequence), whose clip metrics "
-        "are shares of sequences.",
+        "are shares of sequences. Tokens: every completion token, or, as multi-turn episodes (--tools, "
+        "--environment), the model's alone: positions 3 to 5 of each completion longer than 6 tokens a tool turn's "
+        "(TRL's tool_mask 0, num_items_in_batch the model's tokens), ours masked alike.",
         f"- Gradient: the largest absolute difference over the {results[0]['params']} parameter tensors (in brackets "
         "the largest gradient entry); metrics: TRL's kl and clip_ratio low/high/region means (1 x 1 only).",
         "",
-        table(["ranks x micro-steps", "loss type", "ratio", "beta", "KL term", "loss, TRL", "loss, ours",
+        table(["ranks x micro-steps", "loss type", "ratio", "tokens", "beta", "KL term", "loss, TRL", "loss, ours",
                "abs diff: loss",
                "gradient", "metrics"], rows),
         "",

@@ -456,7 +456,7 @@ def test_prompts_and_grpo_go_together_and_its_settings_are_checked_in_one_line(t
         "records with a \"prompt\" and no completion, e.g. {\"prompt\": \"...\", \"answer\": \"...\"}, as prompts)",
         "--num-generations is for --objective grpo, not sft",
         "--objective grpo needs at least one --reward (FILE.py:FUNCTION[:WEIGHT] or a built-in: accuracy, "
-        "think_format)",
+        "think_format), or an --environment whose class has get_reward()",
         "--num-generations must be in [2, 4096], got 1",
         "--top-p must be in (0, 1], got 0",
         f"--reward {rewards}:nope: the file defines no function nope",

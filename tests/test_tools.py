@@ -675,3 +675,65 @@ def test_a_rank_with_no_episode_to_continue_steps_with_the_others_and_changes_no
     assert [(r["turns"], r["calls"], r["generated_rows"]) for r in together] == [(2, 1, [1]), (1, 0, [1])]
     assert [(r["turns"], r["generated_rows"]) for r in alone] == [(2, [1]), (1, [])]
     assert together[0]["ids"] == alone[0]["ids"] and together[1]["ids"] == alone[1]["ids"]
+
+
+SLOTS = '''
+class Slots:
+    made = 0
+
+    def __init__(self):
+        self.slot = Slots.made
+        Slots.made += 1
+
+    def reset(self, **row):
+        return f" slot {self.slot}"
+
+
+def slot(prompts, completions, completion_ids, environments, **columns):
+    return [float(e.slot) for e in environments]
+'''
+
+
+def test_observations_that_differ_within_a_group_each_reach_their_rollout(tiny_models, tmp_path):
+    """An environment whose reset() observes its own instance: each rollout's prompt is its row's with that
+    observation appended and tokenized again (the group's rollouts then differ, and are generated as rows of their
+    own), and the reward functions get each rollout's instance beside its completion. An observation that makes the
+    prompt longer than --max-prompt-length is one line."""
+    import functools
+
+    import numpy as np
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.data.batches import Batch
+    from pipeline.rl.environments import Environment
+    from pipeline.rl.generation import generate
+    from pipeline.rl.prompts import PromptRow, observed_ids, tokenized
+    from pipeline.rl.rewards import Rewards
+    from pipeline.rl.rollout import Roller
+
+    (tmp_path / "slots.py").write_text(SLOTS)
+    env = Environment(f"{tmp_path / 'slots.py'}:Slots", 5)  # its probe instance is slot 0
+    tok = AutoTokenizer.from_pretrained(tiny_models["tied"])
+    head = Head(AutoModelForCausalLM.from_pretrained(tiny_models["tied"], dtype=torch.float32).eval(), False, 1)
+    rows = [PromptRow("Count to 3:", {})]
+    ids = torch.tensor([tokenized(tok, rows[0], "")])
+    batch = Batch(ids, torch.full_like(ids, -100), None, torch.ones_like(ids), rows=np.array([0]))
+
+    def roller(limit: int) -> Roller:
+        observed = functools.partial(observed_ids, tok, chat_date="", tools=None, limit=limit)
+        return Roller(head, rows, Rewards(f"{tmp_path / 'slots.py'}:slot"), tok, {tok.eos_token_id},
+                      tok.eos_token_id, collective=False, environment=env, observed=observed)
+
+    r = roller(64).roll(batch, 3, Sampling(6, greedy=True), None)
+    assert r.prompts == ["Count to 3: slot 0", "Count to 3: slot 1", "Count to 3: slot 2"]
+    assert r.rewards.tolist() == [0.0, 1.0, 2.0]  # each completion scored with its own instance
+    shown = [tok.decode(row[keep.bool()].tolist()) for row, keep in zip(r.prompt_ids, r.prompt_mask, strict=True)]
+    assert shown == r.prompts
+    for i, prompt in enumerate(r.prompts):  # each generated after its own prompt, as it is alone
+        alone = torch.tensor([tokenized(tok, PromptRow(prompt, {}), "")])
+        ids, keep = generate(head, alone, torch.ones_like(alone), Sampling(6, greedy=True), {tok.eos_token_id},
+                             tok.eos_token_id, None)
+        assert r.completion_ids[i][r.completion_mask[i].bool()].tolist() == ids[0][keep[0].bool()].tolist()
+    with pytest.raises(UserError, match=r"^--environment: the observation reset\(\) returned makes the prompt \d+ "
+                                        r"tokens, above --max-prompt-length 4 \(prompt 'Count to 3: slot 0'\)"):
+        roller(4).roll(batch, 3, Sampling(4), torch.Generator().manual_seed(0))

@@ -87,7 +87,10 @@ class Roller:
         chosen = [self.prompts[r] if r >= 0 else self.prompts[0] for r in rows]
         instances, shared = None, group
         if self.environment is not None:
-            instances, chosen, ids, mask, shared = self._reset(chosen, ids, mask, group)
+            try:
+                instances, chosen, ids, mask, shared = self._reset(chosen, ids, mask, group)
+            except Stopped:  # a reset cut short: the generation below stops every rank alike, at its first step
+                instances = self.environment.instances(len(chosen))
         completion, cmask = generate(self.head, ids, mask, sampling, self.stops, self.pad_id, generator,
                                      self.collective, repeats=shared)
         lengths = cmask.sum(-1).tolist()  # a host sync per micro-batch: the texts are decoded on the CPU
