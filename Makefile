@@ -97,6 +97,14 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 	$(PY) fsdp1.py --nproc-per-node 2 -e grpo --save-dir $(DEMO)/outputs \
 		-d $(DEMO)/hf_datasets/prompts -m $(DEMO_MODEL) --config configs/demo_grpo.yaml
 	@echo
+	@echo "== agents in RL: GRPO with an environment (examples/tools/environment.py:Calculator, TRL's environment_factory):"
+	@echo "   one instance per rollout, its methods the model's tools (offered through Llama 3.1's template), its"
+	@echo "   get_reward a reward of its own beside answered; a model this small calls no tool yet (the wiring, not learning)"
+	$(PY) DATA-HF.py --data_folder examples/tools/prompts --save_dir $(DEMO)/hf_datasets/tool_prompts --overwrite
+	rm -rf $(DEMO)/outputs/tools
+	$(PY) fsdp1.py --nproc-per-node 2 -e tools --save-dir $(DEMO)/outputs \
+		-d $(DEMO)/hf_datasets/tool_prompts -m $(DEMO)/outputs/chat/hf --config configs/demo_tools.yaml
+	@echo
 	@echo "== agents: tool calls and reasoning traces through Qwen3's template (its history rewritten turn by turn),"
 	@echo "   mixed 0.7/0.3 with the conversations; the log says what each source gave and each has its eval loss"
 	$(PY) DATA-HF.py --data_folder examples/agents --save_dir $(DEMO)/hf_datasets/agents --overwrite
@@ -116,6 +124,7 @@ demo: $(STAMP) $(LM_EVAL_STAMP)
 	@echo "  KTO run:             $(DEMO)/outputs/kto (metrics.jsonl: kl, rewards/* and logps/* per window and eval)"
 	@echo "  reward model:        $(DEMO)/outputs/reward (hf/: AutoModelForSequenceClassification; accuracy, margin)"
 	@echo "  GRPO run:            $(DEMO)/outputs/grpo (metrics.jsonl: reward, rewards/*, completions/*; sample events)"
+	@echo "  GRPO with tools:     $(DEMO)/outputs/tools (metrics.jsonl: rewards/Calculator, tools/*, episodes/*)"
 	@echo "  agents run:          $(DEMO)/outputs/agents (metrics.jsonl: eval/loss/agents and eval/loss/chats)"
 
 # Two pytest workers, one test file each at a time (module fixtures stay shared), the longest files first

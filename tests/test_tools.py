@@ -573,7 +573,8 @@ def test_the_bundled_example_offers_its_tools_and_its_prompts_render_with_them(c
     part = blocks.part("train")
     first = tok.decode(part.blocks[0][part.mask[0].astype(bool)])
     assert first.index('"name": "add"') < first.index("<|im_start|>user") and "Use the tools." in first
-    with pytest.raises(UserError, match=r"^--tools: 24 prompts are longer than --max-prompt-length 8, and cutting "):
+    with pytest.raises(UserError, match=r"^24 prompts with the tools' schemas \(--tools, --environment\) are longer "
+                                        r"than --max-prompt-length 8, and cutting "):
         build_prompt_blocks(load_from_disk(str(tmp_path / "ds")), tok, GRPOConfig(max_prompt_length=8),
                             "26 Jul 2024", 0.0, 0, tok.eos_token_id, tools.schemas)
 

@@ -176,9 +176,9 @@ def build_prompt_blocks(ds, tokenizer, g: GRPOConfig, chat_date: str, val_fracti
         counts["prefilled"] += prefilled(row)  # of the prompts kept: the ones the run continues
     counts["kept"] = len(kept)
     if tools and counts["cut"]:  # the template renders the tools first: a cut from the left takes them away
-        raise UserError(f"--tools: {counts['cut']:,} prompts are longer than --max-prompt-length "
-                        f"{g.max_prompt_length}, and cutting them from the left would cut the tools the template puts "
-                        "first; raise --max-prompt-length, or pass --long-prompts drop")
+        raise UserError(f"{counts['cut']:,} prompts with the tools' schemas (--tools, --environment) are longer than "
+                        f"--max-prompt-length {g.max_prompt_length}, and cutting them from the left would cut the "
+                        "tools the template puts first; raise --max-prompt-length, or pass --long-prompts drop")
     if not kept:
         raise UserError(f"no prompt is left of {len(prompts)}: {counts['dropped']} longer than --max-prompt-length "
                         f"{g.max_prompt_length} (raise it or use --long-prompts cut), {counts['empty']} empty")
