@@ -244,7 +244,8 @@ def test_an_environment_gives_each_rollout_an_instance_whose_methods_are_tools_a
     results = tools.run_all([(Call("lookup", {"key": "a"}), tools.table(a)), (Call("lookup", {"key": "b"}),
                                                                               tools.table(b))])
     assert [r.content for r in results] == ["17", "42"] and (a.asked, b.asked) == (["a"], ["b"])
-    rewards = Rewards(f"{path}:seen", environment=env)  # no --reward needed where the environment scores
+    assert Rewards("", environment=env).names == ["Keys"]  # no --reward needed where the environment scores
+    rewards = Rewards(f"{path}:seen", environment=env)
     assert rewards.names == ["seen", "Keys"] and rewards.identity[1].endswith(f":Keys:1.0:{env.identity}")
     _, per = rewards.score([question] * 2, [[{"role": "assistant", "content": ""}]] * 2, [[1], [1]],
                            [{"key": "a"}, {"key": "a"}], environments=[a, b])

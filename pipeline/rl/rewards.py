@@ -57,6 +57,10 @@ class Rewards:
         if not self.specs and not rewarded:
             raise UserError("--objective grpo needs at least one --reward (FILE.py:FUNCTION[:WEIGHT] or a built-in: "
                             f"{', '.join(BUILT_IN)}), or an --environment whose class has get_reward()")
+        loaded = [load(spec, chat_date) for spec in self.specs]
+        if rewarded:  # TRL's: a reward of its own, weight 1, named by the class
+            self.specs.append(RewardSpec(environment.name, 1.0, environment.path))
+            loaded.append((environment.reward_function(), environment.identity))
         if not any(s.weight for s in self.specs):
             raise UserError(f"every --reward has weight 0 ({', '.join(named(s) for s in self.specs)}): every "
                             "completion would get reward 0 and advantage 0, so nothing would train; give at least "
@@ -66,10 +70,6 @@ class Rewards:
         self.columns: list[str] = []
         """Every column of the run's prompt rows (check_columns): each function gets them all, None where a row
         has none, as TRL passes a dataset's columns."""
-        loaded = [load(spec, chat_date) for spec in self.specs]
-        if rewarded:  # TRL's: a reward of its own, weight 1, named by the class
-            self.specs.append(RewardSpec(environment.name, 1.0, environment.path))
-            loaded.append((environment.reward_function(), environment.identity))
         self.functions = [fn for fn, _ in loaded]
         self.identity = [spec.identity(digest) for spec, (_, digest) in zip(self.specs, loaded, strict=True)]
         """What the run's fingerprint holds: a reward changed on resume is refused in one line."""
