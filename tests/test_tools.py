@@ -457,7 +457,8 @@ def test_grpo_with_tools_runs_episodes_of_tool_turns_on_two_ranks(chatml_model, 
                                                                   tmp_path):
     """The taught model under GRPO with --tools under fsdp2 on 2 ranks (each forward a collective: the ranks agree
     on every tool turn): its completions call the tool, read its answer and end; the episodes' figures are logged
-    under TRL's names and ours, and the samples show whole episodes. A preemption while a tool runs stops every rank
+    under TRL's names and ours, and the samples show whole episodes; ddp, generating over its own replica, takes the
+    same first step. A preemption while a tool runs stops every rank
     at once, in one line. The preflight refusals of --tools, each one line."""
     from pipeline.prep.corpus import CorpusConfig, build_dataset
 
@@ -480,14 +481,23 @@ def test_grpo_with_tools_runs_episodes_of_tool_turns_on_two_ranks(chatml_model, 
         "--max-tool-calling-iterations and --tool-timeout are for --tools or --environment"]
     common = ["--save-dir", tmp_path / "runs", "--config", ROOT / "configs" / "demo.yaml", "--log-freq", 1,
               "--eval-freq", 0, "--ckpt-freq", 0]
-    proc = torchrun(2, ROOT / "fsdp1.py", "-e", "agent", "-d", taught / "prompts-ds", "-m",
-                    taught / "runs" / "sft" / "hf", *common, "--objective", "grpo", "--strategy", "fsdp2",
-                    "--num-generations", 2, "-b", 2, "--max-completion-length", 256, "--max-steps", 2,
-                    "--reward", f"{taught / 'rewards.py'}:right", "--tools", f"{tool_file}:lookup",
-                    env=train_env["env"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    train = events(tmp_path / "runs" / "agent", "train")
+    def agent(name: str, strategy: str, steps: int) -> list[dict]:
+        proc = torchrun(2, ROOT / "fsdp1.py", "-e", name, "-d", taught / "prompts-ds", "-m",
+                        taught / "runs" / "sft" / "hf", *common, "--objective", "grpo", "--strategy", strategy,
+                        "--num-generations", 2, "-b", 2, "--max-completion-length", 256, "--max-steps", steps,
+                        "--reward", f"{taught / 'rewards.py'}:right", "--tools", f"{tool_file}:lookup",
+                        env=train_env["env"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return events(tmp_path / "runs" / name, "train")
+
+    train = agent("agent", "fsdp2", 2)
     assert len(train) == 2
+    # ddp generates over its own replica (no collective: each rank's episodes end on their own); its first step is
+    # fsdp2's, where every rank agrees on each turn: the same episodes, rewards and loss
+    (first,) = agent("ddp", "ddp", 1)
+    keys = ("loss", "reward", "tools/call_frequency", "episodes/mean_turns", "episodes/mean_length")
+    assert [first[k] for k in keys] == [train[0][k] for k in keys]
+    assert first["grad_norm"] == pytest.approx(train[0]["grad_norm"], rel=1e-5)
     for e in train:
         # sampled at temperature 1, a call now and then names another tool or argument: answered, counted
         assert e["tools/call_frequency"] >= 0.5 and 0 <= e["tools/failure_frequency"] < 0.5
@@ -635,7 +645,7 @@ from pipeline.rl.generation import Sampling
 from pipeline.rl.tool_calls import Tagged
 from pipeline.rl.tools import Tools
 
-model_dir, tool_file, out, collective = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+model_dir, tool_file, out = sys.argv[1], sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 tok = AutoTokenizer.from_pretrained(model_dir)
@@ -655,10 +665,13 @@ prompt = ids(tok.apply_chat_template([{"role": "user", "content": "What is store
 # rank 0's first turn calls the tool, rank 1's answers: rank 1 has no episode to continue
 first = '<tool_call>\\n{"name": "lookup", "arguments": {"key": "a"}}\\n</tool_call><|im_end|>' if rank == 0 \\
     else "17<|im_end|>"
-(e,) = turns.continue_all(Head(model, False, 1), [prompt], [ids(first)], Sampling(256),
-                          torch.Generator().manual_seed(rank), collective, torch.device("cpu"))
-json.dump({"ids": e.ids, "turns": e.turns, "calls": e.calls, "generated_rows": rows},
-          open(f"{out}-{rank}.json", "w"))
+found = {}
+for mode, collective in (("together", True), ("alone", False)):  # every rank steps together, then each on its own
+    rows.clear()
+    (e,) = turns.continue_all(Head(model, False, 1), [prompt], [ids(first)], Sampling(256),
+                              torch.Generator().manual_seed(rank), collective, torch.device("cpu"))
+    found[mode] = {"ids": e.ids, "turns": e.turns, "calls": e.calls, "generated_rows": list(rows)}
+json.dump(found, open(f"{out}-{rank}.json", "w"))
 dist.destroy_process_group()
 '''
 
@@ -669,11 +682,10 @@ def test_a_rank_with_no_episode_to_continue_steps_with_the_others_and_changes_no
     generates one row it drops (every rank steps the same forwards), and rank 0's episode is the one it makes
     alone, token for token."""
     (tmp_path / "ranks.py").write_text(RANKS)
-    for collective, out in (("1", tmp_path / "together"), ("0", tmp_path / "alone")):
-        proc = torchrun(2, tmp_path / "ranks.py", chatml_model, tool_file, out, collective, env=train_env["env"])
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    together = [json.loads((tmp_path / f"together-{r}.json").read_text()) for r in range(2)]
-    alone = [json.loads((tmp_path / f"alone-{r}.json").read_text()) for r in range(2)]
+    proc = torchrun(2, tmp_path / "ranks.py", chatml_model, tool_file, tmp_path / "found", env=train_env["env"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = [json.loads((tmp_path / f"found-{r}.json").read_text()) for r in range(2)]
+    together, alone = [f["together"] for f in found], [f["alone"] for f in found]
     assert [(r["turns"], r["calls"], r["generated_rows"]) for r in together] == [(2, 1, [1]), (1, 0, [1])]
     assert [(r["turns"], r["generated_rows"]) for r in alone] == [(2, [1]), (1, [])]
     assert together[0]["ids"] == alone[0]["ids"] and together[1]["ids"] == alone[1]["ids"]
