@@ -97,6 +97,9 @@ def test_the_models_calls_parse_and_run_and_every_failure_is_its_answer(tool_fil
     assert reader.parse("no call at all") == reader.parse("") and not reader.parse("plain").calls
     drafted = '<think>maybe <tool_call>{"name": "lookup", "arguments": {"key": "b"}}</tool_call></think>'
     assert reader.parse(drafted + text).calls == parsed.calls  # a call drafted while reasoning is not made
+    opened = '<|im_start|>assistant\n<think>\n'  # a generation prompt that opens the reasoning: the turn starts in it
+    assert reader.parse(drafted[len("<think>"):] + text, opened).calls == parsed.calls
+    assert not reader.parse('<tool_call>{"name": "lookup", "arguments": {"key": "b"}}</tool_call>', opened).calls
     assert reader.parse("<tool_call>{name: lookup}</tool_call>").error.startswith("the tool call is not JSON")
     assert reader.parse('<tool_call>{"name": "lookup"').error == "a <tool_call> tag is not closed by </tool_call>"
     assert reader.parse('<tool_call>["lookup"]</tool_call>').error.startswith("a tool call must be a JSON object")
@@ -246,7 +249,7 @@ def test_an_environment_gives_each_rollout_an_instance_whose_methods_are_tools_a
     assert [r.content for r in results] == ["17", "42"] and (a.asked, b.asked) == (["a"], ["b"])
     assert Rewards("", environment=env).names == ["Keys"]  # no --reward needed where the environment scores
     rewards = Rewards(f"{path}:seen", environment=env)
-    assert rewards.names == ["seen", "Keys"] and rewards.identity[1].endswith(f":Keys:1.0:{env.identity}")
+    assert rewards.names == ["seen", "Keys"] and rewards.identity[1] == f"Keys:1.0:{env.identity}"
     _, per = rewards.score([question] * 2, [[{"role": "assistant", "content": ""}]] * 2, [[1], [1]],
                            [{"key": "a"}, {"key": "a"}], environments=[a, b])
     assert per.tolist() == [[1.0, 1.0], [1.0, 0.0]]  # seen got the instances; b looked up the wrong key
@@ -700,6 +703,7 @@ class Slots:
         Slots.made += 1
 
     def reset(self, **row):
+        self.keys = sorted(row)
         return f" slot {self.slot}"
 
 
@@ -729,18 +733,22 @@ def test_observations_that_differ_within_a_group_each_reach_their_rollout(tiny_m
     env = Environment(f"{tmp_path / 'slots.py'}:Slots", 5)  # its probe instance is slot 0
     tok = AutoTokenizer.from_pretrained(tiny_models["tied"])
     head = Head(AutoModelForCausalLM.from_pretrained(tiny_models["tied"], dtype=torch.float32).eval(), False, 1)
-    rows = [PromptRow("Count to 3:", {})]
-    ids = torch.tensor([tokenized(tok, rows[0], "")])
-    batch = Batch(ids, torch.full_like(ids, -100), None, torch.ones_like(ids), rows=np.array([0]))
+    rows = [PromptRow("Count to 3:", {"answer": "3"})]
+    ids = torch.tensor([tokenized(tok, rows[0], "")] * 2)
+    # the second prompt a padding row (a validation batch's last): no instance, no reset, its ids as they are
+    batch = Batch(ids, torch.full_like(ids, -100), None, torch.ones_like(ids), rows=np.array([0, -1]))
 
-    def roller(limit: int) -> Roller:
-        observed = functools.partial(observed_ids, tok, chat_date="", tools=None, limit=limit)
-        return Roller(head, rows, Rewards(f"{tmp_path / 'slots.py'}:slot"), tok, {tok.eos_token_id},
-                      tok.eos_token_id, collective=False, environment=env, observed=observed)
+    def roller(limit: int, cut: bool = False) -> Roller:
+        observed = functools.partial(observed_ids, tok, chat_date="", tools=None, limit=limit, cut=cut)
+        rewards = Rewards(f"{tmp_path / 'slots.py'}:slot")
+        rewards.check_columns({"answer": 1, "source": 0}, 1, "prompts")  # every column reaches reset(), as TRL's
+        return Roller(head, rows, rewards, tok, {tok.eos_token_id}, tok.eos_token_id, collective=False,
+                      environment=env, observed=observed)
 
     r = roller(64).roll(batch, 3, Sampling(6, greedy=True), None)
-    assert r.prompts == ["Count to 3: slot 0", "Count to 3: slot 1", "Count to 3: slot 2"]
-    assert r.rewards.tolist() == [0.0, 1.0, 2.0]  # each completion scored with its own instance
+    assert r.prompts == ["Count to 3: slot 0", "Count to 3: slot 1", "Count to 3: slot 2", *["Count to 3:"] * 3]
+    assert len(env.pool) == 3 and env.pool[0].keys == ["answer", "prompt", "source"]
+    assert r.rewards[:3].tolist() == [0.0, 1.0, 2.0]  # each completion scored with its own instance
     shown = [tok.decode(row[keep.bool()].tolist()) for row, keep in zip(r.prompt_ids, r.prompt_mask, strict=True)]
     assert shown == r.prompts
     for i, prompt in enumerate(r.prompts):  # each generated after its own prompt, as it is alone
@@ -751,3 +759,5 @@ def test_observations_that_differ_within_a_group_each_reach_their_rollout(tiny_m
     with pytest.raises(UserError, match=r"^--environment: the observation reset\(\) returned makes the prompt \d+ "
                                         r"tokens, above --max-prompt-length 4 \(prompt 'Count to 3: slot 0'\)"):
         roller(4).roll(batch, 3, Sampling(4), torch.Generator().manual_seed(0))
+    cut = roller(4, cut=True).roll(batch, 3, Sampling(4), torch.Generator().manual_seed(0))  # no tools to lose
+    assert cut.prompt_mask[:3].sum(1).tolist() == [4, 4, 4]

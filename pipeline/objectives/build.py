@@ -75,13 +75,15 @@ def make_grpo(cfg: Config, head: Head, blocks: PromptBlocks, rewards: Rewards, t
     if cfg.grpo.grpo_beta and cfg.model.adapter != "none":
         reference = KLReference(head, functools.partial(adapters_disabled, head.model))
     turns = None
-    if tools and tools.schemas:
-        reader = call_reader(tokenizer, cfg.data.chat_date, tools.schemas, cfg.model.model_name)
+    schemas = tools.schemas if tools else []
+    if schemas:
+        reader = call_reader(tokenizer, cfg.data.chat_date, schemas, cfg.model.model_name,
+                             "--tools" if cfg.grpo.tools else "--environment")
         turns = Turns(tools, reader, tokenizer, cfg.data.chat_date, cfg.grpo.max_tool_calling_iterations, stops,
                       pad_id)
     environment = tools.environment if tools else None
-    observed = functools.partial(observed_ids, tokenizer, chat_date=cfg.data.chat_date,
-                                 tools=tools.schemas if tools else None, limit=cfg.grpo.max_prompt_length)
+    observed = functools.partial(observed_ids, tokenizer, chat_date=cfg.data.chat_date, tools=schemas or None,
+                                 limit=cfg.grpo.max_prompt_length, cut=cfg.grpo.long_prompts == "cut" and not schemas)
     roller = Roller(replica or head, blocks.prompts, rewards, tokenizer, stops, pad_id, collective=replica is None,
                     turns=turns, environment=environment, observed=observed)
     config = model_config(head.model)

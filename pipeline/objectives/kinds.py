@@ -213,7 +213,8 @@ class Online(Kind):
 
     def figures(self, cfg: Config, result: HeldOut) -> dict:
         """Greedy completions' rewards, as the run's validation."""
-        return {"objective": cfg.objective.objective, "reward_functions": cfg.grpo.reward, "prompts": result.tokens,
+        rewards = ", ".join(filter(None, [cfg.grpo.reward, cfg.grpo.environment]))  # its get_reward, if any
+        return {"objective": cfg.objective.objective, "reward_functions": rewards, "prompts": result.tokens,
                 "mean_reward": result.metrics["reward"], **result.metrics}
 
     def rows(self, report: dict, model: str, data: str) -> dict[str, str]:

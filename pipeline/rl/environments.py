@@ -36,7 +36,7 @@ class Environment:
                             "environment_factory)")
         path, name = Path(spec[:cut + 3]), spec[cut + 4:].strip()
         self.path = str(path)
-        module, digest = user_code.load_file(path, "environment", f"--environment {spec}")
+        module, digest = user_code.load_file(path, f"--environment {spec}")
         self.factory = getattr(module, name, None)
         if not callable(self.factory):
             raise UserError(f"--environment {spec}: {path} defines no class {name}")

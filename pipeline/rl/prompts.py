@@ -137,10 +137,14 @@ def with_observation(row: PromptRow, observation: str) -> PromptRow:
     return PromptRow([*row.prompt[:-1], {**last, "content": (last.get("content") or "") + observation}], row.columns)
 
 
-def observed_ids(tokenizer, row: PromptRow, chat_date: str, tools: list[dict] | None, limit: int) -> list[int]:
-    """The ids of a prompt an environment's observation lengthened: past --max-prompt-length is one line (cutting it
-    would cut the tools the template puts first, and the run's memory plan holds prompts of that length at most)."""
+def observed_ids(tokenizer, row: PromptRow, chat_date: str, tools: list[dict] | None, limit: int,
+                 cut: bool = False) -> list[int]:
+    """The ids of a prompt an environment's observation lengthened, at most --max-prompt-length (the run's memory
+    plan holds no longer prompt): cut from the left where cut (--long-prompts cut, no tools' schemas to lose), else
+    past it is one line (cutting would cut the tools the template puts first; a row cannot be dropped mid-batch)."""
     ids = tokenized(tokenizer, row, chat_date, tools)
+    if len(ids) > limit and cut:
+        return ids[-limit:]
     if len(ids) > limit:
         raise UserError(f"--environment: the observation reset() returned makes the prompt {len(ids):,} tokens, "
                         f"above --max-prompt-length {limit} (prompt {str(row.prompt)[-80:]!r}); raise "

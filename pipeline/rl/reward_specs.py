@@ -104,7 +104,7 @@ def load(spec: RewardSpec, chat_date: str) -> tuple[RewardFn, str]:
         return fn, fn.digest
     if not spec.path:
         return BUILT_IN[spec.name], "built-in"
-    module, digest = user_code.load_file(Path(spec.path), "reward", f"--reward {spec.path}")
+    module, digest = user_code.load_file(Path(spec.path), f"--reward {spec.path}")
     fn = getattr(module, spec.name, None)
     if not callable(fn):
         raise UserError(f"--reward {spec.path}:{spec.name}: the file defines no function {spec.name}")

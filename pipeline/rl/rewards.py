@@ -73,6 +73,8 @@ class Rewards:
         self.functions = [fn for fn, _ in loaded]
         self.identity = [spec.identity(digest) for spec, (_, digest) in zip(self.specs, loaded, strict=True)]
         """What the run's fingerprint holds: a reward changed on resume is refused in one line."""
+        if rewarded:  # the environment's file by its name, not its path: a rerun from another folder is the same
+            self.identity[-1] = f"{environment.name}:1.0:{environment.identity}"
         self.weights = torch.tensor([s.weight for s in self.specs], dtype=torch.float32)
         self.metrics: dict[str, list[float]] = {}
         """What the functions passed to log_metric since the last take_metrics()."""

@@ -87,10 +87,12 @@ class Roller:
         chosen = [self.prompts[r] if r >= 0 else self.prompts[0] for r in rows]
         instances, shared = None, group
         if self.environment is not None:
+            instances = [None] * len(rows)
             try:
-                instances, chosen, ids, mask, shared = self._reset(chosen, ids, mask, group)
-            except Stopped:  # a reset cut short: the generation below stops every rank alike, at its first step
-                instances = self.environment.instances(len(chosen))
+                instances = self._instances(rows)
+                chosen, ids, mask, shared = self._reset(instances, chosen, ids, mask, group)
+            except Stopped:  # the user's code cut short: the generation below stops every rank alike, at its first step
+                pass
         completion, cmask = generate(self.head, ids, mask, sampling, self.stops, self.pad_id, generator,
                                      self.collective, repeats=shared)
         lengths = cmask.sum(-1).tolist()  # a host sync per micro-batch: the texts are decoded on the CPU
@@ -137,20 +139,32 @@ class Roller:
             rollout.episodes = episode_counts(episodes)
         return rollout
 
-    def _reset(self, chosen: list[PromptRow], ids: torch.Tensor, mask: torch.Tensor, group: int
-               ) -> tuple[list, list[PromptRow], torch.Tensor, torch.Tensor, int]:
-        """Each rollout's environment instance reset with its prompt row (TRL's reset(**row): the columns and the
-        prompt), and the prompts its observations lengthened, tokenized again: (instances, rows, ids, mask, the
-        rollouts that share one prompt: the group where every instance observed alike, else 1)."""
-        instances = self.environment.instances(len(chosen))
-        seen = [self.environment.reset(env, {**row.columns, "prompt": row.prompt})
+    def _instances(self, rows: np.ndarray) -> list:
+        """An environment instance for each real prompt's rollout (the pool's, grown where it has too few); None for
+        a padding row's, which no reset() sees (its tools are --tools' alone)."""
+        real = np.flatnonzero(rows >= 0)
+        instances: list = [None] * len(rows)
+        for i, instance in zip(real, self.environment.instances(len(real)), strict=True):
+            instances[i] = instance
+        return instances
+
+    def _reset(self, instances: list, chosen: list[PromptRow], ids: torch.Tensor, mask: torch.Tensor, group: int
+               ) -> tuple[list[PromptRow], torch.Tensor, torch.Tensor, int]:
+        """Each rollout's instance reset with its prompt row (TRL's reset(**row): every column of the run's prompt
+        rows, None where this one has none, and the prompt), and the prompts its observations lengthened, tokenized
+        again (the others' ids as they were): (rows, ids, mask, the rollouts that share one prompt: the group where
+        every instance observed alike, else 1)."""
+        blank = dict.fromkeys(self.rewards.columns)
+        seen = [None if env is None else self.environment.reset(env, {**blank, **row.columns, "prompt": row.prompt})
                 for env, row in zip(instances, chosen, strict=True)]
         if all(o is None for o in seen):
-            return instances, chosen, ids, mask, group
+            return chosen, ids, mask, group
         chosen = [row if o is None else with_observation(row, o) for row, o in zip(chosen, seen, strict=True)]
-        ids, mask = padded([self.observed(row) for row in chosen], self.pad_id, ids.device, left=True)
+        kept = [[t for t, m in zip(r, k, strict=True) if m] for r, k in zip(ids.tolist(), mask.tolist(), strict=True)]
+        lists = [ids_ if o is None else self.observed(row) for ids_, row, o in zip(kept, chosen, seen, strict=True)]
+        ids, mask = padded(lists, self.pad_id, ids.device, left=True)
         alike = all(seen[i] == seen[i - i % group] for i in range(len(seen)))
-        return instances, chosen, ids, mask, group if alike else 1
+        return chosen, ids, mask, group if alike else 1
 
 
 def episode_counts(episodes: list[Episode]) -> dict[str, torch.Tensor]:

@@ -49,6 +49,13 @@ class CallReader(Protocol):
         the text the turn continues (the prompt and the episode's earlier turns)."""
 
 
+def _outside_thinking(turn: str, before: str) -> str:
+    """The turn's text outside its reasoning, counting a <think> the text before it left open (a template whose
+    generation prompt opens one: the turn starts inside it)."""
+    opened = before.rfind("<think>") > before.rfind("</think>")
+    return THINKING.sub("", ("<think>" if opened else "") + turn)
+
+
 def _call(obj: object, arguments_key: str) -> Call | str:
     """A call from a parsed JSON object, or why it is none."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -70,7 +77,7 @@ class Tagged:
     name = "<tool_call> JSON"
 
     def parse(self, turn: str, before: str = "") -> Parsed:
-        text = THINKING.sub("", turn)
+        text = _outside_thinking(turn, before)
         calls = []
         for body in CALL.findall(text):
             try:
@@ -92,7 +99,7 @@ class BareJson:
     name = "Llama 3's JSON"
 
     def parse(self, turn: str, before: str = "") -> Parsed:
-        text = THINKING.sub("", turn).strip()
+        text = _outside_thinking(turn, before).strip()
         tagged = text.startswith(PYTHON_TAG)
         text = text.removeprefix(PYTHON_TAG).lstrip()
         if not tagged and not re.match(r'\{\s*"name"', text):

@@ -48,7 +48,7 @@ class Tools:
             cut = spec.rfind(".py:")  # FILE.py:NAME,NAME (a path may hold ':' of its own)
             path, names = (spec[:cut + 3], spec[cut + 4:]) if cut >= 0 else (spec, "")
             path, names = Path(path), [n.strip() for n in names.split(",") if n.strip()]
-            module, digest = user_code.load_file(path, "tools", f"--tools {spec}")
+            module, digest = user_code.load_file(path, f"--tools {spec}")
             self.functions = self._chosen(module, names, path)
             # the file's name, not its path: a rerun from another folder names the same file otherwise
             self.identity = f"{path.name}:{','.join(self.functions)}:{digest}"
@@ -61,8 +61,9 @@ class Tools:
             for name in methods]
 
     def table(self, instance: object | None = None) -> dict[str, Callable]:
-        """The tools one rollout calls: --tools' functions and its environment instance's methods."""
-        methods = self.environment.methods if self.environment else []
+        """The tools one rollout calls: --tools' functions and its environment instance's methods (none without
+        one: a padding row's)."""
+        methods = self.environment.methods if self.environment and instance is not None else []
         return {**self.functions, **{name: getattr(instance, name) for name in methods}}
 
     def _chosen(self, module, names: list[str], path: Path) -> dict[str, Callable]:

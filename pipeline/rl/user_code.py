@@ -160,16 +160,17 @@ HELPERS: dict[str, list[Path]] = {}
 """The modules each user file's import brought in from its own folder (or below it), by its module name."""
 
 
-def load_file(path: Path, prefix: str, what: str) -> tuple[ModuleType, str]:
+def load_file(path: Path, what: str) -> tuple[ModuleType, str]:
     """The user's file (a reward, tools, an environment) imported once per process as a module named by its content
-    hash, and its identity: the SHA-256 of its content and of the modules its import brought in from its own folder
-    (an edited helper module beside the file changes it as an edit of the file does). what: its flag and file, which
-    every message names."""
+    hash (one file given to two flags, e.g. a TRL script holding its environment and its reward, is one module: its
+    state and classes shared), and its identity: the SHA-256 of its content and of the modules its import brought in
+    from its own folder (an edited helper module beside the file changes it as an edit of the file does). what: its
+    flag and file, which every message names."""
     try:
         source = path.read_bytes()
     except OSError as exc:
         raise UserError(f"{what}: the file cannot be read ({exc.strerror or exc})") from None
-    module_name = f"_{prefix}_{hashlib.sha256(source).hexdigest()[:16]}"
+    module_name = f"_user_{hashlib.sha256(source).hexdigest()[:16]}"
     module = sys.modules.get(module_name)
     if module is None:
         module, added = import_file(path, module_name, what)
