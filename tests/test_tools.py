@@ -761,3 +761,33 @@ def test_observations_that_differ_within_a_group_each_reach_their_rollout(tiny_m
         roller(4).roll(batch, 3, Sampling(4), torch.Generator().manual_seed(0))
     cut = roller(4, cut=True).roll(batch, 3, Sampling(4), torch.Generator().manual_seed(0))  # no tools to lose
     assert cut.prompt_mask[:3].sum(1).tolist() == [4, 4, 4]
+
+
+def test_an_episode_stops_after_max_tool_calling_iterations_or_at_its_length(chatml_model, tool_file):
+    """A policy that calls the tool in every turn (scripted: the loop's bounds are under test, not a model's
+    choice): --max-tool-calling-iterations 2 answers two turns' calls and ends the episode after the third turn, its
+    call unanswered; with no cap, the episode runs until --max-completion-length leaves no room for a result."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chatml_model)
+    tools, end = Tools(f"{tool_file}:lookup", 5), tok.convert_tokens_to_ids("<|im_end|>")
+    call = tok('<tool_call>{"name": "lookup", "arguments": {"key": "a"}}</tool_call><|im_end|>',
+               add_special_tokens=False)["input_ids"]
+
+    class Calling(Turns):
+        def _generate(self, head, inputs, rooms, sampling, generator, collective, device):
+            return [call[:room] for room in rooms]
+
+    prompt = tok(tok.apply_chat_template([{"role": "user", "content": "?"}], tools=tools.schemas, tokenize=False,
+                                         add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    for cap, limit in ((2, 4096), (0, 400)):
+        turns = Calling(tools, Tagged(), tok, "26 Jul 2024", cap, {end, tok.eos_token_id}, tok.eos_token_id)
+        (e,) = turns.continue_all(None, [prompt], [call], Sampling(limit), None, False, torch.device("cpu"))
+        roles = [m["role"] for m in e.messages]
+        assert roles == ["assistant", "tool"] * (e.turns - 1) + ["assistant"] and e.calls == e.turns - 1
+        assert len(e.ids) <= limit
+        if cap:
+            assert e.turns == cap + 1
+        else:  # no cap: as many turns as the length allows, each call of them but the last answered
+            suffix = len(e.ids) // e.turns
+            assert e.turns > 3 and len(e.ids) + suffix > limit - len(call)
