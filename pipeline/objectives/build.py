@@ -27,7 +27,6 @@ from pipeline.rl.packing import model_config
 from pipeline.rl.prompts import PromptBlocks, observed_ids
 from pipeline.rl.rewards import Rewards
 from pipeline.rl.rollout import Roller
-from pipeline.rl.tool_calls import call_reader
 from pipeline.rl.tools import Tools
 
 log = logging.getLogger("pipeline")
@@ -77,10 +76,8 @@ def make_grpo(cfg: Config, head: Head, blocks: PromptBlocks, rewards: Rewards, t
     turns = None
     schemas = tools.schemas if tools else []
     if schemas:
-        reader = call_reader(tokenizer, cfg.data.chat_date, schemas, cfg.model.model_name,
-                             "--tools" if cfg.grpo.tools else "--environment")
-        turns = Turns(tools, reader, tokenizer, cfg.data.chat_date, cfg.grpo.max_tool_calling_iterations, stops,
-                      pad_id)
+        turns = Turns(tools, tools.reader, tokenizer, cfg.data.chat_date, cfg.grpo.max_tool_calling_iterations,
+                      stops, pad_id)
     environment = tools.environment if tools else None
     observed = functools.partial(observed_ids, tokenizer, chat_date=cfg.data.chat_date, tools=schemas or None,
                                  limit=cfg.grpo.max_prompt_length, cut=cfg.grpo.long_prompts == "cut" and not schemas)

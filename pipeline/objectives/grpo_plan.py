@@ -106,7 +106,7 @@ def plan_tools(cfg: Config, tokenizer, data: list, environment: Environment | No
         raise UserError(f"{given}: the chat template of {cfg.model.model_name} renders no tools (a prompt reads the "
                         "same with them and without), so the model would never see them; use a template that does "
                         "(the model's Instruct version's, or --chat-template FILE.jinja)")
-    call_reader(tokenizer, date, tools.schemas, cfg.model.model_name, given)  # the calls read back as written
+    tools.reader = call_reader(tokenizer, date, tools.schemas, cfg.model.model_name, given)  # read as written
     return tools
 
 

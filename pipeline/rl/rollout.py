@@ -99,8 +99,7 @@ class Roller:
         token_lists = [c[:n] for c, n in zip(completion.tolist(), lengths, strict=True)]
         episodes = None
         if self.turns is not None:
-            starts = [[t for t, m in zip(r, k, strict=True) if m] for r, k in zip(ids.tolist(), mask.tolist(),
-                                                                                   strict=True)]
+            starts = _unpadded(ids, mask)
             episodes = self.turns.continue_all(self.head, starts, token_lists, sampling, generator, self.collective,
                                                completion.device, instances)
             token_lists = [e.ids for e in episodes]
@@ -160,11 +159,16 @@ class Roller:
         if all(o is None for o in seen):
             return chosen, ids, mask, group
         chosen = [row if o is None else with_observation(row, o) for row, o in zip(chosen, seen, strict=True)]
-        kept = [[t for t, m in zip(r, k, strict=True) if m] for r, k in zip(ids.tolist(), mask.tolist(), strict=True)]
-        lists = [ids_ if o is None else self.observed(row) for ids_, row, o in zip(kept, chosen, seen, strict=True)]
+        lists = [ids_ if o is None else self.observed(row)
+                 for ids_, row, o in zip(_unpadded(ids, mask), chosen, seen, strict=True)]
         ids, mask = padded(lists, self.pad_id, ids.device, left=True)
         alike = all(seen[i] == seen[i - i % group] for i in range(len(seen)))
         return chosen, ids, mask, group if alike else 1
+
+
+def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Each row's tokens where its mask is 1 (a host transfer of both)."""
+    return [[t for t, m in zip(r, k, strict=True) if m] for r, k in zip(ids.tolist(), mask.tolist(), strict=True)]
 
 
 def episode_counts(episodes: list[Episode]) -> dict[str, torch.Tensor]:

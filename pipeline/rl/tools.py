@@ -22,7 +22,7 @@ from pathlib import Path
 from pipeline.errors import UserError
 from pipeline.rl import user_code
 from pipeline.rl.environments import Environment
-from pipeline.rl.tool_calls import Call
+from pipeline.rl.tool_calls import Call, CallReader
 from pipeline.signals import SignalInUserCode, Stopped, StopRequest
 
 
@@ -44,6 +44,9 @@ class Tools:
         """The functions of --tools (none without it)."""
         self.identity = ""
         """--tools' file name, functions and content hash ("" without it): the run's fingerprint holds it."""
+        self.reader: CallReader | None = None
+        """How the model's calls are read back: chosen once, by preflight (grpo_plan.plan_tools), where there are
+        tools to call."""
         if spec:
             cut = spec.rfind(".py:")  # FILE.py:NAME,NAME (a path may hold ':' of its own)
             path, names = (spec[:cut + 3], spec[cut + 4:]) if cut >= 0 else (spec, "")
